@@ -1,0 +1,59 @@
+#pragma once
+// Autograd for the grouped linear layer: one torch::autograd::Function whose forward and backward
+// call the grouped GEMM ops, plus the deferred weight-gradient step of delay_wgrad_compute.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <vector>
+
+namespace torchmoe::autograd {
+
+struct GroupedLinearConfig;
+
+// A weight-gradient GEMM that delay_wgrad_compute moved out of backward.
+struct DelayedWgrad {
+  at::Tensor input;        // [rows, in]
+  at::Tensor grad_output;  // [rows, out]
+  c10::intrusive_ptr<GroupedLinearConfig> config;
+};
+using WgradQueue = std::deque<DelayedWgrad>;  // FIFO: oldest backward first
+
+// Everything about one forward call that is not a differentiable tensor.
+struct GroupedLinearConfig : torch::CustomClassHolder {
+  std::vector<int64_t> m_splits;  // rows per group, on the host
+  // The weights (biases) were passed as one [G, out, in] ([G, out]) tensor instead of G tensors.
+  bool grouped_weight = false;
+  bool grouped_bias = false;
+  // fuse_wgrad_accumulation: weight gradients are added into these fp32 buffers (G × [out, in], or
+  // one [G, out, in] with grouped_weight) instead of being returned to autograd.
+  std::vector<at::Tensor> main_grads;
+  bool overwrite_main_grad = false;  // is_first_microbatch == true: the first micro-batch overwrites
+  // delay_wgrad_compute: backward queues its weight-gradient GEMM here instead of running it.
+  std::shared_ptr<WgradQueue> wgrad_queue;
+};
+
+class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunction> {
+ public:
+  // input [rows, in] (contiguous); weights G × [out, in] or one [G, out, in]; biases empty,
+  // G × [out] or one [G, out] (matching config.grouped_weight / grouped_bias). Returns [rows, out].
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input,
+                            at::TensorList weights, at::TensorList biases,
+                            const c10::intrusive_ptr<GroupedLinearConfig>& config);
+  // One gradient per input: d input, d weights..., d biases..., and none for the config.
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs);
+};
+
+// Split sizes from a 1-D integer tensor (any device) as the host vector the config holds.
+std::vector<int64_t> host_splits(const at::Tensor& m_splits);
+
+// Runs one deferred weight-gradient GEMM. Returns the weight gradients in the parameter layout
+// (G × [out, in], or one [G, out, in]); returns nothing when they went into config.main_grads.
+std::vector<at::Tensor> run_delayed_wgrad(const DelayedWgrad& work);
+
+}  // namespace torchmoe::autograd

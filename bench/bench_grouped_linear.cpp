@@ -1,0 +1,199 @@
+// GroupedLinear GEMM throughput on a GPU: fprop (y = x·Wᵀ), dgrad (dx = dy·W) and wgrad
+// (dW = dyᵀ·x) of an MoE expert fc1 layer, through torchmoe's ops, next to at::_grouped_mm and a
+// dense at::mm of the same FLOPs, measured in the same process. Prints a table, writes JSON.
+//
+//   bench_grouped_linear [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
+//
+// Shapes (E, hidden, ffn, topk, tokens); fc1 is N = 2·ffn, K = hidden, M = tokens·topk rows.
+// Splits are "uniform" (M/E each) or "skewed" (expert load ~ Dirichlet(0.3)); every split is a
+// multiple of 8 so at::_grouped_mm's wgrad accepts it (it asserts on the device otherwise).
+
+#include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <torchmoe/ops/grouped_gemm.h>
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <iomanip>
+#include <iostream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct Shape {
+  std::string name;
+  int64_t experts, hidden, ffn, topk, tokens;
+};
+
+const std::vector<Shape> kShapes = {
+    {"mixtral", 8, 4096, 14336, 2, 8192},
+    {"deepseek-v3-ep8", 32, 7168, 2048, 8, 8192},
+    {"qwen3-30b-a3b", 128, 2048, 768, 8, 8192},
+    {"olmoe", 64, 2048, 1024, 8, 8192},
+};
+
+std::vector<int64_t> make_splits(int64_t experts, int64_t rows, bool skewed, uint64_t seed) {
+  std::vector<int64_t> splits(experts, rows / experts);
+  if (skewed) {
+    std::mt19937_64 rng(seed);
+    std::gamma_distribution<double> gamma(0.3, 1.0);
+    std::vector<double> load(experts);
+    double total = 0;
+    for (double& l : load) total += (l = gamma(rng));
+    int64_t used = 0;
+    for (int64_t e = 0; e < experts; ++e) {
+      splits[e] = static_cast<int64_t>(load[e] / total * rows / 8) * 8;
+      used += splits[e];
+    }
+    *std::max_element(splits.begin(), splits.end()) += rows - used;
+  } else {
+    splits.back() += rows - rows / experts * experts;
+  }
+  return splits;
+}
+
+// Median time in ms of `fn` over `iters` runs after `warmup`, each bracketed by CUDA events.
+double median_ms(const std::function<void()>& fn, int warmup, int iters) {
+  for (int i = 0; i < warmup; ++i) fn();
+  std::vector<double> times;
+  for (int i = 0; i < iters; ++i) {
+    at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
+    start.record();
+    fn();
+    stop.record();
+    stop.synchronize();
+    times.push_back(start.elapsed_time(stop));
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+struct Record {
+  std::string shape, splits, gemm;
+  int64_t m, n, k, experts;
+  double ours, grouped_mm, dense;  // TFLOP/s
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string json_path = "bench_grouped_linear.json";
+  int iters = 20, warmup = 3;
+  std::vector<std::string> wanted;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (i + 1 >= argc) {
+      std::cerr << "error: " << flag << " needs a value\n";
+      return 2;
+    }
+    const std::string value = argv[++i];
+    if (flag == "--json") {
+      json_path = value;
+    } else if (flag == "--iters") {
+      iters = std::stoi(value);
+    } else if (flag == "--warmup") {
+      warmup = std::stoi(value);
+    } else if (flag == "--shapes") {
+      std::stringstream s(value);
+      for (std::string item; std::getline(s, item, ',');) wanted.push_back(item);
+    } else {
+      std::cerr << "error: unknown flag " << flag << "\n";
+      return 2;
+    }
+  }
+  if (!torch::cuda::is_available()) {
+    std::cerr << "bench_grouped_linear: no CUDA device; nothing to measure\n";
+    return 1;
+  }
+  const char* streams = std::getenv("TORCHMOE_CUBLASLT_STREAMS");
+  std::cout << "device: " << at::cuda::getCurrentDeviceProperties()->name
+            << ", bf16, cuBLASLt streams: " << (streams ? streams : "4 (default)") << "\n";
+  std::cout << std::left << std::setw(17) << "shape" << std::setw(8) << "splits" << std::setw(7)
+            << "gemm" << std::right << std::setw(10) << "torchmoe" << std::setw(12) << "grouped_mm"
+            << std::setw(8) << "ratio" << std::setw(10) << "dense" << "   (TFLOP/s)\n";
+
+  std::vector<Record> records;
+  const auto bf16 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+  for (const Shape& shape : kShapes) {
+    if (!wanted.empty() && std::find(wanted.begin(), wanted.end(), shape.name) == wanted.end()) {
+      continue;
+    }
+    const int64_t m = shape.tokens * shape.topk, n = 2 * shape.ffn, k = shape.hidden;
+    torch::manual_seed(0);
+    const torch::Tensor x = torch::randn({m, k}, bf16);
+    const torch::Tensor dy = torch::randn({m, n}, bf16);
+    const torch::Tensor w = torch::randn({shape.experts, n, k}, bf16) * 0.02;
+    const torch::Tensor dw = torch::empty({shape.experts, n, k}, bf16);
+    const std::vector<torch::Tensor> w_views = w.unbind(0), dw_views = dw.unbind(0);
+    const torch::Tensor w0t = w[0].t();
+    const double flops = 2.0 * m * n * k;
+    for (const bool skewed : {false, true}) {
+      const std::vector<int64_t> splits = make_splits(shape.experts, m, skewed, 42);
+      const torch::Tensor offs =
+          torch::tensor(splits, torch::kInt32).cumsum(0).to(torch::kInt32).to(torch::kCUDA);
+      const std::string split_name = skewed ? "skewed" : "uniform";
+
+      // One correctness look per case: our fprop against at::_grouped_mm.
+      const torch::Tensor ours_y = torchmoe::ops::grouped_linear_forward(x, splits, w_views, {});
+      const torch::Tensor ref_y = at::_grouped_mm(x, w.transpose(1, 2), offs);
+      const double rel = ((ours_y.to(torch::kFloat32) - ref_y.to(torch::kFloat32)).norm() /
+                          ref_y.to(torch::kFloat32).norm())
+                             .item<double>();
+      if (!(rel < 1e-2)) {
+        std::cerr << "bench_grouped_linear: " << shape.name << " " << split_name
+                  << " fprop disagrees with at::_grouped_mm (relative error " << rel << ")\n";
+        return 1;
+      }
+
+      const double dense_ms = median_ms([&] { at::mm(x, w0t); }, warmup, iters);
+      struct Gemm {
+        const char* name;
+        std::function<void()> ours, grouped_mm;
+      };
+      const std::vector<Gemm> gemms = {
+          {"fprop", [&] { torchmoe::ops::grouped_linear_forward(x, splits, w_views, {}); },
+           [&] { at::_grouped_mm(x, w.transpose(1, 2), offs); }},
+          {"dgrad", [&] { torchmoe::ops::grouped_linear_dgrad(dy, splits, w_views); },
+           [&] { at::_grouped_mm(dy, w, offs); }},
+          {"wgrad",
+           [&] { torchmoe::ops::grouped_linear_wgrad(x, dy, splits, dw_views, false, {}); },
+           [&] { at::_grouped_mm(dy.t(), x, offs); }},
+      };
+      for (const Gemm& gemm : gemms) {
+        const double ours_ms = median_ms(gemm.ours, warmup, iters);
+        const double peer_ms = median_ms(gemm.grouped_mm, warmup, iters);
+        Record r{shape.name, split_name, gemm.name, m, n, k, shape.experts,
+                 flops / ours_ms * 1e-9, flops / peer_ms * 1e-9, flops / dense_ms * 1e-9};
+        records.push_back(r);
+        std::cout << std::left << std::setw(17) << r.shape << std::setw(8) << r.splits
+                  << std::setw(7) << r.gemm << std::right << std::fixed << std::setprecision(1)
+                  << std::setw(10) << r.ours << std::setw(12) << r.grouped_mm
+                  << std::setprecision(3) << std::setw(8) << r.ours / r.grouped_mm
+                  << std::setprecision(1) << std::setw(10) << r.dense << "\n";
+      }
+    }
+  }
+
+  std::ofstream json(json_path);
+  json << "{\n  \"device\": \"" << at::cuda::getCurrentDeviceProperties()->name
+       << "\",\n  \"dtype\": \"bfloat16\",\n  \"cublaslt_streams\": \""
+       << (streams ? streams : "4") << "\",\n  \"unit\": \"TFLOP/s\",\n  \"results\": [\n";
+  for (size_t i = 0; i < records.size(); ++i) {
+    const Record& r = records[i];
+    json << "    {\"shape\": \"" << r.shape << "\", \"splits\": \"" << r.splits
+         << "\", \"gemm\": \"" << r.gemm << "\", \"experts\": " << r.experts << ", \"m\": " << r.m
+         << ", \"n\": " << r.n << ", \"k\": " << r.k << ", \"torchmoe\": " << r.ours
+         << ", \"grouped_mm\": " << r.grouped_mm << ", \"dense_mm\": " << r.dense << "}"
+         << (i + 1 < records.size() ? "," : "") << "\n";
+  }
+  json << "  ]\n}\n";
+  std::cout << "wrote " << json_path << "\n";
+  return 0;
+}

@@ -1,0 +1,74 @@
+#pragma once
+// Per-group cuBLASLt GEMMs for the three products of a grouped linear layer.
+//
+// Kernel layer: raw pointers, sizes and streams only. Validation, allocation and the choice of this
+// backend happen in ops/grouped_gemm.cpp.
+//
+// Row-major shapes, group g holding `rows` rows (any value, including 0):
+//
+//   kFprop  y[rows,n]  = x[rows,k] · W[n,k]ᵀ (+ bias[n])          cuBLAS TN
+//   kDgrad  dx[rows,k] = dy[rows,n] · W[n,k]                        cuBLAS NN
+//   kWgrad  dW[n,k]    = dy[rows,n]ᵀ · x[rows,k]   (+= dW)           cuBLAS NT
+//           db[n]      = Σ_rows dy                  (optional, fused as the BGRADB epilogue)
+//
+// cuBLAS is column-major, so every row-major matrix is passed as its transpose; the "TN/NN/NT"
+// names above are the cuBLAS operations that result.
+
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace torchmoe::kernels {
+
+enum class ScalarType { kFloat32, kFloat16, kBFloat16 };
+
+enum class GemmKind { kFprop, kDgrad, kWgrad };
+
+// One group's operands. Which pointers a kind reads or writes:
+//   kFprop: input, weight -> output (y), bias (may be null)
+//   kDgrad: grad_output, weight -> output (dx)
+//   kWgrad: input, grad_output -> output (dW), bias_grad (may be null)
+// All matrices are dense row-major with the leading dimension equal to their width.
+struct GemmGroup {
+  int64_t rows = 0;
+  const void* input = nullptr;        // x  [rows, k]
+  const void* weight = nullptr;       // W  [n, k]
+  const void* grad_output = nullptr;  // dy [rows, n]
+  void* output = nullptr;
+  const void* bias = nullptr;         // [n], element type = input_type
+  void* bias_grad = nullptr;          // [n], element type = input_type
+};
+
+struct GroupedGemmParams {
+  GemmKind kind = GemmKind::kFprop;
+  int64_t n = 0;  // out_features
+  int64_t k = 0;  // in_features
+  ScalarType input_type = ScalarType::kFloat32;   // x, W, dy, bias
+  ScalarType output_type = ScalarType::kFloat32;  // y, dx, dW (fp32 for main-grad accumulation)
+  bool accumulate = false;   // kWgrad only: dW += result (beta = 1)
+  bool allow_tf32 = false;   // fp32 inputs: use TF32 tensor cores
+  std::vector<GemmGroup> groups;
+};
+
+// Where and with what the GEMMs run. Inputs must be ready on `stream`; outputs are ready on `stream`
+// when the call returns (side streams fork from and join back into it with events).
+struct CublasLtEnv {
+  cublasLtHandle_t handle = nullptr;
+  cudaStream_t stream = nullptr;
+  std::vector<cudaStream_t> side_streams;  // groups are spread round-robin over stream + these
+  void* workspace = nullptr;               // split evenly among the streams in use
+  size_t workspace_bytes = 0;
+};
+
+struct GroupedGemmResult {
+  // kWgrad with bias_grad pointers: true when every bias gradient was produced by the GEMM epilogue
+  // (or zero-filled for an empty group); false when the caller must reduce dy itself.
+  bool bias_grad_computed = false;
+};
+
+GroupedGemmResult run_grouped_gemm_cublaslt(const GroupedGemmParams& params, const CublasLtEnv& env);
+
+}  // namespace torchmoe::kernels

@@ -1,0 +1,275 @@
+#include "torchmoe/modules/grouped_linear.h"
+
+#include <torch/nn/init.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/utils.h>
+
+#include <cmath>
+#include <set>
+#include <utility>
+
+namespace torchmoe {
+namespace {
+
+constexpr const char* kModule = "GroupedLinear";
+
+}  // namespace
+
+GroupedLinearOptions::GroupedLinearOptions(int64_t num_gemms, int64_t in_features,
+                                           int64_t out_features)
+    : num_gemms_(num_gemms), in_features_(in_features), out_features_(out_features) {}
+
+GroupedLinearImpl::GroupedLinearImpl(GroupedLinearOptions options_) : options(std::move(options_)) {
+  reset();
+}
+
+void GroupedLinearImpl::reset() {
+  const auto& o = options;
+  TORCH_CHECK(o.num_gemms() > 0, kModule, ": num_gemms must be positive, got ", o.num_gemms());
+  TORCH_CHECK(o.in_features() > 0, kModule, ": in_features must be positive, got ",
+              o.in_features());
+  TORCH_CHECK(o.out_features() > 0, kModule, ": out_features must be positive, got ",
+              o.out_features());
+  TORCH_CHECK(o.tp_size() >= 1, kModule, ": tp_size must be at least 1, got ", o.tp_size());
+  TORCH_CHECK(at::isFloatingType(o.params_dtype()), kModule,
+              ": params_dtype must be a floating dtype, got ", o.params_dtype());
+  // As in TransformerEngine: a bias would need a reduction across tensor-parallel ranks.
+  TORCH_CHECK(!o.bias() || o.tp_size() == 1, kModule,
+              ": bias is not supported with tensor parallelism (tp_size=", o.tp_size(), ")");
+  in_features_per_partition = o.in_features();
+  out_features_per_partition = o.out_features();
+  if (o.parallel_mode() == ParallelMode::kRow) {
+    TORCH_CHECK(o.in_features() % o.tp_size() == 0, kModule, ": tp_size=", o.tp_size(),
+                " must divide in_features=", o.in_features(), " in row-parallel mode");
+    in_features_per_partition /= o.tp_size();
+  } else if (o.parallel_mode() == ParallelMode::kColumn) {
+    TORCH_CHECK(o.out_features() % o.tp_size() == 0, kModule, ": tp_size=", o.tp_size(),
+                " must divide out_features=", o.out_features(), " in column-parallel mode");
+    out_features_per_partition /= o.tp_size();
+  }
+
+  const int64_t groups = o.num_gemms(), out = out_features_per_partition,
+                in = in_features_per_partition;
+  const auto tensor_options = torch::TensorOptions().dtype(o.params_dtype()).device(o.device());
+  weight_params_.clear();
+  bias_params_.clear();
+  if (o.single_grouped_weight()) {
+    weight_params_.push_back(register_parameter("weight", torch::empty({groups, out, in}, tensor_options)));
+  } else {
+    for (int64_t g = 0; g < groups; ++g) {
+      weight_params_.push_back(register_parameter("weight" + std::to_string(g),
+                                                  torch::empty({out, in}, tensor_options)));
+    }
+  }
+  if (o.bias() && o.single_grouped_bias()) {
+    bias_params_.push_back(register_parameter("bias", torch::empty({groups, out}, tensor_options)));
+  } else if (o.bias()) {
+    for (int64_t g = 0; g < groups; ++g) {
+      bias_params_.push_back(
+          register_parameter("bias" + std::to_string(g), torch::empty({out}, tensor_options)));
+    }
+  }
+  main_grads_.clear();
+  if (o.fuse_wgrad_accumulation()) {
+    const auto fp32 = tensor_options.dtype(torch::kFloat32);
+    if (o.single_grouped_weight()) {
+      main_grads_.push_back(torch::zeros({groups, out, in}, fp32));
+    } else {
+      for (int64_t g = 0; g < groups; ++g) main_grads_.push_back(torch::zeros({out, in}, fp32));
+    }
+  }
+  wgrad_queue_ = std::make_shared<autograd::WgradQueue>();
+  reset_parameters();
+}
+
+void GroupedLinearImpl::reset_parameters() {
+  torch::NoGradGuard no_grad;
+  for (torch::Tensor weight : expert_weights()) {
+    if (options.init_method()) {
+      options.init_method()(weight);
+    } else {
+      torch::nn::init::kaiming_uniform_(weight, std::sqrt(5.0));
+    }
+  }
+  for (torch::Tensor& bias : bias_params_) bias.zero_();
+}
+
+void GroupedLinearImpl::pretty_print(std::ostream& stream) const {
+  stream << std::boolalpha << "torchmoe::GroupedLinear(num_gemms=" << options.num_gemms()
+         << ", in_features=" << options.in_features()
+         << ", out_features=" << options.out_features() << ", bias=" << options.bias() << ")";
+}
+
+std::vector<int64_t> SplitSizes::to_host() const {
+  return tensor_.defined() ? autograd::host_splits(tensor_) : host_;
+}
+
+torch::Tensor GroupedLinearImpl::forward(const torch::Tensor& input, const SplitSizes& splits,
+                                         std::optional<bool> is_first_microbatch) {
+  TORCH_CHECK(input.defined(), kModule, ": input must be a defined tensor");
+  TORCH_CHECK(input.dim() >= 1, kModule,
+              ": input must have at least 1 dimension [..., in_features], got a 0-d tensor");
+  TORCH_CHECK(input.size(-1) == in_features_per_partition, kModule,
+              ": input's last dimension must be in_features=", in_features_per_partition,
+              ", got input of shape ", input.sizes());
+  TORCH_CHECK(input.scalar_type() == options.params_dtype(), kModule,
+              ": input dtype must match params_dtype=", options.params_dtype(), ", got ",
+              input.scalar_type());
+  const torch::Device param_device = weight_params_.front().device();
+  TORCH_CHECK(input.device() == param_device, kModule,
+              ": input must be on the parameters' device ", param_device, ", got ",
+              input.device());
+  const std::vector<int64_t> m_splits = splits.to_host();
+  TORCH_CHECK(static_cast<int64_t>(m_splits.size()) == options.num_gemms(), kModule,
+              ": m_splits must have num_gemms=", options.num_gemms(), " entries, got ",
+              m_splits.size());
+
+  auto config = c10::make_intrusive<autograd::GroupedLinearConfig>();
+  config->m_splits = m_splits;
+  config->grouped_weight = options.single_grouped_weight();
+  config->grouped_bias = options.bias() && options.single_grouped_bias();
+  config->main_grads = main_grads_;
+  config->overwrite_main_grad = is_first_microbatch.value_or(false);
+  if (options.delay_wgrad_compute()) config->wgrad_queue = wgrad_queue_;
+
+  const torch::Tensor rows = input.reshape({-1, in_features_per_partition}).contiguous();
+  const torch::Tensor output =
+      autograd::GroupedLinearFunction::apply(rows, at::TensorList(weight_params_),
+                                             at::TensorList(bias_params_), config);
+  std::vector<int64_t> shape = input.sizes().vec();
+  shape.back() = out_features_per_partition;
+  return output.view(shape);
+}
+
+void GroupedLinearImpl::backward_dw() {
+  TORCH_CHECK(options.delay_wgrad_compute(), kModule,
+              "::backward_dw: delay_wgrad_compute is off, so backward already computed the weight "
+              "gradients");
+  TORCH_CHECK(!wgrad_queue_->empty(), kModule,
+              "::backward_dw: no weight-gradient computation is queued (run backward first)");
+  const autograd::DelayedWgrad work = std::move(wgrad_queue_->front());
+  wgrad_queue_->pop_front();
+  const std::vector<torch::Tensor> grads = autograd::run_delayed_wgrad(work);
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    // Accumulate exactly as autograd's AccumulateGrad would into .grad.
+    torch::Tensor& grad = weight_params_[i].mutable_grad();
+    if (grad.defined()) {
+      grad.add_(grads[i]);
+    } else {
+      grad = grads[i];
+    }
+  }
+}
+
+int64_t GroupedLinearImpl::pending_wgrad_count() const {
+  return static_cast<int64_t>(wgrad_queue_->size());
+}
+
+std::vector<torch::Tensor> GroupedLinearImpl::main_grads() const { return main_grads_; }
+
+void GroupedLinearImpl::set_main_grads(std::vector<torch::Tensor> buffers) {
+  TORCH_CHECK(options.fuse_wgrad_accumulation(), kModule,
+              "::set_main_grads: fuse_wgrad_accumulation is off, so main-grad buffers are unused");
+  TORCH_CHECK(buffers.size() == main_grads_.size(), kModule, "::set_main_grads: expected ",
+              main_grads_.size(), " buffer(s), got ", buffers.size());
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    const torch::Tensor& b = buffers[i];
+    TORCH_CHECK(b.defined(), kModule, "::set_main_grads: buffer ", i, " is undefined");
+    TORCH_CHECK(b.sizes() == main_grads_[i].sizes(), kModule, "::set_main_grads: buffer ", i,
+                " must have shape ", main_grads_[i].sizes(), ", got ", b.sizes());
+    TORCH_CHECK(b.scalar_type() == torch::kFloat32, kModule, "::set_main_grads: buffer ", i,
+                " must be float32, got ", b.scalar_type());
+    TORCH_CHECK(b.device() == main_grads_[i].device(), kModule, "::set_main_grads: buffer ", i,
+                " must be on ", main_grads_[i].device(), ", got ", b.device());
+    TORCH_CHECK(b.is_contiguous(), kModule, "::set_main_grads: buffer ", i,
+                " must be contiguous");
+  }
+  main_grads_ = std::move(buffers);
+}
+
+std::vector<torch::Tensor> GroupedLinearImpl::expert_weights() const {
+  if (options.single_grouped_weight()) return weight_params_.front().unbind(0);
+  return weight_params_;
+}
+
+std::vector<torch::Tensor> GroupedLinearImpl::expert_biases() const {
+  if (options.bias() && options.single_grouped_bias()) return bias_params_.front().unbind(0);
+  return bias_params_;
+}
+
+TensorParallelAttributes GroupedLinearImpl::tensor_parallel_attributes(
+    const std::string& parameter_name) const {
+  TORCH_CHECK(named_parameters(/*recurse=*/false).contains(parameter_name), kModule,
+              ": no parameter named '", parameter_name, "'");
+  const bool row = options.parallel_mode() == ParallelMode::kRow;
+  if (parameter_name.rfind("weight", 0) == 0) {
+    // Weights are [out, in] (or [G, out, in]): row mode splits `in`, column mode (and, as in
+    // TransformerEngine, no mode) the `out` dimension.
+    const int64_t lead = options.single_grouped_weight() ? 1 : 0;
+    return {true, lead + (row ? 1 : 0), 1};
+  }
+  if (options.parallel_mode() == ParallelMode::kColumn) {
+    return {true, options.single_grouped_bias() ? 1 : 0, 1};
+  }
+  return {};
+}
+
+void GroupedLinearImpl::load_state_dict(
+    const std::unordered_map<std::string, torch::Tensor>& state_dict) {
+  const int64_t groups = options.num_gemms();
+  std::set<std::string> used;
+  // Collects the per-expert tensors of `name` from either layout.
+  auto experts = [&](const std::string& name) {
+    std::vector<torch::Tensor> tensors;
+    if (auto it = state_dict.find(name); it != state_dict.end()) {
+      TORCH_CHECK(it->second.dim() >= 1 && it->second.size(0) == groups, kModule,
+                  "::load_state_dict: '", name, "' must have num_gemms=", groups,
+                  " as its first dimension, got shape ", it->second.sizes());
+      used.insert(name);
+      return it->second.unbind(0);
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      const std::string key = name + std::to_string(g);
+      auto it = state_dict.find(key);
+      TORCH_CHECK(it != state_dict.end(), kModule, "::load_state_dict: missing '", key,
+                  "' (or a stacked '", name, "')");
+      used.insert(key);
+      tensors.push_back(it->second);
+    }
+    return tensors;
+  };
+  const std::vector<torch::Tensor> weights = experts("weight");
+  const std::vector<torch::Tensor> biases =
+      options.bias() ? experts("bias") : std::vector<torch::Tensor>{};
+  for (const auto& [key, value] : state_dict) {
+    TORCH_CHECK(used.count(key), kModule, "::load_state_dict: unexpected key '", key, "'");
+  }
+  torch::NoGradGuard no_grad;
+  auto copy_all = [&](std::vector<torch::Tensor> targets, const std::vector<torch::Tensor>& sources,
+                      const char* name) {
+    for (size_t g = 0; g < targets.size(); ++g) {
+      TORCH_CHECK(sources[g].sizes() == targets[g].sizes(), kModule, "::load_state_dict: ", name,
+                  " of expert ", g, " must have shape ", targets[g].sizes(), ", got ",
+                  sources[g].sizes());
+      targets[g].copy_(sources[g]);
+    }
+  };
+  copy_all(expert_weights(), weights, "weight");
+  copy_all(expert_biases(), biases, "bias");
+}
+
+void GroupedLinearImpl::load(torch::serialize::InputArchive& archive) {
+  std::unordered_map<std::string, torch::Tensor> state;
+  auto try_read = [&](const std::string& key) {
+    torch::Tensor value;
+    if (archive.try_read(key, value)) state.emplace(key, value);
+  };
+  for (const std::string name : {"weight", "bias"}) {
+    try_read(name);
+    for (int64_t g = 0; g < options.num_gemms(); ++g) try_read(name + std::to_string(g));
+  }
+  load_state_dict(state);
+}
+
+}  // namespace torchmoe

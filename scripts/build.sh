@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Installs what is missing (Debian packages, LibTorch from the torch==2.11.0 wheel in .venv), then
+# configures and builds torchmoe into build/. Safe to re-run: every step is skipped when done.
+#
+# Environment: TORCHMOE_BUILD_DIR (default build), TORCHMOE_JOBS (default: all cores).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+build_dir=${TORCHMOE_BUILD_DIR:-build}
+torch_version=2.11.0
+
+# ---- system packages ------------------------------------------------------------------------
+packages=(cmake ninja-build ccache g++ catch2)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "== installing Debian packages: ${missing[*]}"
+  sudo_cmd=(); [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
+  "${sudo_cmd[@]}" apt-get update -q
+  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -q "${missing[@]}"
+fi
+if [ ! -x /usr/local/cuda/bin/nvcc ] && ! command -v nvcc >/dev/null; then
+  echo "error: the CUDA 13 toolkit (nvcc, cuBLASLt) is required in /usr/local/cuda" >&2
+  exit 1
+fi
+export PATH=/usr/local/cuda/bin:$PATH
+
+# ---- LibTorch (the torch wheel's C++ distribution) ------------------------------------------
+has_torch() { "$1" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$torch_version')" 2>/dev/null; }
+if has_torch "$root/.venv/bin/python"; then
+  python=$root/.venv/bin/python
+elif has_torch python3; then
+  python=$(command -v python3)
+else
+  echo "== installing torch==$torch_version into .venv (a few GB, once)"
+  # Python's own venv module, or the virtualenv package where the interpreter lacks one.
+  python3 -m venv "$root/.venv" 2>/dev/null || {
+    python3 -m pip install -q virtualenv && python3 -m virtualenv -q "$root/.venv"; }
+  "$root/.venv/bin/python" -m pip install -q --upgrade pip
+  "$root/.venv/bin/python" -m pip install -q "torch==$torch_version"
+  python=$root/.venv/bin/python
+fi
+torch_cmake=$("$python" -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>/dev/null)
+
+# ---- configure + build ----------------------------------------------------------------------
+if [ ! -f "$build_dir/build.ninja" ]; then
+  cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_PREFIX_PATH="$torch_cmake" ${TORCHMOE_CMAKE_ARGS:-}
+fi
+cmake --build "$build_dir" -j "${TORCHMOE_JOBS:-$(nproc)}"

@@ -1,0 +1,51 @@
+// GroupedLinearFunction used directly: one gradient per input, only for inputs that require one.
+
+#include <torchmoe/autograd/grouped_linear_function.h>
+
+#include "test_utils.h"
+
+using namespace torchmoe::test;
+using torchmoe::autograd::GroupedLinearConfig;
+using torchmoe::autograd::GroupedLinearFunction;
+using Catch::Matchers::Contains;
+
+TEST_CASE("GroupedLinearFunction computes only the gradients that are needed", "[autograd]") {
+  torch::manual_seed(9);
+  const bool input_grad = GENERATE(false, true);
+  const bool weight_grad = GENERATE(false, true);
+  const bool bias_grad = GENERATE(false, true);
+  if (!input_grad && !weight_grad && !bias_grad) return;  // nothing to differentiate
+  INFO("input_grad=" << input_grad << " weight_grad=" << weight_grad << " bias_grad=" << bias_grad);
+  auto config = c10::make_intrusive<GroupedLinearConfig>();
+  config->m_splits = {3, 0, 4};
+  const auto f64 = torch::kFloat64;
+  const torch::Tensor x = torch::randn({7, 5}, f64).requires_grad_(input_grad);
+  std::vector<torch::Tensor> w, b;
+  for (int g = 0; g < 3; ++g) {
+    w.push_back(torch::randn({2, 5}, f64).requires_grad_(weight_grad));
+    b.push_back(torch::randn({2}, f64).requires_grad_(bias_grad));
+  }
+  const torch::Tensor y = GroupedLinearFunction::apply(x, at::TensorList(w), at::TensorList(b), config);
+  const torch::Tensor dy = torch::randn({7, 2}, f64);
+  y.backward(dy);
+  const Reference ref = reference_grouped_linear(x, config->m_splits, w, b, dy);
+  check_close(y, ref.output, tolerance_for(f64), "output");
+  CHECK(x.grad().defined() == input_grad);
+  if (input_grad) check_close(x.grad(), ref.grad_input, tolerance_for(f64), "dx");
+  for (int g = 0; g < 3; ++g) {
+    CHECK(w[g].grad().defined() == weight_grad);
+    CHECK(b[g].grad().defined() == bias_grad);
+    if (weight_grad) check_close(w[g].grad(), ref.grad_weights[g], tolerance_for(f64), "dW");
+    if (bias_grad) check_close(b[g].grad(), ref.grad_biases[g], tolerance_for(f64), "db");
+  }
+}
+
+TEST_CASE("GroupedLinearFunction validates its layout arguments", "[autograd][errors]") {
+  auto config = c10::make_intrusive<GroupedLinearConfig>();
+  config->m_splits = {1, 1};
+  config->grouped_weight = true;
+  const torch::Tensor x = torch::randn({2, 3});
+  std::vector<torch::Tensor> w = {torch::randn({2, 3}), torch::randn({2, 3})};
+  REQUIRE_THROWS_WITH(GroupedLinearFunction::apply(x, at::TensorList(w), at::TensorList(), config),
+                      Contains("weights must be one 3-D tensor when grouped, got 2 tensor(s)"));
+}

@@ -1,0 +1,84 @@
+// GroupedLinear on CUDA (cuBLASLt backend) against the float64 reference: TE's accuracy matrix at
+// TE's shape, edge shapes, and CUDA-specific inputs. Every case skips visibly without a GPU.
+
+#include "modules/grouped_linear_case.h"
+
+using torchmoe::GroupedLinear;
+using torchmoe::GroupedLinearOptions;
+using namespace torchmoe::test;
+using Catch::Matchers::Contains;
+
+namespace {
+
+// TF32 off, as TE's fp32 tolerance assumes (and as PyTorch defaults).
+struct NoTF32 {
+  bool saved = at::globalContext().allowTF32CuBLAS();
+  NoTF32() { at::globalContext().setAllowTF32CuBLAS(false); }
+  ~NoTF32() { at::globalContext().setAllowTF32CuBLAS(saved); }
+};
+
+}  // namespace
+
+TEST_CASE("GroupedLinear CUDA accuracy matrix at TE's shape", "[modules][grouped_linear][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const NoTF32 no_tf32;
+  // Axes (port of TE's test_grouped_linear_accuracy): dtype × num_gemms × bias × fuse × delay ×
+  // parameter layout; input (2048, 768) -> 3072, random splits with one forced zero.
+  const auto dtype = GENERATE(torch::kFloat32, torch::kFloat16, torch::kBFloat16);
+  const int64_t groups = GENERATE(1, 3, 6);
+  const bool bias = GENERATE(false, true);
+  const bool fuse = GENERATE(false, true);
+  const bool delay = GENERATE(false, true);
+  const int layout = GENERATE(0, 1, 2);  // discrete, single weight, single weight + single bias
+  ModuleCase c;
+  c.dtype = dtype;
+  c.device = torch::kCUDA;
+  c.in = 768;
+  c.out = 3072;
+  c.splits = random_splits(groups, 2048, groups > 1 ? 1 : -1, 100 + groups);
+  c.bias = bias;
+  c.fuse = fuse;
+  c.delay = delay;
+  c.single_weight = layout > 0;
+  c.single_bias = layout == 2;
+  run_module_case(c);
+}
+
+TEST_CASE("GroupedLinear CUDA edge shapes", "[modules][grouped_linear][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const NoTF32 no_tf32;
+  ModuleCase c;
+  c.device = torch::kCUDA;
+  c.dtype = GENERATE(torch::kFloat32, torch::kBFloat16);
+  c.fuse = GENERATE(false, true);
+  c.in = 768;
+  c.out = 3072;
+  SECTION("batch size 2 (4096 rows), six experts") {
+    c.splits = random_splits(6, 4096, 2, 21);
+  }
+  SECTION("all splits zero") { c.splits = {0, 0, 0}; }
+  SECTION("odd split sizes 1, 7, 127") { c.splits = {1, 7, 127}; }
+  SECTION("one expert holds every row") { c.splits = {0, 0, 333, 0}; }
+  SECTION("3-D input") {
+    c.splits = {100, 0, 28};
+    c.lead_shape = std::vector<int64_t>{2, 64};
+  }
+  SECTION("m_splits as a CUDA int tensor") {
+    c.splits = {64, 31, 0, 33};
+    c.splits_as_tensor = true;
+  }
+  SECTION("unaligned feature sizes (in 100, out 36) and odd rows") {
+    c.in = 100;
+    c.out = 36;
+    c.splits = {13, 0, 7, 1};
+  }
+  SECTION("eight experts on several streams") { c.splits = random_splits(8, 3000, 5, 22); }
+  run_module_case(c);
+}
+
+TEST_CASE("GroupedLinear CUDA rejects CPU input", "[modules][grouped_linear][cuda][errors]") {
+  TORCHMOE_REQUIRE_CUDA();
+  GroupedLinear m(GroupedLinearOptions(2, 8, 4).device(torch::kCUDA));
+  REQUIRE_THROWS_WITH(m(torch::randn({3, 8}), std::vector<int64_t>{1, 2}),
+                      Contains("input must be on the parameters' device cuda:0, got cpu"));
+}

@@ -1,0 +1,125 @@
+#pragma once
+// Shared test helpers: an independent float64 reference for grouped linear (per-group at::linear
+// under autograd), dtype tolerances, comparisons that report where they fail, and the CUDA skip.
+
+#include <catch2/catch.hpp>
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace torchmoe::test {
+
+inline bool cuda_available() { return torch::cuda::is_available(); }
+
+// CUDA cases skip visibly; ctest turns this line into a "Skipped" result.
+#define TORCHMOE_REQUIRE_CUDA()                    \
+  do {                                             \
+    if (!::torchmoe::test::cuda_available()) {     \
+      WARN("SKIPPED: no CUDA device");             \
+      return;                                      \
+    }                                              \
+  } while (0)
+
+struct Tolerance {
+  double rtol;
+  double atol;
+};
+
+// TransformerEngine's grouped-linear tolerances against a float64 reference (fp32 with TF32 off).
+inline Tolerance tolerance_for(torch::Dtype dtype) {
+  switch (dtype) {
+    case torch::kFloat64:
+      return {1e-10, 1e-10};
+    case torch::kFloat32:
+      return {1.3e-6, 1e-5};
+    case torch::kFloat16:
+      return {1e-3, 1e-5};
+    case torch::kBFloat16:
+      return {1.6e-2, 1e-5};
+    default:
+      FAIL("no tolerance for dtype " << dtype);
+      return {0, 0};
+  }
+}
+
+// Elementwise |actual - expected| <= atol + rtol * |expected|, no NaN; reports the worst element.
+inline void check_close(const torch::Tensor& actual, const torch::Tensor& expected, Tolerance tol,
+                        const std::string& what) {
+  INFO(what);
+  REQUIRE(actual.defined());
+  REQUIRE(actual.sizes() == expected.sizes());
+  const torch::Tensor a = actual.detach().to(torch::kCPU, torch::kFloat64);
+  const torch::Tensor e = expected.detach().to(torch::kCPU, torch::kFloat64);
+  REQUIRE_FALSE(a.isnan().any().item<bool>());
+  if (a.numel() == 0) return;
+  const torch::Tensor excess = (a - e).abs() - (tol.atol + tol.rtol * e.abs());
+  const int64_t worst = excess.flatten().argmax().item<int64_t>();
+  const double worst_excess = excess.flatten()[worst].item<double>();
+  INFO("worst element " << worst << ": actual " << a.flatten()[worst].item<double>()
+                        << ", expected " << e.flatten()[worst].item<double>() << " (rtol "
+                        << tol.rtol << ", atol " << tol.atol << ")");
+  CHECK(worst_excess <= 0.0);
+}
+
+// Random split sizes summing to `rows`, with split `zero_at` forced empty (unless < 0).
+inline std::vector<int64_t> random_splits(int64_t groups, int64_t rows, int64_t zero_at,
+                                          uint64_t seed) {
+  std::vector<int64_t> splits(groups, 0);
+  const auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  std::vector<int64_t> eligible;
+  for (int64_t g = 0; g < groups; ++g) {
+    if (g != zero_at) eligible.push_back(g);
+  }
+  if (eligible.empty()) return splits;  // one group, forced empty: only valid when rows == 0
+  const torch::Tensor picks =
+      torch::randint(static_cast<int64_t>(eligible.size()), {rows}, gen, torch::kLong);
+  for (int64_t r = 0; r < rows; ++r) ++splits[eligible[picks[r].item<int64_t>()]];
+  return splits;
+}
+
+struct Reference {
+  torch::Tensor output, grad_input;
+  std::vector<torch::Tensor> grad_weights, grad_biases;
+};
+
+// float64 per-group at::linear, differentiated by autograd with upstream gradient grad_output.
+inline Reference reference_grouped_linear(const torch::Tensor& input,
+                                          const std::vector<int64_t>& splits,
+                                          const std::vector<torch::Tensor>& weights,
+                                          const std::vector<torch::Tensor>& biases,
+                                          const torch::Tensor& grad_output) {
+  torch::AutoGradMode enable(true);
+  const int64_t in = weights[0].size(1), out = weights[0].size(0);
+  auto leaf = [](const torch::Tensor& t) {
+    return t.detach().to(torch::kFloat64).requires_grad_(true);
+  };
+  const torch::Tensor x = leaf(input.reshape({-1, in}));
+  std::vector<torch::Tensor> w, b, pieces;
+  int64_t offset = 0;
+  for (size_t g = 0; g < weights.size(); ++g) {
+    w.push_back(leaf(weights[g]));
+    b.push_back(biases.empty() ? torch::Tensor() : leaf(biases[g]));
+    pieces.push_back(torch::linear(x.narrow(0, offset, splits[g]), w[g], b[g]));
+    offset += splits[g];
+  }
+  const torch::Tensor y = torch::cat(pieces, 0);
+  const torch::Tensor dy = grad_output.detach().to(torch::kFloat64).reshape({-1, out});
+  (y * dy).sum().backward();
+  Reference ref;
+  std::vector<int64_t> out_shape = input.sizes().vec();
+  out_shape.back() = out;
+  ref.output = y.detach().reshape(out_shape);
+  ref.grad_input = x.grad().reshape(input.sizes());
+  for (size_t g = 0; g < weights.size(); ++g) {
+    ref.grad_weights.push_back(w[g].grad().defined() ? w[g].grad() : torch::zeros_like(w[g]));
+    if (!biases.empty()) {
+      ref.grad_biases.push_back(b[g].grad().defined() ? b[g].grad() : torch::zeros_like(b[g]));
+    }
+  }
+  return ref;
+}
+
+}  // namespace torchmoe::test

@@ -1,0 +1,4 @@
+#pragma once
+// torchmoe: Mixture-of-Experts training layers for LibTorch. The one header a trainer includes.
+
+#include "torchmoe/modules/grouped_linear.h"
