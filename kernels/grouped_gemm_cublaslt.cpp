@@ -151,6 +151,13 @@ std::unique_ptr<Plan> make_plan(const PlanKey& key, const BlasProblem& p, const 
   set_pref(pref.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, uint32_t{key.align_b});
   set_pref(pref.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, uint32_t{key.align_d});
   set_pref(pref.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, uint32_t{key.align_d});
+  // Split-K kernels may add their partial sums in the output type (INPLACE, OUTPUT_TYPE schemes).
+  // For fp16/bf16 outputs that rounds mid-reduction (measured: ~1% error on dgrad/wgrad), so
+  // only fp32 reductions are allowed there: all math in fp32, one rounding at the store.
+  const uint32_t reductions = key.output_type == ScalarType::kFloat32
+                                  ? uint32_t{CUBLASLT_REDUCTION_SCHEME_MASK}
+                                  : uint32_t{CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE};
+  set_pref(pref.pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, reductions);
 
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
