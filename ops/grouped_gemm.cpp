@@ -297,6 +297,10 @@ void grouped_linear_wgrad(const at::Tensor& input, const at::Tensor& grad_output
   TORCH_CHECK(grad_type == input.scalar_type() || grad_type == at::kFloat, op,
               ": weight_grads_out must have the input's dtype ", input.scalar_type(),
               " or float32, got ", grad_type);
+  // Adding into a 16-bit buffer would round twice (cuBLASLt's beta = 1 epilogue was measured
+  // rounding the product before the add); accumulation is for fp32 main-grad buffers.
+  TORCH_CHECK(!accumulate || grad_type == at::kFloat || grad_type == at::kDouble, op,
+              ": accumulate requires float32 (or float64) weight_grads_out, got ", grad_type);
   for (size_t g = 0; g < weight_grads_out.size(); ++g) {
     const std::string name = "weight_grads_out[" + std::to_string(g) + "]";
     check_operand(op, name.c_str(), weight_grads_out[g], input, {n, k});

@@ -77,6 +77,12 @@ TEST_CASE("grouped GEMM ops reject bad operands", "[ops][errors]") {
   std::vector<torch::Tensor> dw = {torch::zeros({4, 6}, torch::kFloat16), torch::zeros({4, 6}, torch::kFloat16)};
   REQUIRE_THROWS_WITH(ops::grouped_linear_wgrad(x, torch::randn({5, 4}), splits, dw, false, {}),
                       Contains("weight_grads_out must have the input's dtype Float or float32, got Half"));
+  const std::vector<torch::Tensor> dw16 = {torch::zeros({4, 6}, torch::kBFloat16),
+                                           torch::zeros({4, 6}, torch::kBFloat16)};
+  REQUIRE_THROWS_WITH(ops::grouped_linear_wgrad(x.to(torch::kBFloat16),
+                                                torch::randn({5, 4}, torch::kBFloat16), splits,
+                                                dw16, true, {}),
+                      Contains("accumulate requires float32 (or float64) weight_grads_out, got BFloat16"));
 }
 
 TEST_CASE("grouped GEMM CPU forward and dgrad vs float64", "[ops]") {
@@ -113,7 +119,8 @@ TEST_CASE("grouped GEMM cuBLASLt wgrad into fp32 main-grad and bias grads", "[op
   const auto dtype = GENERATE(torch::kBFloat16, torch::kFloat16, torch::kFloat32);
   const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(dtype);
   // Same-dtype output fuses the bias gradient into the GEMM epilogue; fp32 output cannot.
-  const auto grad_dtype = GENERATE(true, false) ? dtype : torch::kFloat32;
+  // Accumulation is into fp32 main-grad only.
+  const auto grad_dtype = GENERATE(true, false) && !accumulate ? dtype : torch::kFloat32;
   check_wgrad(cuda, grad_dtype, accumulate, {64, 0, 17, 1, 300, 0, 7, 128}, 96, 40,
               tolerance_for(dtype));
 }
