@@ -19,14 +19,15 @@ std::vector<at::Tensor> per_group(at::TensorList params, bool grouped) {
 
 void check_layout(at::TensorList params, bool grouped, int64_t stacked_dim, const char* what) {
   if (!grouped) return;
-  TORCH_CHECK(params.size() == 1 && params[0].dim() == stacked_dim, "GroupedLinearFunction: ",
-              what, " must be one ", stacked_dim, "-D tensor when grouped, got ", params.size(),
+  TORCH_CHECK(params.size() == 1 && params[0].dim() == stacked_dim, "GroupedLinearFunction: ", what,
+              " must be one ", stacked_dim, "-D tensor when grouped, got ", params.size(),
               " tensor(s)", params.empty() ? "" : " of rank " + std::to_string(params[0].dim()));
 }
 
 // Writes weight gradients in the parameter layout; `accumulate` adds into the existing contents.
-void wgrad_into(const at::Tensor& input, const at::Tensor& grad_output, const GroupedLinearConfig& cfg,
-                at::TensorList weight_grads, bool accumulate, at::TensorList bias_grads) {
+void wgrad_into(const at::Tensor& input, const at::Tensor& grad_output,
+                const GroupedLinearConfig& cfg, at::TensorList weight_grads, bool accumulate,
+                at::TensorList bias_grads) {
   ops::grouped_linear_wgrad(input, grad_output, cfg.m_splits,
                             per_group(weight_grads, cfg.grouped_weight), accumulate,
                             per_group(bias_grads, cfg.grouped_bias));
@@ -67,8 +68,8 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
   const at::TensorList weights = at::TensorList(saved).slice(1);
   const auto num_weights = weights.size();
   const auto num_biases = static_cast<size_t>(ctx->saved_data["num_biases"].toInt());
-  const auto config =
-      c10::static_intrusive_pointer_cast<GroupedLinearConfig>(ctx->saved_data["config"].toCapsule());
+  const auto config = c10::static_intrusive_pointer_cast<GroupedLinearConfig>(
+      ctx->saved_data["config"].toCapsule());
   const GroupedLinearConfig& cfg = *config;
   const at::Tensor grad_output = grad_outputs[0].contiguous();
 
@@ -91,7 +92,8 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
     if (cfg.grouped_bias) {
       bias_grads.push_back(at::empty({groups, out}, grad_output.options()));
     } else {
-      for (int64_t g = 0; g < groups; ++g) bias_grads.push_back(at::empty({out}, grad_output.options()));
+      for (int64_t g = 0; g < groups; ++g)
+        bias_grads.push_back(at::empty({out}, grad_output.options()));
     }
   }
 
@@ -114,7 +116,9 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
   return grads;
 }
 
-std::vector<int64_t> host_splits(const at::Tensor& m_splits) { return ops::splits_to_host(m_splits); }
+std::vector<int64_t> host_splits(const at::Tensor& m_splits) {
+  return ops::splits_to_host(m_splits);
+}
 
 std::vector<at::Tensor> run_delayed_wgrad(const DelayedWgrad& work) {
   // Called from user code (backward_dw), where grad mode is on; like backward, this writes into

@@ -8,8 +8,8 @@
 // Splits are "uniform" (M/E each) or "skewed" (expert load ~ Dirichlet(0.3)); every split is a
 // multiple of 8 so at::_grouped_mm's wgrad accepts it (it asserts on the device otherwise).
 
-#include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
 #include <torchmoe/ops/grouped_gemm.h>
 
 #include <torch/torch.h>
@@ -117,7 +117,8 @@ int main(int argc, char** argv) {
             << ", bf16, cuBLASLt streams: " << (streams ? streams : "4 (default)") << "\n";
   std::cout << std::left << std::setw(17) << "shape" << std::setw(8) << "splits" << std::setw(7)
             << "gemm" << std::right << std::setw(10) << "torchmoe" << std::setw(12) << "grouped_mm"
-            << std::setw(8) << "ratio" << std::setw(10) << "dense" << "   (TFLOP/s)\n";
+            << std::setw(8) << "ratio" << std::setw(10) << "dense"
+            << "   (TFLOP/s)\n";
 
   std::vector<Record> records;
   const auto bf16 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
@@ -169,8 +170,16 @@ int main(int argc, char** argv) {
       for (const Gemm& gemm : gemms) {
         const double ours_ms = median_ms(gemm.ours, warmup, iters);
         const double peer_ms = median_ms(gemm.grouped_mm, warmup, iters);
-        Record r{shape.name, split_name, gemm.name, m, n, k, shape.experts,
-                 flops / ours_ms * 1e-9, flops / peer_ms * 1e-9, flops / dense_ms * 1e-9};
+        Record r{shape.name,
+                 split_name,
+                 gemm.name,
+                 m,
+                 n,
+                 k,
+                 shape.experts,
+                 flops / ours_ms * 1e-9,
+                 flops / peer_ms * 1e-9,
+                 flops / dense_ms * 1e-9};
         records.push_back(r);
         std::cout << std::left << std::setw(17) << r.shape << std::setw(8) << r.splits
                   << std::setw(7) << r.gemm << std::right << std::fixed << std::setprecision(1)
@@ -183,8 +192,8 @@ int main(int argc, char** argv) {
 
   std::ofstream json(json_path);
   json << "{\n  \"device\": \"" << at::cuda::getCurrentDeviceProperties()->name
-       << "\",\n  \"dtype\": \"bfloat16\",\n  \"cublaslt_streams\": \""
-       << (streams ? streams : "4") << "\",\n  \"unit\": \"TFLOP/s\",\n  \"results\": [\n";
+       << "\",\n  \"dtype\": \"bfloat16\",\n  \"cublaslt_streams\": \"" << (streams ? streams : "4")
+       << "\",\n  \"unit\": \"TFLOP/s\",\n  \"results\": [\n";
   for (size_t i = 0; i < records.size(); ++i) {
     const Record& r = records[i];
     json << "    {\"shape\": \"" << r.shape << "\", \"splits\": \"" << r.splits

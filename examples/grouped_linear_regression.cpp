@@ -1,6 +1,7 @@
-// Trains a GroupedLinear "student" to match a frozen random GroupedLinear "teacher" from a plain C++
-// loop: tokens are routed to experts at random each step, sorted by expert, and fed with m_splits.
-// Runs on CUDA when a GPU is present (bf16 parameters with fp32 main-grad accumulation), else CPU.
+// Trains a GroupedLinear "student" to match a frozen random GroupedLinear "teacher" from a plain
+// C++ loop: tokens are routed to experts at random each step, sorted by expert, and fed with
+// m_splits. Runs on CUDA when a GPU is present (bf16 parameters with fp32 main-grad accumulation),
+// else CPU.
 //
 //   grouped_linear_regression [--device auto|cpu|cuda] [--steps N] [--seed S]
 
@@ -37,7 +38,8 @@ Args parse(int argc, char** argv) {
     } else if (flag == "--seed") {
       args.seed = std::stoull(value());
     } else if (flag == "--help" || flag == "-h") {
-      std::cout << "usage: grouped_linear_regression [--device auto|cpu|cuda] [--steps N] [--seed S]\n";
+      std::cout
+          << "usage: grouped_linear_regression [--device auto|cpu|cuda] [--steps N] [--seed S]\n";
       std::exit(0);
     } else {
       throw std::invalid_argument("unknown flag " + flag);
@@ -75,9 +77,8 @@ int main(int argc, char** argv) {
   torchmoe::GroupedLinear teacher(torchmoe::GroupedLinearOptions(options).params_dtype(dtype));
   // fp32 master weights; the bf16 compute copy's weight gradients land in fp32 main-grad buffers.
   torchmoe::GroupedLinear master(options);
-  torchmoe::GroupedLinear student(torchmoe::GroupedLinearOptions(options)
-                                      .params_dtype(dtype)
-                                      .fuse_wgrad_accumulation(cuda));
+  torchmoe::GroupedLinear student(
+      torchmoe::GroupedLinearOptions(options).params_dtype(dtype).fuse_wgrad_accumulation(cuda));
   for (auto& p : teacher->parameters()) p.set_requires_grad(false);
   torch::optim::Adam optimizer(master->parameters(), torch::optim::AdamOptions(1e-2));
 
@@ -92,7 +93,8 @@ int main(int argc, char** argv) {
     const torch::Tensor counts = torch::bincount(expert, {}, experts);
     const std::vector<int64_t> m_splits(counts.data_ptr<int64_t>(),
                                         counts.data_ptr<int64_t>() + experts);
-    const torch::Tensor x = torch::randn({tokens, hidden}, torch::TensorOptions().device(device).dtype(dtype));
+    const torch::Tensor x =
+        torch::randn({tokens, hidden}, torch::TensorOptions().device(device).dtype(dtype));
     const torch::Tensor target = teacher(x, m_splits).detach();
 
     {  // copy the master weights into the compute copy
@@ -124,8 +126,8 @@ int main(int argc, char** argv) {
       const double seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       std::cout << "step " << std::setw(5) << step << "  loss " << std::scientific
-                << std::setprecision(3) << loss_value << std::defaultfloat << "  "
-                << std::fixed << std::setprecision(1) << (step * tokens / seconds) << " tokens/s\n"
+                << std::setprecision(3) << loss_value << std::defaultfloat << "  " << std::fixed
+                << std::setprecision(1) << (step * tokens / seconds) << " tokens/s\n"
                 << std::defaultfloat;
     }
   }

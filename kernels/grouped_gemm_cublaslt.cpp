@@ -68,7 +68,8 @@ struct PlanKey {
 
   auto fields() const {
     return std::make_tuple(kind, rows, n, k, input_type, output_type, accumulate, allow_tf32,
-                           epilogue, align_a, align_b, align_d, align_bias, workspace_bytes, device);
+                           epilogue, align_a, align_b, align_d, align_bias, workspace_bytes,
+                           device);
   }
   bool operator==(const PlanKey& other) const { return fields() == other.fields(); }
 };
@@ -235,8 +236,7 @@ GroupedGemmResult run_grouped_gemm_cublaslt(const GroupedGemmParams& params,
   bool fuse_bias_grad = wants_bias_grad && params.input_type == params.output_type;
   GroupedGemmResult result{fuse_bias_grad};
 
-  const size_t num_streams =
-      std::max<size_t>(1, std::min(env.side_streams.size() + 1, nonempty));
+  const size_t num_streams = std::max<size_t>(1, std::min(env.side_streams.size() + 1, nonempty));
   const size_t workspace_per_stream = (env.workspace_bytes / num_streams) / 256 * 256;
   auto stream_at = [&](size_t i) { return i == 0 ? env.stream : env.side_streams[i - 1]; };
 
@@ -256,7 +256,8 @@ GroupedGemmResult run_grouped_gemm_cublaslt(const GroupedGemmParams& params,
     if (g.rows == 0) {
       // fprop/dgrad own no rows of an empty group; wgrad owns dW_g and db_g, which are zero.
       if (is_wgrad && !params.accumulate) {
-        TORCHMOE_CUDA_CHECK(cudaMemsetAsync(g.output, 0, params.n * params.k * out_size, env.stream));
+        TORCHMOE_CUDA_CHECK(
+            cudaMemsetAsync(g.output, 0, params.n * params.k * out_size, env.stream));
       }
       if (fuse_bias_grad && g.bias_grad != nullptr) {
         TORCHMOE_CUDA_CHECK(cudaMemsetAsync(g.bias_grad, 0, params.n * in_size, env.stream));

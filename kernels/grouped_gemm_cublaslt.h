@@ -38,23 +38,23 @@ struct GemmGroup {
   const void* weight = nullptr;       // W  [n, k]
   const void* grad_output = nullptr;  // dy [rows, n]
   void* output = nullptr;
-  const void* bias = nullptr;         // [n], element type = input_type
-  void* bias_grad = nullptr;          // [n], element type = input_type
+  const void* bias = nullptr;  // [n], element type = input_type
+  void* bias_grad = nullptr;   // [n], element type = input_type
 };
 
 struct GroupedGemmParams {
   GemmKind kind = GemmKind::kFprop;
-  int64_t n = 0;  // out_features
-  int64_t k = 0;  // in_features
+  int64_t n = 0;                                  // out_features
+  int64_t k = 0;                                  // in_features
   ScalarType input_type = ScalarType::kFloat32;   // x, W, dy, bias
   ScalarType output_type = ScalarType::kFloat32;  // y, dx, dW (fp32 for main-grad accumulation)
-  bool accumulate = false;   // kWgrad only: dW += result (beta = 1)
-  bool allow_tf32 = false;   // fp32 inputs: use TF32 tensor cores
+  bool accumulate = false;                        // kWgrad only: dW += result (beta = 1)
+  bool allow_tf32 = false;                        // fp32 inputs: use TF32 tensor cores
   std::vector<GemmGroup> groups;
 };
 
-// Where and with what the GEMMs run. Inputs must be ready on `stream`; outputs are ready on `stream`
-// when the call returns (side streams fork from and join back into it with events).
+// Where and with what the GEMMs run. Inputs must be ready on `stream`; outputs are ready on
+// `stream` when the call returns (side streams fork from and join back into it with events).
 struct CublasLtEnv {
   cublasLtHandle_t handle = nullptr;
   cudaStream_t stream = nullptr;
@@ -69,6 +69,7 @@ struct GroupedGemmResult {
   bool bias_grad_computed = false;
 };
 
-GroupedGemmResult run_grouped_gemm_cublaslt(const GroupedGemmParams& params, const CublasLtEnv& env);
+GroupedGemmResult run_grouped_gemm_cublaslt(const GroupedGemmParams& params,
+                                            const CublasLtEnv& env);
 
 }  // namespace torchmoe::kernels

@@ -54,7 +54,8 @@ void GroupedLinearImpl::reset() {
   weight_params_.clear();
   bias_params_.clear();
   if (o.single_grouped_weight()) {
-    weight_params_.push_back(register_parameter("weight", torch::empty({groups, out, in}, tensor_options)));
+    weight_params_.push_back(
+        register_parameter("weight", torch::empty({groups, out, in}, tensor_options)));
   } else {
     for (int64_t g = 0; g < groups; ++g) {
       weight_params_.push_back(register_parameter("weight" + std::to_string(g),
@@ -96,8 +97,8 @@ void GroupedLinearImpl::reset_parameters() {
 
 void GroupedLinearImpl::pretty_print(std::ostream& stream) const {
   stream << std::boolalpha << "torchmoe::GroupedLinear(num_gemms=" << options.num_gemms()
-         << ", in_features=" << options.in_features()
-         << ", out_features=" << options.out_features() << ", bias=" << options.bias() << ")";
+         << ", in_features=" << options.in_features() << ", out_features=" << options.out_features()
+         << ", bias=" << options.bias() << ")";
 }
 
 std::vector<int64_t> SplitSizes::to_host() const {
@@ -116,9 +117,8 @@ torch::Tensor GroupedLinearImpl::forward(const torch::Tensor& input, const Split
               ": input dtype must match params_dtype=", options.params_dtype(), ", got ",
               input.scalar_type());
   const torch::Device param_device = weight_params_.front().device();
-  TORCH_CHECK(input.device() == param_device, kModule,
-              ": input must be on the parameters' device ", param_device, ", got ",
-              input.device());
+  TORCH_CHECK(input.device() == param_device, kModule, ": input must be on the parameters' device ",
+              param_device, ", got ", input.device());
   const std::vector<int64_t> m_splits = splits.to_host();
   TORCH_CHECK(static_cast<int64_t>(m_splits.size()) == options.num_gemms(), kModule,
               ": m_splits must have num_gemms=", options.num_gemms(), " entries, got ",
@@ -133,9 +133,8 @@ torch::Tensor GroupedLinearImpl::forward(const torch::Tensor& input, const Split
   if (options.delay_wgrad_compute()) config->wgrad_queue = wgrad_queue_;
 
   const torch::Tensor rows = input.reshape({-1, in_features_per_partition}).contiguous();
-  const torch::Tensor output =
-      autograd::GroupedLinearFunction::apply(rows, at::TensorList(weight_params_),
-                                             at::TensorList(bias_params_), config);
+  const torch::Tensor output = autograd::GroupedLinearFunction::apply(
+      rows, at::TensorList(weight_params_), at::TensorList(bias_params_), config);
   std::vector<int64_t> shape = input.sizes().vec();
   shape.back() = out_features_per_partition;
   return output.view(shape);
@@ -182,8 +181,7 @@ void GroupedLinearImpl::set_main_grads(std::vector<torch::Tensor> buffers) {
                 " must be float32, got ", b.scalar_type());
     TORCH_CHECK(b.device() == main_grads_[i].device(), kModule, "::set_main_grads: buffer ", i,
                 " must be on ", main_grads_[i].device(), ", got ", b.device());
-    TORCH_CHECK(b.is_contiguous(), kModule, "::set_main_grads: buffer ", i,
-                " must be contiguous");
+    TORCH_CHECK(b.is_contiguous(), kModule, "::set_main_grads: buffer ", i, " must be contiguous");
   }
   main_grads_ = std::move(buffers);
 }

@@ -64,8 +64,9 @@ std::pair<int64_t, int64_t> check_weights(const char* op, at::TensorList weights
 void check_vectors(const char* op, const char* what, at::TensorList vectors, size_t num_groups,
                    int64_t n, const at::Tensor& like) {
   if (vectors.empty()) return;
-  TORCH_CHECK(vectors.size() == num_groups, op, ": ", what, " must be empty or hold one tensor per ",
-              "group (", num_groups, "), got ", vectors.size());
+  TORCH_CHECK(vectors.size() == num_groups, op, ": ", what,
+              " must be empty or hold one tensor per ", "group (", num_groups, "), got ",
+              vectors.size());
   for (size_t g = 0; g < vectors.size(); ++g) {
     const std::string name = std::string(what) + "[" + std::to_string(g) + "]";
     check_operand(op, name.c_str(), vectors[g], like, {n});
@@ -122,8 +123,8 @@ kernels::GroupedGemmResult run_cublaslt(const at::Tensor& like, kernels::Grouped
   // cuBLASLt's Hopper kernels want up to 32 MiB each; older GPUs need far less.
   const size_t per_stream =
       at::cuda::getCurrentDeviceProperties()->major >= 9 ? (32u << 20) : (4u << 20);
-  const at::Tensor workspace = at::empty({static_cast<int64_t>(per_stream * num_streams)},
-                                         like.options().dtype(at::kByte));
+  const at::Tensor workspace =
+      at::empty({static_cast<int64_t>(per_stream * num_streams)}, like.options().dtype(at::kByte));
   env.workspace = workspace.data_ptr();
   env.workspace_bytes = per_stream * num_streams;
   return kernels::run_grouped_gemm_cublaslt(params, env);
@@ -142,8 +143,7 @@ void* mutable_rows_at(at::Tensor& t, int64_t row) {
 GemmBackend select_backend(const at::Tensor& operand) {
   const at::ScalarType dtype = operand.scalar_type();
   if (operand.is_cpu() && at::isFloatingType(dtype)) return GemmBackend::kReference;
-  if (operand.is_cuda() &&
-      (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16)) {
+  if (operand.is_cuda() && (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16)) {
     return GemmBackend::kCublasLt;
   }
   TORCH_CHECK_NOT_IMPLEMENTED(false, "torchmoe grouped GEMM: no backend for ", operand.device(),
@@ -304,22 +304,25 @@ void grouped_linear_wgrad(const at::Tensor& input, const at::Tensor& grad_output
   for (size_t g = 0; g < weight_grads_out.size(); ++g) {
     const std::string name = "weight_grads_out[" + std::to_string(g) + "]";
     check_operand(op, name.c_str(), weight_grads_out[g], input, {n, k});
-    TORCH_CHECK(weight_grads_out[g].scalar_type() == grad_type, op, ": ", name,
-                " must have dtype ", grad_type, " like weight_grads_out[0], got ",
-                weight_grads_out[g].scalar_type());
+    TORCH_CHECK(weight_grads_out[g].scalar_type() == grad_type, op, ": ", name, " must have dtype ",
+                grad_type, " like weight_grads_out[0], got ", weight_grads_out[g].scalar_type());
   }
   check_vectors(op, "bias_grads_out", bias_grads_out, weight_grads_out.size(), n, input);
   check_splits(op, m_splits, weight_grads_out.size(), input.size(0));
 
   switch (select_backend(input)) {
     case GemmBackend::kReference: {
+      // Multiply in the wider of the operand and buffer types, so that fp32 main-grad receives
+      // one rounding, as on the GPU.
+      const at::ScalarType compute_type = at::promote_types(input.scalar_type(), grad_type);
       int64_t offset = 0;
       for (size_t g = 0; g < weight_grads_out.size(); ++g) {
         const int64_t rows = m_splits[g];
         at::Tensor out_g = weight_grads_out[g];
         if (rows > 0 || !accumulate) {
-          const at::Tensor product = at::mm(grad_output.narrow(0, offset, rows).t(),
-                                            input.narrow(0, offset, rows));
+          const at::Tensor product =
+              at::mm(grad_output.narrow(0, offset, rows).t().to(compute_type),
+                     input.narrow(0, offset, rows).to(compute_type));
           accumulate ? out_g.add_(product) : out_g.copy_(product);
         }
         offset += rows;

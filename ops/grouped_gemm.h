@@ -40,7 +40,8 @@ at::Tensor grouped_linear_dgrad(const at::Tensor& grad_output, c10::IntArrayRef 
 //   weight_grads_out: G tensors [out, in] of the input's dtype or float32; overwritten, or added to
 //   when `accumulate` (fp32/fp64 buffers only; an empty group then leaves its buffer untouched,
 //   else zero-fills it).
-//   bias_grads_out: empty or G tensors [out] of the input's dtype, always overwritten with Σ_rows dy_g.
+//   bias_grads_out: empty or G tensors [out] of the input's dtype, always overwritten with Σ_rows
+//   dy_g.
 void grouped_linear_wgrad(const at::Tensor& input, const at::Tensor& grad_output,
                           c10::IntArrayRef m_splits, at::TensorList weight_grads_out,
                           bool accumulate, at::TensorList bias_grads_out);

@@ -2,8 +2,8 @@
 // Shared test helpers: an independent float64 reference for grouped linear (per-group at::linear
 // under autograd), dtype tolerances, comparisons that report where they fail, and the CUDA skip.
 
-#include <catch2/catch.hpp>
 #include <torch/torch.h>
+#include <catch2/catch.hpp>
 
 #include <cstdint>
 #include <sstream>
@@ -15,12 +15,12 @@ namespace torchmoe::test {
 inline bool cuda_available() { return torch::cuda::is_available(); }
 
 // CUDA cases skip visibly; ctest turns this line into a "Skipped" result.
-#define TORCHMOE_REQUIRE_CUDA()                    \
-  do {                                             \
-    if (!::torchmoe::test::cuda_available()) {     \
-      WARN("SKIPPED: no CUDA device");             \
-      return;                                      \
-    }                                              \
+#define TORCHMOE_REQUIRE_CUDA()                \
+  do {                                         \
+    if (!::torchmoe::test::cuda_available()) { \
+      WARN("SKIPPED: no CUDA device");         \
+      return;                                  \
+    }                                          \
   } while (0)
 
 struct Tolerance {

@@ -5,9 +5,9 @@
 #include "test_utils.h"
 
 using namespace torchmoe::test;
+using Catch::Matchers::Contains;
 using torchmoe::autograd::GroupedLinearConfig;
 using torchmoe::autograd::GroupedLinearFunction;
-using Catch::Matchers::Contains;
 
 TEST_CASE("GroupedLinearFunction computes only the gradients that are needed", "[autograd]") {
   torch::manual_seed(9);
@@ -25,7 +25,8 @@ TEST_CASE("GroupedLinearFunction computes only the gradients that are needed", "
     w.push_back(torch::randn({2, 5}, f64).requires_grad_(weight_grad));
     b.push_back(torch::randn({2}, f64).requires_grad_(bias_grad));
   }
-  const torch::Tensor y = GroupedLinearFunction::apply(x, at::TensorList(w), at::TensorList(b), config);
+  const torch::Tensor y =
+      GroupedLinearFunction::apply(x, at::TensorList(w), at::TensorList(b), config);
   const torch::Tensor dy = torch::randn({7, 2}, f64);
   y.backward(dy);
   const Reference ref = reference_grouped_linear(x, config->m_splits, w, b, dy);

@@ -15,8 +15,9 @@ struct ModuleCase {
   torch::Dtype dtype = torch::kFloat32;
   torch::Device device = torch::kCPU;
   int64_t in = 48, out = 80;
-  std::vector<int64_t> splits;       // one per expert
-  std::optional<std::vector<int64_t>> lead_shape;  // input shape without the features; default {rows}
+  std::vector<int64_t> splits;  // one per expert
+  std::optional<std::vector<int64_t>>
+      lead_shape;  // input shape without the features; default {rows}
   bool bias = true, fuse = false, delay = false, single_weight = false, single_bias = false;
   std::optional<bool> is_first_microbatch;
   bool splits_as_tensor = false;

@@ -38,8 +38,8 @@ TEST_CASE("GroupedLinear CPU accuracy matrix vs float64 reference", "[modules][g
   const bool bias = GENERATE(false, true);
   const bool fuse = GENERATE(false, true);
   const bool delay = GENERATE(false, true);
-  const auto layout = GENERATE(Layout::kDiscrete, Layout::kSingleWeight,
-                               Layout::kSingleWeightAndBias);
+  const auto layout =
+      GENERATE(Layout::kDiscrete, Layout::kSingleWeight, Layout::kSingleWeightAndBias);
   run_module_case(matrix_case(dtype, groups, bias, fuse, delay, layout, 192, 7 + groups));
 }
 
@@ -86,8 +86,8 @@ TEST_CASE("GroupedLinear fused main-grad: first micro-batch overwrites, later on
   c.dtype = torch::kFloat32;
   c.splits = {10, 0, 22};
   c.fuse = true;
-  c.is_first_microbatch = GENERATE(std::optional<bool>{}, std::optional<bool>{true},
-                                   std::optional<bool>{false});
+  c.is_first_microbatch =
+      GENERATE(std::optional<bool>{}, std::optional<bool>{true}, std::optional<bool>{false});
   c.delay = GENERATE(false, true);
   c.single_weight = GENERATE(false, true);
   run_module_case(c);
@@ -172,7 +172,8 @@ TEST_CASE("GroupedLinear accepts non-contiguous input", "[modules][grouped_linea
   check_close(m(strided, splits), m(strided.contiguous(), splits), {0, 0}, "output");
 }
 
-TEST_CASE("GroupedLinear rejects bad input with clear errors", "[modules][grouped_linear][errors]") {
+TEST_CASE("GroupedLinear rejects bad input with clear errors",
+          "[modules][grouped_linear][errors]") {
   GroupedLinear m(GroupedLinearOptions(3, 8, 4));
   const torch::Tensor x = torch::randn({10, 8});
   SECTION("wrong number of splits") {
@@ -184,9 +185,9 @@ TEST_CASE("GroupedLinear rejects bad input with clear errors", "[modules][groupe
                         Contains("m_splits[1] must be non-negative, got -1"));
   }
   SECTION("splits that do not sum to the rows") {
-    REQUIRE_THROWS_WITH(m(x, std::vector<int64_t>{3, 3, 3}),
-                        Contains("m_splits must sum to the number of rows (10)") &&
-                            Contains("sum 9"));
+    REQUIRE_THROWS_WITH(
+        m(x, std::vector<int64_t>{3, 3, 3}),
+        Contains("m_splits must sum to the number of rows (10)") && Contains("sum 9"));
   }
   SECTION("non-integer split tensor") {
     REQUIRE_THROWS_WITH(m(x, torch::tensor({3.0, 3.0, 4.0})),
@@ -197,9 +198,9 @@ TEST_CASE("GroupedLinear rejects bad input with clear errors", "[modules][groupe
                         Contains("m_splits must be a 1-D tensor, got 2-D"));
   }
   SECTION("input last dim != in_features") {
-    REQUIRE_THROWS_WITH(m(torch::randn({10, 7}), std::vector<int64_t>{3, 3, 4}),
-                        Contains("input's last dimension must be in_features=8") &&
-                            Contains("[10, 7]"));
+    REQUIRE_THROWS_WITH(
+        m(torch::randn({10, 7}), std::vector<int64_t>{3, 3, 4}),
+        Contains("input's last dimension must be in_features=8") && Contains("[10, 7]"));
   }
   SECTION("input dtype != params dtype") {
     REQUIRE_THROWS_WITH(m(x.to(torch::kFloat64), std::vector<int64_t>{3, 3, 4}),
@@ -239,8 +240,9 @@ TEST_CASE("GroupedLinear rejects bad main-grad buffers", "[modules][grouped_line
         Contains("buffer 1 must be float32, got Double"));
   }
   SECTION("wrong device") {
-    REQUIRE_THROWS_WITH(m->set_main_grads({torch::zeros({4, 8}, torch::kMeta), torch::zeros({4, 8})}),
-                        Contains("buffer 0 must be on cpu, got meta"));
+    REQUIRE_THROWS_WITH(
+        m->set_main_grads({torch::zeros({4, 8}, torch::kMeta), torch::zeros({4, 8})}),
+        Contains("buffer 0 must be on cpu, got meta"));
   }
   SECTION("views of one flat buffer are accepted and receive the gradients") {
     const torch::Tensor flat = torch::zeros({2 * 4 * 8});
@@ -264,8 +266,8 @@ TEST_CASE("GroupedLinear rejects bad options", "[modules][grouped_linear][errors
   REQUIRE_THROWS_WITH(GroupedLinear(GroupedLinearOptions(2, 8, 4).params_dtype(torch::kInt32)),
                       Contains("params_dtype must be a floating dtype, got Int"));
   REQUIRE_THROWS_WITH(
-      GroupedLinear(GroupedLinearOptions(2, 9, 4).bias(false).tp_size(2).parallel_mode(
-          ParallelMode::kRow)),
+      GroupedLinear(
+          GroupedLinearOptions(2, 9, 4).bias(false).tp_size(2).parallel_mode(ParallelMode::kRow)),
       Contains("tp_size=2 must divide in_features=9 in row-parallel mode"));
   REQUIRE_THROWS_WITH(
       GroupedLinear(GroupedLinearOptions(2, 8, 5).bias(false).tp_size(2).parallel_mode(
@@ -288,7 +290,8 @@ TEST_CASE("GroupedLinear parameters, init and printing", "[modules][grouped_line
     CHECK(params["weight2"].abs().max().item<double>() <= 1.0 / std::sqrt(8.0));
   }
   SECTION("single grouped layout") {
-    GroupedLinear m(GroupedLinearOptions(3, 8, 4).single_grouped_weight(true).single_grouped_bias(true));
+    GroupedLinear m(
+        GroupedLinearOptions(3, 8, 4).single_grouped_weight(true).single_grouped_bias(true));
     const auto params = m->named_parameters();
     CHECK(params.size() == 2);
     CHECK(params["weight"].sizes() == torch::IntArrayRef({3, 4, 8}));
@@ -307,8 +310,9 @@ TEST_CASE("GroupedLinear parameters, init and printing", "[modules][grouped_line
   SECTION("pretty_print") {
     std::ostringstream s;
     s << GroupedLinear(GroupedLinearOptions(6, 768, 3072).bias(false));
-    CHECK(s.str() == "torchmoe::GroupedLinear(num_gemms=6, in_features=768, out_features=3072, "
-                     "bias=false)");
+    CHECK(s.str() ==
+          "torchmoe::GroupedLinear(num_gemms=6, in_features=768, out_features=3072, "
+          "bias=false)");
   }
   SECTION("clone is independent") {
     GroupedLinear m(GroupedLinearOptions(2, 4, 3));
@@ -353,8 +357,9 @@ TEST_CASE("GroupedLinear state dict converts between layouts", "[modules][groupe
 TEST_CASE("GroupedLinear load_state_dict rejects incomplete or foreign state",
           "[modules][grouped_linear][errors]") {
   GroupedLinear m(GroupedLinearOptions(2, 4, 3));
-  std::unordered_map<std::string, torch::Tensor> state = {
-      {"weight0", torch::zeros({3, 4})}, {"bias0", torch::zeros({3})}, {"bias1", torch::zeros({3})}};
+  std::unordered_map<std::string, torch::Tensor> state = {{"weight0", torch::zeros({3, 4})},
+                                                          {"bias0", torch::zeros({3})},
+                                                          {"bias1", torch::zeros({3})}};
   REQUIRE_THROWS_WITH(m->load_state_dict(state), Contains("missing 'weight1'"));
   state["weight1"] = torch::zeros({4, 3});
   REQUIRE_THROWS_WITH(m->load_state_dict(state),
@@ -366,8 +371,8 @@ TEST_CASE("GroupedLinear load_state_dict rejects incomplete or foreign state",
 
 TEST_CASE("GroupedLinear tensor-parallel metadata", "[modules][grouped_linear]") {
   SECTION("row parallel") {
-    GroupedLinear m(GroupedLinearOptions(2, 8, 6).bias(false).tp_size(2).parallel_mode(
-        ParallelMode::kRow));
+    GroupedLinear m(
+        GroupedLinearOptions(2, 8, 6).bias(false).tp_size(2).parallel_mode(ParallelMode::kRow));
     CHECK(m->in_features_per_partition == 4);
     CHECK(m->out_features_per_partition == 6);
     CHECK(m->named_parameters()["weight1"].sizes() == torch::IntArrayRef({6, 4}));
@@ -379,15 +384,23 @@ TEST_CASE("GroupedLinear tensor-parallel metadata", "[modules][grouped_linear]")
     CHECK(y.sizes() == torch::IntArrayRef({3, 6}));
   }
   SECTION("row parallel, grouped weight: partition dim 2 of [G, out, in]") {
-    GroupedLinear m(GroupedLinearOptions(2, 8, 6).bias(false).tp_size(2).single_grouped_weight(true).parallel_mode(ParallelMode::kRow));
+    GroupedLinear m(GroupedLinearOptions(2, 8, 6)
+                        .bias(false)
+                        .tp_size(2)
+                        .single_grouped_weight(true)
+                        .parallel_mode(ParallelMode::kRow));
     CHECK(m->tensor_parallel_attributes("weight").partition_dim == 2);
   }
   SECTION("column parallel") {
-    GroupedLinear m(GroupedLinearOptions(2, 8, 6).bias(false).tp_size(3).parallel_mode(
-        ParallelMode::kColumn));
+    GroupedLinear m(
+        GroupedLinearOptions(2, 8, 6).bias(false).tp_size(3).parallel_mode(ParallelMode::kColumn));
     CHECK(m->out_features_per_partition == 2);
     CHECK(m->tensor_parallel_attributes("weight0").partition_dim == 0);
-    GroupedLinear g(GroupedLinearOptions(2, 8, 6).bias(false).tp_size(3).single_grouped_weight(true).parallel_mode(ParallelMode::kColumn));
+    GroupedLinear g(GroupedLinearOptions(2, 8, 6)
+                        .bias(false)
+                        .tp_size(3)
+                        .single_grouped_weight(true)
+                        .parallel_mode(ParallelMode::kColumn));
     CHECK(g->tensor_parallel_attributes("weight").partition_dim == 1);
   }
   SECTION("column-parallel bias (tp_size 1)") {
@@ -401,4 +414,12 @@ TEST_CASE("GroupedLinear tensor-parallel metadata", "[modules][grouped_linear]")
     REQUIRE_THROWS_WITH(m->tensor_parallel_attributes("weight9"),
                         Contains("no parameter named 'weight9'"));
   }
+}
+
+TEST_CASE("GroupedLinear CPU 16-bit dtypes", "[modules][grouped_linear]") {
+  ModuleCase c;
+  c.dtype = GENERATE(torch::kBFloat16, torch::kFloat16);
+  c.splits = {40, 0, 23};
+  c.fuse = GENERATE(false, true);
+  run_module_case(c);
 }

@@ -53,9 +53,7 @@ TEST_CASE("GroupedLinear CUDA edge shapes", "[modules][grouped_linear][cuda]") {
   c.fuse = GENERATE(false, true);
   c.in = 768;
   c.out = 3072;
-  SECTION("batch size 2 (4096 rows), six experts") {
-    c.splits = random_splits(6, 4096, 2, 21);
-  }
+  SECTION("batch size 2 (4096 rows), six experts") { c.splits = random_splits(6, 4096, 2, 21); }
   SECTION("all splits zero") { c.splits = {0, 0, 0}; }
   SECTION("odd split sizes 1, 7, 127") { c.splits = {1, 7, 127}; }
   SECTION("one expert holds every row") { c.splits = {0, 0, 333, 0}; }

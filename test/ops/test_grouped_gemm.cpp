@@ -26,7 +26,8 @@ void check_wgrad(const torch::TensorOptions& options, torch::Dtype grad_dtype, b
   int64_t rows = 0;
   for (int64_t s : splits) rows += s;
   const torch::Tensor x = torch::randn({rows, in}, options);
-  const torch::Tensor dy = torch::randn({rows, out}, options) / std::sqrt(std::max<int64_t>(rows, 1));
+  const torch::Tensor dy =
+      torch::randn({rows, out}, options) / std::sqrt(std::max<int64_t>(rows, 1));
   std::vector<torch::Tensor> dw, db;
   for (size_t g = 0; g < splits.size(); ++g) {
     dw.push_back(torch::full({out, in}, 0.25, options.dtype(grad_dtype)));
@@ -49,7 +50,8 @@ void check_wgrad(const torch::TensorOptions& options, torch::Dtype grad_dtype, b
 TEST_CASE("grouped GEMM dispatch table", "[ops]") {
   CHECK(ops::select_backend(torch::empty({1}, torch::kFloat32)) == ops::GemmBackend::kReference);
   CHECK(ops::select_backend(torch::empty({1}, torch::kBFloat16)) == ops::GemmBackend::kReference);
-  REQUIRE_THROWS_AS(ops::select_backend(torch::empty({1}, torch::kInt32)), c10::NotImplementedError);
+  REQUIRE_THROWS_AS(ops::select_backend(torch::empty({1}, torch::kInt32)),
+                    c10::NotImplementedError);
   REQUIRE_THROWS_WITH(ops::select_backend(torch::empty({1}, torch::kMeta)),
                       Contains("no backend for meta tensors of dtype Float"));
 }
@@ -74,15 +76,17 @@ TEST_CASE("grouped GEMM ops reject bad operands", "[ops][errors]") {
                       Contains("m_splits must sum to the number of rows (5), got [2, 2] (sum 4)"));
   REQUIRE_THROWS_WITH(ops::grouped_linear_dgrad(torch::randn({5, 3}), splits, w),
                       Contains("grad_output must have 4 features"));
-  std::vector<torch::Tensor> dw = {torch::zeros({4, 6}, torch::kFloat16), torch::zeros({4, 6}, torch::kFloat16)};
-  REQUIRE_THROWS_WITH(ops::grouped_linear_wgrad(x, torch::randn({5, 4}), splits, dw, false, {}),
-                      Contains("weight_grads_out must have the input's dtype Float or float32, got Half"));
+  std::vector<torch::Tensor> dw = {torch::zeros({4, 6}, torch::kFloat16),
+                                   torch::zeros({4, 6}, torch::kFloat16)};
+  REQUIRE_THROWS_WITH(
+      ops::grouped_linear_wgrad(x, torch::randn({5, 4}), splits, dw, false, {}),
+      Contains("weight_grads_out must have the input's dtype Float or float32, got Half"));
   const std::vector<torch::Tensor> dw16 = {torch::zeros({4, 6}, torch::kBFloat16),
                                            torch::zeros({4, 6}, torch::kBFloat16)};
-  REQUIRE_THROWS_WITH(ops::grouped_linear_wgrad(x.to(torch::kBFloat16),
-                                                torch::randn({5, 4}, torch::kBFloat16), splits,
-                                                dw16, true, {}),
-                      Contains("accumulate requires float32 (or float64) weight_grads_out, got BFloat16"));
+  REQUIRE_THROWS_WITH(
+      ops::grouped_linear_wgrad(x.to(torch::kBFloat16), torch::randn({5, 4}, torch::kBFloat16),
+                                splits, dw16, true, {}),
+      Contains("accumulate requires float32 (or float64) weight_grads_out, got BFloat16"));
 }
 
 TEST_CASE("grouped GEMM CPU forward and dgrad vs float64", "[ops]") {
@@ -97,8 +101,8 @@ TEST_CASE("grouped GEMM CPU forward and dgrad vs float64", "[ops]") {
   const torch::Tensor dx = ops::grouped_linear_dgrad(dy, splits, w);
   int64_t offset = 0;
   for (int g = 0; g < 4; ++g) {
-    check_close(y.narrow(0, offset, splits[g]), torch::linear(x.narrow(0, offset, splits[g]), w[g], b[g]),
-                {1e-12, 1e-12}, "y");
+    check_close(y.narrow(0, offset, splits[g]),
+                torch::linear(x.narrow(0, offset, splits[g]), w[g], b[g]), {1e-12, 1e-12}, "y");
     check_close(dx.narrow(0, offset, splits[g]), dy.narrow(0, offset, splits[g]).mm(w[g]),
                 {1e-12, 1e-12}, "dx");
     offset += splits[g];
@@ -108,8 +112,10 @@ TEST_CASE("grouped GEMM CPU forward and dgrad vs float64", "[ops]") {
 TEST_CASE("grouped GEMM CPU wgrad writes, accumulates, zero-fills empty groups", "[ops]") {
   torch::manual_seed(4);
   const bool accumulate = GENERATE(false, true);
-  check_wgrad(torch::kFloat32, torch::kFloat32, accumulate, {5, 0, 9}, 6, 4, tolerance_for(torch::kFloat32));
-  check_wgrad(torch::kFloat64, torch::kFloat32, accumulate, {0, 0}, 6, 4, tolerance_for(torch::kFloat32));
+  check_wgrad(torch::kFloat32, torch::kFloat32, accumulate, {5, 0, 9}, 6, 4,
+              tolerance_for(torch::kFloat32));
+  check_wgrad(torch::kFloat64, torch::kFloat32, accumulate, {0, 0}, 6, 4,
+              tolerance_for(torch::kFloat32));
 }
 
 TEST_CASE("grouped GEMM cuBLASLt wgrad into fp32 main-grad and bias grads", "[ops][cuda]") {
@@ -135,6 +141,7 @@ TEST_CASE("grouped GEMM on CUDA rejects float64 as not implemented", "[ops][cuda
 
 TEST_CASE("splits_to_host reads CUDA split tensors", "[ops][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
-  const auto splits = ops::splits_to_host(torch::tensor({3, 0, 5}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kInt32)));
+  const auto splits = ops::splits_to_host(
+      torch::tensor({3, 0, 5}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kInt32)));
   CHECK(splits == std::vector<int64_t>{3, 0, 5});
 }
