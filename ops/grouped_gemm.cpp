@@ -138,6 +138,27 @@ void* mutable_rows_at(at::Tensor& t, int64_t row) {
   return static_cast<char*>(t.data_ptr()) + row * t.size(1) * t.element_size();
 }
 
+// Calls fn(g, first_row, rows) for every group, in order.
+template <typename Fn>
+void for_each_group(c10::IntArrayRef m_splits, Fn&& fn) {
+  int64_t first_row = 0;
+  for (size_t g = 0; g < m_splits.size(); ++g) {
+    fn(g, first_row, m_splits[g]);
+    first_row += m_splits[g];
+  }
+}
+
+kernels::GroupedGemmParams gemm_params(kernels::GemmKind kind, int64_t n, int64_t k,
+                                       at::ScalarType input_type, at::ScalarType output_type) {
+  kernels::GroupedGemmParams params;
+  params.kind = kind;
+  params.n = n;
+  params.k = k;
+  params.input_type = kernel_type(input_type);
+  params.output_type = kernel_type(output_type);
+  return params;
+}
+
 }  // namespace
 
 GemmBackend select_backend(const at::Tensor& operand) {
@@ -173,40 +194,30 @@ at::Tensor grouped_linear_forward(const at::Tensor& input, c10::IntArrayRef m_sp
 
   at::Tensor output = at::empty({input.size(0), n}, input.options());
   switch (select_backend(input)) {
-    case GemmBackend::kReference: {
-      int64_t offset = 0;
-      for (size_t g = 0; g < weights.size(); ++g) {
-        const int64_t rows = m_splits[g];
-        if (rows > 0) {
-          at::Tensor out_g = output.narrow(0, offset, rows);
-          const at::Tensor in_g = input.narrow(0, offset, rows);
-          if (biases.empty()) {
-            at::mm_out(out_g, in_g, weights[g].t());
-          } else {
-            at::addmm_out(out_g, biases[g], in_g, weights[g].t());
-          }
+    case GemmBackend::kReference:
+      for_each_group(m_splits, [&](size_t g, int64_t first, int64_t rows) {
+        if (rows == 0) return;
+        at::Tensor out_g = output.narrow(0, first, rows);
+        const at::Tensor in_g = input.narrow(0, first, rows);
+        if (biases.empty()) {
+          at::mm_out(out_g, in_g, weights[g].t());
+        } else {
+          at::addmm_out(out_g, biases[g], in_g, weights[g].t());
         }
-        offset += rows;
-      }
+      });
       return output;
-    }
     case GemmBackend::kCublasLt: {
-      kernels::GroupedGemmParams params;
-      params.kind = kernels::GemmKind::kFprop;
-      params.n = n;
-      params.k = k;
-      params.input_type = params.output_type = kernel_type(input.scalar_type());
-      int64_t offset = 0;
-      for (size_t g = 0; g < weights.size(); ++g) {
+      auto params =
+          gemm_params(kernels::GemmKind::kFprop, n, k, input.scalar_type(), input.scalar_type());
+      for_each_group(m_splits, [&](size_t g, int64_t first, int64_t rows) {
         kernels::GemmGroup group;
-        group.rows = m_splits[g];
-        group.input = rows_at(input, offset);
+        group.rows = rows;
+        group.input = rows_at(input, first);
         group.weight = weights[g].const_data_ptr();
-        group.output = mutable_rows_at(output, offset);
+        group.output = mutable_rows_at(output, first);
         group.bias = biases.empty() ? nullptr : biases[g].const_data_ptr();
         params.groups.push_back(group);
-        offset += m_splits[g];
-      }
+      });
       run_cublaslt(input, std::move(params));
       return output;
     }
@@ -225,34 +236,24 @@ at::Tensor grouped_linear_dgrad(const at::Tensor& grad_output, c10::IntArrayRef 
 
   at::Tensor grad_input = at::empty({grad_output.size(0), k}, grad_output.options());
   switch (select_backend(grad_output)) {
-    case GemmBackend::kReference: {
-      int64_t offset = 0;
-      for (size_t g = 0; g < weights.size(); ++g) {
-        const int64_t rows = m_splits[g];
-        if (rows > 0) {
-          at::Tensor out_g = grad_input.narrow(0, offset, rows);
-          at::mm_out(out_g, grad_output.narrow(0, offset, rows), weights[g]);
-        }
-        offset += rows;
-      }
+    case GemmBackend::kReference:
+      for_each_group(m_splits, [&](size_t g, int64_t first, int64_t rows) {
+        if (rows == 0) return;
+        at::Tensor out_g = grad_input.narrow(0, first, rows);
+        at::mm_out(out_g, grad_output.narrow(0, first, rows), weights[g]);
+      });
       return grad_input;
-    }
     case GemmBackend::kCublasLt: {
-      kernels::GroupedGemmParams params;
-      params.kind = kernels::GemmKind::kDgrad;
-      params.n = n;
-      params.k = k;
-      params.input_type = params.output_type = kernel_type(grad_output.scalar_type());
-      int64_t offset = 0;
-      for (size_t g = 0; g < weights.size(); ++g) {
+      auto params = gemm_params(kernels::GemmKind::kDgrad, n, k, grad_output.scalar_type(),
+                                grad_output.scalar_type());
+      for_each_group(m_splits, [&](size_t g, int64_t first, int64_t rows) {
         kernels::GemmGroup group;
-        group.rows = m_splits[g];
-        group.grad_output = rows_at(grad_output, offset);
+        group.rows = rows;
+        group.grad_output = rows_at(grad_output, first);
         group.weight = weights[g].const_data_ptr();
-        group.output = mutable_rows_at(grad_input, offset);
+        group.output = mutable_rows_at(grad_input, first);
         params.groups.push_back(group);
-        offset += m_splits[g];
-      }
+      });
       run_cublaslt(grad_output, std::move(params));
       return grad_input;
     }
@@ -270,12 +271,10 @@ void grouped_bias_grad(const at::Tensor& grad_output, c10::IntArrayRef m_splits,
   check_splits(op, m_splits, bias_grads_out.size(), grad_output.size(0));
   // One reduction per group on every backend: at::sum accumulates in fp32 for 16-bit inputs and
   // rounds once, and returns zeros for an empty group.
-  int64_t offset = 0;
-  for (size_t g = 0; g < bias_grads_out.size(); ++g) {
+  for_each_group(m_splits, [&](size_t g, int64_t first, int64_t rows) {
     at::Tensor out_g = bias_grads_out[g];
-    at::sum_out(out_g, grad_output.narrow(0, offset, m_splits[g]), {0});
-    offset += m_splits[g];
-  }
+    at::sum_out(out_g, grad_output.narrow(0, first, rows), {0});
+  });
 }
 
 void grouped_linear_wgrad(const at::Tensor& input, const at::Tensor& grad_output,
@@ -315,40 +314,28 @@ void grouped_linear_wgrad(const at::Tensor& input, const at::Tensor& grad_output
       // Multiply in the wider of the operand and buffer types, so that fp32 main-grad receives
       // one rounding, as on the GPU.
       const at::ScalarType compute_type = at::promote_types(input.scalar_type(), grad_type);
-      int64_t offset = 0;
-      for (size_t g = 0; g < weight_grads_out.size(); ++g) {
-        const int64_t rows = m_splits[g];
+      for_each_group(m_splits, [&](size_t g, int64_t first, int64_t rows) {
+        if (rows == 0 && accumulate) return;
         at::Tensor out_g = weight_grads_out[g];
-        if (rows > 0 || !accumulate) {
-          const at::Tensor product =
-              at::mm(grad_output.narrow(0, offset, rows).t().to(compute_type),
-                     input.narrow(0, offset, rows).to(compute_type));
-          accumulate ? out_g.add_(product) : out_g.copy_(product);
-        }
-        offset += rows;
-      }
+        const at::Tensor product = at::mm(grad_output.narrow(0, first, rows).t().to(compute_type),
+                                          input.narrow(0, first, rows).to(compute_type));
+        accumulate ? out_g.add_(product) : out_g.copy_(product);
+      });
       if (!bias_grads_out.empty()) grouped_bias_grad(grad_output, m_splits, bias_grads_out);
       return;
     }
     case GemmBackend::kCublasLt: {
-      kernels::GroupedGemmParams params;
-      params.kind = kernels::GemmKind::kWgrad;
-      params.n = n;
-      params.k = k;
-      params.input_type = kernel_type(input.scalar_type());
-      params.output_type = kernel_type(grad_type);
+      auto params = gemm_params(kernels::GemmKind::kWgrad, n, k, input.scalar_type(), grad_type);
       params.accumulate = accumulate;
-      int64_t offset = 0;
-      for (size_t g = 0; g < weight_grads_out.size(); ++g) {
+      for_each_group(m_splits, [&](size_t g, int64_t first, int64_t rows) {
         kernels::GemmGroup group;
-        group.rows = m_splits[g];
-        group.input = rows_at(input, offset);
-        group.grad_output = rows_at(grad_output, offset);
+        group.rows = rows;
+        group.input = rows_at(input, first);
+        group.grad_output = rows_at(grad_output, first);
         group.output = weight_grads_out[g].data_ptr();
         group.bias_grad = bias_grads_out.empty() ? nullptr : bias_grads_out[g].data_ptr();
         params.groups.push_back(group);
-        offset += m_splits[g];
-      }
+      });
       const kernels::GroupedGemmResult result = run_cublaslt(input, std::move(params));
       if (!bias_grads_out.empty() && !result.bias_grad_computed) {
         grouped_bias_grad(grad_output, m_splits, bias_grads_out);

@@ -23,6 +23,24 @@ struct ModuleCase {
   bool splits_as_tensor = false;
 };
 
+// Axes of TE's test_grouped_linear_accuracy: dtype × num_gemms × bias × fuse_wgrad_accumulation ×
+// delay_wgrad_compute × parameter layout, with random splits and one forced empty expert.
+enum class Layout { kDiscrete, kSingleWeight, kSingleWeightAndBias };
+
+inline ModuleCase matrix_case(torch::Dtype dtype, torch::Device device, int64_t groups, bool bias,
+                              bool fuse, bool delay, Layout layout, int64_t rows, uint64_t seed) {
+  ModuleCase c;
+  c.dtype = dtype;
+  c.device = device;
+  c.splits = random_splits(groups, rows, /*zero_at=*/groups > 1 ? groups / 2 : -1, seed);
+  c.bias = bias;
+  c.fuse = fuse;
+  c.delay = delay;
+  c.single_weight = layout != Layout::kDiscrete;
+  c.single_bias = layout == Layout::kSingleWeightAndBias;
+  return c;
+}
+
 inline std::string describe(const ModuleCase& c) {
   std::ostringstream s;
   s << "dtype=" << c.dtype << " device=" << c.device << " in=" << c.in << " out=" << c.out

@@ -22,25 +22,18 @@ struct NoTF32 {
 TEST_CASE("GroupedLinear CUDA accuracy matrix at TE's shape", "[modules][grouped_linear][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
   const NoTF32 no_tf32;
-  // Axes (port of TE's test_grouped_linear_accuracy): dtype × num_gemms × bias × fuse × delay ×
-  // parameter layout; input (2048, 768) -> 3072, random splits with one forced zero.
+  // Port of TE's test_grouped_linear_accuracy at TE's shape: input (2048, 768) -> 3072.
   const auto dtype = GENERATE(torch::kFloat32, torch::kFloat16, torch::kBFloat16);
   const int64_t groups = GENERATE(1, 3, 6);
   const bool bias = GENERATE(false, true);
   const bool fuse = GENERATE(false, true);
   const bool delay = GENERATE(false, true);
-  const int layout = GENERATE(0, 1, 2);  // discrete, single weight, single weight + single bias
-  ModuleCase c;
-  c.dtype = dtype;
-  c.device = torch::kCUDA;
+  const auto layout =
+      GENERATE(Layout::kDiscrete, Layout::kSingleWeight, Layout::kSingleWeightAndBias);
+  ModuleCase c =
+      matrix_case(dtype, torch::kCUDA, groups, bias, fuse, delay, layout, 2048, 100 + groups);
   c.in = 768;
   c.out = 3072;
-  c.splits = random_splits(groups, 2048, groups > 1 ? 1 : -1, 100 + groups);
-  c.bias = bias;
-  c.fuse = fuse;
-  c.delay = delay;
-  c.single_weight = layout > 0;
-  c.single_bias = layout == 2;
   run_module_case(c);
 }
 
