@@ -1,4 +1,5 @@
 #pragma once
 // torchmoe: Mixture-of-Experts training layers for LibTorch. The one header a trainer includes.
 
+#include "torchmoe/modules/glu.h"
 #include "torchmoe/modules/grouped_linear.h"

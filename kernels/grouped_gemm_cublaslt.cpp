@@ -24,8 +24,6 @@ cudaDataType_t cuda_type(ScalarType type) {
   TORCH_INTERNAL_ASSERT(false, "unknown ScalarType");
 }
 
-size_t element_size(ScalarType type) { return type == ScalarType::kFloat32 ? 4 : 2; }
-
 // Largest power of two (capped at 16 bytes) that divides the address; cuBLASLt picks kernels by it.
 uint8_t alignment_of(const void* ptr) {
   const auto address = reinterpret_cast<uintptr_t>(ptr);

@@ -21,9 +21,9 @@
 #include <cstdint>
 #include <vector>
 
-namespace torchmoe::kernels {
+#include "torchmoe/kernels/scalar_type.h"
 
-enum class ScalarType { kFloat32, kFloat16, kBFloat16 };
+namespace torchmoe::kernels {
 
 enum class GemmKind { kFprop, kDgrad, kWgrad };
 

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "torchmoe/kernels/grouped_gemm_cublaslt.h"
+#include "torchmoe/ops/kernel_types.h"
 
 namespace torchmoe::ops {
 namespace {
@@ -77,19 +78,6 @@ void check_vectors(const char* op, const char* what, at::TensorList vectors, siz
 }
 
 // ---- CUDA: cuBLASLt ---------------------------------------------------------------------------
-
-kernels::ScalarType kernel_type(at::ScalarType type) {
-  switch (type) {
-    case at::kFloat:
-      return kernels::ScalarType::kFloat32;
-    case at::kHalf:
-      return kernels::ScalarType::kFloat16;
-    case at::kBFloat16:
-      return kernels::ScalarType::kBFloat16;
-    default:
-      TORCH_INTERNAL_ASSERT(false, "kernel_type: dtype ", type, " passed select_backend");
-  }
-}
 
 // Streams a grouped GEMM may spread over (the caller's plus side streams). TE uses 4; measured
 // trade-offs are in docs/performance.md. TORCHMOE_CUBLASLT_STREAMS overrides (1 = no side streams).

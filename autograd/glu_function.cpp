@@ -1,0 +1,39 @@
+#include "torchmoe/autograd/glu_function.h"
+
+namespace torchmoe::autograd {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+at::Tensor GluFunction::forward(AutogradContext* ctx, const at::Tensor& input,
+                                const std::optional<at::Tensor>& scales,
+                                const ops::GluOptions& options) {
+  const at::Tensor x = input.contiguous();
+  const at::Tensor s = scales.has_value() ? *scales : at::Tensor();
+  at::Tensor output = ops::glu_forward(x, s, options);
+  ctx->save_for_backward({x, s});
+  ctx->saved_data["activation"] = static_cast<int64_t>(options.activation);
+  ctx->saved_data["limit"] = options.limit;
+  ctx->saved_data["alpha"] = options.alpha;
+  ctx->saved_data["offset"] = options.offset;
+  ctx->saved_data["interleave"] = options.interleave;
+  return output;
+}
+
+variable_list GluFunction::backward(AutogradContext* ctx, variable_list grad_outputs) {
+  const variable_list saved = ctx->get_saved_variables();
+  ops::GluOptions options;
+  options.activation = static_cast<ops::GluActivation>(ctx->saved_data["activation"].toInt());
+  options.limit = ctx->saved_data["limit"].toDouble();
+  options.alpha = ctx->saved_data["alpha"].toDouble();
+  options.offset = ctx->saved_data["offset"].toDouble();
+  options.interleave = ctx->saved_data["interleave"].toInt();
+  const at::Tensor& scales = saved[1];
+  const bool scales_need_grad = scales.defined() && ctx->needs_input_grad(1);
+  ops::GluGrads grads =
+      ops::glu_backward(grad_outputs[0].contiguous(), saved[0], scales, options, scales_need_grad);
+  return {ctx->needs_input_grad(0) ? grads.grad_input : at::Tensor(), grads.grad_scales,
+          at::Tensor()};
+}
+
+}  // namespace torchmoe::autograd

@@ -1,0 +1,293 @@
+// Fused (scaled) SwiGLU / ClampedSwiGLU forward and backward. Layout and math: scaled_glu.h.
+//
+// One block walks whole rows (grid-stride over rows), its threads stride over the row in vectors
+// of V elements: 16-byte loads and stores when H, G and the pointers allow, else V = 1. A row is
+// one block so that the backward's scale gradient, a sum over the row, is a block reduction in
+// the same pass instead of a second kernel.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "torchmoe/kernels/cuda_check.h"
+#include "torchmoe/kernels/scaled_glu.h"
+
+namespace torchmoe::kernels {
+namespace {
+
+constexpr int kMaxThreads = 256;
+constexpr int kWarp = 32;
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Vec {
+  T v[V];
+};
+
+template <typename T, int V>
+__device__ __forceinline__ Vec<T, V> load(const T* p) {
+  return *reinterpret_cast<const Vec<T, V>*>(p);
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void store(T* p, const Vec<T, V>& x) {
+  *reinterpret_cast<Vec<T, V>*>(p) = x;
+}
+
+struct ActParams {
+  float limit, alpha, offset;
+};
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
+
+// act(a)·gate(b) and its partial derivatives with respect to a and b.
+struct GluTerms {
+  float value, d_a, d_b;
+};
+
+template <GluKind K>
+__device__ __forceinline__ GluTerms glu_terms(float a, float b, const ActParams& p) {
+  if constexpr (K == GluKind::kSwiGLU) {
+    const float s = sigmoid(a);
+    const float act = a * s;
+    return {act * b, (s + act * (1.0f - s)) * b, act};
+  } else {
+    const float ac = fminf(a, p.limit);
+    const float s = sigmoid(p.alpha * ac);
+    const float act = ac * s;
+    const float gate = fminf(fmaxf(b, -p.limit), p.limit) + p.offset;
+    const float d_act = a <= p.limit ? s + p.alpha * act * (1.0f - s) : 0.0f;
+    const float d_gate = (b >= -p.limit && b <= p.limit) ? 1.0f : 0.0f;
+    return {act * gate, d_act * gate, act * d_gate};
+  }
+}
+
+// Position of a_j within a row; b_j sits `gate_offset` after it.
+__device__ __forceinline__ int64_t a_index(int64_t j, int64_t interleave) {
+  return interleave ? (j / interleave) * 2 * interleave + j % interleave : j;
+}
+
+template <typename T, typename S, GluKind K, int V>
+__global__ void glu_forward_kernel(const T* __restrict__ input, const S* __restrict__ scales,
+                                   T* __restrict__ output, int64_t rows, int64_t hidden,
+                                   int64_t interleave, ActParams p) {
+  const int64_t gate_offset = interleave ? interleave : hidden;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* in = input + row * 2 * hidden;
+    T* out = output + row * hidden;
+    const float scale = scales ? to_float(scales[row]) : 1.0f;
+    for (int64_t j = threadIdx.x * V; j < hidden; j += blockDim.x * V) {
+      const int64_t ai = a_index(j, interleave);
+      const Vec<T, V> a = load<T, V>(in + ai), b = load<T, V>(in + ai + gate_offset);
+      Vec<T, V> y;
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        y.v[i] = from_float<T>(scale * glu_terms<K>(to_float(a.v[i]), to_float(b.v[i]), p).value);
+      }
+      store<T, V>(out + j, y);
+    }
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset /= 2)
+    v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Sum over the block; the result is valid in thread 0. Leaves `shared` free for the next call.
+__device__ __forceinline__ float block_sum(float v, float* shared) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  v = warp_sum(v);
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  float total = 0.0f;
+  if (warp == 0) {
+    total = lane < static_cast<int>(blockDim.x / kWarp) ? shared[lane] : 0.0f;
+    total = warp_sum(total);
+  }
+  __syncthreads();
+  return total;
+}
+
+template <typename T, typename S, GluKind K, int V>
+__global__ void glu_backward_kernel(const T* __restrict__ input, const S* __restrict__ scales,
+                                    const T* __restrict__ grad_output, T* __restrict__ grad_input,
+                                    S* __restrict__ grad_scales, int64_t rows, int64_t hidden,
+                                    int64_t interleave, ActParams p) {
+  __shared__ float partials[kMaxThreads / kWarp];
+  const int64_t gate_offset = interleave ? interleave : hidden;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* in = input + row * 2 * hidden;
+    const T* dy = grad_output + row * hidden;
+    T* dx = grad_input + row * 2 * hidden;
+    const float scale = scales ? to_float(scales[row]) : 1.0f;
+    float scale_grad = 0.0f;
+    for (int64_t j = threadIdx.x * V; j < hidden; j += blockDim.x * V) {
+      const int64_t ai = a_index(j, interleave);
+      const Vec<T, V> a = load<T, V>(in + ai), b = load<T, V>(in + ai + gate_offset);
+      const Vec<T, V> g = load<T, V>(dy + j);
+      Vec<T, V> da, db;
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const GluTerms t = glu_terms<K>(to_float(a.v[i]), to_float(b.v[i]), p);
+        const float dyi = to_float(g.v[i]);
+        da.v[i] = from_float<T>(dyi * scale * t.d_a);
+        db.v[i] = from_float<T>(dyi * scale * t.d_b);
+        scale_grad += dyi * t.value;
+      }
+      store<T, V>(dx + ai, da);
+      store<T, V>(dx + ai + gate_offset, db);
+    }
+    if (grad_scales != nullptr) {  // uniform across the block: every thread takes the barrier
+      const float total = block_sum(scale_grad, partials);
+      if (threadIdx.x == 0) grad_scales[row] = from_float<S>(total);
+    }
+  }
+}
+
+template <ScalarType>
+struct DeviceType;
+template <>
+struct DeviceType<ScalarType::kFloat32> {
+  using type = float;
+};
+template <>
+struct DeviceType<ScalarType::kFloat16> {
+  using type = __half;
+};
+template <>
+struct DeviceType<ScalarType::kBFloat16> {
+  using type = __nv_bfloat16;
+};
+
+// Calls fn(T{}, S{}) with the device types of the data and scale types.
+template <typename Fn>
+void dispatch_types(const GluParams& params, Fn&& fn) {
+  auto with_data = [&](auto data_tag) {
+    using T = decltype(data_tag);
+    switch (params.scale_type) {
+      case ScalarType::kFloat32:
+        return fn(T{}, float{});
+      case ScalarType::kFloat16:
+        return fn(T{}, __half{});
+      case ScalarType::kBFloat16:
+        return fn(T{}, __nv_bfloat16{});
+    }
+  };
+  switch (params.data_type) {
+    case ScalarType::kFloat32:
+      return with_data(float{});
+    case ScalarType::kFloat16:
+      return with_data(__half{});
+    case ScalarType::kBFloat16:
+      return with_data(__nv_bfloat16{});
+  }
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+struct LaunchShape {
+  dim3 grid, block;
+  bool vectorized;
+};
+
+LaunchShape launch_shape(const GluParams& params, int vector, const void* const* pointers,
+                         int count) {
+  bool vectorized = params.hidden % vector == 0 && params.interleave % vector == 0;
+  for (int i = 0; i < count; ++i) vectorized &= pointers[i] == nullptr || aligned16(pointers[i]);
+  const int64_t width = vectorized ? params.hidden / vector : params.hidden;
+  const int threads = static_cast<int>(
+      std::clamp<int64_t>((width + kWarp - 1) / kWarp * kWarp, kWarp, kMaxThreads));
+  int device = 0, sms = 0;
+  TORCHMOE_CUDA_CHECK(cudaGetDevice(&device));
+  TORCHMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t resident = static_cast<int64_t>(sms) * (2048 / threads);
+  const auto blocks = static_cast<unsigned>(std::min<int64_t>(params.rows, resident));
+  return {dim3(blocks), dim3(threads), vectorized};
+}
+
+}  // namespace
+
+void launch_glu_forward(const GluParams& params, cudaStream_t stream) {
+  if (params.rows == 0) return;
+  dispatch_types(params, [&](auto data_tag, auto scale_tag) {
+    using T = decltype(data_tag);
+    using S = decltype(scale_tag);
+    constexpr int kVec = 16 / sizeof(T);
+    const void* pointers[] = {params.input, params.output};
+    const LaunchShape shape = launch_shape(params, kVec, pointers, 2);
+    const ActParams act{params.limit, params.alpha, params.offset};
+    auto launch = [&](auto kind_tag, auto vec_tag) {
+      constexpr GluKind K = decltype(kind_tag)::value;
+      constexpr int V = decltype(vec_tag)::value;
+      glu_forward_kernel<T, S, K, V><<<shape.grid, shape.block, 0, stream>>>(
+          static_cast<const T*>(params.input), static_cast<const S*>(params.scales),
+          static_cast<T*>(params.output), params.rows, params.hidden, params.interleave, act);
+    };
+    using Swi = std::integral_constant<GluKind, GluKind::kSwiGLU>;
+    using Clamped = std::integral_constant<GluKind, GluKind::kClampedSwiGLU>;
+    using Wide = std::integral_constant<int, kVec>;
+    using Scalar = std::integral_constant<int, 1>;
+    if (params.kind == GluKind::kSwiGLU) {
+      shape.vectorized ? launch(Swi{}, Wide{}) : launch(Swi{}, Scalar{});
+    } else {
+      shape.vectorized ? launch(Clamped{}, Wide{}) : launch(Clamped{}, Scalar{});
+    }
+  });
+  TORCHMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_glu_backward(const GluParams& params, cudaStream_t stream) {
+  if (params.rows == 0) return;
+  dispatch_types(params, [&](auto data_tag, auto scale_tag) {
+    using T = decltype(data_tag);
+    using S = decltype(scale_tag);
+    constexpr int kVec = 16 / sizeof(T);
+    const void* pointers[] = {params.input, params.grad_output, params.grad_input};
+    const LaunchShape shape = launch_shape(params, kVec, pointers, 3);
+    const ActParams act{params.limit, params.alpha, params.offset};
+    auto launch = [&](auto kind_tag, auto vec_tag) {
+      constexpr GluKind K = decltype(kind_tag)::value;
+      constexpr int V = decltype(vec_tag)::value;
+      glu_backward_kernel<T, S, K, V><<<shape.grid, shape.block, 0, stream>>>(
+          static_cast<const T*>(params.input), static_cast<const S*>(params.scales),
+          static_cast<const T*>(params.grad_output), static_cast<T*>(params.grad_input),
+          static_cast<S*>(params.grad_scales), params.rows, params.hidden, params.interleave, act);
+    };
+    using Swi = std::integral_constant<GluKind, GluKind::kSwiGLU>;
+    using Clamped = std::integral_constant<GluKind, GluKind::kClampedSwiGLU>;
+    using Wide = std::integral_constant<int, kVec>;
+    using Scalar = std::integral_constant<int, 1>;
+    if (params.kind == GluKind::kSwiGLU) {
+      shape.vectorized ? launch(Swi{}, Wide{}) : launch(Swi{}, Scalar{});
+    } else {
+      shape.vectorized ? launch(Clamped{}, Wide{}) : launch(Clamped{}, Scalar{});
+    }
+  });
+  TORCHMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace torchmoe::kernels

@@ -1,0 +1,38 @@
+#pragma once
+// Gated activations of MoE expert MLPs: SwiGLU and ClampedSwiGLU (GPT-OSS), each optionally scaled
+// per row (ScaledSwiGLU: the routing probability), forward and backward with the scale gradient.
+// Semantics follow TransformerEngine's ops/basic/swiglu.py; the math and the GLU-interleaved layout
+// are described in kernels/scaled_glu.h. The nonlinearity is applied to the FIRST half (TE's
+// convention; torch::nn::GLU gates with the second half instead).
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace torchmoe::ops {
+
+enum class GluActivation { kSwiGLU, kClampedSwiGLU };
+
+struct GluOptions {
+  GluActivation activation = GluActivation::kSwiGLU;
+  double limit = 7.0;      // ClampedSwiGLU: a is clamped above, b to [-limit, limit]
+  double alpha = 1.702;    // ClampedSwiGLU: act(a) = a·σ(alpha·a)
+  double offset = 1.0;     // ClampedSwiGLU: gate(b) = clamp(b) + offset
+  int64_t interleave = 0;  // GLU interleave block G (a multiple of 32 dividing H), 0 for halves
+};
+
+// input [..., 2H] contiguous; scales: undefined (unscaled) or input.shape[:-1], float32 or the
+// input's dtype on CUDA. Returns y [..., H] in the input's dtype.
+at::Tensor glu_forward(const at::Tensor& input, const at::Tensor& scales,
+                       const GluOptions& options);
+
+struct GluGrads {
+  at::Tensor grad_input;   // [..., 2H], in the input's (possibly interleaved) layout
+  at::Tensor grad_scales;  // input.shape[:-1] in the scales' dtype; undefined unless requested
+};
+
+// Recomputes the activation from `input` (nothing from forward is kept besides it).
+GluGrads glu_backward(const at::Tensor& grad_output, const at::Tensor& input,
+                      const at::Tensor& scales, const GluOptions& options, bool grad_scales);
+
+}  // namespace torchmoe::ops
