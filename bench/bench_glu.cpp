@@ -1,0 +1,128 @@
+// ScaledSwiGLU forward and backward bandwidth on the fc1 outputs of the benchmark MoE shapes
+// (M = tokens·topk rows, width 2·ffn, bf16, fp32 probabilities), next to the device-to-device copy
+// bandwidth and the same math composed from ATen ops (autograd for its backward), in one process.
+//
+//   bench_glu [--json PATH] [--iters N]
+//
+// Bytes counted (each tensor read or written once): forward reads x [M,2F] and s [M], writes
+// y [M,F]; backward reads x, dy [M,F], s, writes dx [M,2F], ds [M].
+
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <torchmoe/torchmoe.h>
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <fstream>
+#include <functional>
+#include <iomanip>
+#include <iostream>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct Shape {
+  std::string name;
+  int64_t tokens, topk, ffn;
+};
+
+const std::vector<Shape> kShapes = {{"mixtral", 8192, 2, 14336},
+                                    {"deepseek-v3-ep8", 8192, 8, 2048},
+                                    {"qwen3-30b-a3b", 8192, 8, 768},
+                                    {"olmoe", 8192, 8, 1024}};
+
+double median_ms(const std::function<void()>& fn, int iters) {
+  for (int i = 0; i < 3; ++i) fn();
+  std::vector<double> times;
+  for (int i = 0; i < iters; ++i) {
+    at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
+    start.record();
+    fn();
+    stop.record();
+    stop.synchronize();
+    times.push_back(start.elapsed_time(stop));
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+torch::Tensor composed(const torch::Tensor& x, const torch::Tensor& s) {
+  const auto halves = x.chunk(2, -1);
+  return torch::silu(halves[0]) * halves[1] * s.unsqueeze(-1).to(x.scalar_type());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string json_path = "bench_glu.json";
+  int iters = 20;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i], value = argv[i + 1];
+    if (flag == "--json") {
+      json_path = value;
+    } else if (flag == "--iters") {
+      iters = std::stoi(value);
+    } else {
+      std::cerr << "error: unknown flag " << flag << "\n";
+      return 2;
+    }
+  }
+  if (!torch::cuda::is_available()) {
+    std::cerr << "bench_glu: no CUDA device; nothing to measure\n";
+    return 1;
+  }
+  std::cout << "device: " << at::cuda::getCurrentDeviceProperties()->name
+            << ", bf16 data, fp32 scales (GB/s; copy = device-to-device copy of x)\n"
+            << std::left << std::setw(17) << "shape" << std::right << std::setw(9) << "copy"
+            << std::setw(10) << "fwd" << std::setw(8) << "%copy" << std::setw(10) << "aten fwd"
+            << std::setw(10) << "bwd" << std::setw(8) << "%copy" << std::setw(10) << "aten bwd"
+            << "\n";
+  std::ofstream json(json_path);
+  json << "{\n  \"device\": \"" << at::cuda::getCurrentDeviceProperties()->name
+       << "\",\n  \"unit\": \"GB/s\",\n  \"results\": [\n";
+  const auto bf16 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+  for (size_t i = 0; i < kShapes.size(); ++i) {
+    const Shape& shape = kShapes[i];
+    const int64_t m = shape.tokens * shape.topk, f = shape.ffn;
+    const torch::Tensor x = torch::randn({m, 2 * f}, bf16);
+    const torch::Tensor s = torch::rand({m}, bf16.dtype(torch::kFloat32));
+    const torch::Tensor dy = torch::randn({m, f}, bf16);
+    torch::Tensor copy_dst = torch::empty_like(x);
+    const double elem = 2.0;  // bf16 bytes
+    const double fwd_bytes = elem * (2 * m * f + m * f) + 4.0 * m;
+    const double bwd_bytes = elem * (2 * m * f + m * f + 2 * m * f) + 4.0 * 2 * m;
+    const double copy_gbs =
+        2.0 * elem * x.numel() / median_ms([&] { copy_dst.copy_(x); }, iters) * 1e-6;
+
+    torch::NoGradGuard no_grad;
+    const double fwd_ms = median_ms([&] { torchmoe::functional::scaled_swiglu(x, s); }, iters);
+    const double aten_fwd_ms = median_ms([&] { composed(x, s); }, iters);
+    torch::Tensor xr = x.detach().requires_grad_(true), sr = s.detach().requires_grad_(true);
+    double bwd_ms = 0, aten_bwd_ms = 0;
+    {
+      torch::AutoGradMode enable(true);
+      const torch::Tensor y = torchmoe::functional::scaled_swiglu(xr, sr);
+      bwd_ms = median_ms([&] { torch::autograd::grad({y}, {xr, sr}, {dy}, true); }, iters);
+      const torch::Tensor yc = composed(xr, sr);
+      aten_bwd_ms = median_ms([&] { torch::autograd::grad({yc}, {xr, sr}, {dy}, true); }, iters);
+    }
+    const double fwd = fwd_bytes / fwd_ms * 1e-6, bwd = bwd_bytes / bwd_ms * 1e-6;
+    const double aten_fwd = fwd_bytes / aten_fwd_ms * 1e-6,
+                 aten_bwd = bwd_bytes / aten_bwd_ms * 1e-6;
+    std::cout << std::left << std::setw(17) << shape.name << std::right << std::fixed
+              << std::setprecision(0) << std::setw(9) << copy_gbs << std::setw(10) << fwd
+              << std::setw(7) << 100 * fwd / copy_gbs << "%" << std::setw(10) << aten_fwd
+              << std::setw(10) << bwd << std::setw(7) << 100 * bwd / copy_gbs << "%"
+              << std::setw(10) << aten_bwd << "\n";
+    json << "    {\"shape\": \"" << shape.name << "\", \"rows\": " << m << ", \"width\": " << 2 * f
+         << ", \"copy\": " << copy_gbs << ", \"forward\": " << fwd
+         << ", \"aten_forward\": " << aten_fwd << ", \"backward\": " << bwd
+         << ", \"aten_backward\": " << aten_bwd << "}" << (i + 1 < kShapes.size() ? "," : "")
+         << "\n";
+  }
+  json << "  ]\n}\n";
+  std::cout << "wrote " << json_path << "\n";
+  return 0;
+}
