@@ -3,3 +3,4 @@
 
 #include "torchmoe/modules/glu.h"
 #include "torchmoe/modules/grouped_linear.h"
+#include "torchmoe/modules/grouped_mlp.h"

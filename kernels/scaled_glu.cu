@@ -1,9 +1,10 @@
 // Fused (scaled) SwiGLU / ClampedSwiGLU forward and backward. Layout and math: scaled_glu.h.
 //
-// One block walks whole rows (grid-stride over rows), its threads stride over the row in vectors
-// of V elements: 16-byte loads and stores when H, G and the pointers allow, else V = 1. A row is
-// one block so that the backward's scale gradient, a sum over the row, is a block reduction in
-// the same pass instead of a second kernel.
+// One warp walks whole rows (grid-stride over rows), its lanes stride over the row in vectors of
+// V elements: 16-byte loads and stores when H, G and the pointers allow, else V = 1. A row is one
+// warp so that the backward's scale gradient, a sum over the row, is a shuffle reduction in the
+// same pass: no second kernel and no block barrier. (A block per row with a block reduction was
+// measured at 73-81% of copy bandwidth in backward on the H100; see docs/performance.md.)
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -18,8 +19,9 @@
 namespace torchmoe::kernels {
 namespace {
 
-constexpr int kMaxThreads = 256;
+constexpr int kThreads = 256;
 constexpr int kWarp = 32;
+constexpr int kWarpsPerBlock = kThreads / kWarp;
 
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
@@ -93,11 +95,13 @@ __global__ void glu_forward_kernel(const T* __restrict__ input, const S* __restr
                                    T* __restrict__ output, int64_t rows, int64_t hidden,
                                    int64_t interleave, ActParams p) {
   const int64_t gate_offset = interleave ? interleave : hidden;
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+  const int lane = threadIdx.x % kWarp;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
+       row < rows; row += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
     const T* in = input + row * 2 * hidden;
     T* out = output + row * hidden;
     const float scale = scales ? to_float(scales[row]) : 1.0f;
-    for (int64_t j = threadIdx.x * V; j < hidden; j += blockDim.x * V) {
+    for (int64_t j = lane * V; j < hidden; j += kWarp * V) {
       const int64_t ai = a_index(j, interleave);
       const Vec<T, V> a = load<T, V>(in + ai), b = load<T, V>(in + ai + gate_offset);
       Vec<T, V> y;
@@ -117,35 +121,21 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// Sum over the block; the result is valid in thread 0. Leaves `shared` free for the next call.
-__device__ __forceinline__ float block_sum(float v, float* shared) {
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  v = warp_sum(v);
-  if (lane == 0) shared[warp] = v;
-  __syncthreads();
-  float total = 0.0f;
-  if (warp == 0) {
-    total = lane < static_cast<int>(blockDim.x / kWarp) ? shared[lane] : 0.0f;
-    total = warp_sum(total);
-  }
-  __syncthreads();
-  return total;
-}
-
 template <typename T, typename S, GluKind K, int V>
 __global__ void glu_backward_kernel(const T* __restrict__ input, const S* __restrict__ scales,
                                     const T* __restrict__ grad_output, T* __restrict__ grad_input,
                                     S* __restrict__ grad_scales, int64_t rows, int64_t hidden,
                                     int64_t interleave, ActParams p) {
-  __shared__ float partials[kMaxThreads / kWarp];
   const int64_t gate_offset = interleave ? interleave : hidden;
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+  const int lane = threadIdx.x % kWarp;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
+       row < rows; row += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
     const T* in = input + row * 2 * hidden;
     const T* dy = grad_output + row * hidden;
     T* dx = grad_input + row * 2 * hidden;
     const float scale = scales ? to_float(scales[row]) : 1.0f;
     float scale_grad = 0.0f;
-    for (int64_t j = threadIdx.x * V; j < hidden; j += blockDim.x * V) {
+    for (int64_t j = lane * V; j < hidden; j += kWarp * V) {
       const int64_t ai = a_index(j, interleave);
       const Vec<T, V> a = load<T, V>(in + ai), b = load<T, V>(in + ai + gate_offset);
       const Vec<T, V> g = load<T, V>(dy + j);
@@ -161,9 +151,9 @@ __global__ void glu_backward_kernel(const T* __restrict__ input, const S* __rest
       store<T, V>(dx + ai, da);
       store<T, V>(dx + ai + gate_offset, db);
     }
-    if (grad_scales != nullptr) {  // uniform across the block: every thread takes the barrier
-      const float total = block_sum(scale_grad, partials);
-      if (threadIdx.x == 0) grad_scales[row] = from_float<S>(total);
+    if (grad_scales != nullptr) {  // uniform across the warp: every lane joins the shuffles
+      const float total = warp_sum(scale_grad);
+      if (lane == 0) grad_scales[row] = from_float<S>(total);
     }
   }
 }
@@ -218,15 +208,13 @@ LaunchShape launch_shape(const GluParams& params, int vector, const void* const*
                          int count) {
   bool vectorized = params.hidden % vector == 0 && params.interleave % vector == 0;
   for (int i = 0; i < count; ++i) vectorized &= pointers[i] == nullptr || aligned16(pointers[i]);
-  const int64_t width = vectorized ? params.hidden / vector : params.hidden;
-  const int threads = static_cast<int>(
-      std::clamp<int64_t>((width + kWarp - 1) / kWarp * kWarp, kWarp, kMaxThreads));
   int device = 0, sms = 0;
   TORCHMOE_CUDA_CHECK(cudaGetDevice(&device));
   TORCHMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t resident = static_cast<int64_t>(sms) * (2048 / threads);
-  const auto blocks = static_cast<unsigned>(std::min<int64_t>(params.rows, resident));
-  return {dim3(blocks), dim3(threads), vectorized};
+  // Enough blocks to fill every SM (2048 resident threads each); more rows loop.
+  const int64_t resident = static_cast<int64_t>(sms) * (2048 / kThreads);
+  const int64_t needed = (params.rows + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  return {dim3(static_cast<unsigned>(std::min(needed, resident))), dim3(kThreads), vectorized};
 }
 
 }  // namespace

@@ -1,0 +1,85 @@
+#include "torchmoe/modules/grouped_mlp.h"
+
+#include <utility>
+
+namespace torchmoe {
+namespace {
+
+constexpr const char* kModule = "GroupedMLP";
+
+GroupedLinearOptions layer_options(const GroupedMLPOptions& o, int64_t in, int64_t out) {
+  return GroupedLinearOptions(o.num_experts(), in, out)
+      .bias(o.bias())
+      .params_dtype(o.params_dtype())
+      .device(o.device())
+      .fuse_wgrad_accumulation(o.fuse_wgrad_accumulation())
+      .delay_wgrad_compute(o.delay_wgrad_compute())
+      .single_grouped_weight(o.single_grouped_weight())
+      .single_grouped_bias(o.single_grouped_bias());
+}
+
+}  // namespace
+
+GroupedMLPOptions::GroupedMLPOptions(int64_t num_experts, int64_t hidden, int64_t ffn_hidden)
+    : num_experts_(num_experts), hidden_(hidden), ffn_hidden_(ffn_hidden) {}
+
+GroupedMLPImpl::GroupedMLPImpl(GroupedMLPOptions options_) : options(std::move(options_)) {
+  reset();
+}
+
+void GroupedMLPImpl::reset() {
+  TORCH_CHECK(options.ffn_hidden() > 0, kModule, ": ffn_hidden must be positive, got ",
+              options.ffn_hidden());
+  fc1 = register_module(
+      "fc1", GroupedLinear(layer_options(options, options.hidden(), 2 * options.ffn_hidden())));
+  fc2 = register_module(
+      "fc2", GroupedLinear(layer_options(options, options.ffn_hidden(), options.hidden())));
+}
+
+void GroupedMLPImpl::pretty_print(std::ostream& stream) const {
+  stream << std::boolalpha << "torchmoe::GroupedMLP(num_experts=" << options.num_experts()
+         << ", hidden=" << options.hidden() << ", ffn_hidden=" << options.ffn_hidden()
+         << ", bias=" << options.bias() << ", activation="
+         << (options.activation() == GroupedMLPActivation::kSwiGLU ? "swiglu" : "clamped_swiglu")
+         << ")";
+}
+
+torch::Tensor GroupedMLPImpl::forward(const torch::Tensor& x, const SplitSizes& m_splits,
+                                      const torch::Tensor& probs,
+                                      std::optional<bool> is_first_microbatch) {
+  TORCH_CHECK(x.defined() && x.dim() == 2 && x.size(1) == options.hidden(), kModule,
+              ": x must be [rows, hidden=", options.hidden(), "], got ",
+              x.defined() ? x.sizes() : torch::IntArrayRef{});
+  TORCH_CHECK(probs.defined() && probs.dim() == 1 && probs.size(0) == x.size(0), kModule,
+              ": probs must be [rows] with one probability per row of x (", x.size(0), "), got ",
+              probs.defined() ? probs.sizes() : torch::IntArrayRef{});
+  const std::vector<int64_t> splits = m_splits.to_host();
+  const torch::Tensor z = fc1(x, splits, is_first_microbatch);
+  torch::Tensor h;
+  if (options.activation() == GroupedMLPActivation::kSwiGLU) {
+    h = functional::scaled_swiglu(
+        z, probs, SwiGLUOptions().glu_interleave_size(options.glu_interleave_size()));
+  } else {
+    ClampedSwiGLUOptions clamped = options.clamped();
+    clamped.glu_interleave_size(options.glu_interleave_size());
+    h = functional::scaled_clamped_swiglu(z, probs, clamped);
+  }
+  torch::Tensor y = fc2(h, splits, is_first_microbatch);
+  if (options.bias() && options.scale_bias()) {
+    // fc2 added b2_e; adding b2_e·(p - 1) leaves b2_e·p, with the gradients of b2 and p that
+    // TE's scale_bias has (Σ dy·p and Σ dy·b2_e).
+    const torch::Tensor expert_of_row = torch::repeat_interleave(
+        torch::arange(options.num_experts(), torch::TensorOptions().device(x.device())),
+        torch::tensor(splits, torch::TensorOptions().device(x.device())));
+    const torch::Tensor b2 = torch::stack(fc2->expert_biases()).index_select(0, expert_of_row);
+    y = y + b2 * (probs - 1).unsqueeze(1).to(y.scalar_type());
+  }
+  return y;
+}
+
+void GroupedMLPImpl::backward_dw() {
+  fc1->backward_dw();
+  fc2->backward_dw();
+}
+
+}  // namespace torchmoe

@@ -1,0 +1,82 @@
+#pragma once
+// GroupedMLP: the expert MLP of an MoE layer, fc1 (GroupedLinear, hidden -> 2·ffn) -> scaled gated
+// activation with the routing probabilities -> fc2 (GroupedLinear, ffn -> hidden). Per expert e:
+//   y_e = (act(x_e·W1_eᵀ + b1_e) · p_e) · W2_eᵀ + b2_e          (b2_e · p_e with scale_bias)
+// as TransformerEngine's Sequential(GroupedLinear, ScaledSwiGLU, GroupedLinear) on Hopper.
+
+#include <torch/arg.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/pimpl.h>
+#include <torch/types.h>
+
+#include <optional>
+#include <ostream>
+
+#include "torchmoe/modules/glu.h"
+#include "torchmoe/modules/grouped_linear.h"
+
+namespace torchmoe {
+
+enum class GroupedMLPActivation { kSwiGLU, kClampedSwiGLU };
+
+/// Options for `GroupedMLP`.
+///
+/// Example:
+/// ```
+/// torchmoe::GroupedMLP experts(torchmoe::GroupedMLPOptions(/*num_experts=*/8, 1024, 2048)
+///                                  .params_dtype(torch::kBFloat16)
+///                                  .device(torch::kCUDA)
+///                                  .glu_interleave_size(32));
+/// torch::Tensor y = experts(x, m_splits, probs);  // x [M, 1024], probs [M]
+/// ```
+struct GroupedMLPOptions {
+  GroupedMLPOptions(int64_t num_experts, int64_t hidden, int64_t ffn_hidden);
+
+  TORCH_ARG(int64_t, num_experts);
+  /// Model width: fc1's input and fc2's output.
+  TORCH_ARG(int64_t, hidden);
+  /// Expert width: fc1 produces 2·ffn_hidden (act and gate halves), fc2 consumes ffn_hidden.
+  TORCH_ARG(int64_t, ffn_hidden);
+  TORCH_ARG(bool, bias) = true;
+  TORCH_ARG(GroupedMLPActivation, activation) = GroupedMLPActivation::kSwiGLU;
+  /// ClampedSwiGLU parameters (activation == kClampedSwiGLU).
+  TORCH_ARG(ClampedSwiGLUOptions, clamped) = {};
+  /// fc1's output columns interleave act and gate in blocks of this size (see SwiGLUOptions).
+  TORCH_ARG(std::optional<int64_t>, glu_interleave_size) = std::nullopt;
+  TORCH_ARG(torch::Dtype, params_dtype) = torch::kFloat32;
+  TORCH_ARG(torch::Device, device) = torch::kCPU;
+  /// Passed to both GroupedLinear layers.
+  TORCH_ARG(bool, fuse_wgrad_accumulation) = false;
+  TORCH_ARG(bool, delay_wgrad_compute) = false;
+  TORCH_ARG(bool, single_grouped_weight) = false;
+  TORCH_ARG(bool, single_grouped_bias) = false;
+  /// fc2's bias is scaled by the routing probability too (TE's scale_bias): + b2_e · p.
+  TORCH_ARG(bool, scale_bias) = false;
+};
+
+class GroupedMLPImpl : public torch::nn::Cloneable<GroupedMLPImpl> {
+ public:
+  GroupedMLPImpl(int64_t num_experts, int64_t hidden, int64_t ffn_hidden)
+      : GroupedMLPImpl(GroupedMLPOptions(num_experts, hidden, ffn_hidden)) {}
+  explicit GroupedMLPImpl(GroupedMLPOptions options);
+
+  void reset() override;
+  void pretty_print(std::ostream& stream) const override;
+
+  /// x [M, hidden] grouped by expert, m_splits rows per expert (summing to M), probs [M] (fp32 or
+  /// the parameters' dtype; receives a gradient). Returns [M, hidden].
+  torch::Tensor forward(const torch::Tensor& x, const SplitSizes& m_splits,
+                        const torch::Tensor& probs,
+                        std::optional<bool> is_first_microbatch = std::nullopt);
+
+  /// Runs the oldest delayed weight-gradient computation of both layers.
+  void backward_dw();
+
+  GroupedMLPOptions options;
+  GroupedLinear fc1{nullptr};
+  GroupedLinear fc2{nullptr};
+};
+
+TORCH_MODULE(GroupedMLP);
+
+}  // namespace torchmoe

@@ -1,0 +1,225 @@
+// GroupedMLP vs a float64 reference built from plain ATen per expert (FC1 -> act -> ·probs -> FC2),
+// TE's test_grouped_mlp setup: 4 experts, hidden {128, 256}, splits shuffled {0, 256, 512, 768},
+// x and dy in U[-0.25, 0.25], probs U[0, 1), biases U[-0.5, 0.5]; y, dx, dprobs, every dW and db.
+
+#include <torchmoe/torchmoe.h>
+
+#include "test_utils.h"
+
+using namespace torchmoe::test;
+using Catch::Matchers::Contains;
+using torchmoe::GroupedMLP;
+using torchmoe::GroupedMLPActivation;
+using torchmoe::GroupedMLPOptions;
+
+namespace {
+
+struct MlpCase {
+  torch::Dtype dtype = torch::kFloat32;
+  torch::Device device = torch::kCPU;
+  int64_t hidden = 128;
+  bool bias = true, scale_bias = false, fuse = false, delay = false, single = false;
+  GroupedMLPActivation activation = GroupedMLPActivation::kSwiGLU;
+  std::optional<int64_t> interleave;
+};
+
+std::string describe(const MlpCase& c) {
+  std::ostringstream s;
+  s << "dtype=" << c.dtype << " device=" << c.device << " hidden=" << c.hidden << " bias=" << c.bias
+    << " scale_bias=" << c.scale_bias << " fuse=" << c.fuse << " delay=" << c.delay
+    << " single=" << c.single
+    << " clamped=" << (c.activation == GroupedMLPActivation::kClampedSwiGLU)
+    << " interleave=" << c.interleave.value_or(0);
+  return s.str();
+}
+
+torch::Tensor uniform(torch::IntArrayRef shape, double lo, double hi,
+                      const torch::TensorOptions& options) {
+  return torch::rand(shape, options.dtype(torch::kFloat32)) * (hi - lo) + lo;
+}
+
+// Per-expert weights/biases of a layer, float64 leaves for the reference.
+std::vector<torch::Tensor> leaves(const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : params) out.push_back(p.detach().to(torch::kFloat64).requires_grad_(true));
+  return out;
+}
+
+// act(z) with the act half / gate half located through the interleave block, in float64.
+torch::Tensor reference_act(const torch::Tensor& z, const MlpCase& c,
+                            const torchmoe::ClampedSwiGLUOptions& clamped) {
+  const int64_t ffn = z.size(1) / 2;
+  const int64_t block = c.interleave.value_or(ffn);
+  std::vector<int64_t> a_idx, b_idx;
+  for (int64_t j = 0; j < ffn; ++j) {
+    a_idx.push_back((j / block) * 2 * block + j % block);
+    b_idx.push_back(a_idx.back() + block);
+  }
+  const torch::Tensor a = z.index_select(1, torch::tensor(a_idx).to(z.device()));
+  const torch::Tensor b = z.index_select(1, torch::tensor(b_idx).to(z.device()));
+  if (c.activation == GroupedMLPActivation::kSwiGLU) return a * torch::sigmoid(a) * b;
+  const torch::Tensor ac = torch::clamp_max(a, clamped.limit());
+  return ac * torch::sigmoid(clamped.alpha() * ac) *
+         (torch::clamp(b, -clamped.limit(), clamped.limit()) + clamped.offset());
+}
+
+std::vector<torch::Tensor> weight_grads(torchmoe::GroupedLinear& layer, bool fuse, bool single) {
+  if (fuse) {
+    auto main = layer->main_grads();
+    return single ? main[0].unbind(0) : main;
+  }
+  auto params = layer->named_parameters();
+  if (single) return params["weight"].grad().unbind(0);
+  std::vector<torch::Tensor> grads;
+  for (size_t g = 0; g < layer->expert_weights().size(); ++g) {
+    grads.push_back(params["weight" + std::to_string(g)].grad());
+  }
+  return grads;
+}
+
+std::vector<torch::Tensor> bias_grads(torchmoe::GroupedLinear& layer, bool single) {
+  auto params = layer->named_parameters();
+  if (single) return params["bias"].grad().unbind(0);
+  std::vector<torch::Tensor> grads;
+  for (size_t g = 0; g < layer->expert_biases().size(); ++g) {
+    grads.push_back(params["bias" + std::to_string(g)].grad());
+  }
+  return grads;
+}
+
+void run_mlp_case(const MlpCase& c) {
+  INFO(describe(c));
+  torch::manual_seed(23);
+  const int64_t experts = 4, ffn = c.hidden;
+  GroupedMLP mlp(GroupedMLPOptions(experts, c.hidden, ffn)
+                     .bias(c.bias)
+                     .scale_bias(c.scale_bias)
+                     .activation(c.activation)
+                     .glu_interleave_size(c.interleave)
+                     .params_dtype(c.dtype)
+                     .device(c.device)
+                     .fuse_wgrad_accumulation(c.fuse)
+                     .delay_wgrad_compute(c.delay)
+                     .single_grouped_weight(c.single)
+                     .single_grouped_bias(c.single));
+  const auto options = torch::TensorOptions().device(c.device);
+  {
+    torch::NoGradGuard no_grad;
+    for (auto* layer : {&mlp->fc1, &mlp->fc2}) {
+      for (torch::Tensor b : (*layer)->expert_biases())
+        b.copy_(uniform(b.sizes(), -0.5, 0.5, options));
+    }
+  }
+  const std::vector<int64_t> splits = {512, 0, 768, 256};  // {0, 256, 512, 768} shuffled
+  const int64_t rows = 1536;
+  const torch::Tensor x =
+      uniform({rows, c.hidden}, -0.25, 0.25, options).to(c.dtype).requires_grad_(true);
+  // fp32 probabilities (a router's usual output), float64 in the float64 runs
+  const torch::Tensor probs =
+      uniform({rows}, 0.0, 1.0, options)
+          .to(c.dtype == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32)
+          .requires_grad_(true);
+  const torch::Tensor dy = uniform({rows, c.hidden}, -0.25, 0.25, options).to(c.dtype);
+
+  const torch::Tensor y = mlp(x, splits, probs);
+  y.backward(dy);
+  if (c.delay) mlp->backward_dw();
+
+  // float64 reference: plain ATen per expert, autograd for the gradients.
+  torch::AutoGradMode enable(true);
+  const auto w1 = leaves(mlp->fc1->expert_weights()), w2 = leaves(mlp->fc2->expert_weights());
+  const auto b1 = leaves(mlp->fc1->expert_biases()), b2 = leaves(mlp->fc2->expert_biases());
+  const torch::Tensor x64 = x.detach().to(torch::kFloat64).requires_grad_(true);
+  const torch::Tensor p64 = probs.detach().to(torch::kFloat64).requires_grad_(true);
+  std::vector<torch::Tensor> pieces;
+  int64_t first = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    const torch::Tensor xe = x64.narrow(0, first, splits[e]);
+    const torch::Tensor pe = p64.narrow(0, first, splits[e]).unsqueeze(1);
+    const torch::Tensor z = torch::linear(xe, w1[e], c.bias ? b1[e] : torch::Tensor());
+    torch::Tensor ye = torch::linear(reference_act(z, c, mlp->options.clamped()) * pe, w2[e]);
+    if (c.bias) ye = ye + (c.scale_bias ? b2[e] * pe : b2[e]);
+    pieces.push_back(ye);
+    first += splits[e];
+  }
+  const torch::Tensor y64 = torch::cat(pieces);
+  (y64 * dy.to(torch::kFloat64)).sum().backward();
+
+  const Tolerance tol = c.dtype == torch::kBFloat16  ? Tolerance{0.125, 0.25}  // TE's
+                        : c.dtype == torch::kFloat64 ? Tolerance{1e-10, 1e-10}
+                                                     : Tolerance{1e-4, 1e-5};
+  check_close(y, y64, tol, "y");
+  check_close(x.grad(), x64.grad(), tol, "dx");
+  check_close(probs.grad(), p64.grad(), tol, "dprobs");
+  const auto dw1 = weight_grads(mlp->fc1, c.fuse, c.single);
+  const auto dw2 = weight_grads(mlp->fc2, c.fuse, c.single);
+  // main-grad is fp32 whatever the parameters' dtype
+  const Tolerance wtol = c.fuse && c.dtype == torch::kFloat64 ? Tolerance{1e-4, 1e-5} : tol;
+  for (int64_t e = 0; e < experts; ++e) {
+    check_close(dw1[e], w1[e].grad(), wtol, "dW1 expert " + std::to_string(e));
+    check_close(dw2[e], w2[e].grad(), wtol, "dW2 expert " + std::to_string(e));
+  }
+  if (c.bias) {
+    const auto db1 = bias_grads(mlp->fc1, c.single), db2 = bias_grads(mlp->fc2, c.single);
+    for (int64_t e = 0; e < experts; ++e) {
+      check_close(db1[e], b1[e].grad(), tol, "db1 expert " + std::to_string(e));
+      check_close(db2[e], b2[e].grad(), tol, "db2 expert " + std::to_string(e));
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("GroupedMLP on CPU vs float64 reference", "[modules][grouped_mlp]") {
+  MlpCase c;
+  c.dtype = GENERATE(torch::kFloat32, torch::kFloat64);
+  c.hidden = GENERATE(128, 256);
+  c.activation = GENERATE(GroupedMLPActivation::kSwiGLU, GroupedMLPActivation::kClampedSwiGLU);
+  c.interleave = GENERATE(std::optional<int64_t>{}, std::optional<int64_t>{32});
+  c.scale_bias = GENERATE(false, true);
+  run_mlp_case(c);
+}
+
+TEST_CASE("GroupedMLP options reach both layers", "[modules][grouped_mlp]") {
+  MlpCase c;
+  c.bias = GENERATE(false, true);
+  c.fuse = GENERATE(false, true);
+  c.delay = GENERATE(false, true);
+  c.single = GENERATE(false, true);
+  run_mlp_case(c);
+}
+
+TEST_CASE("GroupedMLP on CUDA (bf16) vs float64 reference", "[modules][grouped_mlp][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  MlpCase c;
+  c.device = torch::kCUDA;
+  c.dtype = GENERATE(torch::kBFloat16, torch::kFloat32);
+  c.hidden = GENERATE(128, 256);
+  c.activation = GENERATE(GroupedMLPActivation::kSwiGLU, GroupedMLPActivation::kClampedSwiGLU);
+  c.interleave = GENERATE(std::optional<int64_t>{}, std::optional<int64_t>{32});
+  c.scale_bias = GENERATE(false, true);
+  c.fuse = GENERATE(false, true);
+  c.delay = GENERATE(false, true);
+  c.single = GENERATE(false, true);
+  at::globalContext().setAllowTF32CuBLAS(false);
+  run_mlp_case(c);
+}
+
+TEST_CASE("GroupedMLP rejects bad input", "[modules][grouped_mlp][errors]") {
+  GroupedMLP mlp(GroupedMLPOptions(3, 16, 8));
+  const torch::Tensor x = torch::randn({6, 16});
+  const std::vector<int64_t> splits = {2, 0, 4};
+  REQUIRE_THROWS_WITH(
+      mlp(x, splits, torch::rand({5})),
+      Contains("probs must be [rows] with one probability per row of x (6), got [5]"));
+  REQUIRE_THROWS_WITH(mlp(x, std::vector<int64_t>{2, 0, 3}, torch::rand({6})),
+                      Contains("m_splits must sum to the number of rows (6)"));
+  REQUIRE_THROWS_WITH(mlp(torch::randn({6, 12}), splits, torch::rand({6})),
+                      Contains("x must be [rows, hidden=16], got [6, 12]"));
+  REQUIRE_THROWS_WITH(GroupedMLP(GroupedMLPOptions(3, 16, 0)),
+                      Contains("ffn_hidden must be positive, got 0"));
+  std::ostringstream s;
+  s << mlp;
+  CHECK(s.str().find("torchmoe::GroupedMLP(num_experts=3, hidden=16, ffn_hidden=8, bias=true, "
+                     "activation=swiglu)") == 0);
+}
