@@ -1,0 +1,128 @@
+// GroupedMLP forward+backward time per step on the benchmark MoE shapes (bf16, uniform splits),
+// next to the sum of its parts timed alone in the same process: fc1 (GroupedLinear fwd+bwd),
+// ScaledSwiGLU (fwd+bwd), fc2 (GroupedLinear fwd+bwd).
+//
+//   bench_grouped_mlp [--json PATH] [--iters N] [--shapes a,b,...]
+
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <torchmoe/torchmoe.h>
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <fstream>
+#include <functional>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct Shape {
+  std::string name;
+  int64_t experts, hidden, ffn, topk, tokens;
+};
+
+const std::vector<Shape> kShapes = {
+    {"mixtral", 8, 4096, 14336, 2, 8192},
+    {"deepseek-v3-ep8", 32, 7168, 2048, 8, 8192},
+    {"qwen3-30b-a3b", 128, 2048, 768, 8, 8192},
+    {"olmoe", 64, 2048, 1024, 8, 8192},
+};
+
+double median_ms(const std::function<void()>& fn, int iters) {
+  for (int i = 0; i < 3; ++i) fn();
+  std::vector<double> times;
+  for (int i = 0; i < iters; ++i) {
+    at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
+    start.record();
+    fn();
+    stop.record();
+    stop.synchronize();
+    times.push_back(start.elapsed_time(stop));
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string json_path = "bench_grouped_mlp.json";
+  int iters = 10;
+  std::vector<std::string> wanted;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i], value = argv[i + 1];
+    if (flag == "--json") {
+      json_path = value;
+    } else if (flag == "--iters") {
+      iters = std::stoi(value);
+    } else if (flag == "--shapes") {
+      std::stringstream s(value);
+      for (std::string item; std::getline(s, item, ',');) wanted.push_back(item);
+    } else {
+      std::cerr << "error: unknown flag " << flag << "\n";
+      return 2;
+    }
+  }
+  if (!torch::cuda::is_available()) {
+    std::cerr << "bench_grouped_mlp: no CUDA device; nothing to measure\n";
+    return 1;
+  }
+  std::cout << "device: " << at::cuda::getCurrentDeviceProperties()->name
+            << ", bf16, uniform splits, forward+backward per step (ms)\n"
+            << std::left << std::setw(17) << "shape" << std::right << std::setw(10) << "mlp"
+            << std::setw(10) << "fc1" << std::setw(10) << "act" << std::setw(10) << "fc2"
+            << std::setw(10) << "parts" << std::setw(12) << "TFLOP/s\n";
+  std::ofstream json(json_path);
+  json << "{\n  \"device\": \"" << at::cuda::getCurrentDeviceProperties()->name
+       << "\",\n  \"unit\": \"ms\",\n  \"results\": [";
+  const auto bf16 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+  bool first = true;
+  for (const Shape& shape : kShapes) {
+    if (!wanted.empty() && std::find(wanted.begin(), wanted.end(), shape.name) == wanted.end()) {
+      continue;
+    }
+    const int64_t m = shape.tokens * shape.topk, h = shape.hidden, f = shape.ffn;
+    torchmoe::GroupedMLP mlp(torchmoe::GroupedMLPOptions(shape.experts, h, f)
+                                 .bias(false)
+                                 .params_dtype(torch::kBFloat16)
+                                 .device(torch::kCUDA));
+    const std::vector<int64_t> splits(shape.experts, m / shape.experts);
+    const torch::Tensor x = torch::randn({m, h}, bf16).requires_grad_(true);
+    const torch::Tensor probs = torch::rand({m}, bf16.dtype(torch::kFloat32)).requires_grad_(true);
+    const torch::Tensor dy = torch::randn({m, h}, bf16);
+    const torch::Tensor z = torch::randn({m, 2 * f}, bf16).requires_grad_(true);
+    const torch::Tensor dz = torch::randn({m, 2 * f}, bf16);
+    const torch::Tensor a = torch::randn({m, f}, bf16).requires_grad_(true);
+    const torch::Tensor da = torch::randn({m, f}, bf16);
+    auto step = [&](const std::function<torch::Tensor()>& forward, const torch::Tensor& grad) {
+      return [&, forward, grad] {
+        mlp->zero_grad();  // set_to_none: no gradient accumulation inside the timed step
+        for (const torch::Tensor* leaf : {&x, &probs, &z, &a}) leaf->mutable_grad().reset();
+        forward().backward(grad);
+      };
+    };
+    const double mlp_ms = median_ms(step([&] { return mlp(x, splits, probs); }, dy), iters);
+    const double fc1_ms = median_ms(step([&] { return mlp->fc1(x, splits); }, dz), iters);
+    const double act_ms =
+        median_ms(step([&] { return torchmoe::functional::scaled_swiglu(z, probs); }, da), iters);
+    const double fc2_ms = median_ms(step([&] { return mlp->fc2(a, splits); }, dy), iters);
+    const double tflops = 3 * 2.0 * m * (2 * f * h + f * h) / mlp_ms * 1e-9;
+    std::cout << std::left << std::setw(17) << shape.name << std::right << std::fixed
+              << std::setprecision(2) << std::setw(10) << mlp_ms << std::setw(10) << fc1_ms
+              << std::setw(10) << act_ms << std::setw(10) << fc2_ms << std::setw(10)
+              << fc1_ms + act_ms + fc2_ms << std::setprecision(0) << std::setw(11) << tflops
+              << "\n";
+    json << (first ? "\n" : ",\n") << "    {\"shape\": \"" << shape.name
+         << "\", \"mlp\": " << mlp_ms << ", \"fc1\": " << fc1_ms << ", \"act\": " << act_ms
+         << ", \"fc2\": " << fc2_ms << ", \"tflops\": " << tflops << "}";
+    first = false;
+  }
+  json << "\n  ]\n}\n";
+  std::cout << "wrote " << json_path << "\n";
+  return 0;
+}
