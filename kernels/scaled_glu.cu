@@ -85,6 +85,14 @@ __device__ __forceinline__ GluTerms glu_terms(float a, float b, const ActParams&
   }
 }
 
+// A warp covers a row in chunks of 32·V elements. Each row starts at a different chunk: with every
+// warp at the same in-row offset, power-of-two row strides (H = 1024, 2048, ...) put all warps on
+// the same DRAM partitions (measured: forward at 40-46% of copy bandwidth instead of ~90%).
+template <int V>
+__device__ __forceinline__ int64_t chunk_start(int64_t c, int64_t row, int64_t chunks) {
+  return ((c + row) % chunks) * kWarp * V;
+}
+
 // Position of a_j within a row; b_j sits `gate_offset` after it.
 __device__ __forceinline__ int64_t a_index(int64_t j, int64_t interleave) {
   return interleave ? (j / interleave) * 2 * interleave + j % interleave : j;
@@ -95,13 +103,16 @@ __global__ void glu_forward_kernel(const T* __restrict__ input, const S* __restr
                                    T* __restrict__ output, int64_t rows, int64_t hidden,
                                    int64_t interleave, ActParams p) {
   const int64_t gate_offset = interleave ? interleave : hidden;
+  const int64_t chunks = (hidden + kWarp * V - 1) / (kWarp * V);
   const int lane = threadIdx.x % kWarp;
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
        row < rows; row += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
     const T* in = input + row * 2 * hidden;
     T* out = output + row * hidden;
     const float scale = scales ? to_float(scales[row]) : 1.0f;
-    for (int64_t j = lane * V; j < hidden; j += kWarp * V) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t j = chunk_start<V>(c, row, chunks) + lane * V;
+      if (j >= hidden) continue;
       const int64_t ai = a_index(j, interleave);
       const Vec<T, V> a = load<T, V>(in + ai), b = load<T, V>(in + ai + gate_offset);
       Vec<T, V> y;
@@ -127,6 +138,7 @@ __global__ void glu_backward_kernel(const T* __restrict__ input, const S* __rest
                                     S* __restrict__ grad_scales, int64_t rows, int64_t hidden,
                                     int64_t interleave, ActParams p) {
   const int64_t gate_offset = interleave ? interleave : hidden;
+  const int64_t chunks = (hidden + kWarp * V - 1) / (kWarp * V);
   const int lane = threadIdx.x % kWarp;
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
        row < rows; row += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
@@ -135,7 +147,9 @@ __global__ void glu_backward_kernel(const T* __restrict__ input, const S* __rest
     T* dx = grad_input + row * 2 * hidden;
     const float scale = scales ? to_float(scales[row]) : 1.0f;
     float scale_grad = 0.0f;
-    for (int64_t j = lane * V; j < hidden; j += kWarp * V) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t j = chunk_start<V>(c, row, chunks) + lane * V;
+      if (j >= hidden) continue;
       const int64_t ai = a_index(j, interleave);
       const Vec<T, V> a = load<T, V>(in + ai), b = load<T, V>(in + ai + gate_offset);
       const Vec<T, V> g = load<T, V>(dy + j);

@@ -71,8 +71,12 @@ torch::Tensor GroupedMLPImpl::forward(const torch::Tensor& x, const SplitSizes& 
     const torch::Tensor expert_of_row = torch::repeat_interleave(
         torch::arange(options.num_experts(), torch::TensorOptions().device(x.device())),
         torch::tensor(splits, torch::TensorOptions().device(x.device())));
-    const torch::Tensor b2 = torch::stack(fc2->expert_biases()).index_select(0, expert_of_row);
-    y = y + b2 * (probs - 1).unsqueeze(1).to(y.scalar_type());
+    // In fp32 (or wider): the gather's backward sums each expert's rows, which must not round
+    // per row in bf16.
+    const auto wide = torch::promote_types(y.scalar_type(), torch::kFloat32);
+    const torch::Tensor b2 =
+        torch::stack(fc2->expert_biases()).to(wide).index_select(0, expert_of_row);
+    y = (y.to(wide) + b2 * (probs.to(wide) - 1).unsqueeze(1)).to(y.scalar_type());
   }
   return y;
 }
