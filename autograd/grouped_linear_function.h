@@ -9,7 +9,10 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <vector>
+
+#include "torchmoe/ops/glu.h"
 
 namespace torchmoe::autograd {
 
@@ -36,16 +39,24 @@ struct GroupedLinearConfig : torch::CustomClassHolder {
       false;  // is_first_microbatch == true: the first micro-batch overwrites
   // delay_wgrad_compute: backward queues its weight-gradient GEMM here instead of running it.
   std::shared_ptr<WgradQueue> wgrad_queue;
+  // Fused input activation (GroupedMLP's recompute_activation): the Function's input is the
+  // pre-activation [rows, 2·in] and the GEMM input is glu(input, input_scales). Only the
+  // pre-activation and scales are saved; backward recomputes the activation for the wgrad GEMM.
+  std::optional<ops::GluOptions> input_activation;
 };
 
 class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunction> {
  public:
-  // input [rows, in] (contiguous); weights G × [out, in] or one [G, out, in]; biases empty,
-  // G × [out] or one [G, out] (matching config.grouped_weight / grouped_bias). Returns [rows, out].
+  // input [rows, in] (contiguous), or [rows, 2·in] with config.input_activation, whose per-row
+  // scales are input_scales (else nullopt); weights G × [out, in] or one [G, out, in]; biases
+  // empty, G × [out] or one [G, out] (matching config.grouped_weight / grouped_bias).
+  // Returns [rows, out].
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input,
-                            at::TensorList weights, at::TensorList biases,
+                            const std::optional<at::Tensor>& input_scales, at::TensorList weights,
+                            at::TensorList biases,
                             const c10::intrusive_ptr<GroupedLinearConfig>& config);
-  // One gradient per input: d input, d weights..., d biases..., and none for the config.
+  // One gradient per input: d input, d input_scales (when given), d weights..., d biases..., and
+  // none for the config.
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs);
 };

@@ -11,6 +11,20 @@ int64_t interleave_of(const std::optional<int64_t>& size) {
   return size.value_or(0);
 }
 
+void print_interleave(std::ostream& stream, const std::optional<int64_t>& interleave) {
+  if (interleave) stream << "glu_interleave_size=" << *interleave;
+}
+
+void print_clamped(std::ostream& stream, const char* name, const ClampedSwiGLUOptions& o) {
+  stream << "torchmoe::" << name << "(limit=" << o.limit() << ", alpha=" << o.alpha()
+         << ", offset=" << o.offset();
+  if (o.glu_interleave_size()) stream << ", ";
+  print_interleave(stream, o.glu_interleave_size());
+  stream << ")";
+}
+
+}  // namespace
+
 ops::GluOptions glu_options(const SwiGLUOptions& o) {
   ops::GluOptions g;
   g.interleave = interleave_of(o.glu_interleave_size());
@@ -26,20 +40,6 @@ ops::GluOptions glu_options(const ClampedSwiGLUOptions& o) {
   g.interleave = interleave_of(o.glu_interleave_size());
   return g;
 }
-
-void print_interleave(std::ostream& stream, const std::optional<int64_t>& interleave) {
-  if (interleave) stream << "glu_interleave_size=" << *interleave;
-}
-
-void print_clamped(std::ostream& stream, const char* name, const ClampedSwiGLUOptions& o) {
-  stream << "torchmoe::" << name << "(limit=" << o.limit() << ", alpha=" << o.alpha()
-         << ", offset=" << o.offset();
-  if (o.glu_interleave_size()) stream << ", ";
-  print_interleave(stream, o.glu_interleave_size());
-  stream << ")";
-}
-
-}  // namespace
 
 namespace functional {
 

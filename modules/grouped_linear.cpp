@@ -107,12 +107,30 @@ std::vector<int64_t> SplitSizes::to_host() const {
 
 torch::Tensor GroupedLinearImpl::forward(const torch::Tensor& input, const SplitSizes& splits,
                                          std::optional<bool> is_first_microbatch) {
+  return run(input, splits, is_first_microbatch, torch::Tensor(), std::nullopt);
+}
+
+torch::Tensor GroupedLinearImpl::forward_with_activation(const torch::Tensor& pre_activation,
+                                                         const torch::Tensor& scales,
+                                                         const ops::GluOptions& activation,
+                                                         const SplitSizes& splits,
+                                                         std::optional<bool> is_first_microbatch) {
+  TORCH_CHECK(scales.defined(), kModule, "::forward_with_activation: scales must be defined");
+  return run(pre_activation, splits, is_first_microbatch, scales, activation);
+}
+
+torch::Tensor GroupedLinearImpl::run(const torch::Tensor& input, const SplitSizes& splits,
+                                     std::optional<bool> is_first_microbatch,
+                                     const torch::Tensor& scales,
+                                     const std::optional<ops::GluOptions>& activation) {
+  // With a fused activation the input holds act and gate halves: twice the GEMM's input width.
+  const int64_t width = activation ? 2 * in_features_per_partition : in_features_per_partition;
   TORCH_CHECK(input.defined(), kModule, ": input must be a defined tensor");
   TORCH_CHECK(input.dim() >= 1, kModule,
               ": input must have at least 1 dimension [..., in_features], got a 0-d tensor");
-  TORCH_CHECK(input.size(-1) == in_features_per_partition, kModule,
-              ": input's last dimension must be in_features=", in_features_per_partition,
-              ", got input of shape ", input.sizes());
+  TORCH_CHECK(input.size(-1) == width, kModule, ": input's last dimension must be ",
+              activation ? "2·in_features=" : "in_features=", width, ", got input of shape ",
+              input.sizes());
   TORCH_CHECK(input.scalar_type() == options.params_dtype(), kModule,
               ": input dtype must match params_dtype=", options.params_dtype(), ", got ",
               input.scalar_type());
@@ -131,10 +149,13 @@ torch::Tensor GroupedLinearImpl::forward(const torch::Tensor& input, const Split
   config->main_grads = main_grads_;
   config->overwrite_main_grad = is_first_microbatch.value_or(false);
   if (options.delay_wgrad_compute()) config->wgrad_queue = wgrad_queue_;
+  config->input_activation = activation;
 
-  const torch::Tensor rows = input.reshape({-1, in_features_per_partition}).contiguous();
+  const torch::Tensor rows = input.reshape({-1, width}).contiguous();
+  const std::optional<torch::Tensor> row_scales =
+      activation ? std::optional<torch::Tensor>(scales.reshape({-1})) : std::nullopt;
   const torch::Tensor output = autograd::GroupedLinearFunction::apply(
-      rows, at::TensorList(weight_params_), at::TensorList(bias_params_), config);
+      rows, row_scales, at::TensorList(weight_params_), at::TensorList(bias_params_), config);
   std::vector<int64_t> shape = input.sizes().vec();
   shape.back() = out_features_per_partition;
   return output.view(shape);

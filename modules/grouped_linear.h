@@ -114,6 +114,16 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
   torch::Tensor forward(const torch::Tensor& input, const SplitSizes& m_splits,
                         std::optional<bool> is_first_microbatch = std::nullopt);
 
+  /// forward(glu(pre_activation, scales)) with the gated activation fused in front: the layer
+  /// saves the pre-activation [..., 2·in_features] and the per-row scales instead of the
+  /// activation and recomputes it in backward (GroupedMLP's recompute_activation). Both inputs
+  /// receive gradients.
+  torch::Tensor forward_with_activation(const torch::Tensor& pre_activation,
+                                        const torch::Tensor& scales,
+                                        const ops::GluOptions& activation,
+                                        const SplitSizes& m_splits,
+                                        std::optional<bool> is_first_microbatch = std::nullopt);
+
   /// Runs the oldest queued weight-gradient computation (delay_wgrad_compute) and adds its result
   /// into `.grad` (or the main-grad buffers) exactly as backward would have.
   void backward_dw();
@@ -145,6 +155,11 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
   int64_t out_features_per_partition = 0;
 
  private:
+  // The shared body of both forwards; `activation` set means input is the pre-activation.
+  torch::Tensor run(const torch::Tensor& input, const SplitSizes& m_splits,
+                    std::optional<bool> is_first_microbatch, const torch::Tensor& scales,
+                    const std::optional<ops::GluOptions>& activation);
+
   std::vector<torch::Tensor> weight_params_;  // as registered: G tensors, or one grouped tensor
   std::vector<torch::Tensor> bias_params_;
   std::vector<torch::Tensor> main_grads_;

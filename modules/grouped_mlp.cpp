@@ -2,6 +2,8 @@
 
 #include <utility>
 
+#include "torchmoe/autograd/glu_function.h"
+
 namespace torchmoe {
 namespace {
 
@@ -55,16 +57,20 @@ torch::Tensor GroupedMLPImpl::forward(const torch::Tensor& x, const SplitSizes& 
               probs.defined() ? probs.sizes() : torch::IntArrayRef{});
   const std::vector<int64_t> splits = m_splits.to_host();
   const torch::Tensor z = fc1(x, splits, is_first_microbatch);
-  torch::Tensor h;
+  ops::GluOptions activation;
   if (options.activation() == GroupedMLPActivation::kSwiGLU) {
-    h = functional::scaled_swiglu(
-        z, probs, SwiGLUOptions().glu_interleave_size(options.glu_interleave_size()));
+    activation = glu_options(SwiGLUOptions().glu_interleave_size(options.glu_interleave_size()));
   } else {
     ClampedSwiGLUOptions clamped = options.clamped();
-    clamped.glu_interleave_size(options.glu_interleave_size());
-    h = functional::scaled_clamped_swiglu(z, probs, clamped);
+    activation = glu_options(clamped.glu_interleave_size(options.glu_interleave_size()));
   }
-  torch::Tensor y = fc2(h, splits, is_first_microbatch);
+  torch::Tensor y;
+  if (options.recompute_activation()) {
+    y = fc2->forward_with_activation(z, probs, activation, splits, is_first_microbatch);
+  } else {
+    const torch::Tensor h = autograd::GluFunction::apply(z, probs, activation);
+    y = fc2(h, splits, is_first_microbatch);
+  }
   if (options.bias() && options.scale_bias()) {
     // fc2 added b2_e; adding b2_e·(p - 1) leaves b2_e·p, with the gradients of b2 and p that
     // TE's scale_bias has (Σ dy·p and Σ dy·b2_e).

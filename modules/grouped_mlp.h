@@ -52,6 +52,9 @@ struct GroupedMLPOptions {
   TORCH_ARG(bool, single_grouped_bias) = false;
   /// fc2's bias is scaled by the routing probability too (TE's scale_bias): + b2_e · p.
   TORCH_ARG(bool, scale_bias) = false;
+  /// Keep fc1's output instead of the activation for backward and recompute the activation
+  /// there (saves M·ffn_hidden activations per layer for one extra activation pass).
+  TORCH_ARG(bool, recompute_activation) = false;
 };
 
 class GroupedMLPImpl : public torch::nn::Cloneable<GroupedMLPImpl> {

@@ -26,7 +26,7 @@ TEST_CASE("GroupedLinearFunction computes only the gradients that are needed", "
     b.push_back(torch::randn({2}, f64).requires_grad_(bias_grad));
   }
   const torch::Tensor y =
-      GroupedLinearFunction::apply(x, at::TensorList(w), at::TensorList(b), config);
+      GroupedLinearFunction::apply(x, std::nullopt, at::TensorList(w), at::TensorList(b), config);
   const torch::Tensor dy = torch::randn({7, 2}, f64);
   y.backward(dy);
   const Reference ref = reference_grouped_linear(x, config->m_splits, w, b, dy);
@@ -47,6 +47,6 @@ TEST_CASE("GroupedLinearFunction validates its layout arguments", "[autograd][er
   config->grouped_weight = true;
   const torch::Tensor x = torch::randn({2, 3});
   std::vector<torch::Tensor> w = {torch::randn({2, 3}), torch::randn({2, 3})};
-  REQUIRE_THROWS_WITH(GroupedLinearFunction::apply(x, at::TensorList(w), at::TensorList(), config),
+  REQUIRE_THROWS_WITH(GroupedLinearFunction::apply(x, std::nullopt, at::TensorList(w), at::TensorList(), config),
                       Contains("weights must be one 3-D tensor when grouped, got 2 tensor(s)"));
 }

@@ -19,6 +19,7 @@ struct MlpCase {
   torch::Device device = torch::kCPU;
   int64_t hidden = 128;
   bool bias = true, scale_bias = false, fuse = false, delay = false, single = false;
+  bool recompute = false;
   GroupedMLPActivation activation = GroupedMLPActivation::kSwiGLU;
   std::optional<int64_t> interleave;
 };
@@ -101,7 +102,8 @@ void run_mlp_case(const MlpCase& c) {
                      .fuse_wgrad_accumulation(c.fuse)
                      .delay_wgrad_compute(c.delay)
                      .single_grouped_weight(c.single)
-                     .single_grouped_bias(c.single));
+                     .single_grouped_bias(c.single)
+                     .recompute_activation(c.recompute));
   const auto options = torch::TensorOptions().device(c.device);
   {
     torch::NoGradGuard no_grad;
@@ -182,6 +184,7 @@ TEST_CASE("GroupedMLP on CPU vs float64 reference", "[modules][grouped_mlp]") {
 
 TEST_CASE("GroupedMLP options reach both layers", "[modules][grouped_mlp]") {
   MlpCase c;
+  c.recompute = GENERATE(false, true);
   c.bias = GENERATE(false, true);
   c.fuse = GENERATE(false, true);
   c.delay = GENERATE(false, true);
@@ -201,8 +204,43 @@ TEST_CASE("GroupedMLP on CUDA (bf16) vs float64 reference", "[modules][grouped_m
   c.fuse = GENERATE(false, true);
   c.delay = GENERATE(false, true);
   c.single = GENERATE(false, true);
+  c.recompute = GENERATE(false, true);
   at::globalContext().setAllowTF32CuBLAS(false);
   run_mlp_case(c);
+}
+
+TEST_CASE("GroupedMLP recompute_activation gives the same numbers", "[modules][grouped_mlp]") {
+  const bool delay = GENERATE(false, true);
+  const bool clamped = GENERATE(false, true);
+  torch::manual_seed(31);
+  auto options = GroupedMLPOptions(3, 32, 64).delay_wgrad_compute(delay).glu_interleave_size(32);
+  if (clamped) options.activation(GroupedMLPActivation::kClampedSwiGLU);
+  GroupedMLP plain(options);
+  GroupedMLP recompute(GroupedMLPOptions(options).recompute_activation(true));
+  {
+    torch::NoGradGuard no_grad;
+    auto src = plain->parameters();
+    auto dst = recompute->parameters();
+    for (size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i] + 0.01 * (i + 1));
+    for (size_t i = 0; i < src.size(); ++i) src[i].copy_(dst[i]);
+  }
+  const std::vector<int64_t> splits = {5, 0, 11};
+  const torch::Tensor x = torch::randn({16, 32});
+  const torch::Tensor probs = torch::rand({16});
+  std::vector<torch::Tensor> dx, dp;
+  for (auto* mlp : {&plain, &recompute}) {
+    const torch::Tensor xi = x.clone().requires_grad_(true),
+                        pi = probs.clone().requires_grad_(true);
+    (*mlp)(xi, splits, pi).sin().sum().backward();
+    if (delay) (*mlp)->backward_dw();
+    dx.push_back(xi.grad());
+    dp.push_back(pi.grad());
+  }
+  check_close(dx[1], dx[0], {0, 0}, "dx");
+  check_close(dp[1], dp[0], {0, 0}, "dprobs");
+  auto a = plain->named_parameters(), b = recompute->named_parameters();
+  for (const auto& item : a)
+    check_close(b[item.key()].grad(), item.value().grad(), {0, 0}, item.key());
 }
 
 TEST_CASE("GroupedMLP rejects bad input", "[modules][grouped_mlp][errors]") {
