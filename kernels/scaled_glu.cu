@@ -22,9 +22,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarp = 32;
 constexpr int kWarpsPerBlock = kThreads / kWarp;
-// Chunks a lane loads before it computes and stores any: short rows (4-6 chunks) otherwise leave
-// too few bytes in flight per warp (measured 78-79% of copy bandwidth in backward).
-constexpr int kChunksInFlight = 2;
 
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
@@ -113,28 +110,17 @@ __global__ void glu_forward_kernel(const T* __restrict__ input, const S* __restr
     const T* in = input + row * 2 * hidden;
     T* out = output + row * hidden;
     const float scale = scales ? to_float(scales[row]) : 1.0f;
-    for (int64_t c0 = 0; c0 < chunks; c0 += kChunksInFlight) {
-      int64_t j[kChunksInFlight], ai[kChunksInFlight];
-      Vec<T, V> a[kChunksInFlight], b[kChunksInFlight];
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t j = chunk_start<V>(c, row, chunks) + lane * V;
+      if (j >= hidden) continue;
+      const int64_t ai = a_index(j, interleave);
+      const Vec<T, V> a = load<T, V>(in + ai), b = load<T, V>(in + ai + gate_offset);
+      Vec<T, V> y;
 #pragma unroll
-      for (int u = 0; u < kChunksInFlight; ++u) {  // all loads first: more bytes in flight
-        j[u] = c0 + u < chunks ? chunk_start<V>(c0 + u, row, chunks) + lane * V : hidden;
-        if (j[u] >= hidden) continue;
-        ai[u] = a_index(j[u], interleave);
-        a[u] = load<T, V>(in + ai[u]);
-        b[u] = load<T, V>(in + ai[u] + gate_offset);
+      for (int i = 0; i < V; ++i) {
+        y.v[i] = from_float<T>(scale * glu_terms<K>(to_float(a.v[i]), to_float(b.v[i]), p).value);
       }
-#pragma unroll
-      for (int u = 0; u < kChunksInFlight; ++u) {
-        if (j[u] >= hidden) continue;
-        Vec<T, V> y;
-#pragma unroll
-        for (int i = 0; i < V; ++i) {
-          y.v[i] = from_float<T>(scale *
-                                 glu_terms<K>(to_float(a[u].v[i]), to_float(b[u].v[i]), p).value);
-        }
-        store<T, V>(out + j[u], y);
-      }
+      store<T, V>(out + j, y);
     }
   }
 }
@@ -161,33 +147,23 @@ __global__ void glu_backward_kernel(const T* __restrict__ input, const S* __rest
     T* dx = grad_input + row * 2 * hidden;
     const float scale = scales ? to_float(scales[row]) : 1.0f;
     float scale_grad = 0.0f;
-    for (int64_t c0 = 0; c0 < chunks; c0 += kChunksInFlight) {
-      int64_t j[kChunksInFlight], ai[kChunksInFlight];
-      Vec<T, V> a[kChunksInFlight], b[kChunksInFlight], g[kChunksInFlight];
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t j = chunk_start<V>(c, row, chunks) + lane * V;
+      if (j >= hidden) continue;
+      const int64_t ai = a_index(j, interleave);
+      const Vec<T, V> a = load<T, V>(in + ai), b = load<T, V>(in + ai + gate_offset);
+      const Vec<T, V> g = load<T, V>(dy + j);
+      Vec<T, V> da, db;
 #pragma unroll
-      for (int u = 0; u < kChunksInFlight; ++u) {  // all loads first: more bytes in flight
-        j[u] = c0 + u < chunks ? chunk_start<V>(c0 + u, row, chunks) + lane * V : hidden;
-        if (j[u] >= hidden) continue;
-        ai[u] = a_index(j[u], interleave);
-        a[u] = load<T, V>(in + ai[u]);
-        b[u] = load<T, V>(in + ai[u] + gate_offset);
-        g[u] = load<T, V>(dy + j[u]);
+      for (int i = 0; i < V; ++i) {
+        const GluTerms t = glu_terms<K>(to_float(a.v[i]), to_float(b.v[i]), p);
+        const float dyi = to_float(g.v[i]);
+        da.v[i] = from_float<T>(dyi * scale * t.d_a);
+        db.v[i] = from_float<T>(dyi * scale * t.d_b);
+        scale_grad += dyi * t.value;
       }
-#pragma unroll
-      for (int u = 0; u < kChunksInFlight; ++u) {
-        if (j[u] >= hidden) continue;
-        Vec<T, V> da, db;
-#pragma unroll
-        for (int i = 0; i < V; ++i) {
-          const GluTerms t = glu_terms<K>(to_float(a[u].v[i]), to_float(b[u].v[i]), p);
-          const float dyi = to_float(g[u].v[i]);
-          da.v[i] = from_float<T>(dyi * scale * t.d_a);
-          db.v[i] = from_float<T>(dyi * scale * t.d_b);
-          scale_grad += dyi * t.value;
-        }
-        store<T, V>(dx + ai[u], da);
-        store<T, V>(dx + ai[u] + gate_offset, db);
-      }
+      store<T, V>(dx + ai, da);
+      store<T, V>(dx + ai + gate_offset, db);
     }
     if (grad_scales != nullptr) {  // uniform across the warp: every lane joins the shuffles
       const float total = warp_sum(scale_grad);
