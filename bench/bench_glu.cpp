@@ -11,6 +11,8 @@
 #include <ATen/cuda/CUDAEvent.h>
 #include <torchmoe/torchmoe.h>
 
+#include "bench_common.h"
+
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -23,30 +25,7 @@
 
 namespace {
 
-struct Shape {
-  std::string name;
-  int64_t tokens, topk, ffn;
-};
-
-const std::vector<Shape> kShapes = {{"mixtral", 8192, 2, 14336},
-                                    {"deepseek-v3-ep8", 8192, 8, 2048},
-                                    {"qwen3-30b-a3b", 8192, 8, 768},
-                                    {"olmoe", 8192, 8, 1024}};
-
-double median_ms(const std::function<void()>& fn, int iters) {
-  for (int i = 0; i < 3; ++i) fn();
-  std::vector<double> times;
-  for (int i = 0; i < iters; ++i) {
-    at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
-    start.record();
-    fn();
-    stop.record();
-    stop.synchronize();
-    times.push_back(start.elapsed_time(stop));
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
+using torchmoe::bench::median_ms;
 
 torch::Tensor composed(const torch::Tensor& x, const torch::Tensor& s) {
   const auto halves = x.chunk(2, -1);
@@ -83,8 +62,9 @@ int main(int argc, char** argv) {
   json << "{\n  \"device\": \"" << at::cuda::getCurrentDeviceProperties()->name
        << "\",\n  \"unit\": \"GB/s\",\n  \"results\": [\n";
   const auto bf16 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
-  for (size_t i = 0; i < kShapes.size(); ++i) {
-    const Shape& shape = kShapes[i];
+  const auto& shapes = torchmoe::bench::shapes();
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const torchmoe::bench::Shape& shape = shapes[i];
     const int64_t m = shape.tokens * shape.topk, f = shape.ffn;
     const torch::Tensor x = torch::randn({m, 2 * f}, bf16);
     const torch::Tensor s = torch::rand({m}, bf16.dtype(torch::kFloat32));
@@ -119,7 +99,7 @@ int main(int argc, char** argv) {
     json << "    {\"shape\": \"" << shape.name << "\", \"rows\": " << m << ", \"width\": " << 2 * f
          << ", \"copy\": " << copy_gbs << ", \"forward\": " << fwd
          << ", \"aten_forward\": " << aten_fwd << ", \"backward\": " << bwd
-         << ", \"aten_backward\": " << aten_bwd << "}" << (i + 1 < kShapes.size() ? "," : "")
+         << ", \"aten_backward\": " << aten_bwd << "}" << (i + 1 < shapes.size() ? "," : "")
          << "\n";
   }
   json << "  ]\n}\n";

@@ -12,6 +12,8 @@
 #include <ATen/cuda/CUDAEvent.h>
 #include <torchmoe/ops/grouped_gemm.h>
 
+#include "bench_common.h"
+
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -27,17 +29,8 @@
 
 namespace {
 
-struct Shape {
-  std::string name;
-  int64_t experts, hidden, ffn, topk, tokens;
-};
-
-const std::vector<Shape> kShapes = {
-    {"mixtral", 8, 4096, 14336, 2, 8192},
-    {"deepseek-v3-ep8", 32, 7168, 2048, 8, 8192},
-    {"qwen3-30b-a3b", 128, 2048, 768, 8, 8192},
-    {"olmoe", 64, 2048, 1024, 8, 8192},
-};
+using torchmoe::bench::median_ms;
+using torchmoe::bench::Shape;
 
 std::vector<int64_t> make_splits(int64_t experts, int64_t rows, bool skewed, uint64_t seed) {
   std::vector<int64_t> splits(experts, rows / experts);
@@ -57,22 +50,6 @@ std::vector<int64_t> make_splits(int64_t experts, int64_t rows, bool skewed, uin
     splits.back() += rows - rows / experts * experts;
   }
   return splits;
-}
-
-// Median time in ms of `fn` over `iters` runs after `warmup`, each bracketed by CUDA events.
-double median_ms(const std::function<void()>& fn, int warmup, int iters) {
-  for (int i = 0; i < warmup; ++i) fn();
-  std::vector<double> times;
-  for (int i = 0; i < iters; ++i) {
-    at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
-    start.record();
-    fn();
-    stop.record();
-    stop.synchronize();
-    times.push_back(start.elapsed_time(stop));
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
 }
 
 struct Record {
@@ -122,7 +99,7 @@ int main(int argc, char** argv) {
 
   std::vector<Record> records;
   const auto bf16 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
-  for (const Shape& shape : kShapes) {
+  for (const Shape& shape : torchmoe::bench::shapes()) {
     if (!wanted.empty() && std::find(wanted.begin(), wanted.end(), shape.name) == wanted.end()) {
       continue;
     }
@@ -153,7 +130,7 @@ int main(int argc, char** argv) {
         return 1;
       }
 
-      const double dense_ms = median_ms([&] { at::mm(x, w0t); }, warmup, iters);
+      const double dense_ms = median_ms([&] { at::mm(x, w0t); }, iters, warmup);
       struct Gemm {
         const char* name;
         std::function<void()> ours, grouped_mm;
@@ -168,8 +145,8 @@ int main(int argc, char** argv) {
            [&] { at::_grouped_mm(dy.t(), x, offs); }},
       };
       for (const Gemm& gemm : gemms) {
-        const double ours_ms = median_ms(gemm.ours, warmup, iters);
-        const double peer_ms = median_ms(gemm.grouped_mm, warmup, iters);
+        const double ours_ms = median_ms(gemm.ours, iters, warmup);
+        const double peer_ms = median_ms(gemm.grouped_mm, iters, warmup);
         Record r{shape.name,
                  split_name,
                  gemm.name,

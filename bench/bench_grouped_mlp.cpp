@@ -8,6 +8,8 @@
 #include <ATen/cuda/CUDAEvent.h>
 #include <torchmoe/torchmoe.h>
 
+#include "bench_common.h"
+
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -19,36 +21,8 @@
 #include <string>
 #include <vector>
 
-namespace {
-
-struct Shape {
-  std::string name;
-  int64_t experts, hidden, ffn, topk, tokens;
-};
-
-const std::vector<Shape> kShapes = {
-    {"mixtral", 8, 4096, 14336, 2, 8192},
-    {"deepseek-v3-ep8", 32, 7168, 2048, 8, 8192},
-    {"qwen3-30b-a3b", 128, 2048, 768, 8, 8192},
-    {"olmoe", 64, 2048, 1024, 8, 8192},
-};
-
-double median_ms(const std::function<void()>& fn, int iters) {
-  for (int i = 0; i < 3; ++i) fn();
-  std::vector<double> times;
-  for (int i = 0; i < iters; ++i) {
-    at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
-    start.record();
-    fn();
-    stop.record();
-    stop.synchronize();
-    times.push_back(start.elapsed_time(stop));
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
-
-}  // namespace
+using torchmoe::bench::median_ms;
+using torchmoe::bench::Shape;
 
 int main(int argc, char** argv) {
   std::string json_path = "bench_grouped_mlp.json";
@@ -82,7 +56,7 @@ int main(int argc, char** argv) {
        << "\",\n  \"unit\": \"ms\",\n  \"results\": [";
   const auto bf16 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
   bool first = true;
-  for (const Shape& shape : kShapes) {
+  for (const Shape& shape : torchmoe::bench::shapes()) {
     if (!wanted.empty() && std::find(wanted.begin(), wanted.end(), shape.name) == wanted.end()) {
       continue;
     }

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <type_traits>
 
 #include "torchmoe/kernels/cuda_check.h"
@@ -218,10 +219,10 @@ struct LaunchShape {
   bool vectorized;
 };
 
-LaunchShape launch_shape(const GluParams& params, int vector, const void* const* pointers,
-                         int count) {
+LaunchShape launch_shape(const GluParams& params, int vector,
+                         std::initializer_list<const void*> pointers) {
   bool vectorized = params.hidden % vector == 0 && params.interleave % vector == 0;
-  for (int i = 0; i < count; ++i) vectorized &= pointers[i] == nullptr || aligned16(pointers[i]);
+  for (const void* p : pointers) vectorized &= p == nullptr || aligned16(p);
   int device = 0, sms = 0;
   TORCHMOE_CUDA_CHECK(cudaGetDevice(&device));
   TORCHMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
@@ -231,65 +232,62 @@ LaunchShape launch_shape(const GluParams& params, int vector, const void* const*
   return {dim3(static_cast<unsigned>(std::min(needed, resident))), dim3(kThreads), vectorized};
 }
 
-}  // namespace
-
-void launch_glu_forward(const GluParams& params, cudaStream_t stream) {
-  if (params.rows == 0) return;
+// The one place that turns runtime parameters into a kernel instantiation: resolves the data
+// type T, scale type S, activation K and vector width V (16 bytes when `pointers` and the sizes
+// allow), then calls launch(T{}, S{}, K tag, V tag, shape) and checks the launch.
+template <typename Launch>
+void dispatch(const GluParams& params, std::initializer_list<const void*> pointers,
+              Launch&& launch) {
   dispatch_types(params, [&](auto data_tag, auto scale_tag) {
-    using T = decltype(data_tag);
-    using S = decltype(scale_tag);
-    constexpr int kVec = 16 / sizeof(T);
-    const void* pointers[] = {params.input, params.output};
-    const LaunchShape shape = launch_shape(params, kVec, pointers, 2);
-    const ActParams act{params.limit, params.alpha, params.offset};
-    auto launch = [&](auto kind_tag, auto vec_tag) {
-      constexpr GluKind K = decltype(kind_tag)::value;
-      constexpr int V = decltype(vec_tag)::value;
-      glu_forward_kernel<T, S, K, V><<<shape.grid, shape.block, 0, stream>>>(
-          static_cast<const T*>(params.input), static_cast<const S*>(params.scales),
-          static_cast<T*>(params.output), params.rows, params.hidden, params.interleave, act);
+    constexpr int kVec = 16 / sizeof(decltype(data_tag));
+    const LaunchShape shape = launch_shape(params, kVec, pointers);
+    auto with_kind = [&](auto kind_tag) {
+      if (shape.vectorized) {
+        launch(data_tag, scale_tag, kind_tag, std::integral_constant<int, kVec>{}, shape);
+      } else {
+        launch(data_tag, scale_tag, kind_tag, std::integral_constant<int, 1>{}, shape);
+      }
     };
-    using Swi = std::integral_constant<GluKind, GluKind::kSwiGLU>;
-    using Clamped = std::integral_constant<GluKind, GluKind::kClampedSwiGLU>;
-    using Wide = std::integral_constant<int, kVec>;
-    using Scalar = std::integral_constant<int, 1>;
     if (params.kind == GluKind::kSwiGLU) {
-      shape.vectorized ? launch(Swi{}, Wide{}) : launch(Swi{}, Scalar{});
+      with_kind(std::integral_constant<GluKind, GluKind::kSwiGLU>{});
     } else {
-      shape.vectorized ? launch(Clamped{}, Wide{}) : launch(Clamped{}, Scalar{});
+      with_kind(std::integral_constant<GluKind, GluKind::kClampedSwiGLU>{});
     }
   });
   TORCHMOE_CUDA_CHECK(cudaGetLastError());
 }
 
+}  // namespace
+
+void launch_glu_forward(const GluParams& params, cudaStream_t stream) {
+  if (params.rows == 0) return;
+  const ActParams act{params.limit, params.alpha, params.offset};
+  dispatch(params, {params.input, params.output},
+           [&](auto data_tag, auto scale_tag, auto kind, auto vec, const LaunchShape& shape) {
+             using T = decltype(data_tag);
+             using S = decltype(scale_tag);
+             glu_forward_kernel<T, S, decltype(kind)::value, decltype(vec)::value>
+                 <<<shape.grid, shape.block, 0, stream>>>(
+                     static_cast<const T*>(params.input), static_cast<const S*>(params.scales),
+                     static_cast<T*>(params.output), params.rows, params.hidden, params.interleave,
+                     act);
+           });
+}
+
 void launch_glu_backward(const GluParams& params, cudaStream_t stream) {
   if (params.rows == 0) return;
-  dispatch_types(params, [&](auto data_tag, auto scale_tag) {
-    using T = decltype(data_tag);
-    using S = decltype(scale_tag);
-    constexpr int kVec = 16 / sizeof(T);
-    const void* pointers[] = {params.input, params.grad_output, params.grad_input};
-    const LaunchShape shape = launch_shape(params, kVec, pointers, 3);
-    const ActParams act{params.limit, params.alpha, params.offset};
-    auto launch = [&](auto kind_tag, auto vec_tag) {
-      constexpr GluKind K = decltype(kind_tag)::value;
-      constexpr int V = decltype(vec_tag)::value;
-      glu_backward_kernel<T, S, K, V><<<shape.grid, shape.block, 0, stream>>>(
-          static_cast<const T*>(params.input), static_cast<const S*>(params.scales),
-          static_cast<const T*>(params.grad_output), static_cast<T*>(params.grad_input),
-          static_cast<S*>(params.grad_scales), params.rows, params.hidden, params.interleave, act);
-    };
-    using Swi = std::integral_constant<GluKind, GluKind::kSwiGLU>;
-    using Clamped = std::integral_constant<GluKind, GluKind::kClampedSwiGLU>;
-    using Wide = std::integral_constant<int, kVec>;
-    using Scalar = std::integral_constant<int, 1>;
-    if (params.kind == GluKind::kSwiGLU) {
-      shape.vectorized ? launch(Swi{}, Wide{}) : launch(Swi{}, Scalar{});
-    } else {
-      shape.vectorized ? launch(Clamped{}, Wide{}) : launch(Clamped{}, Scalar{});
-    }
-  });
-  TORCHMOE_CUDA_CHECK(cudaGetLastError());
+  const ActParams act{params.limit, params.alpha, params.offset};
+  dispatch(params, {params.input, params.grad_output, params.grad_input},
+           [&](auto data_tag, auto scale_tag, auto kind, auto vec, const LaunchShape& shape) {
+             using T = decltype(data_tag);
+             using S = decltype(scale_tag);
+             glu_backward_kernel<T, S, decltype(kind)::value, decltype(vec)::value>
+                 <<<shape.grid, shape.block, 0, stream>>>(
+                     static_cast<const T*>(params.input), static_cast<const S*>(params.scales),
+                     static_cast<const T*>(params.grad_output), static_cast<T*>(params.grad_input),
+                     static_cast<S*>(params.grad_scales), params.rows, params.hidden,
+                     params.interleave, act);
+           });
 }
 
 }  // namespace torchmoe::kernels
