@@ -405,3 +405,23 @@ TEST_CASE("GroupedLinear CPU 16-bit dtypes", "[modules][grouped_linear]") {
   c.fuse = GENERATE(false, true);
   run_module_case(c);
 }
+
+TEST_CASE("GroupedLinear forward_with_activation rejects bad input",
+          "[modules][grouped_linear][errors]") {
+  GroupedLinear m(GroupedLinearOptions(2, 32, 4));
+  const torchmoe::ops::GluOptions swiglu;
+  const std::vector<int64_t> splits = {1, 2};
+  REQUIRE_THROWS_WITH(
+      m->forward_with_activation(torch::randn({3, 32}), torch::rand({3}), swiglu, splits),
+      Contains("input's last dimension must be 2·in_features=64"));
+  REQUIRE_THROWS_WITH(
+      m->forward_with_activation(torch::randn({3, 64}), torch::Tensor(), swiglu, splits),
+      Contains("forward_with_activation: scales must be defined"));
+  REQUIRE_THROWS_WITH(
+      m->forward_with_activation(torch::randn({3, 64}), torch::rand({2}), swiglu, splits),
+      Contains("scales must have shape [3]"));
+  // And the happy path equals forward(glu(...)).
+  const torch::Tensor z = torch::randn({3, 64}), p = torch::rand({3});
+  check_close(m->forward_with_activation(z, p, swiglu, splits),
+              m(torchmoe::functional::scaled_swiglu(z, p), splits), {1e-6, 1e-6}, "fused");
+}
