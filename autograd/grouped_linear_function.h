@@ -35,8 +35,8 @@ struct GroupedLinearConfig : torch::CustomClassHolder {
   // fuse_wgrad_accumulation: weight gradients are added into these fp32 buffers (G × [out, in], or
   // one [G, out, in] with grouped_weight) instead of being returned to autograd.
   std::vector<at::Tensor> main_grads;
-  bool overwrite_main_grad =
-      false;  // is_first_microbatch == true: the first micro-batch overwrites
+  // is_first_microbatch == true: the first micro-batch overwrites main-grad instead of adding.
+  bool overwrite_main_grad = false;
   // delay_wgrad_compute: backward queues its weight-gradient GEMM here instead of running it.
   std::shared_ptr<WgradQueue> wgrad_queue;
   // Fused input activation (GroupedMLP's recompute_activation): the Function's input is the

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -26,6 +28,55 @@ inline const std::vector<Shape>& shapes() {
       {"olmoe", 64, 2048, 1024, 8, 8192},
   };
   return kShapes;
+}
+
+// Command line shared by every benchmark: --json PATH, --iters N, --warmup N, --shapes a,b,...
+struct Args {
+  std::string json_path;
+  int iters = 20;
+  int warmup = 3;
+  std::vector<std::string> shape_names;  // empty: all shapes
+};
+
+// Throws std::invalid_argument for an unknown flag, a flag without a value or an unknown shape.
+inline Args parse_args(int argc, char** argv, Args args) {
+  for (int i = 1; i < argc; i += 2) {
+    const std::string flag = argv[i];
+    if (i + 1 >= argc) throw std::invalid_argument(flag + " needs a value");
+    const std::string value = argv[i + 1];
+    if (flag == "--json") {
+      args.json_path = value;
+    } else if (flag == "--iters") {
+      args.iters = std::stoi(value);
+    } else if (flag == "--warmup") {
+      args.warmup = std::stoi(value);
+    } else if (flag == "--shapes") {
+      std::stringstream list(value);
+      for (std::string name; std::getline(list, name, ',');) {
+        const bool known = std::any_of(shapes().begin(), shapes().end(),
+                                       [&](const Shape& shape) { return shape.name == name; });
+        if (!known) throw std::invalid_argument("unknown shape " + name);
+        args.shape_names.push_back(name);
+      }
+    } else {
+      throw std::invalid_argument("unknown flag " + flag);
+    }
+  }
+  if (args.iters < 1 || args.warmup < 0)
+    throw std::invalid_argument("--iters must be >= 1 and --warmup >= 0");
+  return args;
+}
+
+// The shapes named on the command line, in the table's order (all when none were named).
+inline std::vector<Shape> selected_shapes(const Args& args) {
+  std::vector<Shape> selected;
+  for (const Shape& shape : shapes()) {
+    if (args.shape_names.empty() || std::find(args.shape_names.begin(), args.shape_names.end(),
+                                              shape.name) != args.shape_names.end()) {
+      selected.push_back(shape);
+    }
+  }
+  return selected;
 }
 
 // Median time in ms of `fn` over `iters` runs after `warmup`, each bracketed by CUDA events on

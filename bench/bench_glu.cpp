@@ -2,7 +2,7 @@
 // (M = tokens·topk rows, width 2·ffn, bf16, fp32 probabilities), next to the device-to-device copy
 // bandwidth and the same math composed from ATen ops (autograd for its backward), in one process.
 //
-//   bench_glu [--json PATH] [--iters N]
+//   bench_glu [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
 //
 // Bytes counted (each tensor read or written once): forward reads x [M,2F] and s [M], writes
 // y [M,F]; backward reads x, dy [M,F], s, writes dx [M,2F], ds [M].
@@ -35,18 +35,12 @@ torch::Tensor composed(const torch::Tensor& x, const torch::Tensor& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string json_path = "bench_glu.json";
-  int iters = 20;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string flag = argv[i], value = argv[i + 1];
-    if (flag == "--json") {
-      json_path = value;
-    } else if (flag == "--iters") {
-      iters = std::stoi(value);
-    } else {
-      std::cerr << "error: unknown flag " << flag << "\n";
-      return 2;
-    }
+  torchmoe::bench::Args args;
+  try {
+    args = torchmoe::bench::parse_args(argc, argv, {"bench_glu.json", 20});
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return 2;
   }
   if (!torch::cuda::is_available()) {
     std::cerr << "bench_glu: no CUDA device; nothing to measure\n";
@@ -58,11 +52,11 @@ int main(int argc, char** argv) {
             << std::setw(10) << "fwd" << std::setw(8) << "%copy" << std::setw(10) << "aten fwd"
             << std::setw(10) << "bwd" << std::setw(8) << "%copy" << std::setw(10) << "aten bwd"
             << "\n";
-  std::ofstream json(json_path);
+  std::ofstream json(args.json_path);
   json << "{\n  \"device\": \"" << at::cuda::getCurrentDeviceProperties()->name
        << "\",\n  \"unit\": \"GB/s\",\n  \"results\": [\n";
   const auto bf16 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
-  const auto& shapes = torchmoe::bench::shapes();
+  const std::vector<torchmoe::bench::Shape> shapes = torchmoe::bench::selected_shapes(args);
   for (size_t i = 0; i < shapes.size(); ++i) {
     const torchmoe::bench::Shape& shape = shapes[i];
     const int64_t m = shape.tokens * shape.topk, f = shape.ffn;
@@ -73,20 +67,29 @@ int main(int argc, char** argv) {
     const double elem = 2.0;  // bf16 bytes
     const double fwd_bytes = elem * (2 * m * f + m * f) + 4.0 * m;
     const double bwd_bytes = elem * (2 * m * f + m * f + 2 * m * f) + 4.0 * 2 * m;
-    const double copy_gbs =
-        2.0 * elem * x.numel() / median_ms([&] { copy_dst.copy_(x); }, iters) * 1e-6;
+    const double copy_gbs = 2.0 * elem * x.numel() /
+                            median_ms([&] { copy_dst.copy_(x); }, args.iters, args.warmup) * 1e-6;
 
     torch::NoGradGuard no_grad;
-    const double fwd_ms = median_ms([&] { torchmoe::functional::scaled_swiglu(x, s); }, iters);
-    const double aten_fwd_ms = median_ms([&] { composed(x, s); }, iters);
+    const double fwd_ms =
+        median_ms([&] { torchmoe::functional::scaled_swiglu(x, s); }, args.iters, args.warmup);
+    const double aten_fwd_ms = median_ms([&] { composed(x, s); }, args.iters, args.warmup);
     torch::Tensor xr = x.detach().requires_grad_(true), sr = s.detach().requires_grad_(true);
     double bwd_ms = 0, aten_bwd_ms = 0;
     {
       torch::AutoGradMode enable(true);
       const torch::Tensor y = torchmoe::functional::scaled_swiglu(xr, sr);
-      bwd_ms = median_ms([&] { torch::autograd::grad({y}, {xr, sr}, {dy}, true); }, iters);
+      bwd_ms = median_ms(
+          [&] {
+            torch::autograd::grad({y}, {xr, sr}, {dy}, true);
+          },
+          args.iters, args.warmup);
       const torch::Tensor yc = composed(xr, sr);
-      aten_bwd_ms = median_ms([&] { torch::autograd::grad({yc}, {xr, sr}, {dy}, true); }, iters);
+      aten_bwd_ms = median_ms(
+          [&] {
+            torch::autograd::grad({yc}, {xr, sr}, {dy}, true);
+          },
+          args.iters, args.warmup);
     }
     const double fwd = fwd_bytes / fwd_ms * 1e-6, bwd = bwd_bytes / bwd_ms * 1e-6;
     const double aten_fwd = fwd_bytes / aten_fwd_ms * 1e-6,
@@ -103,6 +106,6 @@ int main(int argc, char** argv) {
          << "\n";
   }
   json << "  ]\n}\n";
-  std::cout << "wrote " << json_path << "\n";
+  std::cout << "wrote " << args.json_path << "\n";
   return 0;
 }

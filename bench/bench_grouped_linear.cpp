@@ -23,7 +23,6 @@
 #include <iomanip>
 #include <iostream>
 #include <random>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -61,29 +60,12 @@ struct Record {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string json_path = "bench_grouped_linear.json";
-  int iters = 20, warmup = 3;
-  std::vector<std::string> wanted;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (i + 1 >= argc) {
-      std::cerr << "error: " << flag << " needs a value\n";
-      return 2;
-    }
-    const std::string value = argv[++i];
-    if (flag == "--json") {
-      json_path = value;
-    } else if (flag == "--iters") {
-      iters = std::stoi(value);
-    } else if (flag == "--warmup") {
-      warmup = std::stoi(value);
-    } else if (flag == "--shapes") {
-      std::stringstream s(value);
-      for (std::string item; std::getline(s, item, ',');) wanted.push_back(item);
-    } else {
-      std::cerr << "error: unknown flag " << flag << "\n";
-      return 2;
-    }
+  torchmoe::bench::Args args;
+  try {
+    args = torchmoe::bench::parse_args(argc, argv, {"bench_grouped_linear.json", 20});
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return 2;
   }
   if (!torch::cuda::is_available()) {
     std::cerr << "bench_grouped_linear: no CUDA device; nothing to measure\n";
@@ -99,10 +81,7 @@ int main(int argc, char** argv) {
 
   std::vector<Record> records;
   const auto bf16 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
-  for (const Shape& shape : torchmoe::bench::shapes()) {
-    if (!wanted.empty() && std::find(wanted.begin(), wanted.end(), shape.name) == wanted.end()) {
-      continue;
-    }
+  for (const Shape& shape : torchmoe::bench::selected_shapes(args)) {
     const int64_t m = shape.tokens * shape.topk, n = 2 * shape.ffn, k = shape.hidden;
     torch::manual_seed(0);
     const torch::Tensor x = torch::randn({m, k}, bf16);
@@ -130,7 +109,7 @@ int main(int argc, char** argv) {
         return 1;
       }
 
-      const double dense_ms = median_ms([&] { at::mm(x, w0t); }, iters, warmup);
+      const double dense_ms = median_ms([&] { at::mm(x, w0t); }, args.iters, args.warmup);
       struct Gemm {
         const char* name;
         std::function<void()> ours, grouped_mm;
@@ -145,8 +124,8 @@ int main(int argc, char** argv) {
            [&] { at::_grouped_mm(dy.t(), x, offs); }},
       };
       for (const Gemm& gemm : gemms) {
-        const double ours_ms = median_ms(gemm.ours, iters, warmup);
-        const double peer_ms = median_ms(gemm.grouped_mm, iters, warmup);
+        const double ours_ms = median_ms(gemm.ours, args.iters, args.warmup);
+        const double peer_ms = median_ms(gemm.grouped_mm, args.iters, args.warmup);
         Record r{shape.name,
                  split_name,
                  gemm.name,
@@ -167,7 +146,7 @@ int main(int argc, char** argv) {
     }
   }
 
-  std::ofstream json(json_path);
+  std::ofstream json(args.json_path);
   json << "{\n  \"device\": \"" << at::cuda::getCurrentDeviceProperties()->name
        << "\",\n  \"dtype\": \"bfloat16\",\n  \"cublaslt_streams\": \"" << (streams ? streams : "4")
        << "\",\n  \"unit\": \"TFLOP/s\",\n  \"results\": [\n";
@@ -180,6 +159,6 @@ int main(int argc, char** argv) {
          << (i + 1 < records.size() ? "," : "") << "\n";
   }
   json << "  ]\n}\n";
-  std::cout << "wrote " << json_path << "\n";
+  std::cout << "wrote " << args.json_path << "\n";
   return 0;
 }

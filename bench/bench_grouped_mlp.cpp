@@ -2,7 +2,7 @@
 // next to the sum of its parts timed alone in the same process: fc1 (GroupedLinear fwd+bwd),
 // ScaledSwiGLU (fwd+bwd), fc2 (GroupedLinear fwd+bwd).
 //
-//   bench_grouped_mlp [--json PATH] [--iters N] [--shapes a,b,...]
+//   bench_grouped_mlp [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
 
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
@@ -17,7 +17,6 @@
 #include <functional>
 #include <iomanip>
 #include <iostream>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -25,22 +24,12 @@ using torchmoe::bench::median_ms;
 using torchmoe::bench::Shape;
 
 int main(int argc, char** argv) {
-  std::string json_path = "bench_grouped_mlp.json";
-  int iters = 10;
-  std::vector<std::string> wanted;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string flag = argv[i], value = argv[i + 1];
-    if (flag == "--json") {
-      json_path = value;
-    } else if (flag == "--iters") {
-      iters = std::stoi(value);
-    } else if (flag == "--shapes") {
-      std::stringstream s(value);
-      for (std::string item; std::getline(s, item, ',');) wanted.push_back(item);
-    } else {
-      std::cerr << "error: unknown flag " << flag << "\n";
-      return 2;
-    }
+  torchmoe::bench::Args args;
+  try {
+    args = torchmoe::bench::parse_args(argc, argv, {"bench_grouped_mlp.json", 10});
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return 2;
   }
   if (!torch::cuda::is_available()) {
     std::cerr << "bench_grouped_mlp: no CUDA device; nothing to measure\n";
@@ -51,15 +40,12 @@ int main(int argc, char** argv) {
             << std::left << std::setw(17) << "shape" << std::right << std::setw(10) << "mlp"
             << std::setw(10) << "fc1" << std::setw(10) << "act" << std::setw(10) << "fc2"
             << std::setw(10) << "parts" << std::setw(12) << "TFLOP/s\n";
-  std::ofstream json(json_path);
+  std::ofstream json(args.json_path);
   json << "{\n  \"device\": \"" << at::cuda::getCurrentDeviceProperties()->name
        << "\",\n  \"unit\": \"ms\",\n  \"results\": [";
   const auto bf16 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
   bool first = true;
-  for (const Shape& shape : torchmoe::bench::shapes()) {
-    if (!wanted.empty() && std::find(wanted.begin(), wanted.end(), shape.name) == wanted.end()) {
-      continue;
-    }
+  for (const Shape& shape : torchmoe::bench::selected_shapes(args)) {
     const int64_t m = shape.tokens * shape.topk, h = shape.hidden, f = shape.ffn;
     torchmoe::GroupedMLP mlp(torchmoe::GroupedMLPOptions(shape.experts, h, f)
                                  .bias(false)
@@ -80,11 +66,15 @@ int main(int argc, char** argv) {
         forward().backward(grad);
       };
     };
-    const double mlp_ms = median_ms(step([&] { return mlp(x, splits, probs); }, dy), iters);
-    const double fc1_ms = median_ms(step([&] { return mlp->fc1(x, splits); }, dz), iters);
+    const double mlp_ms =
+        median_ms(step([&] { return mlp(x, splits, probs); }, dy), args.iters, args.warmup);
+    const double fc1_ms =
+        median_ms(step([&] { return mlp->fc1(x, splits); }, dz), args.iters, args.warmup);
     const double act_ms =
-        median_ms(step([&] { return torchmoe::functional::scaled_swiglu(z, probs); }, da), iters);
-    const double fc2_ms = median_ms(step([&] { return mlp->fc2(a, splits); }, dy), iters);
+        median_ms(step([&] { return torchmoe::functional::scaled_swiglu(z, probs); }, da),
+                  args.iters, args.warmup);
+    const double fc2_ms =
+        median_ms(step([&] { return mlp->fc2(a, splits); }, dy), args.iters, args.warmup);
     const double tflops = 3 * 2.0 * m * (2 * f * h + f * h) / mlp_ms * 1e-9;
     std::cout << std::left << std::setw(17) << shape.name << std::right << std::fixed
               << std::setprecision(2) << std::setw(10) << mlp_ms << std::setw(10) << fc1_ms
@@ -97,6 +87,6 @@ int main(int argc, char** argv) {
     first = false;
   }
   json << "\n  ]\n}\n";
-  std::cout << "wrote " << json_path << "\n";
+  std::cout << "wrote " << args.json_path << "\n";
   return 0;
 }
