@@ -4,3 +4,6 @@
 #include "torchmoe/modules/glu.h"
 #include "torchmoe/modules/grouped_linear.h"
 #include "torchmoe/modules/grouped_mlp.h"
+#include "torchmoe/modules/moe_layer.h"
+#include "torchmoe/modules/router.h"
+#include "torchmoe/modules/token_permutation.h"

@@ -6,57 +6,20 @@
 // same pass: no second kernel and no block barrier. (A block per row with a block reduction was
 // measured at 73-81% of copy bandwidth in backward on the H100; see docs/performance.md.)
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <type_traits>
 
-#include "torchmoe/kernels/cuda_check.h"
+#include "torchmoe/kernels/device_types.cuh"
 #include "torchmoe/kernels/scaled_glu.h"
 
 namespace torchmoe::kernels {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kWarp = 32;
+constexpr int kWarp = kWarpSize;
 constexpr int kWarpsPerBlock = kThreads / kWarp;
-
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
-template <typename T, int V>
-struct alignas(sizeof(T) * V) Vec {
-  T v[V];
-};
-
-template <typename T, int V>
-__device__ __forceinline__ Vec<T, V> load(const T* p) {
-  return *reinterpret_cast<const Vec<T, V>*>(p);
-}
-
-template <typename T, int V>
-__device__ __forceinline__ void store(T* p, const Vec<T, V>& x) {
-  *reinterpret_cast<Vec<T, V>*>(p) = x;
-}
 
 struct ActParams {
   float limit, alpha, offset;
@@ -126,13 +89,6 @@ __global__ void glu_forward_kernel(const T* __restrict__ input, const S* __restr
   }
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int offset = kWarp / 2; offset > 0; offset /= 2)
-    v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
-
 template <typename T, typename S, GluKind K, int V>
 __global__ void glu_backward_kernel(const T* __restrict__ input, const S* __restrict__ scales,
                                     const T* __restrict__ grad_output, T* __restrict__ grad_input,
@@ -173,46 +129,13 @@ __global__ void glu_backward_kernel(const T* __restrict__ input, const S* __rest
   }
 }
 
-template <ScalarType>
-struct DeviceType;
-template <>
-struct DeviceType<ScalarType::kFloat32> {
-  using type = float;
-};
-template <>
-struct DeviceType<ScalarType::kFloat16> {
-  using type = __half;
-};
-template <>
-struct DeviceType<ScalarType::kBFloat16> {
-  using type = __nv_bfloat16;
-};
-
 // Calls fn(T{}, S{}) with the device types of the data and scale types.
 template <typename Fn>
 void dispatch_types(const GluParams& params, Fn&& fn) {
-  auto with_data = [&](auto data_tag) {
-    using T = decltype(data_tag);
-    switch (params.scale_type) {
-      case ScalarType::kFloat32:
-        return fn(T{}, float{});
-      case ScalarType::kFloat16:
-        return fn(T{}, __half{});
-      case ScalarType::kBFloat16:
-        return fn(T{}, __nv_bfloat16{});
-    }
-  };
-  switch (params.data_type) {
-    case ScalarType::kFloat32:
-      return with_data(float{});
-    case ScalarType::kFloat16:
-      return with_data(__half{});
-    case ScalarType::kBFloat16:
-      return with_data(__nv_bfloat16{});
-  }
+  dispatch_type(params.data_type, [&](auto data_tag) {
+    dispatch_type(params.scale_type, [&](auto scale_tag) { fn(data_tag, scale_tag); });
+  });
 }
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 struct LaunchShape {
   dim3 grid, block;
@@ -223,11 +146,7 @@ LaunchShape launch_shape(const GluParams& params, int vector,
                          std::initializer_list<const void*> pointers) {
   bool vectorized = params.hidden % vector == 0 && params.interleave % vector == 0;
   for (const void* p : pointers) vectorized &= p == nullptr || aligned16(p);
-  int device = 0, sms = 0;
-  TORCHMOE_CUDA_CHECK(cudaGetDevice(&device));
-  TORCHMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  // Enough blocks to fill every SM (2048 resident threads each); more rows loop.
-  const int64_t resident = static_cast<int64_t>(sms) * (2048 / kThreads);
+  const int64_t resident = resident_blocks(kThreads);  // more rows loop
   const int64_t needed = (params.rows + kWarpsPerBlock - 1) / kWarpsPerBlock;
   return {dim3(static_cast<unsigned>(std::min(needed, resident))), dim3(kThreads), vectorized};
 }

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace torchmoe::test {
@@ -120,6 +121,32 @@ inline Reference reference_grouped_linear(const torch::Tensor& input,
     }
   }
   return ref;
+}
+
+// Compares each leaf's .grad (already computed by the caller's backward) with central finite
+// differences of `loss` (a float64 scalar function of the leaves), element by element.
+template <typename Loss>
+void check_finite_differences(Loss&& loss,
+                              const std::vector<std::pair<std::string, torch::Tensor>>& leaves,
+                              double eps = 1e-6, double rtol = 1e-6, double atol = 1e-8) {
+  torch::NoGradGuard no_grad;
+  for (const auto& [name, leaf] : leaves) {
+    INFO(name);
+    REQUIRE(leaf.grad().defined());
+    const torch::Tensor flat = leaf.view(-1);
+    const torch::Tensor analytic = leaf.grad().reshape(-1);
+    for (int64_t i = 0; i < flat.numel(); ++i) {
+      const double saved = flat[i].item<double>();
+      flat[i].fill_(saved + eps);
+      const double plus = loss().template item<double>();
+      flat[i].fill_(saved - eps);
+      const double minus = loss().template item<double>();
+      flat[i].fill_(saved);
+      const double numeric = (plus - minus) / (2 * eps);
+      INFO("element " << i);
+      CHECK(analytic[i].item<double>() == Approx(numeric).epsilon(rtol).margin(atol));
+    }
+  }
 }
 
 }  // namespace torchmoe::test

@@ -124,25 +124,7 @@ TEST_CASE("GroupedLinear finite-difference gradients (float64)", "[modules][grou
 
   std::vector<std::pair<std::string, torch::Tensor>> leaves = {{"input", x}};
   for (const auto& p : m->named_parameters()) leaves.emplace_back(p.key(), p.value());
-  constexpr double kEps = 1e-6;
-  torch::NoGradGuard no_grad;
-  for (auto& [name, leaf] : leaves) {
-    INFO(name);
-    REQUIRE(leaf.grad().defined());
-    const torch::Tensor flat = leaf.view(-1);
-    const torch::Tensor analytic = leaf.grad().reshape(-1);
-    for (int64_t i = 0; i < flat.numel(); ++i) {
-      const double saved = flat[i].item<double>();
-      flat[i].fill_(saved + kEps);
-      const double plus = loss().item<double>();
-      flat[i].fill_(saved - kEps);
-      const double minus = loss().item<double>();
-      flat[i].fill_(saved);
-      const double numeric = (plus - minus) / (2 * kEps);
-      INFO("element " << i);
-      CHECK(analytic[i].item<double>() == Approx(numeric).epsilon(1e-6).margin(1e-8));
-    }
-  }
+  check_finite_differences(loss, leaves);
 }
 
 TEST_CASE("GroupedLinear accepts non-contiguous input", "[modules][grouped_linear]") {

@@ -1,0 +1,84 @@
+#pragma once
+// Device-side helpers shared by torchmoe's elementwise and row kernels: the CUDA type of a
+// kernels::ScalarType, fp32 conversions, 16-byte vector access, warp reduction, and the number of
+// blocks that fills the device. Included by .cu files only.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "torchmoe/kernels/cuda_check.h"
+#include "torchmoe/kernels/scalar_type.h"
+
+namespace torchmoe::kernels {
+
+constexpr int kWarpSize = 32;
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Vec {
+  T v[V];
+};
+
+template <typename T, int V>
+__device__ __forceinline__ Vec<T, V> load(const T* p) {
+  return *reinterpret_cast<const Vec<T, V>*>(p);
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void store(T* p, const Vec<T, V>& x) {
+  *reinterpret_cast<Vec<T, V>*>(p) = x;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2)
+    v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Calls fn(T{}) with the CUDA type of `type`.
+template <typename Fn>
+void dispatch_type(ScalarType type, Fn&& fn) {
+  switch (type) {
+    case ScalarType::kFloat32:
+      return fn(float{});
+    case ScalarType::kFloat16:
+      return fn(__half{});
+    case ScalarType::kBFloat16:
+      return fn(__nv_bfloat16{});
+  }
+}
+
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Blocks of `threads` that fill every SM of the current device (2048 resident threads each);
+// grid-stride kernels launch at most this many.
+inline int64_t resident_blocks(int threads) {
+  int device = 0, sms = 0;
+  TORCHMOE_CUDA_CHECK(cudaGetDevice(&device));
+  TORCHMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return static_cast<int64_t>(sms) * (2048 / threads);
+}
+
+}  // namespace torchmoe::kernels

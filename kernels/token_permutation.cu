@@ -1,0 +1,310 @@
+// Token permutation kernels. Layout and semantics: token_permutation.h.
+//
+// Routing map: one pass turns expert indices into sort keys (dropped slots sort after every
+// expert) and counts them per expert in shared memory; a stable CUB radix sort by key orders the
+// slots; a last pass writes each slot's permuted row. Only the counts go back to the host (the
+// caller needs them as m_splits), so there is no other synchronisation.
+//
+// Row kernels: one warp per token (grid-stride), its lanes striding over the hidden dimension in
+// 16-byte vectors when H and the pointers allow, else one element at a time. A warp per token
+// keeps the per-slot probability-gradient dot product a shuffle reduction.
+
+#include <cub/device/device_radix_sort.cuh>
+
+#include <algorithm>
+#include <initializer_list>
+#include <type_traits>
+
+#include "torchmoe/kernels/device_types.cuh"
+#include "torchmoe/kernels/token_permutation.h"
+
+namespace torchmoe::kernels {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarpsPerBlock = kThreads / kWarpSize;
+// Histogram bins (E + 2) kept in shared memory up to this many; beyond, global atomics.
+constexpr int64_t kMaxSharedBins = 8192;
+
+// ---- routing map -----------------------------------------------------------------------------
+
+template <typename Index>
+__global__ void routing_keys_kernel(const Index* __restrict__ indices, int64_t slots,
+                                    int32_t experts, int32_t* __restrict__ keys,
+                                    int64_t* __restrict__ values, int32_t* __restrict__ counts) {
+  extern __shared__ int32_t bins[];
+  const int32_t num_bins = experts + 2;
+  const bool shared = num_bins <= kMaxSharedBins;
+  if (shared) {
+    for (int32_t b = threadIdx.x; b < num_bins; b += blockDim.x) bins[b] = 0;
+    __syncthreads();
+  }
+  for (int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; s < slots;
+       s += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t e = static_cast<int64_t>(indices[s]);
+    const int32_t key = (e >= 0 && e < experts) ? static_cast<int32_t>(e)
+                        : e == -1               ? experts
+                                                : experts + 1;
+    keys[s] = key;
+    values[s] = s;
+    atomicAdd(shared ? &bins[key] : &counts[key], 1);
+  }
+  if (shared) {
+    __syncthreads();
+    for (int32_t b = threadIdx.x; b < num_bins; b += blockDim.x) {
+      if (bins[b]) atomicAdd(&counts[b], bins[b]);
+    }
+  }
+}
+
+__global__ void row_map_kernel(const int32_t* __restrict__ sorted_keys,
+                               const int64_t* __restrict__ sorted_slots, int64_t slots,
+                               int32_t experts, int64_t* __restrict__ row_map) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < slots;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    row_map[sorted_slots[i]] = sorted_keys[i] < experts ? i : -1;
+  }
+}
+
+// Workspace: keys in/out, slot values in, then CUB's temporary storage, each 256-byte aligned.
+struct RoutingWorkspace {
+  int32_t* keys_in;
+  int32_t* keys_out;
+  int64_t* values_in;
+  void* cub_storage;
+  size_t cub_bytes;
+};
+
+size_t align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+int end_bit(int64_t experts) {
+  int bits = 1;
+  while ((int64_t{1} << bits) <= experts + 1) ++bits;  // keys go up to E + 1
+  return bits;
+}
+
+size_t cub_sort_bytes(int64_t slots, int64_t experts) {
+  size_t bytes = 0;
+  TORCHMOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+      nullptr, bytes, static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
+      static_cast<const int64_t*>(nullptr), static_cast<int64_t*>(nullptr), static_cast<int>(slots),
+      0, end_bit(experts)));
+  return bytes;
+}
+
+RoutingWorkspace carve(void* base, int64_t slots, size_t cub_bytes) {
+  auto* p = static_cast<char*>(base);
+  RoutingWorkspace w;
+  w.keys_in = reinterpret_cast<int32_t*>(p);
+  p += align256(slots * sizeof(int32_t));
+  w.keys_out = reinterpret_cast<int32_t*>(p);
+  p += align256(slots * sizeof(int32_t));
+  w.values_in = reinterpret_cast<int64_t*>(p);
+  p += align256(slots * sizeof(int64_t));
+  w.cub_storage = p;
+  w.cub_bytes = cub_bytes;
+  return w;
+}
+
+unsigned grid_for(int64_t items, int threads) {
+  const int64_t needed = (items + threads - 1) / threads;
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min(needed, resident_blocks(threads))));
+}
+
+// ---- row kernels -----------------------------------------------------------------------------
+
+template <typename S>
+__device__ __forceinline__ float prob_at(const S* probs, int64_t slot) {
+  return probs ? to_float(probs[slot]) : 1.0f;
+}
+
+template <typename T, typename S, int V>
+__global__ void permute_kernel(const T* __restrict__ input, const int64_t* __restrict__ row_map,
+                               const S* __restrict__ probs, T* __restrict__ output, int64_t tokens,
+                               int64_t topk, int64_t hidden) {
+  const int lane = threadIdx.x % kWarpSize;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
+       t < tokens; t += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
+    for (int64_t c = static_cast<int64_t>(lane) * V; c < hidden; c += kWarpSize * V) {
+      const Vec<T, V> x = load<T, V>(input + t * hidden + c);
+      for (int64_t j = 0; j < topk; ++j) {
+        const int64_t row = row_map[t * topk + j];
+        if (row < 0) continue;
+        Vec<T, V> y = x;
+        if (probs) {
+          const float p = to_float(probs[t * topk + j]);
+#pragma unroll
+          for (int i = 0; i < V; ++i) y.v[i] = from_float<T>(p * to_float(x.v[i]));
+        }
+        store<T, V>(output + row * hidden + c, y);
+      }
+    }
+  }
+}
+
+template <typename T, typename S, int V>
+__global__ void unpermute_kernel(const T* __restrict__ input, const int64_t* __restrict__ row_map,
+                                 const S* __restrict__ probs, T* __restrict__ output,
+                                 int64_t tokens, int64_t topk, int64_t hidden) {
+  const int lane = threadIdx.x % kWarpSize;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
+       t < tokens; t += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
+    for (int64_t c = static_cast<int64_t>(lane) * V; c < hidden; c += kWarpSize * V) {
+      float acc[V] = {};
+      for (int64_t j = 0; j < topk; ++j) {
+        const int64_t row = row_map[t * topk + j];
+        if (row < 0) continue;
+        const float p = prob_at(probs, t * topk + j);
+        const Vec<T, V> x = load<T, V>(input + row * hidden + c);
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc[i] += p * to_float(x.v[i]);
+      }
+      Vec<T, V> y;
+#pragma unroll
+      for (int i = 0; i < V; ++i) y.v[i] = from_float<T>(acc[i]);
+      store<T, V>(output + t * hidden + c, y);
+    }
+  }
+}
+
+template <typename T, typename S, int V>
+__global__ void unpermute_backward_kernel(const T* __restrict__ grad_out,
+                                          const int64_t* __restrict__ row_map,
+                                          const S* __restrict__ probs,
+                                          const T* __restrict__ permuted,
+                                          T* __restrict__ grad_permuted, S* __restrict__ grad_probs,
+                                          int64_t tokens, int64_t topk, int64_t hidden) {
+  const int lane = threadIdx.x % kWarpSize;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
+       t < tokens; t += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
+    for (int64_t j = 0; j < topk; ++j) {
+      const int64_t slot = t * topk + j;
+      const int64_t row = row_map[slot];
+      float dot = 0.0f;
+      if (row >= 0) {
+        const float p = prob_at(probs, slot);
+        for (int64_t c = static_cast<int64_t>(lane) * V; c < hidden; c += kWarpSize * V) {
+          const Vec<T, V> g = load<T, V>(grad_out + t * hidden + c);
+          const Vec<T, V> x = load<T, V>(permuted + row * hidden + c);
+          Vec<T, V> d;
+#pragma unroll
+          for (int i = 0; i < V; ++i) {
+            const float gi = to_float(g.v[i]);
+            d.v[i] = from_float<T>(p * gi);
+            dot += gi * to_float(x.v[i]);
+          }
+          store<T, V>(grad_permuted + row * hidden + c, d);
+        }
+      }
+      // Uniform per warp (row is the same for all lanes), so every lane reaches the shuffle.
+      dot = warp_sum(dot);
+      if (lane == 0) grad_probs[slot] = from_float<S>(dot);
+    }
+  }
+}
+
+// Resolves data type T, probability type S and vector width V (16 bytes when H and `pointers`
+// allow), then calls launch(T{}, S{}, V tag, grid) and checks the launch.
+template <typename Launch>
+void dispatch(const PermuteParams& params, std::initializer_list<const void*> pointers,
+              Launch&& launch) {
+  if (params.tokens == 0 || params.hidden == 0) return;
+  dispatch_type(params.data_type, [&](auto data_tag) {
+    dispatch_type(params.prob_type, [&](auto prob_tag) {
+      constexpr int kVec = 16 / sizeof(decltype(data_tag));
+      bool vectorized = params.hidden % kVec == 0;
+      for (const void* p : pointers) vectorized &= p == nullptr || aligned16(p);
+      const unsigned grid = static_cast<unsigned>(std::min<int64_t>(
+          (params.tokens + kWarpsPerBlock - 1) / kWarpsPerBlock, resident_blocks(kThreads)));
+      if (vectorized) {
+        launch(data_tag, prob_tag, std::integral_constant<int, kVec>{}, grid);
+      } else {
+        launch(data_tag, prob_tag, std::integral_constant<int, 1>{}, grid);
+      }
+    });
+  });
+  TORCHMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+size_t routing_map_workspace_bytes(int64_t slots, int64_t experts) {
+  return align256(slots * sizeof(int32_t)) * 2 + align256(slots * sizeof(int64_t)) +
+         cub_sort_bytes(slots, experts);
+}
+
+void launch_routing_map(const RoutingMapParams& params, cudaStream_t stream) {
+  const int64_t slots = params.tokens * params.topk;
+  const auto experts = static_cast<int32_t>(params.experts);
+  TORCHMOE_CUDA_CHECK(
+      cudaMemsetAsync(params.counts, 0, (params.experts + 2) * sizeof(int32_t), stream));
+  if (slots == 0) return;
+  const size_t cub_bytes = cub_sort_bytes(slots, params.experts);
+  TORCH_INTERNAL_ASSERT(
+      params.workspace_bytes >= routing_map_workspace_bytes(slots, params.experts),
+      "launch_routing_map: workspace too small");
+  const RoutingWorkspace w = carve(params.workspace, slots, cub_bytes);
+
+  const int64_t bins = params.experts + 2;
+  const size_t shared_bytes = bins <= kMaxSharedBins ? bins * sizeof(int32_t) : 0;
+  const unsigned grid = grid_for(slots, kThreads);
+  if (params.indices_int32) {
+    routing_keys_kernel<<<grid, kThreads, shared_bytes, stream>>>(
+        static_cast<const int32_t*>(params.indices), slots, experts, w.keys_in, w.values_in,
+        params.counts);
+  } else {
+    routing_keys_kernel<<<grid, kThreads, shared_bytes, stream>>>(
+        static_cast<const int64_t*>(params.indices), slots, experts, w.keys_in, w.values_in,
+        params.counts);
+  }
+  TORCHMOE_CUDA_CHECK(cudaGetLastError());
+  size_t bytes = w.cub_bytes;
+  TORCHMOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+      w.cub_storage, bytes, w.keys_in, w.keys_out, w.values_in, params.sorted_slots,
+      static_cast<int>(slots), 0, end_bit(params.experts), stream));
+  row_map_kernel<<<grid, kThreads, 0, stream>>>(w.keys_out, params.sorted_slots, slots, experts,
+                                                params.row_map);
+  TORCHMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+namespace {
+
+// permute_kernel and unpermute_kernel share a signature: one launcher for both.
+void launch_rows(const PermuteParams& params, bool unpermute, cudaStream_t stream) {
+  dispatch(params, {params.input, params.output},
+           [&](auto data_tag, auto prob_tag, auto vec, unsigned grid) {
+             using T = decltype(data_tag);
+             using S = decltype(prob_tag);
+             constexpr int V = decltype(vec)::value;
+             const auto kernel = unpermute ? unpermute_kernel<T, S, V> : permute_kernel<T, S, V>;
+             kernel<<<grid, kThreads, 0, stream>>>(
+                 static_cast<const T*>(params.input), params.row_map,
+                 static_cast<const S*>(params.probs), static_cast<T*>(params.output), params.tokens,
+                 params.topk, params.hidden);
+           });
+}
+
+}  // namespace
+
+void launch_permute(const PermuteParams& params, cudaStream_t stream) {
+  launch_rows(params, /*unpermute=*/false, stream);
+}
+
+void launch_unpermute(const PermuteParams& params, cudaStream_t stream) {
+  launch_rows(params, /*unpermute=*/true, stream);
+}
+
+void launch_unpermute_backward(const PermuteParams& params, cudaStream_t stream) {
+  dispatch(params, {params.input, params.output, params.permuted},
+           [&](auto data_tag, auto prob_tag, auto vec, unsigned grid) {
+             using T = decltype(data_tag);
+             using S = decltype(prob_tag);
+             unpermute_backward_kernel<T, S, decltype(vec)::value><<<grid, kThreads, 0, stream>>>(
+                 static_cast<const T*>(params.input), params.row_map,
+                 static_cast<const S*>(params.probs), static_cast<const T*>(params.permuted),
+                 static_cast<T*>(params.output), static_cast<S*>(params.grad_probs), params.tokens,
+                 params.topk, params.hidden);
+           });
+}
+
+}  // namespace torchmoe::kernels

@@ -1,0 +1,71 @@
+#pragma once
+// Token permutation for MoE layers: group the T·k (token, choice) slots of a top-k routing by
+// expert, copy token rows into that order, and sum them back.
+//
+// Kernel layer: raw pointers, sizes and a stream. Validation, allocation and dispatch:
+// ops/token_permutation.cpp.
+//
+//   indices [T, k]   expert of each slot s = t·k + j; -1 = dropped (capacity), else in [0, E)
+//   row_map [T, k]   permuted row of each slot, -1 when dropped
+//   sorted_slots [N] slot of each permuted row (row_map's inverse); N = kept slots
+//
+//                           tokens [T, H]                 permuted [N, H]
+//   slot (t, j) ──row_map──▶ row r:   permuted[r] = tokens[t]      (permute)
+//                                     out[t] = Σ_j p[t,j] · permuted[row_map[t,j]]  (unpermute)
+//
+// Rows are ordered by expert and, within an expert, by slot (a stable sort), so the result is
+// deterministic and matches the CPU reference exactly. Unpermute gathers per token (no atomics).
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "torchmoe/kernels/scalar_type.h"
+
+namespace torchmoe::kernels {
+
+struct RoutingMapParams {
+  int64_t tokens = 0;   // T
+  int64_t topk = 0;     // k
+  int64_t experts = 0;  // E
+  const void* indices = nullptr;
+  bool indices_int32 = false;  // int32 indices, else int64
+
+  int64_t* row_map = nullptr;       // [T·k]
+  int64_t* sorted_slots = nullptr;  // [T·k]: permuted rows first, then the dropped slots
+  // [E + 2] int32: tokens per expert, then the dropped count, then the count of indices outside
+  // [-1, E) (an error the caller reports after reading the counts back).
+  int32_t* counts = nullptr;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;  // at least routing_map_workspace_bytes(T·k, E)
+};
+
+size_t routing_map_workspace_bytes(int64_t slots, int64_t experts);
+void launch_routing_map(const RoutingMapParams& params, cudaStream_t stream);
+
+struct PermuteParams {
+  int64_t tokens = 0;  // T
+  int64_t topk = 0;    // k
+  int64_t hidden = 0;  // H
+  ScalarType data_type = ScalarType::kFloat32;
+  ScalarType prob_type = ScalarType::kFloat32;
+  const int64_t* row_map = nullptr;  // [T, k]
+  const void* probs = nullptr;       // [T, k] or null (weight 1)
+  const void* input = nullptr;
+  void* output = nullptr;
+  // unpermute_backward only: the forward's permuted input and the probability gradient [T, k].
+  const void* permuted = nullptr;
+  void* grad_probs = nullptr;
+};
+
+// output[row_map[t,j]] = input[t] (· probs[t,j]); rows of dropped slots are not written.
+void launch_permute(const PermuteParams& params, cudaStream_t stream);
+// output[t] = Σ_j probs[t,j] · input[row_map[t,j]] over kept slots, summed in fp32 (0 if none).
+void launch_unpermute(const PermuteParams& params, cudaStream_t stream);
+// The gradient of unpermute with probs, input = grad_out [T, H]:
+//   output[row_map[t,j]] = probs[t,j] · grad_out[t]       (grad of permuted)
+//   grad_probs[t,j] = <grad_out[t], permuted[row_map[t,j]]>, 0 for dropped slots
+void launch_unpermute_backward(const PermuteParams& params, cudaStream_t stream);
+
+}  // namespace torchmoe::kernels

@@ -1,0 +1,147 @@
+#include "torchmoe/modules/router.h"
+
+#include <torch/nn/init.h>
+
+#include <cmath>
+#include <utility>
+
+namespace torchmoe {
+namespace {
+
+constexpr const char* kModule = "TopKRouter";
+
+// Per expert, keeps the `capacity` routed tokens with the highest probability.
+torch::Tensor capacity_mask(const torch::Tensor& indices, const torch::Tensor& probs,
+                            int64_t num_experts, int64_t capacity) {
+  const int64_t tokens = indices.size(0);
+  const torch::Tensor routed =
+      torch::zeros({tokens, num_experts}, probs.options()).scatter(1, indices, probs.detach());
+  const torch::Tensor chosen =
+      torch::zeros({tokens, num_experts}, torch::TensorOptions(torch::kBool).device(probs.device()))
+          .scatter(1, indices, true);
+  const torch::Tensor top = std::get<1>(routed.topk(std::min(capacity, tokens), 0));
+  const torch::Tensor keep = torch::zeros_like(chosen).scatter(0, top, true) & chosen;
+  return keep.gather(1, indices);
+}
+
+}  // namespace
+
+TopKRouterOptions::TopKRouterOptions(int64_t hidden, int64_t num_experts, int64_t topk)
+    : hidden_(hidden), num_experts_(num_experts), topk_(topk) {}
+
+TopKRouterImpl::TopKRouterImpl(TopKRouterOptions options_) : options(std::move(options_)) {
+  reset();
+}
+
+void TopKRouterImpl::reset() {
+  const TopKRouterOptions& o = options;
+  TORCH_CHECK(o.hidden() > 0, kModule, ": hidden must be positive, got ", o.hidden());
+  TORCH_CHECK(o.num_experts() > 0, kModule, ": num_experts must be positive, got ",
+              o.num_experts());
+  TORCH_CHECK(o.topk() >= 1 && o.topk() <= o.num_experts(), kModule,
+              ": topk must be in [1, num_experts=", o.num_experts(), "], got ", o.topk());
+  TORCH_CHECK(o.aux_loss_coeff() >= 0 && o.z_loss_coeff() >= 0, kModule,
+              ": loss coefficients must be >= 0, got aux ", o.aux_loss_coeff(), ", z ",
+              o.z_loss_coeff());
+  TORCH_CHECK(!o.capacity_factor() || *o.capacity_factor() > 0, kModule,
+              ": capacity_factor must be positive, got ", o.capacity_factor().value_or(0));
+  TORCH_CHECK(torch::isFloatingType(o.params_dtype()), kModule,
+              ": params_dtype must be floating, got ", o.params_dtype());
+  const auto tensor_options = torch::TensorOptions(o.params_dtype()).device(o.device());
+  weight =
+      register_parameter("weight", torch::empty({o.num_experts(), o.hidden()}, tensor_options));
+  const auto fp32 = torch::TensorOptions(torch::kFloat32).device(o.device());
+  if (o.expert_bias()) {
+    expert_bias = register_buffer("expert_bias", torch::zeros({o.num_experts()}, fp32));
+    expert_load = register_buffer("expert_load", torch::zeros({o.num_experts()}, fp32));
+  }
+  reset_parameters();
+}
+
+void TopKRouterImpl::reset_parameters() {
+  const torch::NoGradGuard no_grad;
+  torch::nn::init::kaiming_uniform_(weight, std::sqrt(5.0));
+  if (expert_bias.defined()) {
+    expert_bias.zero_();
+    expert_load.zero_();
+  }
+}
+
+void TopKRouterImpl::pretty_print(std::ostream& stream) const {
+  stream << std::boolalpha << "torchmoe::TopKRouter(hidden=" << options.hidden()
+         << ", num_experts=" << options.num_experts() << ", topk=" << options.topk()
+         << ", score_function="
+         << (options.score_function() == RouterScore::kSoftmax ? "softmax" : "sigmoid")
+         << ", normalize_topk=" << options.normalize_topk() << ")";
+}
+
+RouterOutput TopKRouterImpl::forward(const torch::Tensor& x) {
+  const TopKRouterOptions& o = options;
+  TORCH_CHECK(x.defined() && x.dim() >= 1 && x.size(-1) == o.hidden(), kModule,
+              ": x must be [..., hidden=", o.hidden(), "], got ",
+              x.defined() ? x.sizes() : torch::IntArrayRef{});
+  TORCH_CHECK(x.device() == weight.device(), kModule, ": x must be on ", weight.device(),
+              " like the router, got ", x.device());
+  TORCH_CHECK(torch::isFloatingType(x.scalar_type()), kModule,
+              ": x must have a floating dtype, got ", x.scalar_type());
+  const int64_t experts = o.num_experts(), topk = o.topk();
+  // fp32 routing whatever the parameters' dtype (fp64 input stays fp64).
+  const auto compute = torch::promote_types(x.scalar_type(), torch::kFloat32);
+  const torch::Tensor logits =
+      torch::matmul(x.reshape({-1, o.hidden()}).to(compute), weight.to(compute).t());
+  const int64_t tokens = logits.size(0);
+  const torch::Tensor scores = o.score_function() == RouterScore::kSoftmax
+                                   ? torch::softmax(logits, -1)
+                                   : torch::sigmoid(logits);
+
+  RouterOutput out;
+  {
+    const torch::NoGradGuard no_grad;
+    const torch::Tensor choice = expert_bias.defined() ? scores + expert_bias : scores;
+    out.indices = std::get<1>(choice.topk(topk, -1));
+  }
+  out.probs = scores.gather(1, out.indices);
+  if (o.normalize_topk() && topk > 1) {
+    out.probs = out.probs / (out.probs.sum(-1, true) + 1e-20);
+  }
+  out.tokens_per_expert =
+      torch::zeros({experts}, out.indices.options())
+          .scatter_add(0, out.indices.reshape(-1), torch::ones_like(out.indices.reshape(-1)));
+
+  const auto scalar = torch::TensorOptions(compute).device(x.device());
+  out.aux_loss = torch::zeros({}, scalar);
+  if (o.aux_loss_coeff() > 0 && tokens > 0) {
+    const torch::Tensor s = o.score_function() == RouterScore::kSoftmax
+                                ? scores
+                                : scores / (scores.sum(-1, true) + 1e-20);
+    const double scale = o.aux_loss_coeff() * experts /
+                         (static_cast<double>(topk) * static_cast<double>(tokens) * tokens);
+    out.aux_loss = (s.sum(0) * out.tokens_per_expert.to(compute)).sum() * scale;
+  }
+  out.z_loss = torch::zeros({}, scalar);
+  if (o.z_loss_coeff() > 0 && tokens > 0) {
+    out.z_loss = torch::logsumexp(logits, -1).square().mean() * o.z_loss_coeff();
+  }
+
+  if (o.capacity_factor() && tokens > 0) {
+    const auto capacity = static_cast<int64_t>(
+        std::ceil(static_cast<double>(tokens * topk) / experts * *o.capacity_factor()));
+    const torch::Tensor kept = capacity_mask(out.indices, out.probs, experts, capacity);
+    out.indices = torch::where(kept, out.indices, -1);
+    out.probs = out.probs * kept;
+  }
+  if (expert_bias.defined() && is_training()) {
+    const torch::NoGradGuard no_grad;
+    expert_load += out.tokens_per_expert.to(torch::kFloat32);
+  }
+  return out;
+}
+
+void TopKRouterImpl::update_expert_bias() {
+  if (!expert_bias.defined()) return;
+  const torch::NoGradGuard no_grad;
+  expert_bias += options.expert_bias_update_rate() * torch::sign(expert_load.mean() - expert_load);
+  expert_load.zero_();
+}
+
+}  // namespace torchmoe

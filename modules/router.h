@@ -1,0 +1,99 @@
+#pragma once
+// TopKRouter: the gate of an MoE layer. A linear map [hidden -> E] gives logits; a score function
+// (softmax or sigmoid) turns them into expert scores; each token picks its top-k experts. Also
+// produces the load-balancing auxiliary loss (Switch/GShard), the router z-loss (ST-MoE), the
+// per-expert token counts, and optionally drops tokens over an expert's capacity. Logits and
+// scores are computed in fp32 whatever the parameters' dtype (as Megatron-LM recommends).
+//
+//   scores   = softmax(logits) or sigmoid(logits)                        [T, E]
+//   indices  = topk(scores + expert_bias, k)       (the bias only steers the choice)
+//   probs    = scores[indices], / Σ_k when normalize_topk
+//   aux_loss = coeff · E / (k·T²) · Σ_e (Σ_t s[t,e]) · count_e    s = scores (sigmoid: / Σ_e)
+//   z_loss   = coeff · mean_t logsumexp(logits_t)²
+
+#include <torch/arg.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/pimpl.h>
+#include <torch/types.h>
+
+#include <optional>
+#include <ostream>
+
+namespace torchmoe {
+
+enum class RouterScore { kSoftmax, kSigmoid };
+
+/// Options for `TopKRouter`.
+///
+/// Example:
+/// ```
+/// torchmoe::TopKRouter router(torchmoe::TopKRouterOptions(/*hidden=*/1024, /*num_experts=*/32,
+///                                                         /*topk=*/2)
+///                                 .aux_loss_coeff(1e-2)
+///                                 .z_loss_coeff(1e-3));
+/// torchmoe::RouterOutput r = router(x);  // x [T, 1024]: r.indices [T, 2], r.probs [T, 2]
+/// ```
+struct TopKRouterOptions {
+  TopKRouterOptions(int64_t hidden, int64_t num_experts, int64_t topk);
+
+  TORCH_ARG(int64_t, hidden);
+  TORCH_ARG(int64_t, num_experts);
+  /// Experts per token, 1 <= topk <= num_experts.
+  TORCH_ARG(int64_t, topk);
+  TORCH_ARG(RouterScore, score_function) = RouterScore::kSoftmax;
+  /// Renormalise the k chosen probabilities to sum to 1 (Mixtral, Qwen3, DeepSeek-V3; Megatron's
+  /// default for softmax). Ignored for topk == 1, where it would make every probability 1 and
+  /// leave the gate without a gradient from the main loss (Switch Transformer keeps the score).
+  TORCH_ARG(bool, normalize_topk) = true;
+  /// Weight of the load-balancing loss (0 disables it; the returned aux_loss is then 0).
+  TORCH_ARG(double, aux_loss_coeff) = 0.0;
+  /// Weight of the router z-loss (0 disables it).
+  TORCH_ARG(double, z_loss_coeff) = 0.0;
+  /// Aux-loss-free balancing (DeepSeek-V3): a per-expert fp32 bias added to the scores for the
+  /// choice only, updated by update_expert_bias() from the load seen since the last update.
+  TORCH_ARG(bool, expert_bias) = false;
+  TORCH_ARG(double, expert_bias_update_rate) = 1e-3;
+  /// Each expert keeps at most ceil(T·k/E · capacity_factor) tokens, those with the highest
+  /// probabilities; the others' slots get index -1 and probability 0. nullopt: no dropping.
+  TORCH_ARG(std::optional<double>, capacity_factor) = std::nullopt;
+  TORCH_ARG(torch::Dtype, params_dtype) = torch::kFloat32;
+  TORCH_ARG(torch::Device, device) = torch::kCPU;
+};
+
+/// What the router returns for T tokens.
+struct RouterOutput {
+  torch::Tensor indices;  // [T, k] int64, -1 where dropped by capacity
+  // probs and the losses are float32 (float64 for float64 input).
+  torch::Tensor probs;              // [T, k], 0 where dropped
+  torch::Tensor aux_loss;           // scalar, coefficient applied
+  torch::Tensor z_loss;             // scalar, coefficient applied
+  torch::Tensor tokens_per_expert;  // [E] int64: tokens choosing each expert, before dropping
+};
+
+class TopKRouterImpl : public torch::nn::Cloneable<TopKRouterImpl> {
+ public:
+  TopKRouterImpl(int64_t hidden, int64_t num_experts, int64_t topk)
+      : TopKRouterImpl(TopKRouterOptions(hidden, num_experts, topk)) {}
+  explicit TopKRouterImpl(TopKRouterOptions options);
+
+  void reset() override;
+  /// kaiming_uniform_(a = sqrt(5)) as torch::nn::Linear; zeroes the expert bias and load.
+  void reset_parameters();
+  void pretty_print(std::ostream& stream) const override;
+
+  /// x [..., hidden] (T = x.numel() / hidden tokens).
+  RouterOutput forward(const torch::Tensor& x);
+
+  /// expert_bias += rate · sign(mean load - load) from the tokens counted (in training mode)
+  /// since the last call, then clears the count. No-op without expert_bias.
+  void update_expert_bias();
+
+  TopKRouterOptions options;
+  torch::Tensor weight;       // [E, hidden]
+  torch::Tensor expert_bias;  // buffer [E] fp32 (defined with options.expert_bias)
+  torch::Tensor expert_load;  // buffer [E] fp32: tokens per expert since the last update
+};
+
+TORCH_MODULE(TopKRouter);
+
+}  // namespace torchmoe

@@ -1,0 +1,43 @@
+#pragma once
+// Token permutation for MoE layers: the routing map from top-k expert indices, and the row
+// movements between token order [T, H] and expert-grouped order [N, H]. Semantics and layout:
+// kernels/token_permutation.h. CPU: plain ATen (the reference); CUDA: kernels/token_permutation.cu.
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace torchmoe::ops {
+
+struct RoutingMap {
+  at::Tensor row_map;                // [T, k] int64: permuted row of each slot, -1 when dropped
+  at::Tensor sorted_slots;           // [N] int64: slot t·k + j of each permuted row
+  at::Tensor m_splits;               // [E] int64 on the indices' device: rows per expert
+  std::vector<int64_t> host_splits;  // the same on the host
+  int64_t num_rows = 0;              // N = Σ m_splits
+};
+
+// indices [T, k] int32/int64 with values in [0, E) or -1 (dropped). Rows are grouped by expert,
+// in slot order within an expert. On CUDA: one device-to-host copy (the split sizes).
+RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts);
+
+// tokens [T, H] -> [num_rows, H]: row row_map[t, j] = tokens[t] (· probs[t, j] when given).
+at::Tensor permute_rows(const at::Tensor& tokens, const at::Tensor& row_map, int64_t num_rows,
+                        const at::Tensor& probs);
+
+// permuted [N, H] -> [T, H]: out[t] = Σ_j probs[t, j] · permuted[row_map[t, j]] (weight 1 without
+// probs), summed in fp32 (fp64 for fp64 data) with one rounding.
+at::Tensor unpermute_rows(const at::Tensor& permuted, const at::Tensor& row_map,
+                          const at::Tensor& probs);
+
+struct UnpermuteGrads {
+  at::Tensor grad_permuted;  // [N, H]
+  at::Tensor grad_probs;     // [T, k] in probs' dtype
+};
+
+// Gradients of unpermute_rows with probs for grad_out [T, H].
+UnpermuteGrads unpermute_rows_backward(const at::Tensor& grad_out, const at::Tensor& permuted,
+                                       const at::Tensor& row_map, const at::Tensor& probs);
+
+}  // namespace torchmoe::ops

@@ -1,0 +1,130 @@
+// MoELayer vs a float64 reference built from plain ATen (router by hand, a loop over experts),
+// output, aux loss and every gradient; float64 on the CPU, float32 and bfloat16 on CUDA; errors.
+
+#include <torchmoe/torchmoe.h>
+
+#include "test_utils.h"
+
+using namespace torchmoe::test;
+using Catch::Matchers::Contains;
+using torchmoe::MoELayer;
+using torchmoe::MoELayerOptions;
+
+namespace {
+
+struct Reference {
+  torch::Tensor output, aux_loss, grad_x, grad_router;
+  std::vector<torch::Tensor> grad_fc1, grad_fc2;
+};
+
+torch::Tensor leaf(const torch::Tensor& t) {
+  return t.detach().to(torch::kCPU, torch::kFloat64).requires_grad_(true);
+}
+
+// Softmax top-k router with renormalisation, Switch aux loss, SwiGLU experts without bias.
+Reference reference_moe(MoELayer& moe, const torch::Tensor& x_in, const torch::Tensor& dy) {
+  torch::AutoGradMode enable(true);
+  const auto& o = moe->options;
+  const int64_t e_count = o.num_experts(), k = o.topk(), ffn = o.ffn_hidden();
+  const torch::Tensor x = leaf(x_in.reshape({-1, o.hidden()}));
+  const torch::Tensor w_router = leaf(moe->router->weight);
+  std::vector<torch::Tensor> w1, w2;
+  for (const auto& w : moe->experts->fc1->expert_weights()) w1.push_back(leaf(w));
+  for (const auto& w : moe->experts->fc2->expert_weights()) w2.push_back(leaf(w));
+
+  const int64_t tokens = x.size(0);
+  const torch::Tensor scores = torch::softmax(torch::linear(x, w_router), 1);
+  const torch::Tensor indices = std::get<1>(scores.detach().topk(k, 1));
+  torch::Tensor probs = scores.gather(1, indices);
+  if (k > 1) probs = probs / probs.sum(1, true);
+
+  torch::Tensor out = torch::zeros_like(x);
+  torch::Tensor counts = torch::zeros({e_count}, torch::kFloat64);
+  for (int64_t e = 0; e < e_count; ++e) {
+    const torch::Tensor hit = (indices == e);  // [T, k]
+    counts[e] = hit.sum().item<double>();
+    const torch::Tensor rows = torch::nonzero(hit.any(1)).reshape(-1);
+    if (rows.numel() == 0) continue;
+    const torch::Tensor z = torch::linear(x.index_select(0, rows), w1[e]);
+    const torch::Tensor h = torch::silu(z.narrow(1, 0, ffn)) * z.narrow(1, ffn, ffn);
+    const torch::Tensor p = (probs * hit.to(torch::kFloat64)).sum(1).index_select(0, rows);
+    out = out.index_add(0, rows, torch::linear(h, w2[e]) * p.unsqueeze(1));
+  }
+  const torch::Tensor aux =
+      o.aux_loss_coeff() * e_count / (double(k) * tokens * tokens) * (scores.sum(0) * counts).sum();
+  ((out * dy.to(torch::kCPU, torch::kFloat64).reshape(out.sizes())).sum() + aux).backward();
+
+  Reference ref;
+  ref.output = out.detach().reshape(x_in.sizes());
+  ref.aux_loss = aux.detach();
+  ref.grad_x = x.grad().reshape(x_in.sizes());
+  ref.grad_router = w_router.grad();
+  for (const auto& w : w1)
+    ref.grad_fc1.push_back(w.grad().defined() ? w.grad() : torch::zeros_like(w));
+  for (const auto& w : w2)
+    ref.grad_fc2.push_back(w.grad().defined() ? w.grad() : torch::zeros_like(w));
+  return ref;
+}
+
+// |a - e| <= rel · (|e| + max|e|): relative to each element and to the tensor's scale.
+void check_scaled(const torch::Tensor& actual, const torch::Tensor& expected, double rel,
+                  const std::string& what) {
+  const double scale = expected.numel() ? expected.abs().max().item<double>() : 0.0;
+  check_close(actual, expected, {rel, rel * scale + 1e-12}, what);
+}
+
+void check_layer(torch::Dtype dtype, torch::Device device, int64_t topk, double rel) {
+  torch::manual_seed(17);
+  const int64_t hidden = 32, ffn = 48, experts = 6;
+  MoELayer moe(MoELayerOptions(hidden, ffn, experts, topk)
+                   .aux_loss_coeff(0.05)
+                   .params_dtype(dtype)
+                   .device(device));
+  const torch::Tensor x =
+      (torch::randn({3, 21, hidden}) * 0.5).to(dtype).to(device).requires_grad_(true);
+  const torch::Tensor dy = torch::randn({3, 21, hidden}).to(dtype).to(device);
+  const auto out = moe(x);
+  (out.output * dy).sum().add(out.aux_loss).backward();
+  const Reference ref = reference_moe(moe, x, dy);
+
+  CHECK(out.output.scalar_type() == dtype);
+  check_scaled(out.output, ref.output, rel, "output");
+  check_scaled(out.aux_loss, ref.aux_loss, rel, "aux loss");
+  check_scaled(x.grad(), ref.grad_x, rel, "grad x");
+  check_scaled(moe->router->weight.grad(), ref.grad_router, rel, "grad router weight");
+  const auto w1 = moe->experts->fc1->expert_weights(), w2 = moe->experts->fc2->expert_weights();
+  for (int64_t e = 0; e < experts; ++e) {
+    INFO("expert " << e);
+    // An expert that got no tokens has no gradient yet (None), as in PyTorch.
+    const torch::Tensor g1 = w1[e].grad().defined() ? w1[e].grad() : torch::zeros_like(w1[e]);
+    const torch::Tensor g2 = w2[e].grad().defined() ? w2[e].grad() : torch::zeros_like(w2[e]);
+    check_scaled(g1, ref.grad_fc1[e], rel, "grad fc1");
+    check_scaled(g2, ref.grad_fc2[e], rel, "grad fc2");
+  }
+  CHECK(out.tokens_per_expert.sum().item<int64_t>() == 63 * topk);
+}
+
+}  // namespace
+
+TEST_CASE("MoELayer matches a float64 loop-over-experts reference (CPU)", "[modules][moe]") {
+  const int64_t topk = GENERATE(1, 2, 4);
+  INFO("topk=" << topk);
+  check_layer(torch::kFloat64, torch::kCPU, topk, 1e-10);
+}
+
+TEST_CASE("MoELayer matches the reference on CUDA", "[modules][moe][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const torch::Dtype dtype = GENERATE(torch::kFloat32, torch::kBFloat16);
+  const int64_t topk = GENERATE(1, 2, 4);
+  INFO("dtype=" << dtype << " topk=" << topk);
+  check_layer(dtype, torch::kCUDA, topk, dtype == torch::kFloat32 ? 1e-4 : 3e-2);
+}
+
+TEST_CASE("MoELayer errors", "[modules][moe]") {
+  MoELayer moe(MoELayerOptions(8, 16, 4, 2));
+  CHECK_THROWS_WITH(moe(torch::randn({3, 7})), Contains("x must be [..., hidden=8], got [3, 7]"));
+  CHECK_THROWS_WITH(MoELayer(MoELayerOptions(8, 16, 4, 5)),
+                    Contains("topk must be in [1, num_experts=4], got 5"));
+  CHECK_THROWS_WITH(moe(torch::randn({3, 8}, torch::kFloat64)),
+                    Contains("x dtype must match params_dtype=Float, got Double"));
+}

@@ -1,0 +1,204 @@
+// Token permutation: the routing map on a hand-worked case, round trips, an independent
+// loop-over-experts reference, finite-difference gradients (float64, CPU), CPU vs CUDA
+// (k in {1, 2, 8} x E in {4, 16, 128}, empty experts, all tokens to one expert, dropped slots,
+// unaligned H), and the errors.
+
+#include <torchmoe/ops/token_permutation.h>
+#include <torchmoe/torchmoe.h>
+
+#include "test_utils.h"
+
+using namespace torchmoe::test;
+using Catch::Matchers::Contains;
+namespace F = torchmoe::functional;
+
+namespace {
+
+// Random top-k indices: k distinct experts per token drawn from `allowed` (all E by default).
+torch::Tensor random_indices(int64_t tokens, int64_t topk, int64_t experts, uint64_t seed,
+                             int64_t allowed = -1) {
+  const auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const int64_t pool = allowed > 0 ? allowed : experts;
+  const torch::Tensor scores = torch::rand({tokens, pool}, gen);
+  return std::get<1>(scores.topk(topk, 1));
+}
+
+// Independent reference: expert by expert, the tokens choosing it in token order.
+struct ExpectedPermutation {
+  torch::Tensor permuted;  // [N, H]
+  std::vector<int64_t> splits;
+};
+
+ExpectedPermutation loop_reference(const torch::Tensor& x, const torch::Tensor& indices,
+                                   int64_t experts) {
+  ExpectedPermutation e;
+  std::vector<torch::Tensor> rows;
+  const auto idx = indices.accessor<int64_t, 2>();
+  for (int64_t expert = 0; expert < experts; ++expert) {
+    int64_t count = 0;
+    for (int64_t t = 0; t < indices.size(0); ++t) {
+      for (int64_t j = 0; j < indices.size(1); ++j) {
+        if (idx[t][j] == expert) {
+          rows.push_back(x[t]);
+          ++count;
+        }
+      }
+    }
+    e.splits.push_back(count);
+  }
+  e.permuted = rows.empty() ? x.new_empty({0, x.size(1)}) : torch::stack(rows);
+  return e;
+}
+
+}  // namespace
+
+TEST_CASE("make_routing_map on a worked example", "[ops][permutation]") {
+  // slots: (0,0)->1 (0,1)->0 (1,0)->1 (1,1)->2 (2,0) dropped (2,1)->1
+  const torch::Tensor indices = torch::tensor({1, 0, 1, 2, -1, 1}, torch::kLong).view({3, 2});
+  const auto map = torchmoe::ops::make_routing_map(indices, 4);
+  CHECK(map.host_splits == std::vector<int64_t>{1, 3, 1, 0});
+  CHECK(map.num_rows == 5);
+  CHECK(torch::equal(map.row_map, torch::tensor({1, 0, 2, 4, -1, 3}, torch::kLong).view({3, 2})));
+  CHECK(torch::equal(map.sorted_slots, torch::tensor({1, 0, 2, 5, 3}, torch::kLong)));
+  CHECK(torch::equal(map.m_splits, torch::tensor({1, 3, 1, 0}, torch::kLong)));
+}
+
+TEST_CASE("permute_tokens matches a loop over experts and round-trips", "[ops][permutation]") {
+  const int64_t topk = GENERATE(1, 2, 8);
+  const int64_t experts = GENERATE(8, 16, 128);
+  INFO("topk=" << topk << " experts=" << experts);
+  const int64_t tokens = 37, hidden = 24;
+  const torch::Tensor x = torch::randn({tokens, hidden}, torch::kFloat64);
+  const torch::Tensor indices = random_indices(tokens, topk, experts, 7 + topk + experts);
+  const torch::Tensor probs = torch::softmax(torch::randn({tokens, topk}, torch::kFloat64), 1);
+
+  const auto routed = F::permute_tokens(x, indices, experts, probs);
+  const ExpectedPermutation expected = loop_reference(x, indices, experts);
+  CHECK(routed.m_splits == expected.splits);
+  CHECK(torch::equal(routed.tokens, expected.permuted));
+  // Each row's probability is its slot's.
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t j = 0; j < topk; ++j) {
+      const int64_t row = routed.row_map[t][j].item<int64_t>();
+      CHECK(routed.probs[row].item<double>() == probs[t][j].item<double>());
+    }
+  }
+  // Probabilities summing to one give the tokens back; without them, k copies.
+  check_close(F::unpermute_tokens(routed.tokens, routed.row_map, probs), x, {1e-12, 1e-12},
+              "weighted round trip");
+  check_close(F::unpermute_tokens(routed.tokens, routed.row_map), x * topk, {1e-12, 1e-12},
+              "plain round trip");
+}
+
+TEST_CASE("permutation edge cases: empty experts, one expert, dropped slots, no tokens",
+          "[ops][permutation]") {
+  const torch::Tensor x = torch::randn({6, 5}, torch::kFloat64);
+  SECTION("all tokens to one expert (the others empty)") {
+    const auto routed = F::permute_tokens(x, torch::full({6, 1}, 2, torch::kLong), 4);
+    CHECK(routed.m_splits == std::vector<int64_t>{0, 0, 6, 0});
+    CHECK(torch::equal(routed.tokens, x));
+  }
+  SECTION("dropped slots (-1) get no row and contribute nothing") {
+    const torch::Tensor indices =
+        torch::tensor({0, -1, -1, -1, 1, 0, -1, 1, 0, 1, -1, -1}, torch::kLong).view({6, 2});
+    const auto routed = F::permute_tokens(x, indices, 2);
+    CHECK(routed.m_splits == std::vector<int64_t>{3, 3});
+    const torch::Tensor back = F::unpermute_tokens(routed.tokens, routed.row_map);
+    const torch::Tensor kept = (indices >= 0).sum(1, true).to(torch::kFloat64);
+    check_close(back, x * kept, {1e-12, 1e-12}, "dropped tokens come back as zero");
+  }
+  SECTION("no tokens") {
+    const auto routed = F::permute_tokens(x.narrow(0, 0, 0), torch::empty({0, 2}, torch::kLong), 3);
+    CHECK(routed.m_splits == std::vector<int64_t>{0, 0, 0});
+    CHECK(routed.tokens.sizes() == torch::IntArrayRef({0, 5}));
+    CHECK(F::unpermute_tokens(routed.tokens, routed.row_map).sizes() == torch::IntArrayRef({0, 5}));
+  }
+}
+
+TEST_CASE("permute/unpermute finite-difference gradients (float64)", "[ops][permutation]") {
+  const bool weighted = GENERATE(false, true);
+  INFO("weighted=" << weighted);
+  torch::manual_seed(5);
+  const torch::Tensor x = torch::randn({5, 3}, torch::kFloat64).requires_grad_(true);
+  const torch::Tensor probs = torch::rand({5, 2}, torch::kFloat64).requires_grad_(true);
+  const torch::Tensor indices = torch::tensor({0, 2, 1, 2, 2, -1, 0, 1, 1, 0}).view({5, 2});
+  const torch::Tensor w_perm = torch::randn({9, 3}, torch::kFloat64);
+  const torch::Tensor w_out = torch::randn({5, 3}, torch::kFloat64);
+  auto loss = [&] {
+    const auto routed = F::permute_tokens(x, indices, 3, probs);
+    // A nonlinearity between the two, so both functions' gradients matter; the permuted
+    // probabilities feed in too.
+    const torch::Tensor h = (routed.tokens * w_perm).tanh() * routed.probs.unsqueeze(1);
+    const torch::Tensor y =
+        F::unpermute_tokens(h, routed.row_map, weighted ? probs : torch::Tensor());
+    return (y * w_out).sum();
+  };
+  loss().backward();
+  check_finite_differences(loss, {{"tokens", x}, {"probs", probs}});
+}
+
+TEST_CASE("permutation errors", "[ops][permutation]") {
+  const torch::Tensor x = torch::randn({4, 8});
+  const torch::Tensor indices = torch::zeros({4, 2}, torch::kLong);
+  CHECK_THROWS_WITH(F::permute_tokens(x, torch::full({4, 2}, 5, torch::kLong), 4),
+                    Contains("indices must be in [0, 4) or -1 (dropped), got 8 out of range"));
+  CHECK_THROWS_WITH(F::permute_tokens(x, indices.to(torch::kFloat), 4),
+                    Contains("indices must be int64 or int32"));
+  CHECK_THROWS_WITH(F::permute_tokens(x, torch::zeros({3, 2}, torch::kLong), 4),
+                    Contains("indices must be [T=4, topk]"));
+  CHECK_THROWS_WITH(F::permute_tokens(x, indices, 0), Contains("num_experts must be positive"));
+  CHECK_THROWS_WITH(F::permute_tokens(x.view({2, 2, 8}), indices, 4),
+                    Contains("tokens must be 2-D"));
+  CHECK_THROWS_WITH(F::permute_tokens(x, indices, 4, torch::rand({4, 3})),
+                    Contains("probs must have shape [4, 2]"));
+  const auto routed = F::permute_tokens(x, indices, 4);
+  CHECK_THROWS_WITH(F::unpermute_tokens(routed.tokens, routed.row_map.to(torch::kInt)),
+                    Contains("row_map must be a 2-D int64 tensor"));
+  CHECK_THROWS_WITH(F::unpermute_tokens(routed.tokens, routed.row_map, torch::rand({4})),
+                    Contains("probs must have shape [4, 2]"));
+  CHECK_THROWS_WITH(torchmoe::ops::permute_rows(x, routed.row_map, 3, torch::Tensor()),
+                    Contains("row_map keeps 8 slots but num_rows is 3"));
+}
+
+TEST_CASE("permutation on CUDA matches the CPU reference", "[ops][permutation][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const torch::Dtype dtype = GENERATE(torch::kFloat32, torch::kBFloat16);
+  const int64_t topk = GENERATE(1, 2, 8);
+  const int64_t experts = GENERATE(8, 16, 128);
+  // 128 and 256 take 16-byte vectors; 100 takes the scalar path.
+  const int64_t hidden = GENERATE(128, 100);
+  // all: every expert eligible; few: only 3 (the rest empty); one: everything to expert 0.
+  const int64_t allowed = GENERATE(-1, 3, 1);
+  if (allowed > 0 && allowed < topk) return;  // cannot pick k distinct experts
+  INFO("dtype=" << dtype << " topk=" << topk << " experts=" << experts << " hidden=" << hidden
+                << " allowed=" << allowed);
+  const int64_t tokens = 515;
+  torch::Tensor indices = random_indices(tokens, topk, experts, 31 + topk, allowed);
+  // Drop a few slots, as capacity does.
+  indices.index_put_({torch::rand({tokens, topk}) < 0.05}, -1);
+  const torch::Tensor x = torch::randn({tokens, hidden}).to(dtype);
+  const torch::Tensor probs = torch::rand({tokens, topk});
+  const torch::Tensor dy = torch::randn({tokens, hidden}).to(dtype);
+
+  auto run = [&](const torch::Device& device, const torch::Tensor& idx) {
+    const torch::Tensor xd = x.to(device).requires_grad_(true);
+    const torch::Tensor pd = probs.to(device).requires_grad_(true);
+    const auto routed = F::permute_tokens(xd, idx.to(device), experts);
+    const torch::Tensor y = F::unpermute_tokens(routed.tokens * 2, routed.row_map, pd);
+    y.backward(dy.to(device));
+    return std::make_tuple(routed, y, xd.grad(), pd.grad());
+  };
+  const auto [cpu_routed, cpu_y, cpu_dx, cpu_dp] = run(torch::kCPU, indices);
+  for (const bool int32 : {false, true}) {
+    INFO("int32 indices=" << int32);
+    const auto [routed, y, dx, dp] = run(torch::kCUDA, int32 ? indices.to(torch::kInt) : indices);
+    CHECK(routed.m_splits == cpu_routed.m_splits);
+    CHECK(torch::equal(routed.m_splits_device.cpu(), torch::tensor(cpu_routed.m_splits)));
+    CHECK(torch::equal(routed.row_map.cpu(), cpu_routed.row_map));
+    CHECK(torch::equal(routed.tokens.cpu(), cpu_routed.tokens));
+    const Tolerance tol = dtype == torch::kFloat32 ? Tolerance{1e-5, 1e-5} : Tolerance{1e-2, 1e-2};
+    check_close(y, cpu_y, tol, "unpermute");
+    check_close(dx, cpu_dx, tol, "grad tokens");
+    check_close(dp, cpu_dp, {tol.rtol, tol.atol * hidden}, "grad probs");
+  }
+}
