@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Sets up and builds if needed, then runs the example training loop (CUDA when a GPU is present,
-# else CPU). Extra arguments go to the example, e.g. scripts/example.sh --steps 500.
+# Sets up and builds if needed, then trains the example MoE language model (examples/moe_lm) from
+# its C++ loop: CUDA (bf16, fp32 masters) when a GPU is present, else CPU (about a minute on two
+# cores). The per-step log goes to build/moe_lm.csv (plot: scripts/plot_training.py). Extra
+# arguments go to the example, e.g. scripts/example.sh --steps 1000 --save build/moe_lm.pt
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/build.sh
-exec "${TORCHMOE_BUILD_DIR:-build}/examples/grouped_linear_regression" "$@"
+build_dir=${TORCHMOE_BUILD_DIR:-build}
+exec "$build_dir/examples/moe_lm" --csv "$build_dir/moe_lm.csv" "$@"

@@ -1,0 +1,161 @@
+#include "model.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/init.h>
+
+#include <cmath>
+#include <utility>
+
+namespace moe_lm {
+namespace {
+
+constexpr double kInitStd = 0.02;  // GPT-2's initialisation for embeddings and projections
+
+}  // namespace
+
+void ModelConfig::save(torch::serialize::OutputArchive& archive) const {
+  for (const auto& [key, value] : {std::pair<const char*, int64_t>{"vocab", vocab},
+                                   {"layers", layers},
+                                   {"hidden", hidden},
+                                   {"heads", heads},
+                                   {"experts", experts},
+                                   {"topk", topk},
+                                   {"ffn", ffn},
+                                   {"seq", seq}}) {
+    archive.write(std::string("config.") + key, c10::IValue(value));
+  }
+  archive.write("config.aux_loss_coeff", c10::IValue(aux_loss_coeff));
+  archive.write("config.z_loss_coeff", c10::IValue(z_loss_coeff));
+}
+
+ModelConfig ModelConfig::load(torch::serialize::InputArchive& archive) {
+  ModelConfig c;
+  auto read_int = [&](const char* key, int64_t& out) {
+    c10::IValue v;
+    archive.read(std::string("config.") + key, v);
+    out = v.toInt();
+  };
+  auto read_double = [&](const char* key, double& out) {
+    c10::IValue v;
+    archive.read(std::string("config.") + key, v);
+    out = v.toDouble();
+  };
+  read_int("vocab", c.vocab);
+  read_int("layers", c.layers);
+  read_int("hidden", c.hidden);
+  read_int("heads", c.heads);
+  read_int("experts", c.experts);
+  read_int("topk", c.topk);
+  read_int("ffn", c.ffn);
+  read_int("seq", c.seq);
+  read_double("aux_loss_coeff", c.aux_loss_coeff);
+  read_double("z_loss_coeff", c.z_loss_coeff);
+  return c;
+}
+
+RMSNormImpl::RMSNormImpl(int64_t hidden_, torch::TensorOptions options_)
+    : hidden(hidden_), options(options_) {
+  reset();
+}
+
+void RMSNormImpl::reset() { weight = register_parameter("weight", torch::ones({hidden}, options)); }
+
+torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
+  const torch::Tensor x32 = x.to(torch::kFloat32);
+  const torch::Tensor normed = x32 * torch::rsqrt(x32.square().mean(-1, true) + 1e-6);
+  return (normed * weight.to(torch::kFloat32)).to(x.scalar_type());
+}
+
+AttentionImpl::AttentionImpl(int64_t hidden_, int64_t heads_, torch::TensorOptions options_)
+    : hidden(hidden_), heads(heads_), options(options_) {
+  reset();
+}
+
+void AttentionImpl::reset() {
+  qkv = register_module(
+      "qkv", torch::nn::Linear(torch::nn::LinearOptions(hidden, 3 * hidden).bias(false)));
+  proj = register_module("proj",
+                         torch::nn::Linear(torch::nn::LinearOptions(hidden, hidden).bias(false)));
+  torch::NoGradGuard no_grad;
+  torch::nn::init::normal_(qkv->weight, 0, kInitStd);
+  torch::nn::init::normal_(proj->weight, 0, kInitStd);
+  qkv->to(options.device(), options.dtype().toScalarType());
+  proj->to(options.device(), options.dtype().toScalarType());
+}
+
+torch::Tensor AttentionImpl::forward(const torch::Tensor& x) {
+  const int64_t batch = x.size(0), seq = x.size(1), head_dim = hidden / heads;
+  // [B, S, 3, heads, d] -> three [B, heads, S, d]
+  const torch::Tensor qkv_out =
+      qkv(x).view({batch, seq, 3, heads, head_dim}).permute({2, 0, 3, 1, 4});
+  const torch::Tensor attended = at::scaled_dot_product_attention(
+      qkv_out[0], qkv_out[1], qkv_out[2], /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
+  return proj(attended.transpose(1, 2).reshape({batch, seq, hidden}));
+}
+
+MoETransformerImpl::MoETransformerImpl(ModelConfig config_, torch::TensorOptions options_)
+    : config(std::move(config_)), options(options_) {
+  reset();
+}
+
+void MoETransformerImpl::reset() {
+  const ModelConfig& c = config;
+  const torch::Device device = options.device();
+  const torch::Dtype dtype = options.dtype().toScalarType();
+  token_embedding = register_module("token_embedding", torch::nn::Embedding(c.vocab, c.hidden));
+  position_embedding = register_module("position_embedding", torch::nn::Embedding(c.seq, c.hidden));
+  {
+    torch::NoGradGuard no_grad;
+    torch::nn::init::normal_(token_embedding->weight, 0, kInitStd);
+    torch::nn::init::normal_(position_embedding->weight, 0, kInitStd);
+  }
+  token_embedding->to(device, dtype);
+  position_embedding->to(device, dtype);
+  attention_norms = register_module("attention_norms", torch::nn::ModuleList());
+  attentions = register_module("attentions", torch::nn::ModuleList());
+  moe_norms = register_module("moe_norms", torch::nn::ModuleList());
+  moes = register_module("moes", torch::nn::ModuleList());
+  for (int64_t l = 0; l < c.layers; ++l) {
+    attention_norms->push_back(RMSNorm(c.hidden, options));
+    attentions->push_back(Attention(c.hidden, c.heads, options));
+    moe_norms->push_back(RMSNorm(c.hidden, options));
+    // Expert weight gradients go straight into fp32 main-grad buffers (the trainer's).
+    moes->push_back(torchmoe::MoELayer(torchmoe::MoELayerOptions(c.hidden, c.ffn, c.experts, c.topk)
+                                           .aux_loss_coeff(c.aux_loss_coeff)
+                                           .z_loss_coeff(c.z_loss_coeff)
+                                           .fuse_wgrad_accumulation(true)
+                                           .params_dtype(dtype)
+                                           .device(device)));
+  }
+  final_norm = register_module("final_norm", RMSNorm(c.hidden, options));
+}
+
+std::vector<torchmoe::MoELayer> MoETransformerImpl::moe_layers() const {
+  std::vector<torchmoe::MoELayer> layers;
+  for (const auto& m : *moes) {
+    layers.emplace_back(std::dynamic_pointer_cast<torchmoe::MoELayerImpl>(m));
+  }
+  return layers;
+}
+
+ModelOutput MoETransformerImpl::forward(const torch::Tensor& tokens) {
+  const int64_t seq = tokens.size(1);
+  const torch::Tensor positions = torch::arange(seq, tokens.options());
+  torch::Tensor x = token_embedding(tokens) + position_embedding(positions);
+  ModelOutput out;
+  out.aux_loss = torch::zeros({}, torch::TensorOptions(torch::kFloat32).device(tokens.device()));
+  for (int64_t l = 0; l < config.layers; ++l) {
+    x = x + attentions[l]->as<AttentionImpl>()->forward(
+                attention_norms[l]->as<RMSNormImpl>()->forward(x));
+    const torchmoe::MoEOutput moe =
+        moes[l]->as<torchmoe::MoELayerImpl>()->forward(moe_norms[l]->as<RMSNormImpl>()->forward(x));
+    x = x + moe.output;
+    out.aux_loss = out.aux_loss + moe.aux_loss;
+    out.tokens_per_expert.push_back(moe.tokens_per_expert);
+  }
+  // Output projection tied to the token embedding; logits in fp32 for the loss.
+  out.logits = torch::matmul(final_norm(x), token_embedding->weight.t()).to(torch::kFloat32);
+  return out;
+}
+
+}  // namespace moe_lm

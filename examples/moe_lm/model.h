@@ -1,0 +1,89 @@
+#pragma once
+// A small decoder-only transformer language model over bytes whose FFN blocks are torchmoe
+// MoELayers: token + position embeddings, then per block
+//   x = x + Attention(RMSNorm(x))      (causal, at::scaled_dot_product_attention)
+//   x = x + MoELayer(RMSNorm(x))       (router -> permute -> GroupedMLP -> unpermute)
+// and a final RMSNorm with an output projection tied to the token embedding.
+
+#include <torch/nn/cloneable.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+#include <torch/serialize/archive.h>
+
+#include <torchmoe/torchmoe.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace moe_lm {
+
+struct ModelConfig {
+  int64_t vocab = 256;  // bytes
+  int64_t layers = 4;
+  int64_t hidden = 128;
+  int64_t heads = 4;
+  int64_t experts = 8;
+  int64_t topk = 2;
+  int64_t ffn = 256;
+  int64_t seq = 128;  // longest context (position embeddings)
+  double aux_loss_coeff = 1e-2;
+  double z_loss_coeff = 1e-3;
+
+  void save(torch::serialize::OutputArchive& archive) const;
+  static ModelConfig load(torch::serialize::InputArchive& archive);
+};
+
+class RMSNormImpl : public torch::nn::Cloneable<RMSNormImpl> {
+ public:
+  RMSNormImpl(int64_t hidden, torch::TensorOptions options);
+  void reset() override;
+  torch::Tensor forward(const torch::Tensor& x);  // normalised in fp32, returned in x's dtype
+
+  int64_t hidden;
+  torch::TensorOptions options;
+  torch::Tensor weight;
+};
+TORCH_MODULE(RMSNorm);
+
+class AttentionImpl : public torch::nn::Cloneable<AttentionImpl> {
+ public:
+  AttentionImpl(int64_t hidden, int64_t heads, torch::TensorOptions options);
+  void reset() override;
+  torch::Tensor forward(const torch::Tensor& x);  // [B, S, H], causal
+
+  int64_t hidden, heads;
+  torch::TensorOptions options;
+  torch::nn::Linear qkv{nullptr}, proj{nullptr};
+};
+TORCH_MODULE(Attention);
+
+/// What one forward returns: logits and the summed router losses and loads of all MoE layers.
+struct ModelOutput {
+  torch::Tensor logits;                          // [B, S, vocab] float32
+  torch::Tensor aux_loss;                        // scalar float32
+  std::vector<torch::Tensor> tokens_per_expert;  // one [E] per layer
+};
+
+class MoETransformerImpl : public torch::nn::Cloneable<MoETransformerImpl> {
+ public:
+  MoETransformerImpl(ModelConfig config, torch::TensorOptions options);
+  void reset() override;
+
+  /// tokens [B, S] int64 with S <= config.seq.
+  ModelOutput forward(const torch::Tensor& tokens);
+
+  /// The MoE layers, in order (for main-grad buffers, expert-bias updates, loads).
+  std::vector<torchmoe::MoELayer> moe_layers() const;
+
+  ModelConfig config;
+  torch::TensorOptions options;
+  torch::nn::Embedding token_embedding{nullptr}, position_embedding{nullptr};
+  torch::nn::ModuleList attention_norms{nullptr}, attentions{nullptr}, moe_norms{nullptr},
+      moes{nullptr};
+  RMSNorm final_norm{nullptr};
+};
+TORCH_MODULE(MoETransformer);
+
+}  // namespace moe_lm
