@@ -35,7 +35,9 @@ void MoELayerImpl::reset() {
                                 .device(o.device())
                                 .fuse_wgrad_accumulation(o.fuse_wgrad_accumulation())
                                 .delay_wgrad_compute(o.delay_wgrad_compute())
-                                .recompute_activation(o.recompute_activation())));
+                                .recompute_activation(o.recompute_activation())
+                                .single_grouped_weight(o.single_grouped_weight())
+                                .single_grouped_bias(o.single_grouped_bias())));
 }
 
 void MoELayerImpl::pretty_print(std::ostream& stream) const {

@@ -57,6 +57,8 @@ struct MoELayerOptions {
   TORCH_ARG(bool, fuse_wgrad_accumulation) = false;
   TORCH_ARG(bool, delay_wgrad_compute) = false;
   TORCH_ARG(bool, recompute_activation) = false;
+  TORCH_ARG(bool, single_grouped_weight) = false;
+  TORCH_ARG(bool, single_grouped_bias) = false;
   // Both.
   TORCH_ARG(torch::Dtype, params_dtype) = torch::kFloat32;
   TORCH_ARG(torch::Device, device) = torch::kCPU;

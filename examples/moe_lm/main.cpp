@@ -317,9 +317,16 @@ class Trainer {
     for (const auto& item : model->named_modules()) {
       auto layer = std::dynamic_pointer_cast<torchmoe::GroupedLinearImpl>(item.value());
       if (!layer) continue;
+      std::vector<std::string> names;
+      if (layer->options.single_grouped_weight()) {
+        names.push_back("weight");
+      } else {
+        for (int64_t g = 0; g < layer->options.num_gemms(); ++g)
+          names.push_back("weight" + std::to_string(g));
+      }
       std::vector<torch::Tensor> buffers;
-      for (int64_t g = 0; g < layer->options.num_gemms(); ++g) {
-        Slot& s = slots_.at(by_name.at(item.key() + ".weight" + std::to_string(g)));
+      for (const std::string& name : names) {
+        Slot& s = slots_.at(by_name.at(item.key() + "." + name));
         s.fused = true;
         buffers.push_back(s.main_grad);
       }
@@ -367,17 +374,24 @@ class Trainer {
     return norm;
   }
 
+  // The fp32 masters stand for the parameters (which are their casts), so a checkpoint loads
+  // into any device and compute dtype. Buffers (router expert bias and load) go as they are.
   void save(torch::serialize::OutputArchive& archive) const {
-    torch::serialize::OutputArchive masters, optimizer;
+    torch::serialize::OutputArchive masters, buffers, optimizer;
     for (size_t i = 0; i < slots_.size(); ++i) masters.write(std::to_string(i), slots_[i].master);
+    const auto model_buffers = model_->buffers();
+    for (size_t i = 0; i < model_buffers.size(); ++i)
+      buffers.write(std::to_string(i), model_buffers[i]);
     optimizer_->save(optimizer);
     archive.write("masters", masters);
+    archive.write("buffers", buffers);
     archive.write("optimizer", optimizer);
   }
 
   void load(torch::serialize::InputArchive& archive) {
-    torch::serialize::InputArchive masters, optimizer;
+    torch::serialize::InputArchive masters, buffers, optimizer;
     archive.read("masters", masters);
+    archive.read("buffers", buffers);
     archive.read("optimizer", optimizer);
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < slots_.size(); ++i) {
@@ -385,6 +399,12 @@ class Trainer {
       masters.read(std::to_string(i), saved);
       slots_[i].master.copy_(saved);
       slots_[i].param.copy_(slots_[i].master);
+    }
+    auto model_buffers = model_->buffers();
+    for (size_t i = 0; i < model_buffers.size(); ++i) {
+      torch::Tensor saved;
+      buffers.read(std::to_string(i), saved);
+      model_buffers[i].copy_(saved);
     }
     optimizer_->load(optimizer);
   }
@@ -429,10 +449,8 @@ double evaluate(MoETransformer& model, const Corpus& c, const Flags& f,
 
 void save_checkpoint(const std::string& path, MoETransformer& model, const Trainer& trainer,
                      int64_t step) {
-  torch::serialize::OutputArchive archive, weights;
+  torch::serialize::OutputArchive archive;
   model->config.save(archive);
-  model->save(weights);
-  archive.write("model", weights);
   trainer.save(archive);
   archive.write("step", c10::IValue(step));
   const std::string tmp = path + ".tmp";
@@ -533,7 +551,7 @@ int run(const Flags& flags_in) {
       return 1;
     }
     checkpoint.emplace();
-    checkpoint->load_from(f.resume);
+    checkpoint->load_from(f.resume, device);
     f.model = ModelConfig::load(*checkpoint);
     c10::IValue step;
     checkpoint->read("step", step);
@@ -542,12 +560,7 @@ int run(const Flags& flags_in) {
   torch::manual_seed(f.seed);
   MoETransformer model(f.model, torch::TensorOptions(dtype).device(device));
   Trainer trainer(model, f);
-  if (checkpoint) {
-    torch::serialize::InputArchive weights;
-    checkpoint->read("model", weights);
-    model->load(weights);
-    trainer.load(*checkpoint);
-  }
+  if (checkpoint) trainer.load(*checkpoint);
   if (f.generate) {
     generate(model, f, device);
     return 0;

@@ -119,11 +119,14 @@ void MoETransformerImpl::reset() {
     attention_norms->push_back(RMSNorm(c.hidden, options));
     attentions->push_back(Attention(c.hidden, c.heads, options));
     moe_norms->push_back(RMSNorm(c.hidden, options));
-    // Expert weight gradients go straight into fp32 main-grad buffers (the trainer's).
+    // Expert weight gradients go straight into fp32 main-grad buffers (the trainer's). One
+    // [E, out, in] weight per layer rather than E: the optimizer then updates 2 tensors per MoE
+    // layer instead of 2·E (per-tensor AdamW launches dominate otherwise).
     moes->push_back(torchmoe::MoELayer(torchmoe::MoELayerOptions(c.hidden, c.ffn, c.experts, c.topk)
                                            .aux_loss_coeff(c.aux_loss_coeff)
                                            .z_loss_coeff(c.z_loss_coeff)
                                            .fuse_wgrad_accumulation(true)
+                                           .single_grouped_weight(true)
                                            .params_dtype(dtype)
                                            .device(device)));
   }

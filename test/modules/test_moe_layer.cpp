@@ -73,11 +73,13 @@ void check_scaled(const torch::Tensor& actual, const torch::Tensor& expected, do
   check_close(actual, expected, {rel, rel * scale + 1e-12}, what);
 }
 
-void check_layer(torch::Dtype dtype, torch::Device device, int64_t topk, double rel) {
+void check_layer(torch::Dtype dtype, torch::Device device, int64_t topk, double rel,
+                 bool single = false) {
   torch::manual_seed(17);
   const int64_t hidden = 32, ffn = 48, experts = 6;
   MoELayer moe(MoELayerOptions(hidden, ffn, experts, topk)
                    .aux_loss_coeff(0.05)
+                   .single_grouped_weight(single)
                    .params_dtype(dtype)
                    .device(device));
   const torch::Tensor x =
@@ -92,12 +94,17 @@ void check_layer(torch::Dtype dtype, torch::Device device, int64_t topk, double 
   check_scaled(out.aux_loss, ref.aux_loss, rel, "aux loss");
   check_scaled(x.grad(), ref.grad_x, rel, "grad x");
   check_scaled(moe->router->weight.grad(), ref.grad_router, rel, "grad router weight");
-  const auto w1 = moe->experts->fc1->expert_weights(), w2 = moe->experts->fc2->expert_weights();
+  // An expert weight without tokens has no gradient yet (None), as in PyTorch.
+  auto grad_of = [&](torchmoe::GroupedLinear& fc, int64_t e) {
+    const torch::Tensor w = single ? fc->named_parameters()["weight"]
+                                   : fc->named_parameters()["weight" + std::to_string(e)];
+    const torch::Tensor g = w.grad().defined() ? w.grad() : torch::zeros_like(w);
+    return single ? g[e] : g;
+  };
   for (int64_t e = 0; e < experts; ++e) {
     INFO("expert " << e);
-    // An expert that got no tokens has no gradient yet (None), as in PyTorch.
-    const torch::Tensor g1 = w1[e].grad().defined() ? w1[e].grad() : torch::zeros_like(w1[e]);
-    const torch::Tensor g2 = w2[e].grad().defined() ? w2[e].grad() : torch::zeros_like(w2[e]);
+    const torch::Tensor g1 = grad_of(moe->experts->fc1, e);
+    const torch::Tensor g2 = grad_of(moe->experts->fc2, e);
     check_scaled(g1, ref.grad_fc1[e], rel, "grad fc1");
     check_scaled(g2, ref.grad_fc2[e], rel, "grad fc2");
   }
@@ -108,8 +115,9 @@ void check_layer(torch::Dtype dtype, torch::Device device, int64_t topk, double 
 
 TEST_CASE("MoELayer matches a float64 loop-over-experts reference (CPU)", "[modules][moe]") {
   const int64_t topk = GENERATE(1, 2, 4);
-  INFO("topk=" << topk);
-  check_layer(torch::kFloat64, torch::kCPU, topk, 1e-10);
+  const bool single = GENERATE(false, true);
+  INFO("topk=" << topk << " single_grouped_weight=" << single);
+  check_layer(torch::kFloat64, torch::kCPU, topk, 1e-10, single);
 }
 
 TEST_CASE("MoELayer matches the reference on CUDA", "[modules][moe][cuda]") {

@@ -181,8 +181,9 @@ TEST_CASE("permutation on CUDA matches the CPU reference", "[ops][permutation][c
   const torch::Tensor dy = torch::randn({tokens, hidden}).to(dtype);
 
   auto run = [&](const torch::Device& device, const torch::Tensor& idx) {
-    const torch::Tensor xd = x.to(device).requires_grad_(true);
-    const torch::Tensor pd = probs.to(device).requires_grad_(true);
+    // detach(): on the CPU, to() returns x itself, which must stay a plain tensor.
+    const torch::Tensor xd = x.to(device).detach().requires_grad_(true);
+    const torch::Tensor pd = probs.to(device).detach().requires_grad_(true);
     const auto routed = F::permute_tokens(xd, idx.to(device), experts);
     const torch::Tensor y = F::unpermute_tokens(routed.tokens * 2, routed.row_map, pd);
     y.backward(dy.to(device));
