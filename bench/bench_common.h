@@ -26,6 +26,8 @@ inline const std::vector<Shape>& shapes() {
       {"deepseek-v3-ep8", 32, 7168, 2048, 8, 8192},
       {"qwen3-30b-a3b", 128, 2048, 768, 8, 8192},
       {"olmoe", 64, 2048, 1024, 8, 8192},
+      // The MoE layers of the example LM's measured config (docs/performance.md).
+      {"moe-lm", 32, 1024, 1024, 2, 8192},
   };
   return kShapes;
 }

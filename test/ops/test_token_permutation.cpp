@@ -14,13 +14,12 @@ namespace F = torchmoe::functional;
 
 namespace {
 
-// Random top-k indices: k distinct experts per token drawn from `allowed` (all E by default).
+// Random top-k indices drawn from the first `allowed` experts (all E by default). A token may
+// pick the same expert twice (permutation does not need distinct choices), so k may exceed E.
 torch::Tensor random_indices(int64_t tokens, int64_t topk, int64_t experts, uint64_t seed,
                              int64_t allowed = -1) {
   const auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  const int64_t pool = allowed > 0 ? allowed : experts;
-  const torch::Tensor scores = torch::rand({tokens, pool}, gen);
-  return std::get<1>(scores.topk(topk, 1));
+  return torch::randint(allowed > 0 ? allowed : experts, {tokens, topk}, gen, torch::kLong);
 }
 
 // Independent reference: expert by expert, the tokens choosing it in token order.
@@ -65,7 +64,7 @@ TEST_CASE("make_routing_map on a worked example", "[ops][permutation]") {
 
 TEST_CASE("permute_tokens matches a loop over experts and round-trips", "[ops][permutation]") {
   const int64_t topk = GENERATE(1, 2, 8);
-  const int64_t experts = GENERATE(8, 16, 128);
+  const int64_t experts = GENERATE(4, 16, 128);
   INFO("topk=" << topk << " experts=" << experts);
   const int64_t tokens = 37, hidden = 24;
   const torch::Tensor x = torch::randn({tokens, hidden}, torch::kFloat64);
@@ -164,12 +163,11 @@ TEST_CASE("permutation on CUDA matches the CPU reference", "[ops][permutation][c
   TORCHMOE_REQUIRE_CUDA();
   const torch::Dtype dtype = GENERATE(torch::kFloat32, torch::kBFloat16);
   const int64_t topk = GENERATE(1, 2, 8);
-  const int64_t experts = GENERATE(8, 16, 128);
-  // 128 and 256 take 16-byte vectors; 100 takes the scalar path.
+  const int64_t experts = GENERATE(4, 16, 128);
+  // 128 takes 16-byte vectors; 100 the scalar path.
   const int64_t hidden = GENERATE(128, 100);
   // all: every expert eligible; few: only 3 (the rest empty); one: everything to expert 0.
   const int64_t allowed = GENERATE(-1, 3, 1);
-  if (allowed > 0 && allowed < topk) return;  // cannot pick k distinct experts
   INFO("dtype=" << dtype << " topk=" << topk << " experts=" << experts << " hidden=" << hidden
                 << " allowed=" << allowed);
   const int64_t tokens = 515;

@@ -1,0 +1,118 @@
+// MoELayer forward+backward on the benchmark MoE shapes (bf16, tokens x hidden input), split into
+// its parts, in one process:
+//   router     TopKRouter forward (fp32 logits, softmax, top-k, aux loss)
+//   permute    permute_tokens: routing map (CUB sort) + split-size copy to the host + row gather
+//   unpermute  unpermute_tokens forward (sum over each token's k rows)
+//   mlp        GroupedMLP forward+backward on the permuted rows (3 grouped GEMMs each way + GLU)
+//   layer      the whole MoELayer forward+backward
+// permute/unpermute are reported in GB/s (rows read + written) next to the device-to-device copy
+// of the same bytes; mlp and layer in TFLOP/s of the expert GEMMs (6·M·hidden·3·ffn).
+//
+//   bench_moe_layer [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
+
+#include <ATen/cuda/CUDAContext.h>
+#include <torchmoe/torchmoe.h>
+
+#include "bench_common.h"
+
+#include <torch/torch.h>
+
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <string>
+#include <vector>
+
+int main(int argc, char** argv) {
+  torchmoe::bench::Args args;
+  try {
+    args = torchmoe::bench::parse_args(argc, argv, {"bench_moe_layer.json", 10});
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return 2;
+  }
+  if (!torch::cuda::is_available()) {
+    std::cerr << "bench_moe_layer: no CUDA device; nothing to measure\n";
+    return 1;
+  }
+  using torchmoe::bench::median_ms;
+  std::cout << "device: " << at::cuda::getCurrentDeviceProperties()->name
+            << ", bf16, times in ms (GB/s, TFLOP/s)\n"
+            << std::left << std::setw(17) << "shape" << std::right << std::setw(8) << "router"
+            << std::setw(8) << "permute" << std::setw(7) << "GB/s" << std::setw(8) << "unperm"
+            << std::setw(7) << "GB/s" << std::setw(7) << "copy" << std::setw(8) << "mlp"
+            << std::setw(7) << "TF/s" << std::setw(8) << "layer" << std::setw(7) << "TF/s"
+            << "\n";
+  std::ofstream json(args.json_path);
+  json << "{\n  \"device\": \"" << at::cuda::getCurrentDeviceProperties()->name
+       << "\",\n  \"results\": [\n";
+  const auto bf16 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+  const std::vector<torchmoe::bench::Shape> shapes = torchmoe::bench::selected_shapes(args);
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const torchmoe::bench::Shape& s = shapes[i];
+    torch::manual_seed(0);
+    torchmoe::MoELayer moe(torchmoe::MoELayerOptions(s.hidden, s.ffn, s.experts, s.topk)
+                               .single_grouped_weight(true)
+                               .params_dtype(torch::kBFloat16)
+                               .device(torch::kCUDA));
+    const torch::Tensor x = torch::randn({s.tokens, s.hidden}, bf16).requires_grad_(true);
+    const int64_t m = s.tokens * s.topk;
+    const double row_bytes = 2.0 * m * s.hidden * 2;  // bf16 rows read + written
+    const double flops = 6.0 * m * s.hidden * 3 * s.ffn;
+
+    torch::Tensor copy_src = torch::empty({m, s.hidden}, bf16),
+                  copy_dst = torch::empty_like(copy_src);
+    const double copy_ms = median_ms([&] { copy_dst.copy_(copy_src); }, args.iters, args.warmup);
+
+    torchmoe::RouterOutput routing;
+    const double router_ms = median_ms([&] { routing = moe->router(x); }, args.iters, args.warmup);
+    torchmoe::PermutedTokens routed;
+    const double permute_ms = median_ms(
+        [&] {
+          routed =
+              torchmoe::functional::permute_tokens(x, routing.indices, s.experts, routing.probs);
+        },
+        args.iters, args.warmup);
+    const torch::Tensor rows = routed.tokens.detach().requires_grad_(true);
+    const torch::Tensor probs = routed.probs.detach().requires_grad_(true);
+    const torch::Tensor dy = torch::randn({m, s.hidden}, bf16);
+    const double mlp_ms = median_ms(
+        [&] { moe->experts(rows, routed.m_splits, probs).backward(dy); }, args.iters, args.warmup);
+    const double unpermute_ms = median_ms(
+        [&] {
+          torch::NoGradGuard no_grad;
+          torchmoe::functional::unpermute_tokens(routed.tokens, routed.row_map);
+        },
+        args.iters, args.warmup);
+    const torch::Tensor dout = torch::randn({s.tokens, s.hidden}, bf16);
+    const double layer_ms = median_ms(
+        [&] {
+          const torchmoe::MoEOutput out = moe(x);
+          torch::autograd::backward({out.output, out.aux_loss},
+                                    {dout, torch::ones_like(out.aux_loss)});
+        },
+        args.iters, args.warmup);
+
+    const double copy_gbs = row_bytes / copy_ms * 1e-6;
+    const double permute_gbs = row_bytes / permute_ms * 1e-6;
+    const double unpermute_gbs = row_bytes / unpermute_ms * 1e-6;
+    std::cout << std::left << std::setw(17) << s.name << std::right << std::fixed
+              << std::setprecision(2) << std::setw(8) << router_ms << std::setw(8) << permute_ms
+              << std::setprecision(0) << std::setw(7) << permute_gbs << std::setprecision(2)
+              << std::setw(8) << unpermute_ms << std::setprecision(0) << std::setw(7)
+              << unpermute_gbs << std::setw(7) << copy_gbs << std::setprecision(2) << std::setw(8)
+              << mlp_ms << std::setprecision(0) << std::setw(7) << flops / mlp_ms * 1e-9
+              << std::setprecision(2) << std::setw(8) << layer_ms << std::setprecision(0)
+              << std::setw(7) << flops / layer_ms * 1e-9 << "\n";
+    json << std::setprecision(4) << "    {\"shape\": \"" << s.name
+         << "\", \"router_ms\": " << router_ms << ", \"permute_ms\": " << permute_ms
+         << ", \"permute_gbs\": " << permute_gbs << ", \"unpermute_ms\": " << unpermute_ms
+         << ", \"unpermute_gbs\": " << unpermute_gbs << ", \"copy_gbs\": " << copy_gbs
+         << ", \"mlp_ms\": " << mlp_ms << ", \"mlp_tflops\": " << flops / mlp_ms * 1e-9
+         << ", \"layer_ms\": " << layer_ms << ", \"layer_tflops\": " << flops / layer_ms * 1e-9
+         << "}" << (i + 1 < shapes.size() ? "," : "") << "\n";
+  }
+  json << "  ]\n}\n";
+  std::cout << "wrote " << args.json_path << "\n";
+  return 0;
+}
