@@ -8,9 +8,9 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 at::Tensor PermuteFunction::forward(AutogradContext* ctx, const at::Tensor& tokens,
-                                    const at::Tensor& row_map, int64_t num_rows) {
+                                    const at::Tensor& row_map, const at::Tensor& sorted_slots) {
   ctx->save_for_backward({row_map});
-  return ops::permute_rows(tokens.contiguous(), row_map, num_rows, at::Tensor());
+  return ops::permute_rows(tokens.contiguous(), sorted_slots, row_map.size(1), at::Tensor());
 }
 
 variable_list PermuteFunction::backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -38,11 +38,12 @@ variable_list UnpermuteFunction::backward(AutogradContext* ctx, variable_list gr
   const at::Tensor& row_map = saved[0];
   const at::Tensor& probs = saved[1];
   const at::Tensor grad = grad_outputs[0].contiguous();
+  const at::Tensor sorted_slots = ops::slots_of_rows(row_map, ctx->saved_data["num_rows"].toInt());
   if (!probs.defined()) {
-    const int64_t num_rows = ctx->saved_data["num_rows"].toInt();
-    return {ops::permute_rows(grad, row_map, num_rows, at::Tensor()), at::Tensor(), at::Tensor()};
+    return {ops::permute_rows(grad, sorted_slots, row_map.size(1), at::Tensor()), at::Tensor(),
+            at::Tensor()};
   }
-  ops::UnpermuteGrads grads = ops::unpermute_rows_backward(grad, saved[2], row_map, probs);
+  ops::UnpermuteGrads grads = ops::unpermute_rows_backward(grad, saved[2], sorted_slots, probs);
   return {ctx->needs_input_grad(0) ? grads.grad_permuted : at::Tensor(), at::Tensor(),
           ctx->needs_input_grad(2) ? grads.grad_probs : at::Tensor()};
 }
@@ -59,7 +60,7 @@ PermutedTokens permute_tokens(const at::Tensor& tokens, const at::Tensor& indice
               tokens.device(), " like the tokens, got ", indices.device());
   ops::RoutingMap map = ops::make_routing_map(indices, num_experts);
   PermutedTokens out;
-  out.tokens = PermuteFunction::apply(tokens, map.row_map, map.num_rows);
+  out.tokens = PermuteFunction::apply(tokens, map.row_map, map.sorted_slots);
   if (probs.has_value() && probs->defined()) {
     TORCH_CHECK(probs->sizes() == indices.sizes(), "permute_tokens: probs must have shape ",
                 indices.sizes(), " like the indices, got ", probs->sizes());

@@ -14,9 +14,10 @@ namespace torchmoe::autograd {
 
 class PermuteFunction : public torch::autograd::Function<PermuteFunction> {
  public:
-  // tokens [T, H], row_map [T, k] -> [num_rows, H]. Gradient: the sum over each token's slots.
+  // tokens [T, H], row_map [T, k] and its inverse sorted_slots [N] -> [N, H]. Gradient: the sum
+  // over each token's rows.
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& tokens,
-                            const at::Tensor& row_map, int64_t num_rows);
+                            const at::Tensor& row_map, const at::Tensor& sorted_slots);
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs);
 };

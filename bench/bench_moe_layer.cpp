@@ -5,8 +5,9 @@
 //   unpermute  unpermute_tokens forward (sum over each token's k rows)
 //   mlp        GroupedMLP forward+backward on the permuted rows (3 grouped GEMMs each way + GLU)
 //   layer      the whole MoELayer forward+backward
-// permute/unpermute are reported in GB/s (rows read + written) next to the device-to-device copy
-// of the same bytes; mlp and layer in TFLOP/s of the expert GEMMs (6·M·hidden·3·ffn).
+// permute/unpermute are reported in GB/s (T token rows + M = T·k permuted rows, each read or
+// written once) next to the device-to-device copy bandwidth of an [M, hidden] tensor; mlp and
+// layer in TFLOP/s of the expert GEMMs (6·M·hidden·3·ffn).
 //
 //   bench_moe_layer [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
 
@@ -57,7 +58,8 @@ int main(int argc, char** argv) {
                                .device(torch::kCUDA));
     const torch::Tensor x = torch::randn({s.tokens, s.hidden}, bf16).requires_grad_(true);
     const int64_t m = s.tokens * s.topk;
-    const double row_bytes = 2.0 * m * s.hidden * 2;  // bf16 rows read + written
+    // permute reads T token rows and writes M = T·k rows; unpermute the reverse (bf16).
+    const double row_bytes = 2.0 * (m + s.tokens) * s.hidden;
     const double flops = 6.0 * m * s.hidden * 3 * s.ffn;
 
     torch::Tensor copy_src = torch::empty({m, s.hidden}, bf16),
@@ -93,7 +95,7 @@ int main(int argc, char** argv) {
         },
         args.iters, args.warmup);
 
-    const double copy_gbs = row_bytes / copy_ms * 1e-6;
+    const double copy_gbs = 2.0 * 2 * m * s.hidden / copy_ms * 1e-6;
     const double permute_gbs = row_bytes / permute_ms * 1e-6;
     const double unpermute_gbs = row_bytes / unpermute_ms * 1e-6;
     std::cout << std::left << std::setw(17) << s.name << std::right << std::fixed

@@ -5,9 +5,11 @@
 // slots; a last pass writes each slot's permuted row. Only the counts go back to the host (the
 // caller needs them as m_splits), so there is no other synchronisation.
 //
-// Row kernels: one warp per token (grid-stride), its lanes striding over the hidden dimension in
-// 16-byte vectors when H and the pointers allow, else one element at a time. A warp per token
-// keeps the per-slot probability-gradient dot product a shuffle reduction.
+// Row kernels: one warp per output row (grid-stride), its lanes striding over the hidden dimension
+// in 16-byte vectors when H and the pointers allow, else one element at a time. Each kernel
+// gathers its inputs and writes its output rows in order: a first permute that scattered each
+// token to its k rows ran at ~1/3 of copy bandwidth on the H100 (docs/performance.md). A warp per
+// row keeps the probability gradient's dot product a shuffle reduction.
 
 #include <cub/device/device_radix_sort.cuh>
 
@@ -119,25 +121,23 @@ __device__ __forceinline__ float prob_at(const S* probs, int64_t slot) {
 }
 
 template <typename T, typename S, int V>
-__global__ void permute_kernel(const T* __restrict__ input, const int64_t* __restrict__ row_map,
-                               const S* __restrict__ probs, T* __restrict__ output, int64_t tokens,
+__global__ void permute_kernel(const T* __restrict__ input,
+                               const int64_t* __restrict__ sorted_slots,
+                               const S* __restrict__ probs, T* __restrict__ output, int64_t rows,
                                int64_t topk, int64_t hidden) {
   const int lane = threadIdx.x % kWarpSize;
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
-       t < tokens; t += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
+       r < rows; r += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
+    const int64_t slot = sorted_slots[r];
+    const T* src = input + (slot / topk) * hidden;
+    const float p = prob_at(probs, slot);
     for (int64_t c = static_cast<int64_t>(lane) * V; c < hidden; c += kWarpSize * V) {
-      const Vec<T, V> x = load<T, V>(input + t * hidden + c);
-      for (int64_t j = 0; j < topk; ++j) {
-        const int64_t row = row_map[t * topk + j];
-        if (row < 0) continue;
-        Vec<T, V> y = x;
-        if (probs) {
-          const float p = to_float(probs[t * topk + j]);
+      Vec<T, V> x = load<T, V>(src + c);
+      if (probs) {
 #pragma unroll
-          for (int i = 0; i < V; ++i) y.v[i] = from_float<T>(p * to_float(x.v[i]));
-        }
-        store<T, V>(output + row * hidden + c, y);
+        for (int i = 0; i < V; ++i) x.v[i] = from_float<T>(p * to_float(x.v[i]));
       }
+      store<T, V>(output + r * hidden + c, x);
     }
   }
 }
@@ -169,53 +169,48 @@ __global__ void unpermute_kernel(const T* __restrict__ input, const int64_t* __r
 
 template <typename T, typename S, int V>
 __global__ void unpermute_backward_kernel(const T* __restrict__ grad_out,
-                                          const int64_t* __restrict__ row_map,
+                                          const int64_t* __restrict__ sorted_slots,
                                           const S* __restrict__ probs,
                                           const T* __restrict__ permuted,
                                           T* __restrict__ grad_permuted, S* __restrict__ grad_probs,
-                                          int64_t tokens, int64_t topk, int64_t hidden) {
+                                          int64_t rows, int64_t topk, int64_t hidden) {
   const int lane = threadIdx.x % kWarpSize;
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
-       t < tokens; t += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
-    for (int64_t j = 0; j < topk; ++j) {
-      const int64_t slot = t * topk + j;
-      const int64_t row = row_map[slot];
-      float dot = 0.0f;
-      if (row >= 0) {
-        const float p = prob_at(probs, slot);
-        for (int64_t c = static_cast<int64_t>(lane) * V; c < hidden; c += kWarpSize * V) {
-          const Vec<T, V> g = load<T, V>(grad_out + t * hidden + c);
-          const Vec<T, V> x = load<T, V>(permuted + row * hidden + c);
-          Vec<T, V> d;
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
+       r < rows; r += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
+    const int64_t slot = sorted_slots[r];
+    const T* g_row = grad_out + (slot / topk) * hidden;
+    const float p = prob_at(probs, slot);
+    float dot = 0.0f;
+    for (int64_t c = static_cast<int64_t>(lane) * V; c < hidden; c += kWarpSize * V) {
+      const Vec<T, V> g = load<T, V>(g_row + c);
+      const Vec<T, V> x = load<T, V>(permuted + r * hidden + c);
+      Vec<T, V> d;
 #pragma unroll
-          for (int i = 0; i < V; ++i) {
-            const float gi = to_float(g.v[i]);
-            d.v[i] = from_float<T>(p * gi);
-            dot += gi * to_float(x.v[i]);
-          }
-          store<T, V>(grad_permuted + row * hidden + c, d);
-        }
+      for (int i = 0; i < V; ++i) {
+        const float gi = to_float(g.v[i]);
+        d.v[i] = from_float<T>(p * gi);
+        dot += gi * to_float(x.v[i]);
       }
-      // Uniform per warp (row is the same for all lanes), so every lane reaches the shuffle.
-      dot = warp_sum(dot);
-      if (lane == 0) grad_probs[slot] = from_float<S>(dot);
+      store<T, V>(grad_permuted + r * hidden + c, d);
     }
+    dot = warp_sum(dot);
+    if (lane == 0) grad_probs[slot] = from_float<S>(dot);
   }
 }
 
 // Resolves data type T, probability type S and vector width V (16 bytes when H and `pointers`
 // allow), then calls launch(T{}, S{}, V tag, grid) and checks the launch.
 template <typename Launch>
-void dispatch(const PermuteParams& params, std::initializer_list<const void*> pointers,
-              Launch&& launch) {
-  if (params.tokens == 0 || params.hidden == 0) return;
+void dispatch(const PermuteParams& params, int64_t out_rows,
+              std::initializer_list<const void*> pointers, Launch&& launch) {
+  if (out_rows == 0 || params.hidden == 0) return;
   dispatch_type(params.data_type, [&](auto data_tag) {
     dispatch_type(params.prob_type, [&](auto prob_tag) {
       constexpr int kVec = 16 / sizeof(decltype(data_tag));
       bool vectorized = params.hidden % kVec == 0;
       for (const void* p : pointers) vectorized &= p == nullptr || aligned16(p);
       const unsigned grid = static_cast<unsigned>(std::min<int64_t>(
-          (params.tokens + kWarpsPerBlock - 1) / kWarpsPerBlock, resident_blocks(kThreads)));
+          (out_rows + kWarpsPerBlock - 1) / kWarpsPerBlock, resident_blocks(kThreads)));
       if (vectorized) {
         launch(data_tag, prob_tag, std::integral_constant<int, kVec>{}, grid);
       } else {
@@ -267,42 +262,39 @@ void launch_routing_map(const RoutingMapParams& params, cudaStream_t stream) {
   TORCHMOE_CUDA_CHECK(cudaGetLastError());
 }
 
-namespace {
-
-// permute_kernel and unpermute_kernel share a signature: one launcher for both.
-void launch_rows(const PermuteParams& params, bool unpermute, cudaStream_t stream) {
-  dispatch(params, {params.input, params.output},
+void launch_permute(const PermuteParams& params, cudaStream_t stream) {
+  dispatch(params, params.rows, {params.input, params.output},
            [&](auto data_tag, auto prob_tag, auto vec, unsigned grid) {
              using T = decltype(data_tag);
              using S = decltype(prob_tag);
-             constexpr int V = decltype(vec)::value;
-             const auto kernel = unpermute ? unpermute_kernel<T, S, V> : permute_kernel<T, S, V>;
-             kernel<<<grid, kThreads, 0, stream>>>(
+             permute_kernel<T, S, decltype(vec)::value><<<grid, kThreads, 0, stream>>>(
+                 static_cast<const T*>(params.input), params.sorted_slots,
+                 static_cast<const S*>(params.probs), static_cast<T*>(params.output), params.rows,
+                 params.topk, params.hidden);
+           });
+}
+
+void launch_unpermute(const PermuteParams& params, cudaStream_t stream) {
+  dispatch(params, params.tokens, {params.input, params.output},
+           [&](auto data_tag, auto prob_tag, auto vec, unsigned grid) {
+             using T = decltype(data_tag);
+             using S = decltype(prob_tag);
+             unpermute_kernel<T, S, decltype(vec)::value><<<grid, kThreads, 0, stream>>>(
                  static_cast<const T*>(params.input), params.row_map,
                  static_cast<const S*>(params.probs), static_cast<T*>(params.output), params.tokens,
                  params.topk, params.hidden);
            });
 }
 
-}  // namespace
-
-void launch_permute(const PermuteParams& params, cudaStream_t stream) {
-  launch_rows(params, /*unpermute=*/false, stream);
-}
-
-void launch_unpermute(const PermuteParams& params, cudaStream_t stream) {
-  launch_rows(params, /*unpermute=*/true, stream);
-}
-
 void launch_unpermute_backward(const PermuteParams& params, cudaStream_t stream) {
-  dispatch(params, {params.input, params.output, params.permuted},
+  dispatch(params, params.rows, {params.input, params.output, params.permuted},
            [&](auto data_tag, auto prob_tag, auto vec, unsigned grid) {
              using T = decltype(data_tag);
              using S = decltype(prob_tag);
              unpermute_backward_kernel<T, S, decltype(vec)::value><<<grid, kThreads, 0, stream>>>(
-                 static_cast<const T*>(params.input), params.row_map,
+                 static_cast<const T*>(params.input), params.sorted_slots,
                  static_cast<const S*>(params.probs), static_cast<const T*>(params.permuted),
-                 static_cast<T*>(params.output), static_cast<S*>(params.grad_probs), params.tokens,
+                 static_cast<T*>(params.output), static_cast<S*>(params.grad_probs), params.rows,
                  params.topk, params.hidden);
            });
 }

@@ -9,12 +9,13 @@
 //   row_map [T, k]   permuted row of each slot, -1 when dropped
 //   sorted_slots [N] slot of each permuted row (row_map's inverse); N = kept slots
 //
-//                           tokens [T, H]                 permuted [N, H]
-//   slot (t, j) ──row_map──▶ row r:   permuted[r] = tokens[t]      (permute)
-//                                     out[t] = Σ_j p[t,j] · permuted[row_map[t,j]]  (unpermute)
+//   permute     permuted[r] = tokens[sorted_slots[r] / k]  (· probs[sorted_slots[r]])
+//   unpermute   out[t] = Σ_j probs[t, j] · permuted[row_map[t, j]]
 //
 // Rows are ordered by expert and, within an expert, by slot (a stable sort), so the result is
-// deterministic and matches the CPU reference exactly. Unpermute gathers per token (no atomics).
+// deterministic and matches the CPU reference exactly. Every kernel gathers and writes its
+// output rows in order, one warp per output row: permute per permuted row (through
+// sorted_slots), unpermute per token (through row_map). No atomics.
 
 #include <cuda_runtime_api.h>
 
@@ -47,25 +48,29 @@ void launch_routing_map(const RoutingMapParams& params, cudaStream_t stream);
 struct PermuteParams {
   int64_t tokens = 0;  // T
   int64_t topk = 0;    // k
+  int64_t rows = 0;    // N, permuted rows
   int64_t hidden = 0;  // H
   ScalarType data_type = ScalarType::kFloat32;
   ScalarType prob_type = ScalarType::kFloat32;
-  const int64_t* row_map = nullptr;  // [T, k]
-  const void* probs = nullptr;       // [T, k] or null (weight 1)
+  const int64_t* row_map = nullptr;       // [T, k]   (unpermute)
+  const int64_t* sorted_slots = nullptr;  // [N]      (permute, unpermute_backward)
+  const void* probs = nullptr;            // [T, k] or null (weight 1)
   const void* input = nullptr;
   void* output = nullptr;
-  // unpermute_backward only: the forward's permuted input and the probability gradient [T, k].
+  // unpermute_backward only: the forward's permuted input and the probability gradient [T, k]
+  // (its dropped slots are left untouched).
   const void* permuted = nullptr;
   void* grad_probs = nullptr;
 };
 
-// output[row_map[t,j]] = input[t] (· probs[t,j]); rows of dropped slots are not written.
+// output[r] = input[sorted_slots[r] / k] (· probs[sorted_slots[r]]), r < N.
 void launch_permute(const PermuteParams& params, cudaStream_t stream);
 // output[t] = Σ_j probs[t,j] · input[row_map[t,j]] over kept slots, summed in fp32 (0 if none).
 void launch_unpermute(const PermuteParams& params, cudaStream_t stream);
-// The gradient of unpermute with probs, input = grad_out [T, H]:
-//   output[row_map[t,j]] = probs[t,j] · grad_out[t]       (grad of permuted)
-//   grad_probs[t,j] = <grad_out[t], permuted[row_map[t,j]]>, 0 for dropped slots
+// The gradient of unpermute with probs, input = grad_out [T, H]; for each permuted row r with
+// slot s = sorted_slots[r], token t = s / k:
+//   output[r] = probs[s] · grad_out[t]                 (grad of permuted)
+//   grad_probs[s] = <grad_out[t], permuted[r]>
 void launch_unpermute_backward(const PermuteParams& params, cudaStream_t stream);
 
 }  // namespace torchmoe::kernels

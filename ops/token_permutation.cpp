@@ -47,10 +47,20 @@ void check_row_map(const char* op, const at::Tensor& row_map, const at::Tensor& 
   TORCH_CHECK(row_map.is_contiguous(), op, ": row_map must be contiguous");
 }
 
-void check_probs(const char* op, const at::Tensor& probs, const at::Tensor& row_map,
+void check_sorted_slots(const char* op, const at::Tensor& slots, const at::Tensor& data) {
+  TORCH_CHECK(slots.defined() && slots.dim() == 1 && slots.scalar_type() == at::kLong, op,
+              ": sorted_slots must be a 1-D int64 tensor, got ",
+              slots.defined() ? slots.sizes() : at::IntArrayRef{}, " ",
+              slots.defined() ? slots.scalar_type() : at::ScalarType::Undefined);
+  TORCH_CHECK(slots.device() == data.device(), op, ": sorted_slots must be on ", data.device(),
+              ", got ", slots.device());
+  TORCH_CHECK(slots.is_contiguous(), op, ": sorted_slots must be contiguous");
+}
+
+void check_probs(const char* op, const at::Tensor& probs, at::IntArrayRef expected,
                  const at::Tensor& data) {
   if (!probs.defined()) return;
-  TORCH_CHECK(probs.sizes() == row_map.sizes(), op, ": probs must have shape ", row_map.sizes(),
+  TORCH_CHECK(probs.sizes() == expected, op, ": probs must have shape ", expected,
               " (tokens, topk), got ", probs.sizes());
   TORCH_CHECK(probs.device() == data.device(), op, ": probs must be on ", data.device(), ", got ",
               probs.device());
@@ -78,15 +88,15 @@ KeptSlots kept_slots(const at::Tensor& row_map) {
   return {slots, flat.index_select(0, slots), at::floor_divide(slots, row_map.size(1))};
 }
 
-kernels::PermuteParams kernel_params(const at::Tensor& row_map, int64_t hidden,
+kernels::PermuteParams kernel_params(int64_t tokens, int64_t topk, int64_t rows, int64_t hidden,
                                      const at::Tensor& data, const at::Tensor& probs) {
   kernels::PermuteParams p;
-  p.tokens = row_map.size(0);
-  p.topk = row_map.size(1);
+  p.tokens = tokens;
+  p.topk = topk;
+  p.rows = rows;
   p.hidden = hidden;
   p.data_type = kernel_type(data.scalar_type());
   p.prob_type = probs.defined() ? kernel_type(probs.scalar_type()) : kernels::ScalarType::kFloat32;
-  p.row_map = row_map.const_data_ptr<int64_t>();
   p.probs = probs.defined() ? probs.const_data_ptr() : nullptr;
   return p;
 }
@@ -159,34 +169,29 @@ RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts) {
   return map;
 }
 
-at::Tensor permute_rows(const at::Tensor& tokens, const at::Tensor& row_map, int64_t num_rows,
+at::Tensor permute_rows(const at::Tensor& tokens, const at::Tensor& sorted_slots, int64_t topk,
                         const at::Tensor& probs) {
   constexpr const char* kOp = "torchmoe::permute_rows";
   check_rows(kOp, "tokens", tokens);
-  check_row_map(kOp, row_map, tokens);
-  TORCH_CHECK(row_map.size(0) == tokens.size(0), kOp, ": row_map must have one row per token (",
-              tokens.size(0), "), got ", row_map.size(0));
-  TORCH_CHECK(num_rows >= 0 && num_rows <= row_map.numel(), kOp, ": num_rows must be in [0, ",
-              row_map.numel(), "], got ", num_rows);
-  check_probs(kOp, probs, row_map, tokens);
+  check_sorted_slots(kOp, sorted_slots, tokens);
+  TORCH_CHECK(topk >= 1, kOp, ": topk must be positive, got ", topk);
+  check_probs(kOp, probs, {tokens.size(0), topk}, tokens);
+  const int64_t rows = sorted_slots.size(0);
   switch (select_backend(kOp, tokens)) {
     case PermuteBackend::kReference: {
-      const KeptSlots kept = kept_slots(row_map);
-      TORCH_CHECK(kept.rows.numel() == num_rows, kOp, ": row_map keeps ", kept.rows.numel(),
-                  " slots but num_rows is ", num_rows);
-      at::Tensor src = tokens.index_select(0, kept.tokens);
-      if (probs.defined()) {
-        const at::ScalarType compute = compute_type(tokens);
-        src = (src.to(compute) *
-               probs.reshape(-1).index_select(0, kept.slots).to(compute).unsqueeze(1))
-                  .to(tokens.scalar_type());
-      }
-      return at::empty({num_rows, tokens.size(1)}, tokens.options()).index_copy_(0, kept.rows, src);
+      at::Tensor out = tokens.index_select(0, at::floor_divide(sorted_slots, topk));
+      if (!probs.defined()) return out;
+      const at::ScalarType compute = compute_type(tokens);
+      return (out.to(compute) *
+              probs.reshape(-1).index_select(0, sorted_slots).to(compute).unsqueeze(1))
+          .to(tokens.scalar_type());
     }
     case PermuteBackend::kCuda: {
       const c10::cuda::CUDAGuard guard(tokens.device());
-      at::Tensor output = at::empty({num_rows, tokens.size(1)}, tokens.options());
-      kernels::PermuteParams p = kernel_params(row_map, tokens.size(1), tokens, probs);
+      at::Tensor output = at::empty({rows, tokens.size(1)}, tokens.options());
+      kernels::PermuteParams p =
+          kernel_params(tokens.size(0), topk, rows, tokens.size(1), tokens, probs);
+      p.sorted_slots = sorted_slots.const_data_ptr<int64_t>();
       p.input = tokens.const_data_ptr();
       p.output = output.data_ptr();
       kernels::launch_permute(p, at::cuda::getCurrentCUDAStream().stream());
@@ -196,12 +201,23 @@ at::Tensor permute_rows(const at::Tensor& tokens, const at::Tensor& row_map, int
   TORCH_INTERNAL_ASSERT(false, "unhandled PermuteBackend");
 }
 
+at::Tensor slots_of_rows(const at::Tensor& row_map, int64_t num_rows) {
+  TORCH_CHECK(num_rows >= 0 && num_rows <= row_map.numel(), "torchmoe::slots_of_rows: num_rows ",
+              "must be in [0, ", row_map.numel(), "], got ", num_rows);
+  // Dropped slots (-1) all write one spare element past the end, which is cut off.
+  const at::Tensor flat = row_map.reshape(-1);
+  const at::Tensor target = at::where(flat >= 0, flat, num_rows);
+  return at::empty({num_rows + 1}, flat.options())
+      .scatter_(0, target, at::arange(flat.numel(), flat.options()))
+      .narrow(0, 0, num_rows);
+}
+
 at::Tensor unpermute_rows(const at::Tensor& permuted, const at::Tensor& row_map,
                           const at::Tensor& probs) {
   constexpr const char* kOp = "torchmoe::unpermute_rows";
   check_rows(kOp, "permuted", permuted);
   check_row_map(kOp, row_map, permuted);
-  check_probs(kOp, probs, row_map, permuted);
+  check_probs(kOp, probs, row_map.sizes(), permuted);
   const int64_t tokens = row_map.size(0), hidden = permuted.size(1);
   switch (select_backend(kOp, permuted)) {
     case PermuteBackend::kReference: {
@@ -218,7 +234,9 @@ at::Tensor unpermute_rows(const at::Tensor& permuted, const at::Tensor& row_map,
     case PermuteBackend::kCuda: {
       const c10::cuda::CUDAGuard guard(permuted.device());
       at::Tensor output = at::empty({tokens, hidden}, permuted.options());  // every row written
-      kernels::PermuteParams p = kernel_params(row_map, hidden, permuted, probs);
+      kernels::PermuteParams p =
+          kernel_params(tokens, row_map.size(1), permuted.size(0), hidden, permuted, probs);
+      p.row_map = row_map.const_data_ptr<int64_t>();
       p.input = permuted.const_data_ptr();
       p.output = output.data_ptr();
       kernels::launch_unpermute(p, at::cuda::getCurrentCUDAStream().stream());
@@ -229,41 +247,46 @@ at::Tensor unpermute_rows(const at::Tensor& permuted, const at::Tensor& row_map,
 }
 
 UnpermuteGrads unpermute_rows_backward(const at::Tensor& grad_out, const at::Tensor& permuted,
-                                       const at::Tensor& row_map, const at::Tensor& probs) {
+                                       const at::Tensor& sorted_slots, const at::Tensor& probs) {
   constexpr const char* kOp = "torchmoe::unpermute_rows_backward";
   check_rows(kOp, "permuted", permuted);
-  check_row_map(kOp, row_map, permuted);
-  TORCH_CHECK(probs.defined(), kOp, ": needs probs (without them the gradient is permute_rows)");
-  check_probs(kOp, probs, row_map, permuted);
-  TORCH_CHECK(grad_out.defined() && grad_out.dim() == 2 && grad_out.size(0) == row_map.size(0) &&
+  check_sorted_slots(kOp, sorted_slots, permuted);
+  TORCH_CHECK(sorted_slots.size(0) == permuted.size(0), kOp, ": sorted_slots must have one entry ",
+              "per permuted row (", permuted.size(0), "), got ", sorted_slots.size(0));
+  TORCH_CHECK(probs.defined() && probs.dim() == 2, kOp,
+              ": needs probs [tokens, topk] (without them the gradient is permute_rows)");
+  check_probs(kOp, probs, {probs.size(0), probs.size(1)}, permuted);
+  TORCH_CHECK(grad_out.defined() && grad_out.dim() == 2 && grad_out.size(0) == probs.size(0) &&
                   grad_out.size(1) == permuted.size(1),
-              kOp, ": grad_out must be [", row_map.size(0), ", ", permuted.size(1), "], got ",
+              kOp, ": grad_out must be [", probs.size(0), ", ", permuted.size(1), "], got ",
               grad_out.defined() ? grad_out.sizes() : at::IntArrayRef{});
   TORCH_CHECK(grad_out.scalar_type() == permuted.scalar_type() &&
                   grad_out.device() == permuted.device() && grad_out.is_contiguous(),
               kOp, ": grad_out must be contiguous with the permuted rows' dtype and device");
+  const int64_t topk = probs.size(1);
   UnpermuteGrads grads;
   switch (select_backend(kOp, permuted)) {
     case PermuteBackend::kReference: {
       const at::ScalarType compute = compute_type(permuted);
-      const KeptSlots kept = kept_slots(row_map);
-      const at::Tensor g = grad_out.index_select(0, kept.tokens).to(compute);
-      const at::Tensor p = probs.reshape(-1).index_select(0, kept.slots).to(compute);
-      grads.grad_permuted = at::empty_like(permuted).index_copy_(
-          0, kept.rows, (g * p.unsqueeze(1)).to(permuted.scalar_type()));
-      const at::Tensor dots = (g * permuted.index_select(0, kept.rows).to(compute)).sum(1);
-      grads.grad_probs = at::zeros({row_map.numel()}, probs.options().dtype(compute))
-                             .index_copy_(0, kept.slots, dots)
+      const at::Tensor g =
+          grad_out.index_select(0, at::floor_divide(sorted_slots, topk)).to(compute);
+      const at::Tensor p = probs.reshape(-1).index_select(0, sorted_slots).to(compute);
+      grads.grad_permuted = (g * p.unsqueeze(1)).to(permuted.scalar_type());
+      const at::Tensor dots = (g * permuted.to(compute)).sum(1);
+      grads.grad_probs = at::zeros({probs.numel()}, probs.options().dtype(compute))
+                             .index_copy_(0, sorted_slots, dots)
                              .to(probs.scalar_type())
-                             .view(row_map.sizes());
+                             .view(probs.sizes());
       return grads;
     }
     case PermuteBackend::kCuda: {
       const c10::cuda::CUDAGuard guard(permuted.device());
       grads.grad_permuted = at::empty_like(permuted);
-      // Zeros: the kernel writes nothing when H == 0 or T == 0.
+      // Zeros: dropped slots have no row, and nothing is written when H == 0.
       grads.grad_probs = at::zeros_like(probs);
-      kernels::PermuteParams p = kernel_params(row_map, permuted.size(1), permuted, probs);
+      kernels::PermuteParams p =
+          kernel_params(probs.size(0), topk, permuted.size(0), permuted.size(1), permuted, probs);
+      p.sorted_slots = sorted_slots.const_data_ptr<int64_t>();
       p.input = grad_out.const_data_ptr();
       p.output = grads.grad_permuted.data_ptr();
       p.permuted = permuted.const_data_ptr();

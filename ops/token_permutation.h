@@ -22,9 +22,13 @@ struct RoutingMap {
 // in slot order within an expert. On CUDA: one device-to-host copy (the split sizes).
 RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts);
 
-// tokens [T, H] -> [num_rows, H]: row row_map[t, j] = tokens[t] (· probs[t, j] when given).
-at::Tensor permute_rows(const at::Tensor& tokens, const at::Tensor& row_map, int64_t num_rows,
+// tokens [T, H] -> [N, H]: row r = tokens[sorted_slots[r] / topk] (· probs.flat[sorted_slots[r]]
+// when given, probs [T, topk]).
+at::Tensor permute_rows(const at::Tensor& tokens, const at::Tensor& sorted_slots, int64_t topk,
                         const at::Tensor& probs);
+
+// row_map's inverse: the slot of each of the num_rows permuted rows (no host synchronisation).
+at::Tensor slots_of_rows(const at::Tensor& row_map, int64_t num_rows);
 
 // permuted [N, H] -> [T, H]: out[t] = Σ_j probs[t, j] · permuted[row_map[t, j]] (weight 1 without
 // probs), summed in fp32 (fp64 for fp64 data) with one rounding.
@@ -36,8 +40,9 @@ struct UnpermuteGrads {
   at::Tensor grad_probs;     // [T, k] in probs' dtype
 };
 
-// Gradients of unpermute_rows with probs for grad_out [T, H].
+// Gradients of unpermute_rows with probs [T, k] for grad_out [T, H]; sorted_slots as from
+// make_routing_map or slots_of_rows.
 UnpermuteGrads unpermute_rows_backward(const at::Tensor& grad_out, const at::Tensor& permuted,
-                                       const at::Tensor& row_map, const at::Tensor& probs);
+                                       const at::Tensor& sorted_slots, const at::Tensor& probs);
 
 }  // namespace torchmoe::ops

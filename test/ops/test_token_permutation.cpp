@@ -60,6 +60,7 @@ TEST_CASE("make_routing_map on a worked example", "[ops][permutation]") {
   CHECK(torch::equal(map.row_map, torch::tensor({1, 0, 2, 4, -1, 3}, torch::kLong).view({3, 2})));
   CHECK(torch::equal(map.sorted_slots, torch::tensor({1, 0, 2, 5, 3}, torch::kLong)));
   CHECK(torch::equal(map.m_splits, torch::tensor({1, 3, 1, 0}, torch::kLong)));
+  CHECK(torch::equal(torchmoe::ops::slots_of_rows(map.row_map, map.num_rows), map.sorted_slots));
 }
 
 TEST_CASE("permute_tokens matches a loop over experts and round-trips", "[ops][permutation]") {
@@ -155,8 +156,10 @@ TEST_CASE("permutation errors", "[ops][permutation]") {
                     Contains("row_map must be a 2-D int64 tensor"));
   CHECK_THROWS_WITH(F::unpermute_tokens(routed.tokens, routed.row_map, torch::rand({4})),
                     Contains("probs must have shape [4, 2]"));
-  CHECK_THROWS_WITH(torchmoe::ops::permute_rows(x, routed.row_map, 3, torch::Tensor()),
-                    Contains("row_map keeps 8 slots but num_rows is 3"));
+  CHECK_THROWS_WITH(torchmoe::ops::permute_rows(x, routed.row_map, 2, torch::Tensor()),
+                    Contains("sorted_slots must be a 1-D int64 tensor"));
+  CHECK_THROWS_WITH(torchmoe::ops::slots_of_rows(routed.row_map, 9),
+                    Contains("num_rows must be in [0, 8], got 9"));
 }
 
 TEST_CASE("permutation on CUDA matches the CPU reference", "[ops][permutation][cuda]") {
