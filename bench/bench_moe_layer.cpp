@@ -1,7 +1,8 @@
 // MoELayer forward+backward on the benchmark MoE shapes (bf16, tokens x hidden input), split into
 // its parts, in one process:
 //   router     TopKRouter forward (fp32 logits, softmax, top-k, aux loss)
-//   permute    permute_tokens: routing map (CUB sort) + split-size copy to the host + row gather
+//   permute    permute_tokens: routing map (CUB sort) + split-size copy to the host + row gather;
+//              also its two parts alone: map (ops::make_routing_map) and rows (ops::permute_rows)
 //   unpermute  unpermute_tokens forward (sum over each token's k rows)
 //   mlp        GroupedMLP forward+backward on the permuted rows (3 grouped GEMMs each way + GLU)
 //   layer      the whole MoELayer forward+backward
@@ -12,6 +13,7 @@
 //   bench_moe_layer [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
 
 #include <ATen/cuda/CUDAContext.h>
+#include <torchmoe/ops/token_permutation.h>
 #include <torchmoe/torchmoe.h>
 
 #include "bench_common.h"
@@ -40,7 +42,8 @@ int main(int argc, char** argv) {
   std::cout << "device: " << at::cuda::getCurrentDeviceProperties()->name
             << ", bf16, times in ms (GB/s, TFLOP/s)\n"
             << std::left << std::setw(17) << "shape" << std::right << std::setw(8) << "router"
-            << std::setw(8) << "permute" << std::setw(7) << "GB/s" << std::setw(8) << "unperm"
+            << std::setw(8) << "permute" << std::setw(7) << "GB/s" << std::setw(7) << "map"
+            << std::setw(7) << "rows" << std::setw(7) << "GB/s" << std::setw(8) << "unperm"
             << std::setw(7) << "GB/s" << std::setw(7) << "copy" << std::setw(8) << "mlp"
             << std::setw(7) << "TF/s" << std::setw(8) << "layer" << std::setw(7) << "TF/s"
             << "\n";
@@ -75,6 +78,13 @@ int main(int argc, char** argv) {
               torchmoe::functional::permute_tokens(x, routing.indices, s.experts, routing.probs);
         },
         args.iters, args.warmup);
+    torchmoe::ops::RoutingMap map;
+    const double map_ms =
+        median_ms([&] { map = torchmoe::ops::make_routing_map(routing.indices, s.experts); },
+                  args.iters, args.warmup);
+    const double rows_ms = median_ms(
+        [&] { torchmoe::ops::permute_rows(x.detach(), map.sorted_slots, s.topk, torch::Tensor()); },
+        args.iters, args.warmup);
     const torch::Tensor rows = routed.tokens.detach().requires_grad_(true);
     const torch::Tensor probs = routed.probs.detach().requires_grad_(true);
     const torch::Tensor dy = torch::randn({m, s.hidden}, bf16);
@@ -108,7 +118,8 @@ int main(int argc, char** argv) {
               << std::setw(7) << flops / layer_ms * 1e-9 << "\n";
     json << std::setprecision(4) << "    {\"shape\": \"" << s.name
          << "\", \"router_ms\": " << router_ms << ", \"permute_ms\": " << permute_ms
-         << ", \"permute_gbs\": " << permute_gbs << ", \"unpermute_ms\": " << unpermute_ms
+         << ", \"permute_gbs\": " << permute_gbs << ", \"map_ms\": " << map_ms
+         << ", \"rows_ms\": " << rows_ms << ", \"unpermute_ms\": " << unpermute_ms
          << ", \"unpermute_gbs\": " << unpermute_gbs << ", \"copy_gbs\": " << copy_gbs
          << ", \"mlp_ms\": " << mlp_ms << ", \"mlp_tflops\": " << flops / mlp_ms * 1e-9
          << ", \"layer_ms\": " << layer_ms << ", \"layer_tflops\": " << flops / layer_ms * 1e-9
