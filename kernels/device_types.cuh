@@ -57,6 +57,15 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// A warp covers a row in chunks of 32·V elements; chunk c of row `row` starts at the returned
+// element. Each row starts at a different chunk: with every warp at the same in-row offset, rows
+// of a power-of-two (or otherwise unlucky) byte stride put all warps on the same DRAM partitions
+// (measured on the H100: GLU forward at 40-46% of copy bandwidth, permute at 15-20%).
+template <int V>
+__device__ __forceinline__ int64_t chunk_start(int64_t c, int64_t row, int64_t chunks) {
+  return ((c + row) % chunks) * kWarpSize * V;
+}
+
 // Calls fn(T{}) with the CUDA type of `type`.
 template <typename Fn>
 void dispatch_type(ScalarType type, Fn&& fn) {

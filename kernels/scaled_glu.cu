@@ -49,14 +49,6 @@ __device__ __forceinline__ GluTerms glu_terms(float a, float b, const ActParams&
   }
 }
 
-// A warp covers a row in chunks of 32·V elements. Each row starts at a different chunk: with every
-// warp at the same in-row offset, power-of-two row strides (H = 1024, 2048, ...) put all warps on
-// the same DRAM partitions (measured: forward at 40-46% of copy bandwidth instead of ~90%).
-template <int V>
-__device__ __forceinline__ int64_t chunk_start(int64_t c, int64_t row, int64_t chunks) {
-  return ((c + row) % chunks) * kWarp * V;
-}
-
 // Position of a_j within a row; b_j sits `gate_offset` after it.
 __device__ __forceinline__ int64_t a_index(int64_t j, int64_t interleave) {
   return interleave ? (j / interleave) * 2 * interleave + j % interleave : j;

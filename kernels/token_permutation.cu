@@ -7,9 +7,9 @@
 //
 // Row kernels: one warp per output row (grid-stride), its lanes striding over the hidden dimension
 // in 16-byte vectors when H and the pointers allow, else one element at a time. Each kernel
-// gathers its inputs and writes its output rows in order: a first permute that scattered each
-// token to its k rows ran at ~1/3 of copy bandwidth on the H100 (docs/performance.md). A warp per
-// row keeps the probability gradient's dot product a shuffle reduction.
+// gathers its inputs and writes each output row once, so nothing needs atomics, and a warp per
+// row keeps the probability gradient's dot product a shuffle reduction. Rows start at different
+// chunks (chunk_start; docs/performance.md has the measurements without it).
 
 #include <cub/device/device_radix_sort.cuh>
 
@@ -125,13 +125,16 @@ __global__ void permute_kernel(const T* __restrict__ input,
                                const int64_t* __restrict__ sorted_slots,
                                const S* __restrict__ probs, T* __restrict__ output, int64_t rows,
                                int64_t topk, int64_t hidden) {
+  const int64_t chunks = (hidden + kWarpSize * V - 1) / (kWarpSize * V);
   const int lane = threadIdx.x % kWarpSize;
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
        r < rows; r += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
     const int64_t slot = sorted_slots[r];
     const T* src = input + (slot / topk) * hidden;
     const float p = prob_at(probs, slot);
-    for (int64_t c = static_cast<int64_t>(lane) * V; c < hidden; c += kWarpSize * V) {
+    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+      const int64_t c = chunk_start<V>(chunk, r, chunks) + lane * V;
+      if (c >= hidden) continue;
       Vec<T, V> x = load<T, V>(src + c);
       if (probs) {
 #pragma unroll
@@ -146,10 +149,13 @@ template <typename T, typename S, int V>
 __global__ void unpermute_kernel(const T* __restrict__ input, const int64_t* __restrict__ row_map,
                                  const S* __restrict__ probs, T* __restrict__ output,
                                  int64_t tokens, int64_t topk, int64_t hidden) {
+  const int64_t chunks = (hidden + kWarpSize * V - 1) / (kWarpSize * V);
   const int lane = threadIdx.x % kWarpSize;
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
        t < tokens; t += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
-    for (int64_t c = static_cast<int64_t>(lane) * V; c < hidden; c += kWarpSize * V) {
+    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+      const int64_t c = chunk_start<V>(chunk, t, chunks) + lane * V;
+      if (c >= hidden) continue;
       float acc[V] = {};
       for (int64_t j = 0; j < topk; ++j) {
         const int64_t row = row_map[t * topk + j];
@@ -181,7 +187,9 @@ __global__ void unpermute_backward_kernel(const T* __restrict__ grad_out,
     const T* g_row = grad_out + (slot / topk) * hidden;
     const float p = prob_at(probs, slot);
     float dot = 0.0f;
-    for (int64_t c = static_cast<int64_t>(lane) * V; c < hidden; c += kWarpSize * V) {
+    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+      const int64_t c = chunk_start<V>(chunk, r, chunks) + lane * V;
+      if (c >= hidden) continue;
       const Vec<T, V> g = load<T, V>(g_row + c);
       const Vec<T, V> x = load<T, V>(permuted + r * hidden + c);
       Vec<T, V> d;
