@@ -180,6 +180,7 @@ __global__ void unpermute_backward_kernel(const T* __restrict__ grad_out,
                                           const T* __restrict__ permuted,
                                           T* __restrict__ grad_permuted, S* __restrict__ grad_probs,
                                           int64_t rows, int64_t topk, int64_t hidden) {
+  const int64_t chunks = (hidden + kWarpSize * V - 1) / (kWarpSize * V);
   const int lane = threadIdx.x % kWarpSize;
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
        r < rows; r += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
