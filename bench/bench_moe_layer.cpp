@@ -111,9 +111,11 @@ int main(int argc, char** argv) {
     std::cout << std::left << std::setw(17) << s.name << std::right << std::fixed
               << std::setprecision(2) << std::setw(8) << router_ms << std::setw(8) << permute_ms
               << std::setprecision(0) << std::setw(7) << permute_gbs << std::setprecision(2)
-              << std::setw(8) << unpermute_ms << std::setprecision(0) << std::setw(7)
-              << unpermute_gbs << std::setw(7) << copy_gbs << std::setprecision(2) << std::setw(8)
-              << mlp_ms << std::setprecision(0) << std::setw(7) << flops / mlp_ms * 1e-9
+              << std::setw(7) << map_ms << std::setw(7) << rows_ms << std::setprecision(0)
+              << std::setw(7) << row_bytes / rows_ms * 1e-6 << std::setprecision(2) << std::setw(8)
+              << unpermute_ms << std::setprecision(0) << std::setw(7) << unpermute_gbs
+              << std::setw(7) << copy_gbs << std::setprecision(2) << std::setw(8) << mlp_ms
+              << std::setprecision(0) << std::setw(7) << flops / mlp_ms * 1e-9
               << std::setprecision(2) << std::setw(8) << layer_ms << std::setprecision(0)
               << std::setw(7) << flops / layer_ms * 1e-9 << "\n";
     json << std::setprecision(4) << "    {\"shape\": \"" << s.name
