@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call: build with the machine's own torch, run the whole test suite (CUDA cases
 # included), the example LM at the measured config, and the benchmarks (grouped GEMM with 4 and
-# with 1 cuBLASLt stream, ScaledSwiGLU, GroupedMLP). Logs and JSON go to $OUT (8 files: the
+# with 1 cuBLASLt stream, ScaledSwiGLU, GroupedMLP, MoELayer by part). Logs and JSON go to $OUT (8 files: the
 # device tool returns at most 8); tables go to stdout.
 # Catch2 and fmt travel in .device/ (the GPU machine has no package registry).
 #   device run: bash scripts/gpu_check.sh [tests] [example] [bench]     (carry: .device)
@@ -33,7 +33,9 @@ if [[ " $steps " == *" example "* ]]; then
 fi
 if [[ " $steps " == *" bench "* ]]; then
   build-gpu/bench/bench_grouped_linear --json "$out/bench_streams4.json"
-  TORCHMOE_CUBLASLT_STREAMS=1 build-gpu/bench/bench_grouped_linear --json "$out/bench_streams1.json"
+  # The 1-stream run's table is on stdout; its JSON stays on the machine (8 returned files).
+  TORCHMOE_CUBLASLT_STREAMS=1 build-gpu/bench/bench_grouped_linear --json build-gpu/bench_streams1.json
   build-gpu/bench/bench_glu --json "$out/bench_glu.json"
   build-gpu/bench/bench_grouped_mlp --json "$out/bench_grouped_mlp.json"
+  build-gpu/bench/bench_moe_layer --json "$out/bench_moe_layer.json"
 fi
