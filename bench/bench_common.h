@@ -2,10 +2,12 @@
 // Shared by the benchmark programs: the MoE shapes they measure and the timing rule.
 
 #include <ATen/cuda/CUDAEvent.h>
+#include <torch/cuda.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <iostream>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -67,6 +69,30 @@ inline Args parse_args(int argc, char** argv, Args args) {
   if (args.iters < 1 || args.warmup < 0)
     throw std::invalid_argument("--iters must be >= 1 and --warmup >= 0");
   return args;
+}
+
+// What every benchmark's main does first: parse the command line and make sure there is a GPU.
+// exit_code != 0 means main should return it (2: bad arguments, 1: no CUDA device), with the
+// reason already printed.
+struct Setup {
+  Args args;
+  int exit_code = 0;
+};
+
+inline Setup setup(int argc, char** argv, const std::string& program, Args defaults) {
+  Setup s;
+  try {
+    s.args = parse_args(argc, argv, std::move(defaults));
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    s.exit_code = 2;
+    return s;
+  }
+  if (!torch::cuda::is_available()) {
+    std::cerr << program << ": no CUDA device; nothing to measure\n";
+    s.exit_code = 1;
+  }
+  return s;
 }
 
 // The shapes named on the command line, in the table's order (all when none were named).

@@ -35,17 +35,10 @@ torch::Tensor composed(const torch::Tensor& x, const torch::Tensor& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  torchmoe::bench::Args args;
-  try {
-    args = torchmoe::bench::parse_args(argc, argv, {"bench_glu.json", 20});
-  } catch (const std::exception& e) {
-    std::cerr << "error: " << e.what() << "\n";
-    return 2;
-  }
-  if (!torch::cuda::is_available()) {
-    std::cerr << "bench_glu: no CUDA device; nothing to measure\n";
-    return 1;
-  }
+  const torchmoe::bench::Setup setup =
+      torchmoe::bench::setup(argc, argv, "bench_glu", {"bench_glu.json", 20});
+  if (setup.exit_code != 0) return setup.exit_code;
+  const torchmoe::bench::Args& args = setup.args;
   std::cout << "device: " << at::cuda::getCurrentDeviceProperties()->name
             << ", bf16 data, fp32 scales (GB/s; copy = device-to-device copy of x)\n"
             << std::left << std::setw(17) << "shape" << std::right << std::setw(9) << "copy"

@@ -60,17 +60,10 @@ struct Record {
 }  // namespace
 
 int main(int argc, char** argv) {
-  torchmoe::bench::Args args;
-  try {
-    args = torchmoe::bench::parse_args(argc, argv, {"bench_grouped_linear.json", 20});
-  } catch (const std::exception& e) {
-    std::cerr << "error: " << e.what() << "\n";
-    return 2;
-  }
-  if (!torch::cuda::is_available()) {
-    std::cerr << "bench_grouped_linear: no CUDA device; nothing to measure\n";
-    return 1;
-  }
+  const torchmoe::bench::Setup setup =
+      torchmoe::bench::setup(argc, argv, "bench_grouped_linear", {"bench_grouped_linear.json", 20});
+  if (setup.exit_code != 0) return setup.exit_code;
+  const torchmoe::bench::Args& args = setup.args;
   const char* streams = std::getenv("TORCHMOE_CUBLASLT_STREAMS");
   std::cout << "device: " << at::cuda::getCurrentDeviceProperties()->name
             << ", bf16, cuBLASLt streams: " << (streams ? streams : "4 (default)") << "\n";

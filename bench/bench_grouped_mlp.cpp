@@ -24,17 +24,10 @@ using torchmoe::bench::median_ms;
 using torchmoe::bench::Shape;
 
 int main(int argc, char** argv) {
-  torchmoe::bench::Args args;
-  try {
-    args = torchmoe::bench::parse_args(argc, argv, {"bench_grouped_mlp.json", 10});
-  } catch (const std::exception& e) {
-    std::cerr << "error: " << e.what() << "\n";
-    return 2;
-  }
-  if (!torch::cuda::is_available()) {
-    std::cerr << "bench_grouped_mlp: no CUDA device; nothing to measure\n";
-    return 1;
-  }
+  const torchmoe::bench::Setup setup =
+      torchmoe::bench::setup(argc, argv, "bench_grouped_mlp", {"bench_grouped_mlp.json", 10});
+  if (setup.exit_code != 0) return setup.exit_code;
+  const torchmoe::bench::Args& args = setup.args;
   std::cout << "device: " << at::cuda::getCurrentDeviceProperties()->name
             << ", bf16, uniform splits, forward+backward per step (ms)\n"
             << std::left << std::setw(17) << "shape" << std::right << std::setw(10) << "mlp"

@@ -27,17 +27,10 @@
 #include <vector>
 
 int main(int argc, char** argv) {
-  torchmoe::bench::Args args;
-  try {
-    args = torchmoe::bench::parse_args(argc, argv, {"bench_moe_layer.json", 10});
-  } catch (const std::exception& e) {
-    std::cerr << "error: " << e.what() << "\n";
-    return 2;
-  }
-  if (!torch::cuda::is_available()) {
-    std::cerr << "bench_moe_layer: no CUDA device; nothing to measure\n";
-    return 1;
-  }
+  const torchmoe::bench::Setup setup =
+      torchmoe::bench::setup(argc, argv, "bench_moe_layer", {"bench_moe_layer.json", 10});
+  if (setup.exit_code != 0) return setup.exit_code;
+  const torchmoe::bench::Args& args = setup.args;
   using torchmoe::bench::median_ms;
   std::cout << "device: " << at::cuda::getCurrentDeviceProperties()->name
             << ", bf16, times in ms (GB/s, TFLOP/s)\n"
