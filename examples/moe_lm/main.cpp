@@ -28,6 +28,7 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "model.h"
@@ -75,42 +76,36 @@ struct Flag {
   std::function<void(const std::string&)> set;
 };
 
-int64_t parse_int(const std::string& flag, const std::string& text, int64_t min) {
+// A flag's value as an integer (int64_t) or a real number (double), at least `min`. The messages
+// say "value": parse_flags puts the flag's name in front.
+template <typename T>
+T parse_number(const std::string& text, T min) {
+  constexpr bool kInteger = std::is_integral_v<T>;
   size_t used = 0;
-  int64_t v = 0;
+  T v{};
   try {
-    v = std::stoll(text, &used);
+    if constexpr (kInteger) {
+      v = std::stoll(text, &used);
+    } else {
+      v = std::stod(text, &used);
+    }
   } catch (const std::exception&) {
     used = 0;
   }
-  if (used != text.size() || text.empty())
-    throw std::invalid_argument(flag + " needs an integer, got '" + text + "'");
-  if (v < min)
-    throw std::invalid_argument(flag + " must be >= " + std::to_string(min) + ", got " + text);
-  return v;
-}
-
-double parse_double(const std::string& flag, const std::string& text, double min) {
-  size_t used = 0;
-  double v = 0;
-  try {
-    v = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
+  if (used != text.size() || text.empty() || !std::isfinite(static_cast<double>(v))) {
+    throw std::invalid_argument(
+        fmt::format("value needs {}, got '{}'", kInteger ? "an integer" : "a number", text));
   }
-  if (used != text.size() || text.empty() || !std::isfinite(v))
-    throw std::invalid_argument(flag + " needs a number, got '" + text + "'");
-  if (v < min)
-    throw std::invalid_argument(flag + " must be >= " + std::to_string(min) + ", got " + text);
+  if (v < min) throw std::invalid_argument(fmt::format("value must be >= {}, got {}", min, text));
   return v;
 }
 
 std::vector<Flag> flag_table(Flags& f) {
   auto integer = [](int64_t& out, int64_t min) {
-    return [&out, min](const std::string& v) { out = parse_int("value", v, min); };
+    return [&out, min](const std::string& v) { out = parse_number(v, min); };
   };
   auto number = [](double& out, double min) {
-    return [&out, min](const std::string& v) { out = parse_double("value", v, min); };
+    return [&out, min](const std::string& v) { out = parse_number(v, min); };
   };
   auto text = [](std::string& out) { return [&out](const std::string& v) { out = v; }; };
   return {
@@ -150,7 +145,7 @@ std::vector<Flag> flag_table(Flags& f) {
        number(f.weight_decay, 0)},
       {"--clip", "X", "global gradient-norm clip, 0 = off (default 1.0)", number(f.clip, 0)},
       {"--seed", "N", "seed for initialisation, batches and sampling (default 1234)",
-       [&f](const std::string& v) { f.seed = static_cast<uint64_t>(parse_int("--seed", v, 0)); }},
+       [&f](const std::string& v) { f.seed = static_cast<uint64_t>(parse_number<int64_t>(v, 0)); }},
       {"--log-every", "N", "progress line every N steps (default 10)", integer(f.log_every, 1)},
       {"--eval-every", "N", "validation every N steps, 0 = only at the end (default 100)",
        integer(f.eval_every, 0)},
@@ -463,17 +458,16 @@ std::string format_eta(double seconds) {
   return fmt::format("{}:{:02d}:{:02d}", s / 3600, (s / 60) % 60, s % 60);
 }
 
-// Expert load of each layer relative to uniform (T·k/E); the min and max over layers.
+// Expert load of each layer relative to uniform (T·k/E); the min and max over layers. One copy to
+// the host for all layers.
 std::pair<double, double> load_range(const ModelOutput& out) {
-  double lo = INFINITY, hi = 0;
-  for (const torch::Tensor& counts : out.tokens_per_expert) {
-    const torch::Tensor c = counts.to(torch::kCPU, torch::kFloat64);
-    const double mean = c.mean().item<double>();
-    if (mean == 0) continue;
-    lo = std::min(lo, c.min().item<double>() / mean);
-    hi = std::max(hi, c.max().item<double>() / mean);
-  }
-  return {std::isfinite(lo) ? lo : 0.0, hi};
+  const torch::Tensor counts =
+      torch::stack(out.tokens_per_expert).to(torch::kCPU, torch::kFloat64);  // [layers, E]
+  const torch::Tensor mean = counts.mean(1, true);
+  const torch::Tensor used = (mean > 0).squeeze(1);
+  if (!used.any().item<bool>()) return {0.0, 0.0};
+  const torch::Tensor share = (counts / mean).index({used});
+  return {share.min().item<double>(), share.max().item<double>()};
 }
 
 void generate(MoETransformer& model, const Flags& f, const torch::Device& device) {
