@@ -66,6 +66,8 @@ PermutedTokens permute_tokens(const at::Tensor& tokens, const at::Tensor& indice
                 indices.sizes(), " like the indices, got ", probs->sizes());
     TORCH_CHECK(probs->device() == tokens.device(), "permute_tokens: probs must be on ",
                 tokens.device(), ", got ", probs->device());
+    TORCH_CHECK(at::isFloatingType(probs->scalar_type()),
+                "permute_tokens: probs must have a floating dtype, got ", probs->scalar_type());
     // Each row's probability, differentiable through ATen's index_select.
     out.probs = probs->reshape(-1).index_select(0, map.sorted_slots);
   }

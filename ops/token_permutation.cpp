@@ -111,7 +111,8 @@ RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts) {
   TORCH_CHECK(indices.scalar_type() == at::kLong || indices.scalar_type() == at::kInt, kOp,
               ": indices must be int64 or int32, got ", indices.scalar_type());
   TORCH_CHECK(num_experts > 0 && num_experts < std::numeric_limits<int32_t>::max() - 2, kOp,
-              ": num_experts must be positive, got ", num_experts);
+              ": num_experts must be positive and below 2^31 - 3 (int32 sort keys), got ",
+              num_experts);
   TORCH_CHECK(indices.numel() < std::numeric_limits<int32_t>::max(), kOp,
               ": at most 2^31 - 1 (token, expert) slots, got ", indices.numel());
   const int64_t tokens = indices.size(0), topk = indices.size(1);

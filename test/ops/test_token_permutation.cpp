@@ -151,6 +151,8 @@ TEST_CASE("permutation errors", "[ops][permutation]") {
                     Contains("tokens must be 2-D"));
   CHECK_THROWS_WITH(F::permute_tokens(x, indices, 4, torch::rand({4, 3})),
                     Contains("probs must have shape [4, 2]"));
+  CHECK_THROWS_WITH(F::permute_tokens(x, indices, 4, torch::ones({4, 2}, torch::kLong)),
+                    Contains("probs must have a floating dtype, got Long"));
   const auto routed = F::permute_tokens(x, indices, 4);
   CHECK_THROWS_WITH(F::unpermute_tokens(routed.tokens, routed.row_map.to(torch::kInt)),
                     Contains("row_map must be a 2-D int64 tensor"));
