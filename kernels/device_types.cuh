@@ -62,6 +62,11 @@ __device__ __forceinline__ float warp_sum(float v) {
 // of a power-of-two (or otherwise unlucky) byte stride put all warps on the same DRAM partitions
 // (measured on the H100: GLU forward at 40-46% of copy bandwidth, permute at 15-20%).
 template <int V>
+__host__ __device__ __forceinline__ int64_t chunk_count(int64_t row_length) {
+  return (row_length + kWarpSize * V - 1) / (kWarpSize * V);
+}
+
+template <int V>
 __device__ __forceinline__ int64_t chunk_start(int64_t c, int64_t row, int64_t chunks) {
   return ((c + row) % chunks) * kWarpSize * V;
 }

@@ -59,7 +59,7 @@ __global__ void glu_forward_kernel(const T* __restrict__ input, const S* __restr
                                    T* __restrict__ output, int64_t rows, int64_t hidden,
                                    int64_t interleave, ActParams p) {
   const int64_t gate_offset = interleave ? interleave : hidden;
-  const int64_t chunks = (hidden + kWarp * V - 1) / (kWarp * V);
+  const int64_t chunks = chunk_count<V>(hidden);
   const int lane = threadIdx.x % kWarp;
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
        row < rows; row += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
@@ -87,7 +87,7 @@ __global__ void glu_backward_kernel(const T* __restrict__ input, const S* __rest
                                     S* __restrict__ grad_scales, int64_t rows, int64_t hidden,
                                     int64_t interleave, ActParams p) {
   const int64_t gate_offset = interleave ? interleave : hidden;
-  const int64_t chunks = (hidden + kWarp * V - 1) / (kWarp * V);
+  const int64_t chunks = chunk_count<V>(hidden);
   const int lane = threadIdx.x % kWarp;
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
        row < rows; row += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {

@@ -125,7 +125,7 @@ __global__ void permute_kernel(const T* __restrict__ input,
                                const int64_t* __restrict__ sorted_slots,
                                const S* __restrict__ probs, T* __restrict__ output, int64_t rows,
                                int64_t topk, int64_t hidden) {
-  const int64_t chunks = (hidden + kWarpSize * V - 1) / (kWarpSize * V);
+  const int64_t chunks = chunk_count<V>(hidden);
   const int lane = threadIdx.x % kWarpSize;
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
        r < rows; r += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
@@ -149,7 +149,7 @@ template <typename T, typename S, int V>
 __global__ void unpermute_kernel(const T* __restrict__ input, const int64_t* __restrict__ row_map,
                                  const S* __restrict__ probs, T* __restrict__ output,
                                  int64_t tokens, int64_t topk, int64_t hidden) {
-  const int64_t chunks = (hidden + kWarpSize * V - 1) / (kWarpSize * V);
+  const int64_t chunks = chunk_count<V>(hidden);
   const int lane = threadIdx.x % kWarpSize;
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
        t < tokens; t += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
@@ -180,7 +180,7 @@ __global__ void unpermute_backward_kernel(const T* __restrict__ grad_out,
                                           const T* __restrict__ permuted,
                                           T* __restrict__ grad_permuted, S* __restrict__ grad_probs,
                                           int64_t rows, int64_t topk, int64_t hidden) {
-  const int64_t chunks = (hidden + kWarpSize * V - 1) / (kWarpSize * V);
+  const int64_t chunks = chunk_count<V>(hidden);
   const int lane = threadIdx.x % kWarpSize;
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
        r < rows; r += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
