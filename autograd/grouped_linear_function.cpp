@@ -30,17 +30,24 @@ void wgrad_into(const at::Tensor& input, const at::Tensor& grad_output,
                 at::TensorList bias_grads) {
   ops::grouped_linear_wgrad(input, grad_output, cfg.m_splits,
                             per_group(weight_grads, cfg.grouped_weight), accumulate,
-                            per_group(bias_grads, cfg.grouped_bias));
+                            per_group(bias_grads, cfg.grouped_bias), cfg.gemm_backend);
+}
+
+// New gradient buffers in the parameter layout: one [G, ...] allocation either way, so that the
+// per-group tensors are equally spaced (the sm90 kernel then needs no address table for them).
+std::vector<at::Tensor> new_group_buffers(at::IntArrayRef shape, bool grouped, size_t groups,
+                                          const at::TensorOptions& options) {
+  std::vector<int64_t> sizes{static_cast<int64_t>(groups)};
+  sizes.insert(sizes.end(), shape.begin(), shape.end());
+  at::Tensor all = at::empty(sizes, options);
+  if (grouped) return {all};
+  return all.unbind(0);
 }
 
 std::vector<at::Tensor> new_weight_grads(const at::Tensor& input, const at::Tensor& grad_output,
                                          const GroupedLinearConfig& cfg) {
-  const auto groups = static_cast<int64_t>(cfg.m_splits.size());
-  const int64_t out = grad_output.size(1), in = input.size(1);
-  if (cfg.grouped_weight) return {at::empty({groups, out, in}, input.options())};
-  std::vector<at::Tensor> grads;
-  for (int64_t g = 0; g < groups; ++g) grads.push_back(at::empty({out, in}, input.options()));
-  return grads;
+  return new_group_buffers({grad_output.size(1), input.size(1)}, cfg.grouped_weight,
+                           cfg.m_splits.size(), input.options());
 }
 
 }  // namespace
@@ -57,9 +64,9 @@ at::Tensor GroupedLinearFunction::forward(AutogradContext* ctx, const at::Tensor
   const at::Tensor scales = input_scales.value_or(at::Tensor());
   const at::Tensor gemm_input =
       config->input_activation ? ops::glu_forward(input, scales, *config->input_activation) : input;
-  at::Tensor output = ops::grouped_linear_forward(gemm_input, config->m_splits,
-                                                  per_group(weights, config->grouped_weight),
-                                                  per_group(biases, config->grouped_bias));
+  at::Tensor output = ops::grouped_linear_forward(
+      gemm_input, config->m_splits, per_group(weights, config->grouped_weight),
+      per_group(biases, config->grouped_bias), config->gemm_backend);
   variable_list saved{input, scales};
   saved.insert(saved.end(), weights.begin(), weights.end());
   ctx->save_for_backward(saved);
@@ -87,8 +94,8 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
   variable_list grads(kFirstWeightSlot + num_weights + num_biases + 1);
   const bool scales_need_grad = scales.defined() && ctx->needs_input_grad(1);
   if (ctx->needs_input_grad(0) || scales_need_grad) {
-    at::Tensor grad_gemm_input = ops::grouped_linear_dgrad(grad_output, cfg.m_splits,
-                                                           per_group(weights, cfg.grouped_weight));
+    at::Tensor grad_gemm_input = ops::grouped_linear_dgrad(
+        grad_output, cfg.m_splits, per_group(weights, cfg.grouped_weight), cfg.gemm_backend);
     if (cfg.input_activation) {
       ops::GluGrads glu = ops::glu_backward(grad_gemm_input, input, scales, *cfg.input_activation,
                                             scales_need_grad);
@@ -106,17 +113,10 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
     biases_need_grad |= ctx->needs_input_grad(first_weight + num_weights + i);
   }
 
-  std::vector<at::Tensor> bias_grads;
-  if (biases_need_grad) {
-    const auto groups = static_cast<int64_t>(cfg.m_splits.size());
-    const int64_t out = grad_output.size(1);
-    if (cfg.grouped_bias) {
-      bias_grads.push_back(at::empty({groups, out}, grad_output.options()));
-    } else {
-      for (int64_t g = 0; g < groups; ++g)
-        bias_grads.push_back(at::empty({out}, grad_output.options()));
-    }
-  }
+  const std::vector<at::Tensor> bias_grads =
+      biases_need_grad ? new_group_buffers({grad_output.size(1)}, cfg.grouped_bias,
+                                           cfg.m_splits.size(), grad_output.options())
+                       : std::vector<at::Tensor>{};
 
   // The wgrad GEMM's input: recomputed here when forward saved the pre-activation instead.
   const at::Tensor gemm_input = weights_need_grad && cfg.input_activation
@@ -137,13 +137,8 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
   } else if (biases_need_grad) {
     ops::grouped_bias_grad(grad_output, cfg.m_splits, per_group(bias_grads, cfg.grouped_bias));
   }
-  std::copy(bias_grads.begin(), bias_grads.end(),
-            grads.begin() + kFirstWeightSlot + num_weights);
+  std::copy(bias_grads.begin(), bias_grads.end(), grads.begin() + kFirstWeightSlot + num_weights);
   return grads;
-}
-
-std::vector<int64_t> host_splits(const at::Tensor& m_splits) {
-  return ops::splits_to_host(m_splits);
 }
 
 std::vector<at::Tensor> run_delayed_wgrad(const DelayedWgrad& work) {

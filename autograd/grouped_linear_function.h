@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "torchmoe/ops/glu.h"
+#include "torchmoe/ops/grouped_gemm.h"
 
 namespace torchmoe::autograd {
 
@@ -28,7 +29,10 @@ using WgradQueue = std::deque<DelayedWgrad>;  // FIFO: oldest backward first
 
 // Everything about one forward call that is not a differentiable tensor.
 struct GroupedLinearConfig : torch::CustomClassHolder {
-  std::vector<int64_t> m_splits;  // rows per group, on the host
+  // Rows per group: on the host, or on the device when every GEMM runs on the sm90 kernel
+  // (ops::resolve_splits decided; then nothing in forward or backward copies them to the host).
+  ops::GroupSplits m_splits{std::vector<int64_t>{}};
+  ops::GemmBackendChoice gemm_backend = ops::GemmBackendChoice::kAuto;
   // The weights (biases) were passed as one [G, out, in] ([G, out]) tensor instead of G tensors.
   bool grouped_weight = false;
   bool grouped_bias = false;
@@ -60,9 +64,6 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs);
 };
-
-// Split sizes from a 1-D integer tensor (any device) as the host vector the config holds.
-std::vector<int64_t> host_splits(const at::Tensor& m_splits);
 
 // Runs one deferred weight-gradient GEMM. Returns the weight gradients in the parameter layout
 // (G × [out, in], or one [G, out, in]); returns nothing when they went into config.main_grads.

@@ -1,6 +1,8 @@
 // GroupedLinear GEMM throughput on a GPU: fprop (y = x·Wᵀ), dgrad (dx = dy·W) and wgrad
-// (dW = dyᵀ·x) of an MoE expert fc1 layer, through torchmoe's ops, next to at::_grouped_mm and a
-// dense at::mm of the same FLOPs, measured in the same process. Prints a table, writes JSON.
+// (dW = dyᵀ·x) of an MoE expert fc1 layer, through torchmoe's ops on both CUDA backends (the sm90
+// kernel with device splits, per-group cuBLASLt with host splits), next to at::_grouped_mm and a
+// dense at::mm of the same FLOPs, measured in the same process. Also the host time of one forward
+// call with device splits. Prints a table, writes JSON.
 //
 //   bench_grouped_linear [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
 //
@@ -17,6 +19,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
@@ -54,8 +57,26 @@ std::vector<int64_t> make_splits(int64_t experts, int64_t rows, bool skewed, uin
 struct Record {
   std::string shape, splits, gemm;
   int64_t m, n, k, experts;
-  double ours, grouped_mm, dense;  // TFLOP/s
+  double sm90, cublaslt, grouped_mm, dense;  // TFLOP/s
 };
+
+namespace ops = torchmoe::ops;
+constexpr auto kSm90 = ops::GemmBackendChoice::kSm90;
+constexpr auto kCublasLt = ops::GemmBackendChoice::kCublasLt;
+
+// Host time of one sm90 forward with device splits (argument checks, tensor maps, allocation,
+// launch), averaged over calls that do not wait for the GPU.
+double host_us_per_forward(const torch::Tensor& x, const ops::GroupSplits& splits,
+                           const std::vector<torch::Tensor>& weights) {
+  constexpr int kCalls = 200;
+  for (int i = 0; i < 10; ++i) ops::grouped_linear_forward(x, splits, weights, {}, kSm90);
+  torch::cuda::synchronize();
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < kCalls; ++i) ops::grouped_linear_forward(x, splits, weights, {}, kSm90);
+  const auto stop = std::chrono::steady_clock::now();
+  torch::cuda::synchronize();
+  return std::chrono::duration<double, std::micro>(stop - start).count() / kCalls;
+}
 
 }  // namespace
 
@@ -68,9 +89,9 @@ int main(int argc, char** argv) {
   std::cout << "device: " << at::cuda::getCurrentDeviceProperties()->name
             << ", bf16, cuBLASLt streams: " << (streams ? streams : "4 (default)") << "\n";
   std::cout << std::left << std::setw(17) << "shape" << std::setw(8) << "splits" << std::setw(7)
-            << "gemm" << std::right << std::setw(10) << "torchmoe" << std::setw(12) << "grouped_mm"
-            << std::setw(8) << "ratio" << std::setw(10) << "dense"
-            << "   (TFLOP/s)\n";
+            << "gemm" << std::right << std::setw(8) << "sm90" << std::setw(10) << "cublaslt"
+            << std::setw(12) << "grouped_mm" << std::setw(8) << "ratio" << std::setw(8) << "dense"
+            << "   (TFLOP/s; ratio = sm90 / grouped_mm)\n";
 
   std::vector<Record> records;
   const auto bf16 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
@@ -89,35 +110,49 @@ int main(int argc, char** argv) {
       const torch::Tensor offs =
           torch::tensor(splits, torch::kInt32).cumsum(0).to(torch::kInt32).to(torch::kCUDA);
       const std::string split_name = skewed ? "skewed" : "uniform";
+      const ops::GroupSplits device_splits(torch::tensor(splits).to(torch::kCUDA));
 
-      // One correctness look per case: our fprop against at::_grouped_mm.
-      const torch::Tensor ours_y = torchmoe::ops::grouped_linear_forward(x, splits, w_views, {});
+      // One correctness look per case: both backends' fprop against at::_grouped_mm.
       const torch::Tensor ref_y = at::_grouped_mm(x, w.transpose(1, 2), offs);
-      const double rel = ((ours_y.to(torch::kFloat32) - ref_y.to(torch::kFloat32)).norm() /
-                          ref_y.to(torch::kFloat32).norm())
-                             .item<double>();
-      if (!(rel < 1e-2)) {
-        std::cerr << "bench_grouped_linear: " << shape.name << " " << split_name
-                  << " fprop disagrees with at::_grouped_mm (relative error " << rel << ")\n";
-        return 1;
+      for (const auto& [name, y] :
+           {std::pair{"sm90", ops::grouped_linear_forward(x, device_splits, w_views, {}, kSm90)},
+            std::pair{"cublaslt",
+                      ops::grouped_linear_forward(x, splits, w_views, {}, kCublasLt)}}) {
+        const double rel = ((y.to(torch::kFloat32) - ref_y.to(torch::kFloat32)).norm() /
+                            ref_y.to(torch::kFloat32).norm())
+                               .item<double>();
+        if (!(rel < 1e-2)) {
+          std::cerr << "bench_grouped_linear: " << shape.name << " " << split_name << " " << name
+                    << " fprop disagrees with at::_grouped_mm (relative error " << rel << ")\n";
+          return 1;
+        }
+      }
+      if (!skewed) {
+        std::cout << "host time per sm90 forward with device splits (" << shape.name
+                  << "): " << std::setprecision(1) << std::fixed
+                  << host_us_per_forward(x, device_splits, w_views) << " us\n";
       }
 
       const double dense_ms = median_ms([&] { at::mm(x, w0t); }, args.iters, args.warmup);
       struct Gemm {
         const char* name;
-        std::function<void()> ours, grouped_mm;
+        std::function<void()> sm90, cublaslt, grouped_mm;
       };
       const std::vector<Gemm> gemms = {
-          {"fprop", [&] { torchmoe::ops::grouped_linear_forward(x, splits, w_views, {}); },
+          {"fprop", [&] { ops::grouped_linear_forward(x, device_splits, w_views, {}, kSm90); },
+           [&] { ops::grouped_linear_forward(x, splits, w_views, {}, kCublasLt); },
            [&] { at::_grouped_mm(x, w.transpose(1, 2), offs); }},
-          {"dgrad", [&] { torchmoe::ops::grouped_linear_dgrad(dy, splits, w_views); },
+          {"dgrad", [&] { ops::grouped_linear_dgrad(dy, device_splits, w_views, kSm90); },
+           [&] { ops::grouped_linear_dgrad(dy, splits, w_views, kCublasLt); },
            [&] { at::_grouped_mm(dy, w, offs); }},
           {"wgrad",
-           [&] { torchmoe::ops::grouped_linear_wgrad(x, dy, splits, dw_views, false, {}); },
+           [&] { ops::grouped_linear_wgrad(x, dy, device_splits, dw_views, false, {}, kSm90); },
+           [&] { ops::grouped_linear_wgrad(x, dy, splits, dw_views, false, {}, kCublasLt); },
            [&] { at::_grouped_mm(dy.t(), x, offs); }},
       };
       for (const Gemm& gemm : gemms) {
-        const double ours_ms = median_ms(gemm.ours, args.iters, args.warmup);
+        const double sm90_ms = median_ms(gemm.sm90, args.iters, args.warmup);
+        const double cublaslt_ms = median_ms(gemm.cublaslt, args.iters, args.warmup);
         const double peer_ms = median_ms(gemm.grouped_mm, args.iters, args.warmup);
         Record r{shape.name,
                  split_name,
@@ -126,15 +161,16 @@ int main(int argc, char** argv) {
                  n,
                  k,
                  shape.experts,
-                 flops / ours_ms * 1e-9,
+                 flops / sm90_ms * 1e-9,
+                 flops / cublaslt_ms * 1e-9,
                  flops / peer_ms * 1e-9,
                  flops / dense_ms * 1e-9};
         records.push_back(r);
         std::cout << std::left << std::setw(17) << r.shape << std::setw(8) << r.splits
                   << std::setw(7) << r.gemm << std::right << std::fixed << std::setprecision(1)
-                  << std::setw(10) << r.ours << std::setw(12) << r.grouped_mm
-                  << std::setprecision(3) << std::setw(8) << r.ours / r.grouped_mm
-                  << std::setprecision(1) << std::setw(10) << r.dense << "\n";
+                  << std::setw(8) << r.sm90 << std::setw(10) << r.cublaslt << std::setw(12)
+                  << r.grouped_mm << std::setprecision(3) << std::setw(8) << r.sm90 / r.grouped_mm
+                  << std::setprecision(1) << std::setw(8) << r.dense << "\n";
       }
     }
   }
@@ -147,9 +183,9 @@ int main(int argc, char** argv) {
     const Record& r = records[i];
     json << "    {\"shape\": \"" << r.shape << "\", \"splits\": \"" << r.splits
          << "\", \"gemm\": \"" << r.gemm << "\", \"experts\": " << r.experts << ", \"m\": " << r.m
-         << ", \"n\": " << r.n << ", \"k\": " << r.k << ", \"torchmoe\": " << r.ours
-         << ", \"grouped_mm\": " << r.grouped_mm << ", \"dense_mm\": " << r.dense << "}"
-         << (i + 1 < records.size() ? "," : "") << "\n";
+         << ", \"n\": " << r.n << ", \"k\": " << r.k << ", \"sm90\": " << r.sm90
+         << ", \"cublaslt\": " << r.cublaslt << ", \"grouped_mm\": " << r.grouped_mm
+         << ", \"dense_mm\": " << r.dense << "}" << (i + 1 < records.size() ? "," : "") << "\n";
   }
   json << "  ]\n}\n";
   std::cout << "wrote " << args.json_path << "\n";

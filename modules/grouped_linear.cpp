@@ -76,7 +76,8 @@ void GroupedLinearImpl::reset() {
     if (o.single_grouped_weight()) {
       main_grads_.push_back(torch::zeros({groups, out, in}, fp32));
     } else {
-      for (int64_t g = 0; g < groups; ++g) main_grads_.push_back(torch::zeros({out, in}, fp32));
+      // Views of one buffer: equally spaced, so the sm90 kernel addresses them without a table.
+      main_grads_ = torch::zeros({groups, out, in}, fp32).unbind(0);
     }
   }
   wgrad_queue_ = std::make_shared<autograd::WgradQueue>();
@@ -99,10 +100,6 @@ void GroupedLinearImpl::pretty_print(std::ostream& stream) const {
   stream << std::boolalpha << "torchmoe::GroupedLinear(num_gemms=" << options.num_gemms()
          << ", in_features=" << options.in_features() << ", out_features=" << options.out_features()
          << ", bias=" << options.bias() << ")";
-}
-
-std::vector<int64_t> SplitSizes::to_host() const {
-  return tensor_.defined() ? autograd::host_splits(tensor_) : host_;
 }
 
 torch::Tensor GroupedLinearImpl::forward(const torch::Tensor& input, const SplitSizes& splits,
@@ -137,13 +134,14 @@ torch::Tensor GroupedLinearImpl::run(const torch::Tensor& input, const SplitSize
   const torch::Device param_device = weight_params_.front().device();
   TORCH_CHECK(input.device() == param_device, kModule, ": input must be on the parameters' device ",
               param_device, ", got ", input.device());
-  const std::vector<int64_t> m_splits = splits.to_host();
-  TORCH_CHECK(static_cast<int64_t>(m_splits.size()) == options.num_gemms(), kModule,
+  TORCH_CHECK(static_cast<int64_t>(splits.size()) == options.num_gemms(), kModule,
               ": m_splits must have num_gemms=", options.num_gemms(), " entries, got ",
-              m_splits.size());
+              splits.size());
 
+  const torch::Tensor rows = input.reshape({-1, width}).contiguous();
   auto config = c10::make_intrusive<autograd::GroupedLinearConfig>();
-  config->m_splits = m_splits;
+  config->m_splits = ops::resolve_splits(splits, rows, expert_weights(), options.gemm_backend());
+  config->gemm_backend = options.gemm_backend();
   config->grouped_weight = options.single_grouped_weight();
   config->grouped_bias = options.bias() && options.single_grouped_bias();
   config->main_grads = main_grads_;
@@ -151,7 +149,6 @@ torch::Tensor GroupedLinearImpl::run(const torch::Tensor& input, const SplitSize
   if (options.delay_wgrad_compute()) config->wgrad_queue = wgrad_queue_;
   config->input_activation = activation;
 
-  const torch::Tensor rows = input.reshape({-1, width}).contiguous();
   const std::optional<torch::Tensor> row_scales =
       activation ? std::optional<torch::Tensor>(scales.reshape({-1})) : std::nullopt;
   const torch::Tensor output = autograd::GroupedLinearFunction::apply(

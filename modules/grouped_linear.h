@@ -60,6 +60,9 @@ struct GroupedLinearOptions {
   TORCH_ARG(bool, single_grouped_weight) = false;
   /// Store all biases as one parameter `bias` [G, out] instead of `bias0..bias{G-1}`.
   TORCH_ARG(bool, single_grouped_bias) = false;
+  /// Which grouped GEMM runs the layer (kAuto: the sm90 kernel where it applies, else per-group
+  /// cuBLASLt; TORCHMOE_GROUPED_GEMM_BACKEND overrides kAuto). See ops::select_backend.
+  TORCH_ARG(ops::GemmBackendChoice, gemm_backend) = ops::GemmBackendChoice::kAuto;
   /// Row: in_features is split over tp_size ranks; column: out_features is.
   TORCH_ARG(ParallelMode, parallel_mode) = ParallelMode::kNone;
   /// Tensor-parallel world size.
@@ -68,21 +71,10 @@ struct GroupedLinearOptions {
 
 /// Rows per expert, given either on the host (a vector, brace list or IntArrayRef) or as a 1-D
 /// integer tensor (CPU or CUDA). One type rather than two forward overloads, because
-/// ModuleHolder::operator() (`layer(x, splits)`) only works with a single forward.
-class SplitSizes {
- public:
-  SplitSizes(c10::IntArrayRef sizes) : host_(sizes.vec()) {}
-  SplitSizes(const std::vector<int64_t>& sizes) : host_(sizes) {}
-  SplitSizes(std::initializer_list<int64_t> sizes) : host_(sizes) {}
-  SplitSizes(torch::Tensor sizes) : tensor_(std::move(sizes)) {}
-
-  /// The sizes on the host; a tensor is validated and copied (one device-to-host copy on CUDA).
-  std::vector<int64_t> to_host() const;
-
- private:
-  std::vector<int64_t> host_;
-  torch::Tensor tensor_;
-};
+/// ModuleHolder::operator() (`layer(x, splits)`) only works with a single forward. A CUDA tensor
+/// stays on the device when the sm90 grouped GEMM runs the layer (no host sync, CUDA-graph safe);
+/// see ops::GroupSplits.
+using SplitSizes = ops::GroupSplits;
 
 /// Megatron-style tensor-parallel attributes of one parameter.
 struct TensorParallelAttributes {

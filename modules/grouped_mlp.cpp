@@ -17,7 +17,8 @@ GroupedLinearOptions layer_options(const GroupedMLPOptions& o, int64_t in, int64
       .fuse_wgrad_accumulation(o.fuse_wgrad_accumulation())
       .delay_wgrad_compute(o.delay_wgrad_compute())
       .single_grouped_weight(o.single_grouped_weight())
-      .single_grouped_bias(o.single_grouped_bias());
+      .single_grouped_bias(o.single_grouped_bias())
+      .gemm_backend(o.gemm_backend());
 }
 
 }  // namespace
@@ -55,7 +56,10 @@ torch::Tensor GroupedMLPImpl::forward(const torch::Tensor& x, const SplitSizes& 
   TORCH_CHECK(probs.defined() && probs.dim() == 1 && probs.size(0) == x.size(0), kModule,
               ": probs must be [rows] with one probability per row of x (", x.size(0), "), got ",
               probs.defined() ? probs.sizes() : torch::IntArrayRef{});
-  const std::vector<int64_t> splits = m_splits.to_host();
+  // One decision for both layers: device sizes stay on the device only where fc1 runs on the sm90
+  // kernel (fc2 decides again for its own shape).
+  const SplitSizes splits =
+      ops::resolve_splits(m_splits, x, fc1->expert_weights(), options.gemm_backend());
   const torch::Tensor z = fc1(x, splits, is_first_microbatch);
   ops::GluOptions activation;
   if (options.activation() == GroupedMLPActivation::kSwiGLU) {
@@ -74,9 +78,16 @@ torch::Tensor GroupedMLPImpl::forward(const torch::Tensor& x, const SplitSizes& 
   if (options.bias() && options.scale_bias()) {
     // fc2 added b2_e; adding b2_e·(p - 1) leaves b2_e·p, with the gradients of b2 and p that
     // TE's scale_bias has (Σ dy·p and Σ dy·b2_e).
-    const torch::Tensor expert_of_row = torch::repeat_interleave(
-        torch::arange(options.num_experts(), torch::TensorOptions().device(x.device())),
-        torch::tensor(splits, torch::TensorOptions().device(x.device())));
+    // Row r belongs to the first expert whose cumulative size exceeds r (no host copy of device
+    // sizes; padded rows past the sum map to the last expert, and fc2 left them unwritten).
+    const auto on_device = torch::TensorOptions().device(x.device());
+    const torch::Tensor sizes = splits.on_device()
+                                    ? splits.device().to(torch::kLong)
+                                    : torch::tensor(splits.host(), on_device.dtype(torch::kLong));
+    const torch::Tensor expert_of_row =
+        torch::searchsorted(torch::cumsum(sizes, 0), torch::arange(x.size(0), on_device),
+                            /*out_int32=*/false, /*right=*/true)
+            .clamp_max(options.num_experts() - 1);
     // In fp32 (or wider): the gather's backward sums each expert's rows, which must not round
     // per row in bf16.
     const auto wide = torch::promote_types(y.scalar_type(), torch::kFloat32);

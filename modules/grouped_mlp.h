@@ -50,6 +50,7 @@ struct GroupedMLPOptions {
   TORCH_ARG(bool, delay_wgrad_compute) = false;
   TORCH_ARG(bool, single_grouped_weight) = false;
   TORCH_ARG(bool, single_grouped_bias) = false;
+  TORCH_ARG(ops::GemmBackendChoice, gemm_backend) = ops::GemmBackendChoice::kAuto;
   /// fc2's bias is scaled by the routing probability too (TE's scale_bias): + b2_e · p.
   TORCH_ARG(bool, scale_bias) = false;
   /// Keep fc1's output instead of the activation for backward and recompute the activation

@@ -37,7 +37,8 @@ void MoELayerImpl::reset() {
                                 .delay_wgrad_compute(o.delay_wgrad_compute())
                                 .recompute_activation(o.recompute_activation())
                                 .single_grouped_weight(o.single_grouped_weight())
-                                .single_grouped_bias(o.single_grouped_bias())));
+                                .single_grouped_bias(o.single_grouped_bias())
+                                .gemm_backend(o.gemm_backend())));
 }
 
 void MoELayerImpl::pretty_print(std::ostream& stream) const {

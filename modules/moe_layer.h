@@ -59,6 +59,7 @@ struct MoELayerOptions {
   TORCH_ARG(bool, recompute_activation) = false;
   TORCH_ARG(bool, single_grouped_weight) = false;
   TORCH_ARG(bool, single_grouped_bias) = false;
+  TORCH_ARG(ops::GemmBackendChoice, gemm_backend) = ops::GemmBackendChoice::kAuto;
   // Both.
   TORCH_ARG(torch::Dtype, params_dtype) = torch::kFloat32;
   TORCH_ARG(torch::Device, device) = torch::kCPU;

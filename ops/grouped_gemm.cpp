@@ -4,10 +4,16 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <ATen/cuda/CUDAGraphsUtils.cuh>
+
 #include <cstdlib>
+#include <cstring>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 
 #include "torchmoe/kernels/grouped_gemm_cublaslt.h"
+#include "torchmoe/kernels/grouped_gemm_sm90.h"
 #include "torchmoe/ops/kernel_types.h"
 
 namespace torchmoe::ops {
@@ -15,7 +21,7 @@ namespace {
 
 // ---- validation shared by every backend --------------------------------------------------------
 
-void check_splits(const char* op, c10::IntArrayRef m_splits, size_t num_groups, int64_t rows) {
+void check_host_splits(const char* op, c10::IntArrayRef m_splits, size_t num_groups, int64_t rows) {
   TORCH_CHECK(m_splits.size() == num_groups, op, ": m_splits must have one entry per group (",
               num_groups, "), got ", m_splits.size());
   int64_t sum = 0;
@@ -26,6 +32,16 @@ void check_splits(const char* op, c10::IntArrayRef m_splits, size_t num_groups, 
   }
   TORCH_CHECK(sum == rows, op, ": m_splits must sum to the number of rows (", rows, "), got ",
               m_splits, " (sum ", sum, ")");
+}
+
+// Device sizes can only be checked for what the host knows without a copy.
+void check_device_splits(const char* op, const at::Tensor& m_splits, size_t num_groups,
+                         const at::Tensor& like) {
+  TORCH_CHECK(m_splits.device() == like.device(), op, ": m_splits must be on ", like.device(),
+              " like the input, or on the host, got ", m_splits.device());
+  TORCH_CHECK(static_cast<size_t>(m_splits.numel()) == num_groups, op,
+              ": m_splits must have one entry per group (", num_groups, "), got ",
+              m_splits.numel());
 }
 
 void check_operand(const char* op, const char* name, const at::Tensor& t, const at::Tensor& like,
@@ -147,12 +163,202 @@ kernels::GroupedGemmParams gemm_params(kernels::GemmKind kind, int64_t n, int64_
   return params;
 }
 
+// ---- CUDA: torchmoe's sm90 kernel -------------------------------------------------------------
+
+GemmBackendChoice env_backend_choice() {
+  static const GemmBackendChoice choice = [] {
+    const char* env = std::getenv("TORCHMOE_GROUPED_GEMM_BACKEND");
+    if (env == nullptr || std::strcmp(env, "auto") == 0) return GemmBackendChoice::kAuto;
+    if (std::strcmp(env, "cublaslt") == 0) return GemmBackendChoice::kCublasLt;
+    if (std::strcmp(env, "sm90") == 0) return GemmBackendChoice::kSm90;
+    TORCH_CHECK(false, "TORCHMOE_GROUPED_GEMM_BACKEND must be auto, cublaslt or sm90, got '", env,
+                "'");
+  }();
+  return choice;
+}
+
+// Why the sm90 kernel cannot take this call, or nullptr when it can.
+const char* sm90_refusal(const at::Tensor& operand, const GemmShape& shape) {
+  if (operand.scalar_type() != at::kBFloat16 && operand.scalar_type() != at::kHalf) {
+    return "it takes bfloat16 and float16 operands only";
+  }
+  if (!kernels::sm90_grouped_gemm_available()) {
+    return "the device is not sm_90 or the library was built without sm_90a code";
+  }
+  if (shape.n <= 0 || shape.k <= 0 || shape.n % kernels::kSm90FeatureMultiple != 0 ||
+      shape.k % kernels::kSm90FeatureMultiple != 0) {
+    return "in_features and out_features must be positive multiples of 8 (16-byte TMA rows)";
+  }
+  if (shape.groups == 0 || shape.groups > static_cast<size_t>(kernels::kSm90MaxGroups)) {
+    return "it takes 1 to 1024 groups";
+  }
+  if (!shape.aligned) return "every operand must start on a 16-byte boundary";
+  if (operand.size(0) > INT32_MAX) return "it takes fewer than 2^31 rows";
+  return nullptr;
+}
+
+bool all_aligned(std::initializer_list<const at::Tensor*> tensors, at::TensorList lists = {}) {
+  bool aligned = true;
+  for (const at::Tensor* t : tensors) {
+    aligned &= reinterpret_cast<uintptr_t>(t->const_data_ptr()) % 16 == 0;
+  }
+  for (const at::Tensor& t : lists) {
+    aligned &= reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+  }
+  return aligned;
+}
+
+// Small device tables (tensor maps, pointer arrays), kept per device for the life of the process
+// and keyed by content: the same weights or gradient buffers give the same table on every call,
+// so the upload happens once and a CUDA graph may keep the pointer it captured.
+const void* device_table(const std::string& bytes, const at::Device& device) {
+  static std::mutex mutex;
+  static std::unordered_map<std::string, at::Tensor> tables;
+  const std::string key = std::to_string(device.index()) + ":" + bytes;
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = tables.find(key);
+  if (it == tables.end()) {
+    TORCH_CHECK(at::cuda::currentStreamCaptureStatus() == at::cuda::CaptureStatus::None,
+                "torchmoe grouped GEMM: new weight or gradient tensors were seen during CUDA graph "
+                "capture; run the step once before capturing (their address table is built then)");
+    at::Tensor host = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+    std::memcpy(host.data_ptr(), bytes.data(), bytes.size());
+    it = tables.emplace(key, host.to(device)).first;
+    if (tables.size() == 4096) {
+      TORCH_WARN(
+          "torchmoe grouped GEMM: 4096 address tables cached; are weight or gradient "
+          "buffers reallocated every step? (each new set adds one)");
+    }
+  }
+  return it->second.const_data_ptr();
+}
+
+// Where each group's tensor lives: one base and a stride when the tensors are equally spaced
+// (views of one buffer), else a device table of pointers.
+kernels::GroupAddress group_address(at::TensorList tensors) {
+  kernels::GroupAddress address;
+  if (tensors.empty()) return address;
+  const auto base = reinterpret_cast<intptr_t>(tensors[0].const_data_ptr());
+  const intptr_t step = tensors.size() > 1
+                            ? reinterpret_cast<intptr_t>(tensors[1].const_data_ptr()) - base
+                            : tensors[0].numel() * tensors[0].element_size();
+  bool uniform = step > 0 && step % 16 == 0;
+  for (size_t g = 0; g < tensors.size() && uniform; ++g) {
+    uniform = reinterpret_cast<intptr_t>(tensors[g].const_data_ptr()) ==
+              base + static_cast<intptr_t>(g) * step;
+  }
+  if (uniform) {
+    address.base = tensors[0].const_data_ptr();
+    address.group_stride = step / tensors[0].element_size();
+    return address;
+  }
+  std::string bytes(tensors.size() * sizeof(void*), '\0');
+  for (size_t g = 0; g < tensors.size(); ++g) {
+    const void* p = tensors[g].const_data_ptr();
+    std::memcpy(bytes.data() + g * sizeof(void*), &p, sizeof(void*));
+  }
+  address.table = static_cast<const void* const*>(device_table(bytes, tensors[0].device()));
+  return address;
+}
+
+// The split sizes as the kernel reads them: int32 or int64 on the operands' device.
+at::Tensor kernel_splits(const GroupSplits& m_splits, const at::Tensor& like) {
+  if (m_splits.on_device()) {
+    const at::Tensor& d = m_splits.device();
+    return d.scalar_type() == at::kInt || d.scalar_type() == at::kLong ? d : d.to(at::kLong);
+  }
+  // Through pinned memory, so that the copy is asynchronous (the allocator keeps the block until
+  // the copy has run).
+  at::Tensor pinned = at::empty({static_cast<int64_t>(m_splits.size())},
+                                at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  std::memcpy(pinned.data_ptr(), m_splits.host().data(), m_splits.size() * sizeof(int64_t));
+  return pinned.to(like.device(), /*non_blocking=*/true);
+}
+
+// Checks the sizes for an sm90 call and returns them as the kernel reads them.
+at::Tensor checked_kernel_splits(const char* op, const GroupSplits& m_splits, size_t num_groups,
+                                 const at::Tensor& like) {
+  if (m_splits.on_device()) {
+    check_device_splits(op, m_splits.device(), num_groups, like);
+  } else {
+    check_host_splits(op, m_splits.host(), num_groups, like.size(0));
+  }
+  return kernel_splits(m_splits, like);
+}
+
+kernels::Sm90GemmParams sm90_params(kernels::GemmKind kind, const at::Tensor& like, int64_t n,
+                                    int64_t k, size_t groups, const at::Tensor& splits) {
+  kernels::Sm90GemmParams p;
+  p.kind = kind;
+  p.input_type = kernel_type(like.scalar_type());
+  p.output_type = p.input_type;
+  p.num_groups = static_cast<int>(groups);
+  p.rows = like.size(0);
+  p.n = n;
+  p.k = k;
+  p.m_splits = splits.const_data_ptr();
+  p.splits_int32 = splits.scalar_type() == at::kInt;
+  return p;
+}
+
+// The weights as the kernel reads them: one 3-D tensor map over equally spaced weights (built per
+// launch), or a cached device table of per-group maps.
+void set_weights(kernels::Sm90GemmParams& p, at::TensorList weights) {
+  p.weight = group_address(weights);
+  if (p.weight.table == nullptr) return;
+  std::vector<const void*> pointers;
+  for (const at::Tensor& w : weights) pointers.push_back(w.const_data_ptr());
+  const std::vector<uint8_t> maps =
+      kernels::encode_weight_maps(p.kind, p.input_type, p.n, p.k, pointers);
+  p.weight_maps = device_table(std::string(maps.begin(), maps.end()), weights[0].device());
+  p.weight.table = nullptr;
+}
+
+void run_sm90(const at::Tensor& like, const kernels::Sm90GemmParams& params) {
+  const c10::cuda::CUDAGuard guard(like.device());
+  kernels::launch_grouped_gemm_sm90(params, at::cuda::getCurrentCUDAStream().stream());
+}
+
+void column_sums_sm90(const at::Tensor& grad_output, const at::Tensor& splits,
+                      at::TensorList bias_grads_out) {
+  const c10::cuda::CUDAGuard guard(grad_output.device());
+  kernels::GroupedColumnSumParams p;
+  p.type = kernel_type(grad_output.scalar_type());
+  p.num_groups = static_cast<int>(bias_grads_out.size());
+  p.rows = grad_output.size(0);
+  p.n = grad_output.size(1);
+  p.m_splits = splits.const_data_ptr();
+  p.splits_int32 = splits.scalar_type() == at::kInt;
+  p.grad_output = grad_output.const_data_ptr();
+  p.bias_grad = group_address(bias_grads_out);
+  kernels::launch_grouped_column_sum(p, at::cuda::getCurrentCUDAStream().stream());
+}
+
 }  // namespace
 
-GemmBackend select_backend(const at::Tensor& operand) {
+GemmBackend select_backend(const at::Tensor& operand, const GemmShape& shape,
+                           GemmBackendChoice choice) {
   const at::ScalarType dtype = operand.scalar_type();
-  if (operand.is_cpu() && at::isFloatingType(dtype)) return GemmBackend::kReference;
+  if (choice == GemmBackendChoice::kAuto) choice = env_backend_choice();
+  if (operand.is_cpu() && at::isFloatingType(dtype)) {
+    TORCH_CHECK_NOT_IMPLEMENTED(choice == GemmBackendChoice::kAuto, "torchmoe grouped GEMM: the ",
+                                choice == GemmBackendChoice::kSm90 ? "sm90" : "cublaslt",
+                                " backend runs on CUDA tensors only, got ", operand.device());
+    return GemmBackend::kReference;
+  }
   if (operand.is_cuda() && (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16)) {
+    if (choice == GemmBackendChoice::kCublasLt) return GemmBackend::kCublasLt;
+    const char* refusal = sm90_refusal(operand, shape);
+    if (refusal == nullptr) {
+      const bool small_groups =
+          shape.rows <= kSm90MaxRowsPerGroup * static_cast<int64_t>(shape.groups);
+      const bool sm90 = choice == GemmBackendChoice::kSm90 || shape.device_splits || small_groups;
+      return sm90 ? GemmBackend::kSm90 : GemmBackend::kCublasLt;
+    }
+    TORCH_CHECK_NOT_IMPLEMENTED(choice == GemmBackendChoice::kAuto,
+                                "torchmoe grouped GEMM: the sm90 backend cannot run this call: ",
+                                refusal, " (dtype ", dtype, ", out_features ", shape.n,
+                                ", in_features ", shape.k, ", ", shape.groups, " groups)");
     return GemmBackend::kCublasLt;
   }
   TORCH_CHECK_NOT_IMPLEMENTED(false, "torchmoe grouped GEMM: no backend for ", operand.device(),
@@ -160,30 +366,77 @@ GemmBackend select_backend(const at::Tensor& operand) {
                               " (supported: CPU floating dtypes; CUDA float32, float16, bfloat16)");
 }
 
-std::vector<int64_t> splits_to_host(const at::Tensor& m_splits) {
-  TORCH_CHECK(m_splits.defined(), "m_splits must be a defined tensor");
-  TORCH_CHECK(m_splits.dim() == 1, "m_splits must be a 1-D tensor, got ", m_splits.dim(), "-D");
-  TORCH_CHECK(at::isIntegralType(m_splits.scalar_type(), /*includeBool=*/false),
-              "m_splits must have an integer dtype, got ", m_splits.scalar_type());
-  const at::Tensor host = m_splits.to(at::kCPU, at::kLong).contiguous();
+GroupSplits::GroupSplits(const at::Tensor& sizes) {
+  TORCH_CHECK(sizes.defined(), "m_splits must be a defined tensor");
+  TORCH_CHECK(sizes.dim() == 1, "m_splits must be a 1-D tensor, got ", sizes.dim(), "-D");
+  TORCH_CHECK(at::isIntegralType(sizes.scalar_type(), /*includeBool=*/false),
+              "m_splits must have an integer dtype, got ", sizes.scalar_type());
+  if (sizes.is_cuda()) {
+    device_ = sizes.contiguous();
+    return;
+  }
+  const at::Tensor host = sizes.to(at::kLong).contiguous();
+  const int64_t* data = host.const_data_ptr<int64_t>();
+  host_.assign(data, data + host.numel());
+}
+
+size_t GroupSplits::size() const {
+  return on_device() ? static_cast<size_t>(device_.numel()) : host_.size();
+}
+
+c10::IntArrayRef GroupSplits::host() const {
+  TORCH_INTERNAL_ASSERT(!on_device(), "GroupSplits::host: the sizes are on the device");
+  return host_;
+}
+
+std::vector<int64_t> GroupSplits::to_host() const {
+  if (!on_device()) return host_;
+  const at::Tensor host = device_.to(at::kCPU, at::kLong);
   const int64_t* data = host.const_data_ptr<int64_t>();
   return std::vector<int64_t>(data, data + host.numel());
 }
 
-at::Tensor grouped_linear_forward(const at::Tensor& input, c10::IntArrayRef m_splits,
-                                  at::TensorList weights, at::TensorList biases) {
+GroupSplits resolve_splits(const GroupSplits& m_splits, const at::Tensor& input,
+                           at::TensorList weights, GemmBackendChoice choice) {
+  if (!m_splits.on_device() || weights.empty()) return m_splits;
+  const GemmShape shape{weights[0].size(0), weights[0].size(1),
+                        weights.size(),     all_aligned({&input}, weights),
+                        input.size(0),      /*device_splits=*/true};
+  if (select_backend(input, shape, choice) == GemmBackend::kSm90) return m_splits;
+  return GroupSplits(m_splits.to_host());
+}
+
+at::Tensor grouped_linear_forward(const at::Tensor& input, const GroupSplits& m_splits,
+                                  at::TensorList weights, at::TensorList biases,
+                                  GemmBackendChoice choice) {
   constexpr const char* op = "torchmoe::ops::grouped_linear_forward";
   check_rows_operand(op, "input", input);
   const auto [n, k] = check_weights(op, weights, input);
   TORCH_CHECK(input.size(1) == k, op, ": input must have ", k, " features (weights are [", n, ", ",
               k, "]), got ", input.size(1));
   check_vectors(op, "biases", biases, weights.size(), n, input);
-  check_splits(op, m_splits, weights.size(), input.size(0));
 
   at::Tensor output = at::empty({input.size(0), n}, input.options());
-  switch (select_backend(input)) {
+  const GemmShape shape{
+      n, k, weights.size(), all_aligned({&input}, weights), input.size(0), m_splits.on_device()};
+  const GemmBackend backend = select_backend(input, shape, choice);
+  if (backend == GemmBackend::kSm90) {
+    const at::Tensor splits = checked_kernel_splits(op, m_splits, weights.size(), input);
+    if (input.size(0) == 0) return output;
+    kernels::Sm90GemmParams p =
+        sm90_params(kernels::GemmKind::kFprop, input, n, k, weights.size(), splits);
+    p.input = input.const_data_ptr();
+    p.output = output.data_ptr();
+    set_weights(p, weights);
+    p.bias = group_address(biases);
+    run_sm90(input, p);
+    return output;
+  }
+  const std::vector<int64_t> host = m_splits.to_host();
+  check_host_splits(op, host, weights.size(), input.size(0));
+  switch (backend) {
     case GemmBackend::kReference:
-      for_each_group(m_splits, [&](size_t g, int64_t first, int64_t rows) {
+      for_each_group(host, [&](size_t g, int64_t first, int64_t rows) {
         if (rows == 0) return;
         at::Tensor out_g = output.narrow(0, first, rows);
         const at::Tensor in_g = input.narrow(0, first, rows);
@@ -194,10 +447,12 @@ at::Tensor grouped_linear_forward(const at::Tensor& input, c10::IntArrayRef m_sp
         }
       });
       return output;
+    case GemmBackend::kSm90:
+      break;
     case GemmBackend::kCublasLt: {
       auto params =
           gemm_params(kernels::GemmKind::kFprop, n, k, input.scalar_type(), input.scalar_type());
-      for_each_group(m_splits, [&](size_t g, int64_t first, int64_t rows) {
+      for_each_group(host, [&](size_t g, int64_t first, int64_t rows) {
         kernels::GemmGroup group;
         group.rows = rows;
         group.input = rows_at(input, first);
@@ -213,28 +468,49 @@ at::Tensor grouped_linear_forward(const at::Tensor& input, c10::IntArrayRef m_sp
   TORCH_INTERNAL_ASSERT(false, "unhandled GemmBackend");
 }
 
-at::Tensor grouped_linear_dgrad(const at::Tensor& grad_output, c10::IntArrayRef m_splits,
-                                at::TensorList weights) {
+at::Tensor grouped_linear_dgrad(const at::Tensor& grad_output, const GroupSplits& m_splits,
+                                at::TensorList weights, GemmBackendChoice choice) {
   constexpr const char* op = "torchmoe::ops::grouped_linear_dgrad";
   check_rows_operand(op, "grad_output", grad_output);
   const auto [n, k] = check_weights(op, weights, grad_output);
   TORCH_CHECK(grad_output.size(1) == n, op, ": grad_output must have ", n,
               " features (weights are [", n, ", ", k, "]), got ", grad_output.size(1));
-  check_splits(op, m_splits, weights.size(), grad_output.size(0));
 
   at::Tensor grad_input = at::empty({grad_output.size(0), k}, grad_output.options());
-  switch (select_backend(grad_output)) {
+  const GemmShape shape{n,
+                        k,
+                        weights.size(),
+                        all_aligned({&grad_output}, weights),
+                        grad_output.size(0),
+                        m_splits.on_device()};
+  const GemmBackend backend = select_backend(grad_output, shape, choice);
+  if (backend == GemmBackend::kSm90) {
+    const at::Tensor splits = checked_kernel_splits(op, m_splits, weights.size(), grad_output);
+    if (grad_output.size(0) == 0) return grad_input;
+    kernels::Sm90GemmParams p =
+        sm90_params(kernels::GemmKind::kDgrad, grad_output, n, k, weights.size(), splits);
+    p.grad_output = grad_output.const_data_ptr();
+    p.output = grad_input.data_ptr();
+    set_weights(p, weights);
+    run_sm90(grad_output, p);
+    return grad_input;
+  }
+  const std::vector<int64_t> host = m_splits.to_host();
+  check_host_splits(op, host, weights.size(), grad_output.size(0));
+  switch (backend) {
     case GemmBackend::kReference:
-      for_each_group(m_splits, [&](size_t g, int64_t first, int64_t rows) {
+      for_each_group(host, [&](size_t g, int64_t first, int64_t rows) {
         if (rows == 0) return;
         at::Tensor out_g = grad_input.narrow(0, first, rows);
         at::mm_out(out_g, grad_output.narrow(0, first, rows), weights[g]);
       });
       return grad_input;
+    case GemmBackend::kSm90:
+      break;
     case GemmBackend::kCublasLt: {
       auto params = gemm_params(kernels::GemmKind::kDgrad, n, k, grad_output.scalar_type(),
                                 grad_output.scalar_type());
-      for_each_group(m_splits, [&](size_t g, int64_t first, int64_t rows) {
+      for_each_group(host, [&](size_t g, int64_t first, int64_t rows) {
         kernels::GemmGroup group;
         group.rows = rows;
         group.grad_output = rows_at(grad_output, first);
@@ -249,25 +525,36 @@ at::Tensor grouped_linear_dgrad(const at::Tensor& grad_output, c10::IntArrayRef 
   TORCH_INTERNAL_ASSERT(false, "unhandled GemmBackend");
 }
 
-void grouped_bias_grad(const at::Tensor& grad_output, c10::IntArrayRef m_splits,
+void grouped_bias_grad(const at::Tensor& grad_output, const GroupSplits& m_splits,
                        at::TensorList bias_grads_out) {
   constexpr const char* op = "torchmoe::ops::grouped_bias_grad";
   check_rows_operand(op, "grad_output", grad_output);
   TORCH_CHECK(!bias_grads_out.empty(), op, ": bias_grads_out must hold one tensor per group");
   check_vectors(op, "bias_grads_out", bias_grads_out, bias_grads_out.size(), grad_output.size(1),
                 grad_output);
-  check_splits(op, m_splits, bias_grads_out.size(), grad_output.size(0));
+  if (m_splits.on_device()) {
+    // Device sizes (the sm90 path): one kernel reads them; fp32 sums, one rounding, zeros for an
+    // empty group, as below.
+    TORCH_CHECK(grad_output.size(1) % 2 == 0 && grad_output.scalar_type() != at::kDouble, op,
+                ": device m_splits need an even number of bfloat16/float16/float32 features");
+    const at::Tensor splits =
+        checked_kernel_splits(op, m_splits, bias_grads_out.size(), grad_output);
+    column_sums_sm90(grad_output, splits, bias_grads_out);
+    return;
+  }
+  check_host_splits(op, m_splits.host(), bias_grads_out.size(), grad_output.size(0));
   // One reduction per group on every backend: at::sum accumulates in fp32 for 16-bit inputs and
   // rounds once, and returns zeros for an empty group.
-  for_each_group(m_splits, [&](size_t g, int64_t first, int64_t rows) {
+  for_each_group(m_splits.host(), [&](size_t g, int64_t first, int64_t rows) {
     at::Tensor out_g = bias_grads_out[g];
     at::sum_out(out_g, grad_output.narrow(0, first, rows), {0});
   });
 }
 
 void grouped_linear_wgrad(const at::Tensor& input, const at::Tensor& grad_output,
-                          c10::IntArrayRef m_splits, at::TensorList weight_grads_out,
-                          bool accumulate, at::TensorList bias_grads_out) {
+                          const GroupSplits& m_splits, at::TensorList weight_grads_out,
+                          bool accumulate, at::TensorList bias_grads_out,
+                          GemmBackendChoice choice) {
   constexpr const char* op = "torchmoe::ops::grouped_linear_wgrad";
   check_rows_operand(op, "input", input);
   check_rows_operand(op, "grad_output", grad_output);
@@ -295,27 +582,56 @@ void grouped_linear_wgrad(const at::Tensor& input, const at::Tensor& grad_output
                 grad_type, " like weight_grads_out[0], got ", weight_grads_out[g].scalar_type());
   }
   check_vectors(op, "bias_grads_out", bias_grads_out, weight_grads_out.size(), n, input);
-  check_splits(op, m_splits, weight_grads_out.size(), input.size(0));
 
-  switch (select_backend(input)) {
+  const GemmShape shape{n,
+                        k,
+                        weight_grads_out.size(),
+                        all_aligned({&input, &grad_output}, weight_grads_out),
+                        input.size(0),
+                        m_splits.on_device()};
+  const GemmBackend backend = select_backend(input, shape, choice);
+  if (backend == GemmBackend::kSm90) {
+    const at::Tensor splits = checked_kernel_splits(op, m_splits, weight_grads_out.size(), input);
+    if (input.size(0) == 0) {  // no rows at all: nothing to read, every group is empty
+      if (!accumulate) {
+        for (const at::Tensor& out : weight_grads_out) out.zero_();
+      }
+    } else {
+      kernels::Sm90GemmParams p =
+          sm90_params(kernels::GemmKind::kWgrad, input, n, k, weight_grads_out.size(), splits);
+      p.output_type = kernel_type(grad_type);
+      p.input = input.const_data_ptr();
+      p.grad_output = grad_output.const_data_ptr();
+      p.weight_grad = group_address(weight_grads_out);
+      p.accumulate = accumulate;
+      run_sm90(input, p);
+    }
+    if (!bias_grads_out.empty()) column_sums_sm90(grad_output, splits, bias_grads_out);
+    return;
+  }
+  const std::vector<int64_t> host = m_splits.to_host();
+  check_host_splits(op, host, weight_grads_out.size(), input.size(0));
+  switch (backend) {
     case GemmBackend::kReference: {
       // Multiply in the wider of the operand and buffer types, so that fp32 main-grad receives
       // one rounding, as on the GPU.
       const at::ScalarType compute_type = at::promote_types(input.scalar_type(), grad_type);
-      for_each_group(m_splits, [&](size_t g, int64_t first, int64_t rows) {
+      for_each_group(host, [&](size_t g, int64_t first, int64_t rows) {
         if (rows == 0 && accumulate) return;
         at::Tensor out_g = weight_grads_out[g];
         const at::Tensor product = at::mm(grad_output.narrow(0, first, rows).t().to(compute_type),
                                           input.narrow(0, first, rows).to(compute_type));
         accumulate ? out_g.add_(product) : out_g.copy_(product);
       });
-      if (!bias_grads_out.empty()) grouped_bias_grad(grad_output, m_splits, bias_grads_out);
+      if (!bias_grads_out.empty()) grouped_bias_grad(grad_output, host, bias_grads_out);
       return;
     }
+    case GemmBackend::kSm90:
+      break;
     case GemmBackend::kCublasLt: {
       auto params = gemm_params(kernels::GemmKind::kWgrad, n, k, input.scalar_type(), grad_type);
       params.accumulate = accumulate;
-      for_each_group(m_splits, [&](size_t g, int64_t first, int64_t rows) {
+      for_each_group(host, [&](size_t g, int64_t first, int64_t rows) {
         kernels::GemmGroup group;
         group.rows = rows;
         group.input = rows_at(input, first);
@@ -326,7 +642,7 @@ void grouped_linear_wgrad(const at::Tensor& input, const at::Tensor& grad_output
       });
       const kernels::GroupedGemmResult result = run_cublaslt(input, std::move(params));
       if (!bias_grads_out.empty() && !result.bias_grad_computed) {
-        grouped_bias_grad(grad_output, m_splits, bias_grads_out);
+        grouped_bias_grad(grad_output, host, bias_grads_out);
       }
       return;
     }

@@ -1,6 +1,7 @@
 // Grouped GEMM ops: the dispatch table, op-level validation, and wgrad write/accumulate semantics
 // (CPU reference backend and CUDA cuBLASLt backend) against per-group float64 products.
 
+#include <ATen/cuda/CUDAContext.h>
 #include <torchmoe/ops/grouped_gemm.h>
 
 #include "test_utils.h"
@@ -20,7 +21,8 @@ std::vector<torch::Tensor> make_weights(int64_t groups, int64_t out, int64_t in,
 
 // Checks wgrad (with accumulate on/off and bias grads) against float64 per-group products.
 void check_wgrad(const torch::TensorOptions& options, torch::Dtype grad_dtype, bool accumulate,
-                 const std::vector<int64_t>& splits, int64_t in, int64_t out, Tolerance tol) {
+                 const std::vector<int64_t>& splits, int64_t in, int64_t out, Tolerance tol,
+                 ops::GemmBackendChoice backend = ops::GemmBackendChoice::kAuto) {
   INFO("accumulate=" << accumulate << " grad_dtype=" << grad_dtype
                      << " splits=" << torch::IntArrayRef(splits));
   int64_t rows = 0;
@@ -33,7 +35,7 @@ void check_wgrad(const torch::TensorOptions& options, torch::Dtype grad_dtype, b
     dw.push_back(torch::full({out, in}, 0.25, options.dtype(grad_dtype)));
     db.push_back(torch::full({out}, 9.0, options));
   }
-  ops::grouped_linear_wgrad(x, dy, splits, dw, accumulate, db);
+  ops::grouped_linear_wgrad(x, dy, splits, dw, accumulate, db, backend);
   int64_t offset = 0;
   for (size_t g = 0; g < splits.size(); ++g) {
     const torch::Tensor x_g = x.narrow(0, offset, splits[g]).to(torch::kFloat64);
@@ -48,12 +50,57 @@ void check_wgrad(const torch::TensorOptions& options, torch::Dtype grad_dtype, b
 }  // namespace
 
 TEST_CASE("grouped GEMM dispatch table", "[ops]") {
-  CHECK(ops::select_backend(torch::empty({1}, torch::kFloat32)) == ops::GemmBackend::kReference);
-  CHECK(ops::select_backend(torch::empty({1}, torch::kBFloat16)) == ops::GemmBackend::kReference);
-  REQUIRE_THROWS_AS(ops::select_backend(torch::empty({1}, torch::kInt32)),
+  const ops::GemmShape shape{64, 64, 4};
+  CHECK(ops::select_backend(torch::empty({1, 64}, torch::kFloat32), shape) ==
+        ops::GemmBackend::kReference);
+  CHECK(ops::select_backend(torch::empty({1, 64}, torch::kBFloat16), shape) ==
+        ops::GemmBackend::kReference);
+  REQUIRE_THROWS_AS(ops::select_backend(torch::empty({1, 64}, torch::kInt32), shape),
                     c10::NotImplementedError);
-  REQUIRE_THROWS_WITH(ops::select_backend(torch::empty({1}, torch::kMeta)),
+  REQUIRE_THROWS_WITH(ops::select_backend(torch::empty({1, 64}, torch::kMeta), shape),
                       Contains("no backend for meta tensors of dtype Float"));
+  // A forced GPU backend on CPU tensors is refused, not silently ignored.
+  REQUIRE_THROWS_WITH(ops::select_backend(torch::empty({1, 64}, torch::kBFloat16), shape,
+                                          ops::GemmBackendChoice::kSm90),
+                      Contains("sm90 backend runs on CUDA tensors only"));
+}
+
+TEST_CASE("grouped GEMM dispatch table on CUDA", "[ops][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const auto bf16 =
+      torch::empty({1, 64}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16));
+  const auto fp32 = bf16.to(torch::kFloat32);
+  const ops::GemmShape good{64, 64, 4}, odd_k{64, 60, 4}, many{64, 64, 2000};
+  const bool sm90 = torch::cuda::is_available() &&
+                    at::cuda::getCurrentDeviceProperties()->major == 9 &&
+                    at::cuda::getCurrentDeviceProperties()->minor == 0;
+  CHECK(ops::select_backend(bf16, good) ==
+        (sm90 ? ops::GemmBackend::kSm90 : ops::GemmBackend::kCublasLt));
+  CHECK(ops::select_backend(bf16, good, ops::GemmBackendChoice::kCublasLt) ==
+        ops::GemmBackend::kCublasLt);
+  CHECK(ops::select_backend(fp32, good) == ops::GemmBackend::kCublasLt);
+  CHECK(ops::select_backend(bf16, odd_k) == ops::GemmBackend::kCublasLt);
+  CHECK(ops::select_backend(bf16, many) == ops::GemmBackend::kCublasLt);
+  REQUIRE_THROWS_WITH(ops::select_backend(fp32, good, ops::GemmBackendChoice::kSm90),
+                      Contains("bfloat16 and float16 operands only"));
+  // Host splits with large groups stay on cuBLASLt (faster there); device splits do not.
+  const ops::GemmShape large{64, 64, 4, true, 4 * 2048, /*device_splits=*/false};
+  ops::GemmShape large_on_device = large;
+  large_on_device.device_splits = true;
+  CHECK(ops::select_backend(bf16, large) == ops::GemmBackend::kCublasLt);
+  CHECK(ops::select_backend(bf16, large_on_device) ==
+        (sm90 ? ops::GemmBackend::kSm90 : ops::GemmBackend::kCublasLt));
+  if (sm90) {
+    CHECK(ops::select_backend(bf16, large, ops::GemmBackendChoice::kSm90) ==
+          ops::GemmBackend::kSm90);
+    REQUIRE_THROWS_WITH(ops::select_backend(bf16, odd_k, ops::GemmBackendChoice::kSm90),
+                        Contains("positive multiples of 8"));
+    REQUIRE_THROWS_WITH(ops::select_backend(bf16, many, ops::GemmBackendChoice::kSm90),
+                        Contains("1 to 1024 groups"));
+    const ops::GemmShape unaligned{64, 64, 4, /*aligned=*/false};
+    REQUIRE_THROWS_WITH(ops::select_backend(bf16, unaligned, ops::GemmBackendChoice::kSm90),
+                        Contains("16-byte boundary"));
+  }
 }
 
 TEST_CASE("grouped GEMM ops reject bad operands", "[ops][errors]") {
@@ -128,7 +175,7 @@ TEST_CASE("grouped GEMM cuBLASLt wgrad into fp32 main-grad and bias grads", "[op
   // Accumulation is into fp32 main-grad only.
   const auto grad_dtype = GENERATE(true, false) && !accumulate ? dtype : torch::kFloat32;
   check_wgrad(cuda, grad_dtype, accumulate, {64, 0, 17, 1, 300, 0, 7, 128}, 96, 40,
-              tolerance_for(dtype));
+              tolerance_for(dtype), ops::GemmBackendChoice::kCublasLt);
 }
 
 TEST_CASE("grouped GEMM on CUDA rejects float64 as not implemented", "[ops][cuda][errors]") {
@@ -139,9 +186,21 @@ TEST_CASE("grouped GEMM on CUDA rejects float64 as not implemented", "[ops][cuda
                     c10::NotImplementedError);
 }
 
-TEST_CASE("splits_to_host reads CUDA split tensors", "[ops][cuda]") {
+TEST_CASE("GroupSplits reads CPU tensors at once and keeps CUDA tensors", "[ops]") {
+  const ops::GroupSplits cpu(torch::tensor({3, 0, 5}, torch::kInt16));
+  CHECK_FALSE(cpu.on_device());
+  CHECK(cpu.host().vec() == std::vector<int64_t>{3, 0, 5});
+  REQUIRE_THROWS_WITH(ops::GroupSplits(torch::ones({2, 2}, torch::kLong)),
+                      Contains("m_splits must be a 1-D tensor, got 2-D"));
+  REQUIRE_THROWS_WITH(ops::GroupSplits(torch::ones({2}, torch::kFloat32)),
+                      Contains("m_splits must have an integer dtype, got Float"));
+}
+
+TEST_CASE("GroupSplits keeps CUDA tensors on the device", "[ops][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
-  const auto splits = ops::splits_to_host(
+  const ops::GroupSplits cuda(
       torch::tensor({3, 0, 5}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kInt32)));
-  CHECK(splits == std::vector<int64_t>{3, 0, 5});
+  CHECK(cuda.on_device());
+  CHECK(cuda.size() == 3);
+  CHECK(cuda.to_host() == std::vector<int64_t>{3, 0, 5});
 }

@@ -1,0 +1,94 @@
+#pragma once
+// One-launch grouped GEMM for Hopper (sm_90a): TMA loads into a multi-stage shared-memory ring,
+// wgmma with fp32 accumulators, one producer warpgroup and two consumer warpgroups, and a
+// persistent grid that walks the tiles of all groups. Group sizes are read from device memory by
+// the kernel itself, so a call needs no device-to-host copy and can be captured in a CUDA graph
+// (new split contents in the same buffer are picked up at replay).
+//
+// Kernel layer: raw pointers, sizes and a stream. Validation, the table cache and the choice of
+// this backend: ops/grouped_gemm.cpp.
+//
+// Row-major shapes; group g owns rows [start_g, start_g + m_g) of x and dy, where m_g is the split
+// clamped to [0, rows - start_g] and start_g the clamped prefix sum (a split sum above `rows` never
+// reads or writes past the buffers; rows past the last group are never touched):
+//
+//   kFprop  y[rows of g, n]  = x[rows of g, k] · W_g[n, k]ᵀ (+ b_g[n])     grouped along M
+//   kDgrad  dx[rows of g, k] = dy[rows of g, n] · W_g[n, k]                 grouped along M
+//   kWgrad  dW_g[n, k]       = dy[rows of g, n]ᵀ · x[rows of g, k]  (+= dW_g) grouped along K
+//
+// For wgmma every operand is a tile of "rows × reduction": x in fprop and dy in dgrad are
+// reduction-contiguous (K-major); W in dgrad and both operands of wgrad are contiguous along the
+// output dimension (MN-major) and are read through wgmma's transpose bit rather than copied.
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "torchmoe/kernels/grouped_gemm_cublaslt.h"
+#include "torchmoe/kernels/scalar_type.h"
+
+namespace torchmoe::kernels {
+
+// Where group g's matrix or vector lives: base + g · group_stride elements, or, when `table` is
+// set, table[g] (a device array of G pointers, for tensors that are not equally spaced).
+struct GroupAddress {
+  const void* base = nullptr;
+  int64_t group_stride = 0;  // elements
+  const void* const* table = nullptr;
+};
+
+struct Sm90GemmParams {
+  GemmKind kind = GemmKind::kFprop;
+  ScalarType input_type = ScalarType::kBFloat16;   // x, W, dy, bias: bf16 or fp16
+  ScalarType output_type = ScalarType::kBFloat16;  // kWgrad: input_type or fp32; else input_type
+  int num_groups = 0;
+  int64_t rows = 0;  // rows of x / dy / y / dx (the buffers; may exceed the split sum)
+  int64_t n = 0;     // out_features
+  int64_t k = 0;     // in_features
+  const void* m_splits = nullptr;  // device, num_groups integers
+  bool splits_int32 = false;       // else int64
+
+  const void* input = nullptr;        // x  [rows, k]       (kFprop, kWgrad)
+  const void* grad_output = nullptr;  // dy [rows, n]       (kDgrad, kWgrad)
+  void* output = nullptr;             // y / dx [rows, ·]   (kFprop, kDgrad)
+  // W_g [n, k] (kFprop, kDgrad). Equally spaced weights are read through one 3-D tensor map; others
+  // through `weight_maps`, a device array of G tensor maps from encode_weight_maps().
+  GroupAddress weight;
+  const void* weight_maps = nullptr;
+  GroupAddress bias;         // b_g [n] (kFprop; base and table null = no bias)
+  GroupAddress weight_grad;  // dW_g [n, k] (kWgrad)
+  bool accumulate = false;   // kWgrad: dW_g += product (fp32 only); empty groups left untouched
+};
+
+// Limits of this kernel; ops checks them before choosing it.
+inline constexpr int kSm90MaxGroups = 1024;         // per-group offsets live in shared memory
+inline constexpr int64_t kSm90FeatureMultiple = 8;  // TMA needs 16-byte row strides
+
+// True when the current device runs the sm_90a code compiled into this library.
+bool sm90_grouped_gemm_available();
+
+// Bytes of one tensor map, and the G maps for separately allocated weights of `kind` (fprop or
+// dgrad); the caller copies them to device memory that outlives every launch using them.
+size_t sm90_weight_map_bytes();
+std::vector<uint8_t> encode_weight_maps(GemmKind kind, ScalarType input_type, int64_t n, int64_t k,
+                                        const std::vector<const void*>& weights);
+
+void launch_grouped_gemm_sm90(const Sm90GemmParams& params, cudaStream_t stream);
+
+// db_g[n] = Σ over rows of g of dy (fp32 sums, one rounding), with the splits on the device; an
+// empty group gets zeros. Deterministic: one thread block per (group, column chunk) walks the rows.
+struct GroupedColumnSumParams {
+  ScalarType type = ScalarType::kBFloat16;  // dy and the sums
+  int num_groups = 0;
+  int64_t rows = 0;
+  int64_t n = 0;
+  const void* m_splits = nullptr;
+  bool splits_int32 = false;
+  const void* grad_output = nullptr;  // [rows, n]
+  GroupAddress bias_grad;             // db_g [n]
+};
+void launch_grouped_column_sum(const GroupedColumnSumParams& params, cudaStream_t stream);
+
+}  // namespace torchmoe::kernels

@@ -1,0 +1,165 @@
+// GroupedLinear and GroupedMLP with device split sizes inside a CUDA graph: forward + backward is
+// captured once and replayed with new input data and new split contents in the same buffers; each
+// replay must match an eager step on the same buffers bit for bit (the same kernels run), and the
+// capacity padding rows of the output (past the split sum) must keep their sentinel.
+
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torchmoe/modules/grouped_linear.h>
+#include <torchmoe/modules/grouped_mlp.h>
+
+#include <functional>
+
+#include "test_utils.h"
+
+using namespace torchmoe::test;
+
+namespace {
+
+constexpr int64_t kRows = 300;  // buffer rows; the splits sum to less (capacity padding)
+constexpr double kSentinel = 12345.0;
+
+struct GraphStep {
+  std::function<torch::Tensor()> step;  // forward + backward on the static buffers; returns y
+  std::vector<torch::Tensor> leaves;    // row-indexed inputs whose .grad is checked on valid rows
+  std::vector<torch::Tensor> params;    // every parameter; .grad checked whole
+};
+
+void clear_grads(const GraphStep& s) {
+  for (torch::Tensor t : s.leaves) t.mutable_grad() = torch::Tensor();
+  for (torch::Tensor t : s.params) t.mutable_grad() = torch::Tensor();
+}
+
+std::vector<torch::Tensor> grads_of(const GraphStep& s, int64_t valid) {
+  std::vector<torch::Tensor> out;
+  for (const torch::Tensor& t : s.leaves) out.push_back(t.grad().narrow(0, 0, valid).clone());
+  for (const torch::Tensor& t : s.params) out.push_back(t.grad().clone());
+  return out;
+}
+
+// refill(trial) writes new data and split sizes into the static buffers and returns the split sum.
+void check_graph_matches_eager(const GraphStep& s, const std::function<int64_t(int)>& refill) {
+  const c10::cuda::CUDAStream stream = c10::cuda::getStreamFromPool();
+  const c10::cuda::CUDAStreamGuard guard(stream);
+  refill(0);
+  s.step();  // eager warm-up: allocator pools, address tables for the weights
+  clear_grads(s);
+  at::cuda::CUDAGraph graph;
+  graph.capture_begin();
+  const torch::Tensor y_graph = s.step();
+  graph.capture_end();
+  std::vector<torch::Tensor> graph_grads;  // the buffers the replays write
+  for (const torch::Tensor& t : s.leaves) graph_grads.push_back(t.grad());
+  for (const torch::Tensor& t : s.params) graph_grads.push_back(t.grad());
+
+  for (int trial = 1; trial <= 2; ++trial) {
+    INFO("trial " << trial);
+    const int64_t valid = refill(trial);
+    y_graph.narrow(0, valid, kRows - valid).fill_(kSentinel);
+    graph.replay();
+    const torch::Tensor y_replay = y_graph.narrow(0, 0, valid).clone();
+    std::vector<torch::Tensor> replay_grads;
+    for (size_t i = 0; i < graph_grads.size(); ++i) {
+      replay_grads.push_back(i < s.leaves.size() ? graph_grads[i].narrow(0, 0, valid).clone()
+                                                 : graph_grads[i].clone());
+    }
+    CHECK(y_graph.narrow(0, valid, kRows - valid).eq(kSentinel).all().item<bool>());
+
+    clear_grads(s);
+    const torch::Tensor y_eager = s.step();
+    CHECK(torch::equal(y_eager.narrow(0, 0, valid), y_replay));
+    const std::vector<torch::Tensor> eager_grads = grads_of(s, valid);
+    for (size_t i = 0; i < eager_grads.size(); ++i) {
+      INFO("gradient " << i);
+      CHECK(torch::equal(eager_grads[i], replay_grads[i]));
+    }
+    // The next replay writes into the captured buffers again, not these.
+    clear_grads(s);
+  }
+}
+
+bool sm90_device() {
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  return prop->major == 9 && prop->minor == 0;
+}
+
+const std::vector<std::vector<int64_t>> kTrialSplits = {
+    {40, 0, 100, 7, 60, 33}, {1, 90, 0, 0, 120, 50}, {0, 0, 0, 250, 0, 9}};
+
+}  // namespace
+
+TEST_CASE("GroupedLinear with device splits replays in a CUDA graph",
+          "[modules][grouped_linear][cuda][graph]") {
+  TORCHMOE_REQUIRE_CUDA();
+  if (!sm90_device()) {
+    WARN("SKIPPED: no CUDA device with sm_90 found (device splits need the sm90 kernel)");
+    return;
+  }
+  const bool single = GENERATE(false, true);
+  INFO("single_grouped_weight " << single);
+  torch::manual_seed(21);
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+  torchmoe::GroupedLinear layer(torchmoe::GroupedLinearOptions(6, 128, 256)
+                                    .params_dtype(torch::kBFloat16)
+                                    .device(torch::kCUDA)
+                                    .single_grouped_weight(single)
+                                    .single_grouped_bias(single));
+  const torch::Tensor x = torch::zeros({kRows, 128}, cuda).requires_grad_();
+  const torch::Tensor dy = torch::zeros({kRows, 256}, cuda);
+  const torch::Tensor splits = torch::zeros({6}, cuda.dtype(torch::kLong));
+  auto refill = [&](int trial) {
+    const torch::NoGradGuard no_grad;
+    x.detach().copy_(torch::randn({kRows, 128}, cuda));
+    dy.copy_(torch::randn({kRows, 256}, cuda));
+    splits.copy_(torch::tensor(kTrialSplits[trial], torch::kLong));
+    int64_t sum = 0;
+    for (int64_t s : kTrialSplits[trial]) sum += s;
+    return sum;
+  };
+  GraphStep s;
+  s.step = [&] {
+    torch::Tensor y = layer(x, torchmoe::SplitSizes(splits));
+    y.backward(dy);
+    return y;
+  };
+  s.leaves = {x};
+  s.params = layer->parameters();
+  check_graph_matches_eager(s, refill);
+}
+
+TEST_CASE("GroupedMLP with device splits replays in a CUDA graph",
+          "[modules][grouped_mlp][cuda][graph]") {
+  TORCHMOE_REQUIRE_CUDA();
+  if (!sm90_device()) {
+    WARN("SKIPPED: no CUDA device with sm_90 found (device splits need the sm90 kernel)");
+    return;
+  }
+  torch::manual_seed(22);
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+  torchmoe::GroupedMLP mlp(
+      torchmoe::GroupedMLPOptions(6, 128, 192).params_dtype(torch::kBFloat16).device(torch::kCUDA));
+  const torch::Tensor x = torch::zeros({kRows, 128}, cuda).requires_grad_();
+  const torch::Tensor probs = torch::zeros({kRows}, cuda.dtype(torch::kFloat32)).requires_grad_();
+  const torch::Tensor dy = torch::zeros({kRows, 128}, cuda);
+  const torch::Tensor splits = torch::zeros({6}, cuda.dtype(torch::kInt));
+  auto refill = [&](int trial) {
+    const torch::NoGradGuard no_grad;
+    x.detach().copy_(torch::randn({kRows, 128}, cuda));
+    probs.detach().copy_(torch::rand({kRows}, cuda.dtype(torch::kFloat32)));
+    dy.copy_(torch::randn({kRows, 128}, cuda));
+    splits.copy_(torch::tensor(kTrialSplits[trial], torch::kInt));
+    int64_t sum = 0;
+    for (int64_t s : kTrialSplits[trial]) sum += s;
+    return sum;
+  };
+  GraphStep s;
+  s.step = [&] {
+    torch::Tensor y = mlp(x, torchmoe::SplitSizes(splits), probs);
+    y.backward(dy);
+    return y;
+  };
+  s.leaves = {x, probs};
+  s.params = mlp->parameters();
+  check_graph_matches_eager(s, refill);
+}

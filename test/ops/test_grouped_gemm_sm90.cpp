@@ -1,0 +1,178 @@
+// The sm90 grouped GEMM kernel (forced backend) against float64 per-group products: fprop with
+// bias, dgrad, wgrad (input-dtype and fp32 output, fp32 accumulation) and the bias gradients.
+//
+// Axes: the cases below × dtype {bf16, fp16} × splits {host, device (int32 or int64)} × weights
+// {views of one buffer: one 3-D tensor map; separate tensors: a table of per-group maps}.
+// Padded rows (device splits only; the sizes then sum to less than the buffer) hold NaN, so any
+// read of them into a valid result shows up.
+
+#include <ATen/cuda/CUDAContext.h>
+#include <torchmoe/ops/grouped_gemm.h>
+
+#include <limits>
+
+#include "test_utils.h"
+
+using namespace torchmoe::test;
+namespace ops = torchmoe::ops;
+
+namespace {
+
+constexpr auto kSm90 = ops::GemmBackendChoice::kSm90;
+
+bool sm90_device() {
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  return prop->major == 9 && prop->minor == 0;
+}
+
+// One output rounding (rtol) plus fp32 accumulation-order differences on entries that cancel
+// (atol, scaled to the result's magnitude).
+Tolerance gemm_tolerance(torch::Dtype dtype, const torch::Tensor& expected) {
+  const double scale = expected.numel() ? expected.abs().max().item<double>() : 1.0;
+  return {dtype == torch::kBFloat16 ? 1e-2 : 1e-3, std::max(1e-6, 1e-4 * scale)};
+}
+
+struct Case {
+  const char* name;
+  std::vector<int64_t> splits;
+  int64_t k, n;
+  int64_t padding = 0;  // rows past the last group (device splits only)
+};
+
+std::vector<Case> cases() {
+  auto repeat = [](int64_t groups, int64_t rows) { return std::vector<int64_t>(groups, rows); };
+  return {
+      {"one group of 127 rows", repeat(1, 127), 128, 512},
+      {"8 groups of 15 rows", repeat(8, 15), 128, 512},
+      {"8 groups of 1027 rows", repeat(8, 1027), 128, 512},
+      {"16 groups of 10027 rows", repeat(16, 10027), 128, 512},
+      {"random splits with an empty group", random_splits(8, 3000, 3, 7), 256, 384},
+      {"one group holds every row", {0, 0, 777, 0}, 128, 256},
+      {"splits of 1 and 7 rows", {1, 7, 1, 7, 7, 1}, 64, 128},
+      {"features not multiples of the tile", {5, 130, 0, 64}, 72, 200},
+      {"capacity padding", {100, 0, 37}, 128, 136, 51},
+      {"all splits zero, padded buffer", {0, 0, 0, 0}, 128, 128, 40},
+  };
+}
+
+std::vector<torch::Tensor> group_tensors(int64_t groups, at::IntArrayRef shape, bool one_buffer,
+                                         const torch::TensorOptions& options, double scale) {
+  if (one_buffer) {
+    std::vector<int64_t> sizes{groups};
+    sizes.insert(sizes.end(), shape.begin(), shape.end());
+    return (torch::randn(sizes, options) * scale).unbind(0);
+  }
+  std::vector<torch::Tensor> out;
+  for (int64_t g = 0; g < groups; ++g) out.push_back(torch::randn(shape, options) * scale);
+  return out;
+}
+
+void run_case(const Case& c, torch::Dtype dtype, bool device_splits, bool one_buffer,
+              bool int32_splits) {
+  if (c.padding > 0 && !device_splits) return;  // host sizes must sum to the rows
+  INFO(c.name << ": dtype " << dtype << ", splits on " << (device_splits ? "device" : "host")
+              << ", weights " << (one_buffer ? "in one buffer" : "separate"));
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(dtype);
+  const auto groups = static_cast<int64_t>(c.splits.size());
+  int64_t valid = 0;
+  for (int64_t s : c.splits) valid += s;
+  const int64_t rows = valid + c.padding;
+
+  torch::Tensor x = torch::randn({rows, c.k}, cuda);
+  torch::Tensor dy = torch::randn({rows, c.n}, cuda) / std::sqrt(std::max<int64_t>(valid, 1));
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  x.narrow(0, valid, c.padding).fill_(nan);
+  dy.narrow(0, valid, c.padding).fill_(nan);
+  const auto weights = group_tensors(groups, {c.n, c.k}, one_buffer, cuda, 0.1);
+  const auto biases = group_tensors(groups, {c.n}, one_buffer, cuda, 1.0);
+  const ops::GroupSplits splits =
+      device_splits
+          ? ops::GroupSplits(torch::tensor(c.splits, torch::kLong)
+                                 .to(torch::kCUDA, int32_splits ? torch::kInt : torch::kLong))
+          : ops::GroupSplits(c.splits);
+
+  const torch::Tensor y = ops::grouped_linear_forward(x, splits, weights, biases, kSm90);
+  const torch::Tensor dx = ops::grouped_linear_dgrad(dy, splits, weights, kSm90);
+  auto fp32 = cuda.dtype(torch::kFloat32);
+  std::vector<torch::Tensor> dw32, dw_acc, dw16, db;
+  for (int64_t g = 0; g < groups; ++g) {
+    dw32.push_back(torch::full({c.n, c.k}, nan, fp32));
+    dw_acc.push_back(torch::full({c.n, c.k}, 0.25, fp32));
+    dw16.push_back(torch::full({c.n, c.k}, nan, cuda));
+    db.push_back(torch::full({c.n}, nan, cuda));
+  }
+  ops::grouped_linear_wgrad(x, dy, splits, dw32, /*accumulate=*/false, db, kSm90);
+  ops::grouped_linear_wgrad(x, dy, splits, dw_acc, /*accumulate=*/true, {}, kSm90);
+  ops::grouped_linear_wgrad(x, dy, splits, dw16, /*accumulate=*/false, {}, kSm90);
+
+  int64_t offset = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    INFO("group " << g << " (" << c.splits[g] << " rows)");
+    const torch::Tensor x_g = x.narrow(0, offset, c.splits[g]).to(torch::kFloat64);
+    const torch::Tensor dy_g = dy.narrow(0, offset, c.splits[g]).to(torch::kFloat64);
+    const torch::Tensor w_g = weights[g].to(torch::kFloat64);
+    const torch::Tensor y_ref = x_g.mm(w_g.t()) + biases[g].to(torch::kFloat64);
+    const torch::Tensor dx_ref = dy_g.mm(w_g);
+    const torch::Tensor dw_ref = dy_g.t().mm(x_g);
+    check_close(y.narrow(0, offset, c.splits[g]), y_ref, gemm_tolerance(dtype, y_ref), "y");
+    check_close(dx.narrow(0, offset, c.splits[g]), dx_ref, gemm_tolerance(dtype, dx_ref), "dx");
+    check_close(dw32[g], dw_ref, gemm_tolerance(torch::kFloat32, dw_ref), "dW fp32");
+    check_close(dw_acc[g], dw_ref + 0.25, gemm_tolerance(torch::kFloat32, dw_ref + 0.25),
+                "dW accumulated");
+    check_close(dw16[g], dw_ref, gemm_tolerance(dtype, dw_ref), "dW in the input dtype");
+    check_close(db[g], dy_g.sum(0), gemm_tolerance(dtype, dy_g.sum(0)), "db");
+    offset += c.splits[g];
+  }
+}
+
+}  // namespace
+
+#define TORCHMOE_REQUIRE_SM90()                         \
+  do {                                                  \
+    TORCHMOE_REQUIRE_CUDA();                            \
+    if (!sm90_device()) {                               \
+      WARN("SKIPPED: no CUDA device with sm_90 found"); \
+      return;                                           \
+    }                                                   \
+  } while (0)
+
+TEST_CASE("sm90 grouped GEMM vs float64 per-group products", "[ops][cuda][sm90]") {
+  TORCHMOE_REQUIRE_SM90();
+  torch::manual_seed(11);
+  const auto dtype = GENERATE(torch::kBFloat16, torch::kFloat16);
+  const bool device_splits = GENERATE(true, false);
+  const bool one_buffer = GENERATE(true, false);
+  for (const Case& c : cases()) run_case(c, dtype, device_splits, one_buffer, !one_buffer);
+}
+
+TEST_CASE("sm90 grouped GEMM clamps device splits to the buffer", "[ops][cuda][sm90]") {
+  TORCHMOE_REQUIRE_SM90();
+  // Sizes summing past the rows (unchecked on the device): the last groups are truncated to the
+  // buffer, and nothing past it is read or written (compute-sanitizer runs this case too).
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+  const torch::Tensor x = torch::randn({50, 64}, cuda);
+  const std::vector<torch::Tensor> w = torch::randn({3, 64, 64}, cuda).unbind(0);
+  const ops::GroupSplits too_many(torch::tensor({30, -5, 40}, torch::kLong).to(torch::kCUDA));
+  const torch::Tensor y = ops::grouped_linear_forward(x, too_many, w, {}, kSm90);
+  const torch::Tensor expected =
+      torch::cat({x.narrow(0, 0, 30).mm(w[0].t()), x.narrow(0, 30, 20).mm(w[2].t())});
+  check_close(y, expected, {1e-2, 1e-2}, "truncated groups");
+}
+
+TEST_CASE("sm90 grouped GEMM rejects device splits it cannot use", "[ops][cuda][sm90][errors]") {
+  TORCHMOE_REQUIRE_SM90();
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+  const torch::Tensor x = torch::randn({8, 64}, cuda);
+  const std::vector<torch::Tensor> w = torch::randn({2, 64, 64}, cuda).unbind(0);
+  using Catch::Matchers::Contains;
+  REQUIRE_THROWS_WITH(
+      ops::grouped_linear_forward(x, ops::GroupSplits(torch::tensor({4, 2, 2}).to(torch::kCUDA)), w,
+                                  {}, kSm90),
+      Contains("m_splits must have one entry per group (2), got 3"));
+  REQUIRE_THROWS_WITH(ops::grouped_linear_forward(x, {4, 2}, w, {}, kSm90),
+                      Contains("m_splits must sum to the number of rows (8)"));
+  const torch::Tensor odd = torch::randn({8, 60}, cuda);
+  REQUIRE_THROWS_AS(ops::grouped_linear_forward(
+                        odd, {4, 4}, torch::randn({2, 64, 60}, cuda).unbind(0), {}, kSm90),
+                    c10::NotImplementedError);
+}
