@@ -10,6 +10,7 @@
 #include <torchmoe/modules/grouped_mlp.h>
 
 #include <functional>
+#include <numeric>
 
 #include "test_utils.h"
 
@@ -113,9 +114,7 @@ TEST_CASE("GroupedLinear with device splits replays in a CUDA graph",
     x.detach().copy_(torch::randn({kRows, 128}, cuda));
     dy.copy_(torch::randn({kRows, 256}, cuda));
     splits.copy_(torch::tensor(kTrialSplits[trial], torch::kLong));
-    int64_t sum = 0;
-    for (int64_t s : kTrialSplits[trial]) sum += s;
-    return sum;
+    return std::accumulate(kTrialSplits[trial].begin(), kTrialSplits[trial].end(), int64_t{0});
   };
   GraphStep s;
   s.step = [&] {
@@ -149,9 +148,7 @@ TEST_CASE("GroupedMLP with device splits replays in a CUDA graph",
     probs.detach().copy_(torch::rand({kRows}, cuda.dtype(torch::kFloat32)));
     dy.copy_(torch::randn({kRows, 128}, cuda));
     splits.copy_(torch::tensor(kTrialSplits[trial], torch::kInt));
-    int64_t sum = 0;
-    for (int64_t s : kTrialSplits[trial]) sum += s;
-    return sum;
+    return std::accumulate(kTrialSplits[trial].begin(), kTrialSplits[trial].end(), int64_t{0});
   };
   GraphStep s;
   s.step = [&] {
