@@ -86,13 +86,18 @@ void dispatch_type(ScalarType type, Fn&& fn) {
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// Blocks of `threads` that fill every SM of the current device (2048 resident threads each);
-// grid-stride kernels launch at most this many.
-inline int64_t resident_blocks(int threads) {
+// Multiprocessors of the current device.
+inline int sm_count() {
   int device = 0, sms = 0;
   TORCHMOE_CUDA_CHECK(cudaGetDevice(&device));
   TORCHMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return static_cast<int64_t>(sms) * (2048 / threads);
+  return sms;
+}
+
+// Blocks of `threads` that fill every SM of the current device (2048 resident threads each);
+// grid-stride kernels launch at most this many.
+inline int64_t resident_blocks(int threads) {
+  return static_cast<int64_t>(sm_count()) * (2048 / threads);
 }
 
 }  // namespace torchmoe::kernels

@@ -182,6 +182,12 @@ __device__ void build_group_table(const Sm90GemmParams& p, GroupTable t) {
       static_cast<int>(((kKind == GemmKind::kFprop ? p.n : p.k) + kBlockN - 1) / kBlockN);
   const int wgrad_tiles =
       static_cast<int>(((p.n + kBlockM - 1) / kBlockM) * ((p.k + kBlockN - 1) / kBlockN));
+  // Output tiles of a group of `size` rows: wgrad's output does not depend on the group's size.
+  auto tiles_of = [&](int64_t size) {
+    return kKind == GemmKind::kWgrad
+               ? wgrad_tiles
+               : static_cast<int>((size + kBlockM - 1) / kBlockM) * out_tiles_n;
+  };
 
   int64_t rows = 0;
   for (int g = first; g < last; ++g) rows += split_at(p.m_splits, p.splits_int32, g);
@@ -193,14 +199,13 @@ __device__ void build_group_table(const Sm90GemmParams& p, GroupTable t) {
   int64_t row = row_prefix - rows;
   int tiles = 0;
   for (int g = first; g < last; ++g) {
+    const int64_t split = split_at(p.m_splits, p.splits_int32, g);
     const int64_t begin = min(row, p.rows);
-    const int64_t size = min(split_at(p.m_splits, p.splits_int32, g), p.rows - begin);
+    const int64_t size = min(split, p.rows - begin);
     t.start[g] = static_cast<int>(begin);
     t.count[g] = static_cast<int>(size);
-    row += split_at(p.m_splits, p.splits_int32, g);
-    tiles += kKind == GemmKind::kWgrad
-                 ? wgrad_tiles
-                 : static_cast<int>((size + kBlockM - 1) / kBlockM) * out_tiles_n;
+    row += split;
+    tiles += tiles_of(size);
   }
   int tile_prefix = tiles;
   for (int offset = 1; offset < kWarpSize; offset *= 2) {
@@ -210,8 +215,7 @@ __device__ void build_group_table(const Sm90GemmParams& p, GroupTable t) {
   int tile = tile_prefix - tiles;
   for (int g = first; g < last; ++g) {
     t.tiles[g] = tile;
-    tile += kKind == GemmKind::kWgrad ? wgrad_tiles
-                                      : ((t.count[g] + kBlockM - 1) / kBlockM) * out_tiles_n;
+    tile += tiles_of(t.count[g]);
   }
   if (lane == kWarpSize - 1) t.tiles[G] = tile_prefix;
 }
@@ -342,7 +346,9 @@ __device__ void consume(const KernelArgs& args, const GroupTable& t, uint8_t* sm
           asm volatile("bar.sync 1, 256;" ::: "memory");
         }
       }
-      const uint8_t* a_tile = a + consumer * (kTransA ? kHalfTileBytes : 64 * 128);
+      // This warpgroup's 64 rows start 8 KB in for both layouts: 64 K-major rows of 128 B, or the
+      // second 64-row MN-major box.
+      const uint8_t* a_tile = a + consumer * kHalfTileBytes;
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBlockK / 16; ++kk) {
@@ -535,13 +541,6 @@ int weight_box_rows(GemmKind kind) { return kind == GemmKind::kFprop ? kBlockN :
 
 constexpr int kMaxDevices = 64;
 
-int sm_count() {
-  int device = 0, sms = 0;
-  TORCHMOE_CUDA_CHECK(cudaGetDevice(&device));
-  TORCHMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return sms;
-}
-
 template <GemmKind kKind, typename T, typename OutT>
 void launch(const Sm90GemmParams& p, cudaStream_t stream) {
   auto* kernel = grouped_gemm_sm90_kernel<kKind, T, OutT>;
@@ -578,22 +577,32 @@ void launch(const Sm90GemmParams& p, cudaStream_t stream) {
 }  // namespace
 
 bool sm90_grouped_gemm_available() {
-  int device = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  TORCHMOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  TORCHMOE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  if (major != 9 || minor != 0) return false;
-  cudaFuncAttributes attributes{};
-  const cudaError_t status = cudaFuncGetAttributes(
-      &attributes, grouped_gemm_sm90_kernel<GemmKind::kFprop, __nv_bfloat16, __nv_bfloat16>);
-  if (status != cudaSuccess) {
-    (void)cudaGetLastError();  // no sm_90a image in this build: clear the sticky-free error
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();  // no usable device: not an error for a capability query
     return false;
   }
-  return true;
+  if (device >= kMaxDevices) return false;
+  // Asked before every grouped GEMM: the answer per device is computed once.
+  static std::once_flag checked[kMaxDevices];
+  static bool available[kMaxDevices] = {};
+  std::call_once(checked[device], [&] {
+    int major = 0, minor = 0;
+    TORCHMOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    TORCHMOE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    if (major != 9 || minor != 0) return;
+    cudaFuncAttributes attributes{};
+    if (cudaFuncGetAttributes(
+            &attributes,
+            grouped_gemm_sm90_kernel<GemmKind::kFprop, __nv_bfloat16, __nv_bfloat16>) !=
+        cudaSuccess) {
+      (void)cudaGetLastError();  // no sm_90a image in this build (not a sticky error)
+      return;
+    }
+    available[device] = true;
+  });
+  return available[device];
 }
-
-size_t sm90_weight_map_bytes() { return sizeof(CUtensorMap); }
 
 std::vector<uint8_t> encode_weight_maps(GemmKind kind, ScalarType input_type, int64_t n, int64_t k,
                                         const std::vector<const void*>& weights) {

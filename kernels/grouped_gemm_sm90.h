@@ -69,9 +69,8 @@ inline constexpr int64_t kSm90FeatureMultiple = 8;  // TMA needs 16-byte row str
 // True when the current device runs the sm_90a code compiled into this library.
 bool sm90_grouped_gemm_available();
 
-// Bytes of one tensor map, and the G maps for separately allocated weights of `kind` (fprop or
-// dgrad); the caller copies them to device memory that outlives every launch using them.
-size_t sm90_weight_map_bytes();
+// The G tensor maps (128 bytes each) for separately allocated weights of `kind` (fprop or dgrad);
+// the caller copies them to device memory that outlives every launch using them.
 std::vector<uint8_t> encode_weight_maps(GemmKind kind, ScalarType input_type, int64_t n, int64_t k,
                                         const std::vector<const void*>& weights);
 

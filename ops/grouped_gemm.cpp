@@ -275,6 +275,15 @@ at::Tensor kernel_splits(const GroupSplits& m_splits, const at::Tensor& like) {
   return pinned.to(like.device(), /*non_blocking=*/true);
 }
 
+// The sizes on the host (one copy for device sizes), checked: for the backends that loop over
+// groups on the host.
+std::vector<int64_t> checked_host_splits(const char* op, const GroupSplits& m_splits,
+                                         size_t num_groups, int64_t rows) {
+  std::vector<int64_t> host = m_splits.to_host();
+  check_host_splits(op, host, num_groups, rows);
+  return host;
+}
+
 // Checks the sizes for an sm90 call and returns them as the kernel reads them.
 at::Tensor checked_kernel_splits(const char* op, const GroupSplits& m_splits, size_t num_groups,
                                  const at::Tensor& like) {
@@ -419,23 +428,21 @@ at::Tensor grouped_linear_forward(const at::Tensor& input, const GroupSplits& m_
   at::Tensor output = at::empty({input.size(0), n}, input.options());
   const GemmShape shape{
       n, k, weights.size(), all_aligned({&input}, weights), input.size(0), m_splits.on_device()};
-  const GemmBackend backend = select_backend(input, shape, choice);
-  if (backend == GemmBackend::kSm90) {
-    const at::Tensor splits = checked_kernel_splits(op, m_splits, weights.size(), input);
-    if (input.size(0) == 0) return output;
-    kernels::Sm90GemmParams p =
-        sm90_params(kernels::GemmKind::kFprop, input, n, k, weights.size(), splits);
-    p.input = input.const_data_ptr();
-    p.output = output.data_ptr();
-    set_weights(p, weights);
-    p.bias = group_address(biases);
-    run_sm90(input, p);
-    return output;
-  }
-  const std::vector<int64_t> host = m_splits.to_host();
-  check_host_splits(op, host, weights.size(), input.size(0));
-  switch (backend) {
-    case GemmBackend::kReference:
+  switch (select_backend(input, shape, choice)) {
+    case GemmBackend::kSm90: {
+      const at::Tensor splits = checked_kernel_splits(op, m_splits, weights.size(), input);
+      if (input.size(0) == 0) return output;
+      kernels::Sm90GemmParams p =
+          sm90_params(kernels::GemmKind::kFprop, input, n, k, weights.size(), splits);
+      p.input = input.const_data_ptr();
+      p.output = output.data_ptr();
+      set_weights(p, weights);
+      p.bias = group_address(biases);
+      run_sm90(input, p);
+      return output;
+    }
+    case GemmBackend::kReference: {
+      const auto host = checked_host_splits(op, m_splits, weights.size(), input.size(0));
       for_each_group(host, [&](size_t g, int64_t first, int64_t rows) {
         if (rows == 0) return;
         at::Tensor out_g = output.narrow(0, first, rows);
@@ -447,9 +454,9 @@ at::Tensor grouped_linear_forward(const at::Tensor& input, const GroupSplits& m_
         }
       });
       return output;
-    case GemmBackend::kSm90:
-      break;
+    }
     case GemmBackend::kCublasLt: {
+      const auto host = checked_host_splits(op, m_splits, weights.size(), input.size(0));
       auto params =
           gemm_params(kernels::GemmKind::kFprop, n, k, input.scalar_type(), input.scalar_type());
       for_each_group(host, [&](size_t g, int64_t first, int64_t rows) {
@@ -483,31 +490,29 @@ at::Tensor grouped_linear_dgrad(const at::Tensor& grad_output, const GroupSplits
                         all_aligned({&grad_output}, weights),
                         grad_output.size(0),
                         m_splits.on_device()};
-  const GemmBackend backend = select_backend(grad_output, shape, choice);
-  if (backend == GemmBackend::kSm90) {
-    const at::Tensor splits = checked_kernel_splits(op, m_splits, weights.size(), grad_output);
-    if (grad_output.size(0) == 0) return grad_input;
-    kernels::Sm90GemmParams p =
-        sm90_params(kernels::GemmKind::kDgrad, grad_output, n, k, weights.size(), splits);
-    p.grad_output = grad_output.const_data_ptr();
-    p.output = grad_input.data_ptr();
-    set_weights(p, weights);
-    run_sm90(grad_output, p);
-    return grad_input;
-  }
-  const std::vector<int64_t> host = m_splits.to_host();
-  check_host_splits(op, host, weights.size(), grad_output.size(0));
-  switch (backend) {
-    case GemmBackend::kReference:
+  switch (select_backend(grad_output, shape, choice)) {
+    case GemmBackend::kSm90: {
+      const at::Tensor splits = checked_kernel_splits(op, m_splits, weights.size(), grad_output);
+      if (grad_output.size(0) == 0) return grad_input;
+      kernels::Sm90GemmParams p =
+          sm90_params(kernels::GemmKind::kDgrad, grad_output, n, k, weights.size(), splits);
+      p.grad_output = grad_output.const_data_ptr();
+      p.output = grad_input.data_ptr();
+      set_weights(p, weights);
+      run_sm90(grad_output, p);
+      return grad_input;
+    }
+    case GemmBackend::kReference: {
+      const auto host = checked_host_splits(op, m_splits, weights.size(), grad_output.size(0));
       for_each_group(host, [&](size_t g, int64_t first, int64_t rows) {
         if (rows == 0) return;
         at::Tensor out_g = grad_input.narrow(0, first, rows);
         at::mm_out(out_g, grad_output.narrow(0, first, rows), weights[g]);
       });
       return grad_input;
-    case GemmBackend::kSm90:
-      break;
+    }
     case GemmBackend::kCublasLt: {
+      const auto host = checked_host_splits(op, m_splits, weights.size(), grad_output.size(0));
       auto params = gemm_params(kernels::GemmKind::kDgrad, n, k, grad_output.scalar_type(),
                                 grad_output.scalar_type());
       for_each_group(host, [&](size_t g, int64_t first, int64_t rows) {
@@ -589,30 +594,28 @@ void grouped_linear_wgrad(const at::Tensor& input, const at::Tensor& grad_output
                         all_aligned({&input, &grad_output}, weight_grads_out),
                         input.size(0),
                         m_splits.on_device()};
-  const GemmBackend backend = select_backend(input, shape, choice);
-  if (backend == GemmBackend::kSm90) {
-    const at::Tensor splits = checked_kernel_splits(op, m_splits, weight_grads_out.size(), input);
-    if (input.size(0) == 0) {  // no rows at all: nothing to read, every group is empty
-      if (!accumulate) {
-        for (const at::Tensor& out : weight_grads_out) out.zero_();
+  switch (select_backend(input, shape, choice)) {
+    case GemmBackend::kSm90: {
+      const at::Tensor splits = checked_kernel_splits(op, m_splits, weight_grads_out.size(), input);
+      if (input.size(0) == 0) {  // no rows at all: nothing to read, every group is empty
+        if (!accumulate) {
+          for (const at::Tensor& out : weight_grads_out) out.zero_();
+        }
+      } else {
+        kernels::Sm90GemmParams p =
+            sm90_params(kernels::GemmKind::kWgrad, input, n, k, weight_grads_out.size(), splits);
+        p.output_type = kernel_type(grad_type);
+        p.input = input.const_data_ptr();
+        p.grad_output = grad_output.const_data_ptr();
+        p.weight_grad = group_address(weight_grads_out);
+        p.accumulate = accumulate;
+        run_sm90(input, p);
       }
-    } else {
-      kernels::Sm90GemmParams p =
-          sm90_params(kernels::GemmKind::kWgrad, input, n, k, weight_grads_out.size(), splits);
-      p.output_type = kernel_type(grad_type);
-      p.input = input.const_data_ptr();
-      p.grad_output = grad_output.const_data_ptr();
-      p.weight_grad = group_address(weight_grads_out);
-      p.accumulate = accumulate;
-      run_sm90(input, p);
+      if (!bias_grads_out.empty()) column_sums_sm90(grad_output, splits, bias_grads_out);
+      return;
     }
-    if (!bias_grads_out.empty()) column_sums_sm90(grad_output, splits, bias_grads_out);
-    return;
-  }
-  const std::vector<int64_t> host = m_splits.to_host();
-  check_host_splits(op, host, weight_grads_out.size(), input.size(0));
-  switch (backend) {
     case GemmBackend::kReference: {
+      const auto host = checked_host_splits(op, m_splits, weight_grads_out.size(), input.size(0));
       // Multiply in the wider of the operand and buffer types, so that fp32 main-grad receives
       // one rounding, as on the GPU.
       const at::ScalarType compute_type = at::promote_types(input.scalar_type(), grad_type);
@@ -626,9 +629,8 @@ void grouped_linear_wgrad(const at::Tensor& input, const at::Tensor& grad_output
       if (!bias_grads_out.empty()) grouped_bias_grad(grad_output, host, bias_grads_out);
       return;
     }
-    case GemmBackend::kSm90:
-      break;
     case GemmBackend::kCublasLt: {
+      const auto host = checked_host_splits(op, m_splits, weight_grads_out.size(), input.size(0));
       auto params = gemm_params(kernels::GemmKind::kWgrad, n, k, input.scalar_type(), grad_type);
       params.accumulate = accumulate;
       for_each_group(host, [&](size_t g, int64_t first, int64_t rows) {

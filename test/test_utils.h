@@ -2,6 +2,7 @@
 // Shared test helpers: an independent float64 reference for grouped linear (per-group at::linear
 // under autograd), dtype tolerances, comparisons that report where they fail, and the CUDA skip.
 
+#include <ATen/cuda/CUDAContext.h>
 #include <torch/torch.h>
 #include <catch2/catch.hpp>
 
@@ -22,6 +23,23 @@ inline bool cuda_available() { return torch::cuda::is_available(); }
       WARN("SKIPPED: no CUDA device");         \
       return;                                  \
     }                                          \
+  } while (0)
+
+// An sm_90 GPU (H100/H200), where the sm90 grouped GEMM kernel runs.
+inline bool sm90_available() {
+  if (!cuda_available()) return false;
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  return prop->major == 9 && prop->minor == 0;
+}
+
+// sm90-only cases skip visibly elsewhere; the line also matches ctest's skip pattern.
+#define TORCHMOE_REQUIRE_SM90()                         \
+  do {                                                  \
+    TORCHMOE_REQUIRE_CUDA();                            \
+    if (!::torchmoe::test::sm90_available()) {          \
+      WARN("SKIPPED: no CUDA device with sm_90 found"); \
+      return;                                           \
+    }                                                   \
   } while (0)
 
 struct Tolerance {

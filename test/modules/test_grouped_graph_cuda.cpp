@@ -3,7 +3,6 @@
 // replay must match an eager step on the same buffers bit for bit (the same kernels run), and the
 // capacity padding rows of the output (past the split sum) must keep their sentinel.
 
-#include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torchmoe/modules/grouped_linear.h>
@@ -80,11 +79,6 @@ void check_graph_matches_eager(const GraphStep& s, const std::function<int64_t(i
   }
 }
 
-bool sm90_device() {
-  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  return prop->major == 9 && prop->minor == 0;
-}
-
 const std::vector<std::vector<int64_t>> kTrialSplits = {
     {40, 0, 100, 7, 60, 33}, {1, 90, 0, 0, 120, 50}, {0, 0, 0, 250, 0, 9}};
 
@@ -92,11 +86,7 @@ const std::vector<std::vector<int64_t>> kTrialSplits = {
 
 TEST_CASE("GroupedLinear with device splits replays in a CUDA graph",
           "[modules][grouped_linear][cuda][graph]") {
-  TORCHMOE_REQUIRE_CUDA();
-  if (!sm90_device()) {
-    WARN("SKIPPED: no CUDA device with sm_90 found (device splits need the sm90 kernel)");
-    return;
-  }
+  TORCHMOE_REQUIRE_SM90();  // device splits need the sm90 kernel
   const bool single = GENERATE(false, true);
   INFO("single_grouped_weight " << single);
   torch::manual_seed(21);
@@ -129,11 +119,7 @@ TEST_CASE("GroupedLinear with device splits replays in a CUDA graph",
 
 TEST_CASE("GroupedMLP with device splits replays in a CUDA graph",
           "[modules][grouped_mlp][cuda][graph]") {
-  TORCHMOE_REQUIRE_CUDA();
-  if (!sm90_device()) {
-    WARN("SKIPPED: no CUDA device with sm_90 found (device splits need the sm90 kernel)");
-    return;
-  }
+  TORCHMOE_REQUIRE_SM90();  // device splits need the sm90 kernel
   torch::manual_seed(22);
   const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
   torchmoe::GroupedMLP mlp(

@@ -1,7 +1,6 @@
 // Grouped GEMM ops: the dispatch table, op-level validation, and wgrad write/accumulate semantics
 // (CPU reference backend and CUDA cuBLASLt backend) against per-group float64 products.
 
-#include <ATen/cuda/CUDAContext.h>
 #include <torchmoe/ops/grouped_gemm.h>
 
 #include "test_utils.h"
@@ -71,9 +70,7 @@ TEST_CASE("grouped GEMM dispatch table on CUDA", "[ops][cuda]") {
       torch::empty({1, 64}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16));
   const auto fp32 = bf16.to(torch::kFloat32);
   const ops::GemmShape good{64, 64, 4}, odd_k{64, 60, 4}, many{64, 64, 2000};
-  const bool sm90 = torch::cuda::is_available() &&
-                    at::cuda::getCurrentDeviceProperties()->major == 9 &&
-                    at::cuda::getCurrentDeviceProperties()->minor == 0;
+  const bool sm90 = sm90_available();
   CHECK(ops::select_backend(bf16, good) ==
         (sm90 ? ops::GemmBackend::kSm90 : ops::GemmBackend::kCublasLt));
   CHECK(ops::select_backend(bf16, good, ops::GemmBackendChoice::kCublasLt) ==
