@@ -1,15 +1,31 @@
 // One-launch grouped GEMM for sm_90a; see grouped_gemm_sm90.h for the problem and the contract.
 //
-// Block: 3 warpgroups. Warpgroup 0 is the producer (one thread issues TMA); warpgroups 1 and 2 are
-// consumers, each owning 64 rows of the 128 × 128 output tile and issuing m64n128k16 wgmma.
-// Shared memory: kStages slots of (A 16 KB | B 16 KB), 128-byte swizzled, one "full" and one
-// "empty" mbarrier per slot. A slot holds a 128 × 64 (rows × reduction) tile of each operand:
+// Block: 3 warpgroups. Warpgroup 0 is the producer (one thread issues TMA; it gives registers
+// away with setmaxnreg); warpgroups 1 and 2 are consumers, each owning 64 rows of the 128 × 256
+// output tile and issuing m64n256k16 wgmma into 128 fp32 accumulator registers per thread.
+// 128 × 256 tiles read 48 KB of shared memory per 2·128·256·64 FLOPs, a third less per FLOP
+// than 128 × 128 tiles; that keeps the tensor cores, not shared memory or L2, the limit.
 //
-//   K-major operand (x in fprop, dy in dgrad, W in fprop): one TMA box {64 reduction, 128 rows},
-//     row r at r·128 B: 8-row core groups 1024 B apart (SBO); k16 steps move the start by 32 B.
-//   MN-major operand (W in dgrad, dy and x in wgrad): two boxes {64 rows, 64 reduction}, 8 KB
+// Shared memory (226 KB of 227): 3 slots of (A 16 KB | B 32 KB), 128-byte swizzled, one "full"
+// and one "empty" mbarrier per slot; one 32 KB epilogue buffer per consumer; the group table.
+// Operands come in 64 × 64 boxes (8 KB) or one larger K-major box:
+//
+//   K-major operand (x in fprop, dy in dgrad, W in fprop): one TMA box {64 reduction, 128 or 256
+//     rows}, row r at r·128 B: 8-row core groups 1024 B apart (SBO); k16 steps move the start
+//     by 32 B.
+//   MN-major operand (W in dgrad, dy and x in wgrad): 2 or 4 boxes {64 rows, 64 reduction}, 8 KB
 //     apart (LBO); reduction step j at j·128 B, 8-step groups 1024 B apart (SBO); k16 steps move
 //     the start by 2048 B. wgmma reads it with the transpose bit set.
+//
+// Epilogue: each consumer writes its 64 × 256 result into its buffer as 8 boxes of 64 rows × 64
+// bytes (64-byte swizzle: the 8 rows a warp writes at once land in distinct banks), then one
+// thread issues a TMA store per box (a TMA add for fp32 accumulation); fp32 takes two such
+// rounds. The stores drain while the next tile's main loop runs; the buffer is rewritten only
+// once they have read it. A whole-tile buffer costs the pipeline its fourth stage, and pays for
+// it: with 4 stages and 4 KB chunks, each chunk waited for the previous store, and the serial
+// epilogue cost mixtral's wgrad (64 KB out per 32 k-blocks) 10–15% (docs/performance.md, v2 →
+// v3). Tiles whose rows end inside the tile (a group's last row tile: the next group's rows
+// follow) and outputs no tensor map describes are stored from registers with row masks instead.
 //
 // The persistent grid walks a global tile list, group after group, in the same order in every
 // role, so the producer and the consumers agree on each slot's tile without talking. Per-group
@@ -31,19 +47,30 @@ namespace torchmoe::kernels {
 namespace {
 
 constexpr int kThreads = 384;
-constexpr int kBlockM = 128, kBlockN = 128, kBlockK = 64;
-constexpr int kStages = 5;
-constexpr int kHalfTileBytes = 64 * 128;                      // one 64 × 64 box: 8 KB
-constexpr int kOperandBytes = 2 * kHalfTileBytes;             // 16 KB
-constexpr int kStageBytes = 2 * kOperandBytes;                // A | B
-constexpr int kConsumerWarps = 8;                             // the empty barriers' arrivals
-constexpr size_t kSharedBytes = kStages * kStageBytes + 1024  // + alignment slack
-                                + 2 * kStages * sizeof(uint64_t);
+constexpr int kBlockM = 128, kBlockN = 256, kBlockK = 64;
+constexpr int kStages = 3;
+constexpr int kBoxBytes = 64 * 128;                  // one 64 × 64 box: 8 KB
+constexpr int kABytes = (kBlockM / 64) * kBoxBytes;  // 16 KB
+constexpr int kBBytes = (kBlockN / 64) * kBoxBytes;  // 32 KB
+constexpr int kStageBytes = kABytes + kBBytes;       // A | B
+constexpr int kConsumerWarps = 8;                    // the empty barriers' arrivals
+// Epilogue: per consumer 8 boxes of 64 rows × 64 bytes (a 64 × 256 tile of 16-bit values).
+constexpr int kEpilogueRowBytes = 64, kEpilogueBoxBytes = 64 * kEpilogueRowBytes;  // 4 KB
+constexpr int kEpilogueBoxes = 8, kEpilogueBytes = kEpilogueBoxes * kEpilogueBoxBytes;
+constexpr size_t kSharedBytes = kStages * kStageBytes + 2 * kEpilogueBytes  // one per consumer
+                                + 2 * kStages * sizeof(uint64_t) + 1024;    // + alignment slack
+// Registers: the producer needs few, the consumers' 128 accumulators need many (64K per SM).
+constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;
+static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= 65536);
+// Dynamic plus the static group table (3 int arrays) within the 227 KB a block may use.
+static_assert(kSharedBytes + (3 * kSm90MaxGroups + 1) * sizeof(int) <= 227 * 1024);
 
 // Everything a launch passes by value; the tensor maps must live in parameter (or global) memory.
 struct KernelArgs {
-  CUtensorMap a_map;  // fprop: x; dgrad: dy; wgrad: dy (MN-major)
-  CUtensorMap b_map;  // fprop/dgrad: equally spaced weights (3-D); wgrad: x (MN-major)
+  CUtensorMap a_map;    // fprop: x; dgrad: dy; wgrad: dy (MN-major)
+  CUtensorMap b_map;    // fprop/dgrad: equally spaced weights (3-D); wgrad: x (MN-major)
+  CUtensorMap out_map;  // y / dx [1, rows, cols] or equally spaced dW [G, n, k]; see out_tma
+  bool out_tma;         // out_map is valid (else every tile is stored from registers)
   Sm90GemmParams p;
 };
 
@@ -115,20 +142,25 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
 }
 
-// d[64 × 128] += A[64 × 16] · B[128 × 16]ᵀ, both from shared memory; kTransA / kTransB select the
+// d[64 × 256] += A[64 × 16] · B[256 × 16]ᵀ, both from shared memory; kTransA / kTransB select the
 // MN-major layouts.
 template <typename T, int kTransA, int kTransB>
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a,
+                                                 uint64_t desc_b) {
 #define TORCHMOE_WGMMA(TYPE)                                                                       \
   asm volatile(                                                                                    \
-      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"                                               \
-      " wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE                                \
+      "{\n .reg .pred p;\n setp.ne.b32 p, %130, 0;\n"                                              \
+      " wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE                                \
       " {"                                                                                         \
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"                      \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"            \
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"            \
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63},"           \
-      " %64, %65, p, 1, 1, %67, %68;\n}"                                                           \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "      \
+      "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "      \
+      "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "      \
+      "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, "      \
+      "%70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, "      \
+      "%87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, "        \
+      "%103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, "       \
+      "%117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127},"                         \
+      " %128, %129, p, 1, 1, %131, %132;\n}"                                                       \
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),        \
         "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),    \
         "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
@@ -138,7 +170,16 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a
         "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), \
         "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), \
-        "+f"(d[63])                                                                                \
+        "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), \
+        "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), \
+        "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), \
+        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), \
+        "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), \
+        "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),          \
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),        \
+        "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),        \
+        "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),        \
+        "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])         \
       : "l"(desc_a), "l"(desc_b), "r"(1), "n"(kTransA), "n"(kTransB))
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     TORCHMOE_WGMMA("bf16");
@@ -146,6 +187,42 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a
     TORCHMOE_WGMMA("f16");
   }
 #undef TORCHMOE_WGMMA
+}
+
+// TMA store (or element-wise add, for fp32 accumulation) of a shared-memory box into a 3-D
+// tensor map; tracked per issuing thread as one bulk async-group per commit.
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void* src, int c0,
+                                             int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(map),
+      "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+__device__ __forceinline__ void tma_add_3d(const CUtensorMap* map, const void* src, int c0, int c1,
+                                           int c2) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.bulk_group [%0, {%2, %3, %4}], "
+      "[%1];" ::"l"(map),
+      "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+// Waits until at most kPending of this thread's bulk groups are still reading shared memory.
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
+}
+__device__ __forceinline__ void bulk_wait_all() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+// Generic-proxy shared-memory writes become visible to the async proxy (TMA, wgmma).
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 __device__ __forceinline__ void store2(float* p, float a, float b) {
@@ -230,25 +307,36 @@ struct Tile {
   int reduction_rows;  // wgrad: rows of the group (for the masked last block)
 };
 
+// A group's output is a grid of row tiles × column tiles, walked in panels of up to kPanelRows
+// row tiles: down a panel's rows first, then across its columns, then the next panel.
+// Consecutive tiles run at the same time on neighbouring blocks, so a wave of ~132 tiles covers
+// about 16 row tiles × 8 column tiles (128 and 256 wide): close to square in operand bytes, which
+// minimises what one wave reads. Outputs of at most kPanelRows row tiles (most fprop/dgrad
+// groups) are walked rows first; tall ones (fc1's wgrad, dW[28672, 4096] on mixtral) no longer
+// put 132 row tiles of dy into one wave.
+constexpr int kPanelRows = 16;
+
 template <GemmKind kKind>
 __device__ __forceinline__ Tile tile_at(const Sm90GemmParams& p, const GroupTable& t, int g,
                                         int index) {
   const int local = index - t.tiles[g];
+  const int64_t out_rows = kKind == GemmKind::kWgrad ? p.n : t.count[g];
+  const int64_t out_cols = kKind == GemmKind::kFprop ? p.n : p.k;
+  const int row_tiles = static_cast<int>((out_rows + kBlockM - 1) / kBlockM);
+  const int col_tiles = static_cast<int>((out_cols + kBlockN - 1) / kBlockN);
+  const int panel = local / (kPanelRows * col_tiles), in_panel = local % (kPanelRows * col_tiles);
+  const int panel_rows = min(kPanelRows, row_tiles - panel * kPanelRows);
+  const int m = panel * kPanelRows + in_panel % panel_rows, c = in_panel / panel_rows;
   Tile tile;
   tile.group = g;
+  tile.valid_rows = static_cast<int>(min(static_cast<int64_t>(kBlockM), out_rows - m * kBlockM));
+  tile.col0 = c * kBlockN;
   if constexpr (kKind == GemmKind::kWgrad) {
-    const int row_tiles = static_cast<int>((p.n + kBlockM - 1) / kBlockM);
-    tile.row0 = (local % row_tiles) * kBlockM;
-    tile.valid_rows = static_cast<int>(min(static_cast<int64_t>(kBlockM), p.n - tile.row0));
-    tile.col0 = (local / row_tiles) * kBlockN;
+    tile.row0 = m * kBlockM;
     tile.reduction_rows = t.count[g];
     tile.k_blocks = (t.count[g] + kBlockK - 1) / kBlockK;
   } else {
-    const int row_tiles = (t.count[g] + kBlockM - 1) / kBlockM;
-    const int m = local % row_tiles;
     tile.row0 = t.start[g] + m * kBlockM;
-    tile.valid_rows = min(kBlockM, t.count[g] - m * kBlockM);
-    tile.col0 = (local / row_tiles) * kBlockN;
     const int64_t reduction = kKind == GemmKind::kFprop ? p.k : p.n;
     tile.k_blocks = static_cast<int>((reduction + kBlockK - 1) / kBlockK);
     tile.reduction_rows = 0;
@@ -282,7 +370,7 @@ __device__ void produce(const KernelArgs& args, const GroupTable& t, uint8_t* sm
     for (int kb = 0; kb < tile.k_blocks; ++kb) {
       mbar_wait(&empty[stage], phase ^ 1);
       uint8_t* a = smem + stage * kStageBytes;
-      uint8_t* b = a + kOperandBytes;
+      uint8_t* b = a + kABytes;
       mbar_expect_tx(&full[stage], kStageBytes);
       const int r = kb * kBlockK;  // reduction offset
       if constexpr (kKind == GemmKind::kFprop) {
@@ -290,16 +378,16 @@ __device__ void produce(const KernelArgs& args, const GroupTable& t, uint8_t* sm
         tma_load_3d(b, w_map, &full[stage], r, tile.col0, w_group);
       } else if constexpr (kKind == GemmKind::kDgrad) {
         tma_load_3d(a, &args.a_map, &full[stage], r, tile.row0, 0);
-        for (int h = 0; h < 2; ++h) {
-          tma_load_3d(b + h * kHalfTileBytes, w_map, &full[stage], tile.col0 + 64 * h, r, w_group);
+        for (int h = 0; h < kBlockN / 64; ++h) {
+          tma_load_3d(b + h * kBoxBytes, w_map, &full[stage], tile.col0 + 64 * h, r, w_group);
         }
       } else {
         const int row = t.start[tile.group] + r;
-        for (int h = 0; h < 2; ++h) {
-          tma_load_3d(a + h * kHalfTileBytes, &args.a_map, &full[stage], tile.row0 + 64 * h, row,
-                      0);
-          tma_load_3d(b + h * kHalfTileBytes, &args.b_map, &full[stage], tile.col0 + 64 * h, row,
-                      0);
+        for (int h = 0; h < kBlockM / 64; ++h) {
+          tma_load_3d(a + h * kBoxBytes, &args.a_map, &full[stage], tile.row0 + 64 * h, row, 0);
+        }
+        for (int h = 0; h < kBlockN / 64; ++h) {
+          tma_load_3d(b + h * kBoxBytes, &args.b_map, &full[stage], tile.col0 + 64 * h, row, 0);
         }
       }
       if (++stage == kStages) {
@@ -310,53 +398,167 @@ __device__ void produce(const KernelArgs& args, const GroupTable& t, uint8_t* sm
   });
 }
 
+// Where an output tile goes and what is added to it (see Tile).
+template <typename T, typename OutT>
+struct TileOutput {
+  OutT* out;      // row 0, column 0 of the tile's matrix (y / dx, or dW_g)
+  int64_t cols;   // the matrix's columns (its row stride)
+  const T* bias;  // fprop: b_g, else null
+  int map_row;    // the tile's first row and group in out_map's coordinates
+  int map_group;
+  int64_t map_rows;  // out_map's rows: boxes starting past them are not issued
+};
+
+// Stores this warpgroup's 64 × 256 accumulators through its 32 KB shared-memory buffer and TMA:
+// all boxes of a round are written, then one thread issues their stores (one round for 16-bit
+// outputs, two for fp32). The stores drain during the next tile's main loop; the buffer is only
+// rewritten once they have read it.
+template <typename T, typename OutT>
+__device__ __forceinline__ void store_tile_tma(const KernelArgs& args, const TileOutput<T, OutT>& o,
+                                               int col0, const float (&acc)[128], uint8_t* buffer,
+                                               int consumer) {
+  constexpr int kChunkCols = kEpilogueRowBytes / static_cast<int>(sizeof(OutT));  // 32 or 16
+  constexpr int kBlocksPerChunk = kChunkCols / 8;  // 8-column accumulator blocks
+  constexpr int kRounds = kBlockN / kChunkCols / kEpilogueBoxes;
+  const bool add = std::is_same_v<OutT, float> && args.p.accumulate;
+  const int thread = threadIdx.x % 128, warp = thread / kWarpSize, lane = thread % kWarpSize;
+  const int barrier = 2 + consumer;  // 0: __syncthreads, 1: both consumers (wgrad masking)
+#pragma unroll
+  for (int round = 0; round < kRounds; ++round) {
+    if (thread == 0) bulk_wait_read<0>();  // earlier stores from this buffer are done reading
+    named_barrier(barrier, 128);
+#pragma unroll
+    for (int box = 0; box < kEpilogueBoxes; ++box) {
+      uint8_t* box_base = buffer + box * kEpilogueBoxBytes;
+#pragma unroll
+      for (int jj = 0; jj < kBlocksPerChunk; ++jj) {
+        const int j = (round * kEpilogueBoxes + box) * kBlocksPerChunk + jj;
+        float b0 = 0.0f, b1 = 0.0f;
+        if (o.bias != nullptr) {
+          const int64_t col = col0 + j * 8 + (lane % 4) * 2;
+          if (col < o.cols) {
+            b0 = to_float(o.bias[col]);
+            b1 = to_float(o.bias[col + 1]);
+          }
+        }
+        const int byte = (jj * 8 + (lane % 4) * 2) * static_cast<int>(sizeof(OutT));
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = warp * 16 + half * 8 + lane / 4;
+          // 64-byte swizzle: 16-byte unit u of row r sits at unit u ^ ((r / 2) % 4).
+          const int unit = (byte / 16) ^ ((r / 2) % 4);
+          store2(reinterpret_cast<OutT*>(box_base + r * kEpilogueRowBytes + unit * 16 + byte % 16),
+                 acc[4 * j + 2 * half] + b0, acc[4 * j + 2 * half + 1] + b1);
+        }
+      }
+    }
+    fence_proxy_async();
+    named_barrier(barrier, 128);
+    if (thread == 0) {
+      const int c1 = o.map_row + consumer * 64;
+#pragma unroll 1
+      for (int box = 0; box < kEpilogueBoxes; ++box) {
+        const int c0 = col0 + (round * kEpilogueBoxes + box) * kChunkCols;
+        if (c0 >= o.cols || c1 >= o.map_rows) continue;  // wholly outside the matrix
+        const uint8_t* box_base = buffer + box * kEpilogueBoxBytes;
+        if (add) {
+          tma_add_3d(&args.out_map, box_base, c0, c1, o.map_group);
+        } else {
+          tma_store_3d(&args.out_map, box_base, c0, c1, o.map_group);
+        }
+      }
+      bulk_commit();
+    }
+  }
+}
+
+// Stores this warpgroup's accumulators straight from registers, masking rows past `valid_rows`
+// of the tile (fp32 accumulation: read, add, write).
+template <typename T, typename OutT>
+__device__ __forceinline__ void store_tile_direct(const Sm90GemmParams& p,
+                                                  const TileOutput<T, OutT>& o, int col0,
+                                                  int valid_rows, const float (&acc)[128],
+                                                  int consumer) {
+  // Accumulator layout of m64nN: warp w holds rows 16w..16w+15; lane l holds rows l/4 and
+  // l/4 + 8 of those, columns 8j + 2(l%4) + {0, 1} in registers 4j + {0, 1} / {2, 3}.
+  const int thread = threadIdx.x % 128, warp = thread / kWarpSize, lane = thread % kWarpSize;
+  const int row_in_tile = consumer * 64 + warp * 16 + lane / 4;
+#pragma unroll
+  for (int j = 0; j < kBlockN / 8; ++j) {
+    const int64_t col = col0 + j * 8 + (lane % 4) * 2;
+    if (col >= o.cols) continue;  // cols is a multiple of 8, so col + 1 is in range too
+    float b0 = 0.0f, b1 = 0.0f;
+    if (o.bias != nullptr) {
+      b0 = to_float(o.bias[col]);
+      b1 = to_float(o.bias[col + 1]);
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = row_in_tile + half * 8;
+      if (r >= valid_rows) continue;
+      OutT* dst = o.out + static_cast<int64_t>(r) * o.cols + col;
+      float v0 = acc[4 * j + 2 * half] + b0, v1 = acc[4 * j + 2 * half + 1] + b1;
+      if constexpr (std::is_same_v<OutT, float>) {
+        if (p.accumulate) {
+          const float2 old = *reinterpret_cast<const float2*>(dst);
+          v0 += old.x;
+          v1 += old.y;
+        }
+      }
+      store2(dst, v0, v1);
+    }
+  }
+}
+
 template <GemmKind kKind, typename T, typename OutT>
 __device__ void consume(const KernelArgs& args, const GroupTable& t, uint8_t* smem, uint64_t* full,
-                        uint64_t* empty, int consumer) {
+                        uint64_t* empty, uint8_t* epilogue, int consumer) {
   constexpr int kTransA = kKind == GemmKind::kWgrad ? 1 : 0;
   constexpr int kTransB = kKind == GemmKind::kFprop ? 0 : 1;
   // Per-k16 start-address steps and the LBO/SBO of each operand (see the file comment).
   constexpr uint32_t kStepA = kTransA ? 2048 : 32, kStepB = kTransB ? 2048 : 32;
   const Sm90GemmParams& p = args.p;
-  const int thread = threadIdx.x % 128, warp = thread / kWarpSize, lane = thread % kWarpSize;
+  const int thread = threadIdx.x % 128, lane = thread % kWarpSize;
+  uint8_t* buffer = epilogue + consumer * kEpilogueBytes;
   int stage = 0;
   uint32_t phase = 0;
-  float acc[64];
+  float acc[128];
 
   for_each_tile<kKind>(p, t, [&](const Tile& tile) {
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
     int previous = -1;
     for (int kb = 0; kb < tile.k_blocks; ++kb) {
       mbar_wait(&full[stage], phase);
       uint8_t* a = smem + stage * kStageBytes;
-      uint8_t* b = a + kOperandBytes;
+      uint8_t* b = a + kABytes;
       if constexpr (kKind == GemmKind::kWgrad) {
         // The last block of a group reads rows of the next group (or padding): zero them in all
-        // four boxes, then make the generic-proxy stores visible to wgmma (async proxy).
+        // six boxes (A and B are adjacent), then make the generic-proxy stores visible to wgmma.
         const int valid = min(kBlockK, tile.reduction_rows - kb * kBlockK);
         if (valid < kBlockK) {
+          constexpr int kBoxes = kStageBytes / kBoxBytes;
           const int chunks = (kBlockK - valid) * 8;  // 16-byte chunks per box
-          for (int i = threadIdx.x - 128; i < 4 * chunks; i += 256) {
+          for (int i = threadIdx.x - 128; i < kBoxes * chunks; i += 256) {
             const int box = i / chunks, rem = i % chunks;
-            *reinterpret_cast<uint4*>(a + box * kHalfTileBytes + (valid + rem / 8) * 128 +
+            *reinterpret_cast<uint4*>(a + box * kBoxBytes + (valid + rem / 8) * 128 +
                                       (rem % 8) * 16) = make_uint4(0, 0, 0, 0);
           }
-          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-          asm volatile("bar.sync 1, 256;" ::: "memory");
+          fence_proxy_async();
+          named_barrier(1, 256);
         }
       }
       // This warpgroup's 64 rows start 8 KB in for both layouts: 64 K-major rows of 128 B, or the
       // second 64-row MN-major box.
-      const uint8_t* a_tile = a + consumer * kHalfTileBytes;
+      const uint8_t* a_tile = a + consumer * kBoxBytes;
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBlockK / 16; ++kk) {
-        const uint64_t da = kTransA ? smem_desc(a_tile + kk * kStepA, kHalfTileBytes, 1024)
+        const uint64_t da = kTransA ? smem_desc(a_tile + kk * kStepA, kBoxBytes, 1024)
                                     : smem_desc(a_tile + kk * kStepA, 16, 1024);
-        const uint64_t db = kTransB ? smem_desc(b + kk * kStepB, kHalfTileBytes, 1024)
+        const uint64_t db = kTransB ? smem_desc(b + kk * kStepB, kBoxBytes, 1024)
                                     : smem_desc(b + kk * kStepB, 16, 1024);
-        wgmma_m64n128k16<T, kTransA, kTransB>(acc, da, db);
+        wgmma_m64n256k16<T, kTransA, kTransB>(acc, da, db);
       }
       wgmma_commit();
       wgmma_wait<1>();  // the previous block's wgmma are done: its slot can be refilled
@@ -370,51 +572,37 @@ __device__ void consume(const KernelArgs& args, const GroupTable& t, uint8_t* sm
     wgmma_wait<0>();
     if (previous >= 0 && lane == 0) mbar_arrive(&empty[previous]);
 
-    // Epilogue. Accumulator layout of m64nN: warp w holds rows 16w..16w+15; lane l holds rows
-    // l/4 and l/4 + 8 of those, columns 8j + 2(l%4) + {0, 1} in registers 4j + {0, 1} / {2, 3}.
-    OutT* out;
-    int64_t out_cols;
-    const T* bias = nullptr;
+    TileOutput<T, OutT> o{};
+    bool tma = args.out_tma;
     if constexpr (kKind == GemmKind::kWgrad) {
       if (tile.k_blocks == 0 && p.accumulate) return;  // empty group: main-grad left untouched
-      out = const_cast<OutT*>(group_ptr<OutT>(p.weight_grad, tile.group)) +
-            static_cast<int64_t>(tile.row0) * p.k;
-      out_cols = p.k;
+      o.out = const_cast<OutT*>(group_ptr<OutT>(p.weight_grad, tile.group)) +
+              static_cast<int64_t>(tile.row0) * p.k;
+      o.cols = p.k;
+      o.map_row = tile.row0;
+      o.map_group = tile.group;
+      o.map_rows = p.n;
     } else {
-      out_cols = kKind == GemmKind::kFprop ? p.n : p.k;
-      out = static_cast<OutT*>(p.output) + static_cast<int64_t>(tile.row0) * out_cols;
+      o.cols = kKind == GemmKind::kFprop ? p.n : p.k;
+      o.out = static_cast<OutT*>(p.output) + static_cast<int64_t>(tile.row0) * o.cols;
       if constexpr (kKind == GemmKind::kFprop) {
         if (p.bias.base != nullptr || p.bias.table != nullptr)
-          bias = group_ptr<T>(p.bias, tile.group);
+          o.bias = group_ptr<T>(p.bias, tile.group);
       }
+      o.map_row = tile.row0;
+      o.map_group = 0;
+      o.map_rows = p.rows;
+      // A TMA store would write whole 64-row boxes: rows of the next group must not be touched.
+      tma = tma && tile.valid_rows >= (consumer + 1) * 64;
     }
-    const int row_in_tile = consumer * 64 + warp * 16 + lane / 4;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const int64_t col = tile.col0 + j * 8 + (lane % 4) * 2;
-      if (col >= out_cols) continue;  // out_cols is a multiple of 8, so col + 1 is in range too
-      float b0 = 0.0f, b1 = 0.0f;
-      if (bias != nullptr) {
-        b0 = to_float(bias[col]);
-        b1 = to_float(bias[col + 1]);
-      }
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = row_in_tile + half * 8;
-        if (r >= tile.valid_rows) continue;
-        OutT* dst = out + static_cast<int64_t>(r) * out_cols + col;
-        float v0 = acc[4 * j + 2 * half] + b0, v1 = acc[4 * j + 2 * half + 1] + b1;
-        if constexpr (std::is_same_v<OutT, float>) {
-          if (kKind == GemmKind::kWgrad && p.accumulate) {
-            const float2 old = *reinterpret_cast<const float2*>(dst);
-            v0 += old.x;
-            v1 += old.y;
-          }
-        }
-        store2(dst, v0, v1);
-      }
+    if (tma) {
+      store_tile_tma<T, OutT>(args, o, tile.col0, acc, buffer, consumer);
+    } else {
+      store_tile_direct<T, OutT>(p, o, tile.col0, tile.valid_rows, acc, consumer);
     }
   });
+  // Shared memory must outlive the stores still reading it.
+  if (thread == 0) bulk_wait_all();
 }
 
 template <GemmKind kKind, typename T, typename OutT>
@@ -426,7 +614,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       group_tiles[kSm90MaxGroups + 1];
   // 128-byte swizzle atoms must start on 1024-byte boundaries.
   uint8_t* smem = smem_raw + ((1024 - smem_u32(smem_raw) % 1024) % 1024);
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
+  uint8_t* epilogue = smem + kStages * kStageBytes;
+  uint64_t* full = reinterpret_cast<uint64_t*>(epilogue + 2 * kEpilogueBytes);
   uint64_t* empty = full + kStages;
   const GroupTable table{group_start, group_count, group_tiles};
 
@@ -437,14 +626,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(&empty[s], kConsumerWarps);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    fence_proxy_async();
   }
   __syncthreads();
 
   if (threadIdx.x < 128) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters));
     if (threadIdx.x == 0) produce<kKind>(args, table, smem, full, empty);
   } else {
-    consume<kKind, T, OutT>(args, table, smem, full, empty, threadIdx.x / 128 - 1);
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegisters));
+    consume<kKind, T, OutT>(args, table, smem, full, empty, epilogue, threadIdx.x / 128 - 1);
   }
 #else
   __trap();  // this library was built without sm_90a code, and the host side checks for it
@@ -509,35 +700,56 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 }
 
 CUtensorMapDataType map_type(ScalarType type) {
-  return type == ScalarType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                       : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  switch (type) {
+    case ScalarType::kBFloat16:
+      return CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+    case ScalarType::kFloat16:
+      return CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    case ScalarType::kFloat32:
+      return CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+  }
+  TORCH_INTERNAL_ASSERT(false, "sm90 grouped GEMM: unknown element type");
 }
 
-// A row-major [groups, rows, inner] tensor (groups = 1 for a matrix), read in boxes of
-// {box_inner, box_rows, 1} with 128-byte swizzling; out-of-range elements read as zero.
+// Operand boxes are 128 bytes wide (128-byte swizzle, as wgmma reads them); epilogue boxes are
+// 64 bytes wide (64-byte swizzle, as the consumers write them).
+struct MapBox {
+  int inner, rows;
+  CUtensorMapSwizzle swizzle;
+};
+
+MapBox operand_box(int rows) { return {64, rows, CU_TENSOR_MAP_SWIZZLE_128B}; }
+
+MapBox output_box(ScalarType type) {
+  return {kEpilogueRowBytes / static_cast<int>(element_size(type)), 64, CU_TENSOR_MAP_SWIZZLE_64B};
+}
+
+// A row-major [groups, rows, inner] tensor (groups = 1 for a matrix) in boxes of
+// {box.inner, box.rows, 1}; out-of-range elements read as zero and are not written.
 CUtensorMap encode_map(ScalarType type, const void* base, int64_t inner, int64_t rows,
-                       int64_t groups, int64_t group_stride, int box_inner, int box_rows) {
-  TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(base) % 16 == 0 && inner % 8 == 0,
-                        "sm90 grouped GEMM: operands must be 16-byte aligned");
+                       int64_t groups, int64_t group_stride, MapBox box) {
+  const auto bytes = static_cast<int64_t>(element_size(type));
+  TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(base) % 16 == 0 && inner * bytes % 16 == 0,
+                        "sm90 grouped GEMM: tensors must be 16-byte aligned");
   CUtensorMap map;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(rows),
                               static_cast<cuuint64_t>(groups)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(inner) * 2,
-                                 static_cast<cuuint64_t>(group_stride) * 2};
-  const cuuint32_t box[3] = {static_cast<cuuint32_t>(box_inner), static_cast<cuuint32_t>(box_rows),
-                             1};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(inner * bytes),
+                                 static_cast<cuuint64_t>(group_stride * bytes)};
+  const cuuint32_t box_dims[3] = {static_cast<cuuint32_t>(box.inner),
+                                  static_cast<cuuint32_t>(box.rows), 1};
   const cuuint32_t element_strides[3] = {1, 1, 1};
-  const CUresult status = tensor_map_encoder()(
-      &map, map_type(type), 3, const_cast<void*>(base), dims, strides, box, element_strides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult status =
+      tensor_map_encoder()(&map, map_type(type), 3, const_cast<void*>(base), dims, strides,
+                           box_dims, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, box.swizzle,
+                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(status == CUDA_SUCCESS, "sm90 grouped GEMM: cuTensorMapEncodeTiled failed (CUresult ",
               static_cast<int>(status), ") for a [", groups, ", ", rows, ", ", inner, "] tensor");
   return map;
 }
 
-// The weight box: K-major {64 k, 128 n} for fprop, MN-major {64 k, 64 n} for dgrad.
-int weight_box_rows(GemmKind kind) { return kind == GemmKind::kFprop ? kBlockN : 64; }
+// The weight box: K-major {64 k, 256 n} for fprop, MN-major {64 k, 64 n} for dgrad.
+MapBox weight_box(GemmKind kind) { return operand_box(kind == GemmKind::kFprop ? kBlockN : 64); }
 
 constexpr int kMaxDevices = 64;
 
@@ -556,18 +768,32 @@ void launch(const Sm90GemmParams& p, cudaStream_t stream) {
   KernelArgs args;
   std::memset(&args, 0, sizeof(args));
   args.p = p;
+  const ScalarType in = p.input_type;
   if constexpr (kKind == GemmKind::kFprop) {
-    args.a_map = encode_map(p.input_type, p.input, p.k, p.rows, 1, 0, kBlockK, kBlockM);
+    args.a_map = encode_map(in, p.input, p.k, p.rows, 1, 0, operand_box(kBlockM));
+    args.out_map = encode_map(in, p.output, p.n, p.rows, 1, 0, output_box(in));
+    args.out_tma = true;
   } else if constexpr (kKind == GemmKind::kDgrad) {
-    args.a_map = encode_map(p.input_type, p.grad_output, p.n, p.rows, 1, 0, kBlockK, kBlockM);
+    args.a_map = encode_map(in, p.grad_output, p.n, p.rows, 1, 0, operand_box(kBlockM));
+    args.out_map = encode_map(in, p.output, p.k, p.rows, 1, 0, output_box(in));
+    args.out_tma = true;
   } else {
-    args.a_map = encode_map(p.input_type, p.grad_output, p.n, p.rows, 1, 0, 64, kBlockK);
-    args.b_map = encode_map(p.input_type, p.input, p.k, p.rows, 1, 0, 64, kBlockK);
+    args.a_map = encode_map(in, p.grad_output, p.n, p.rows, 1, 0, operand_box(kBlockK));
+    args.b_map = encode_map(in, p.input, p.k, p.rows, 1, 0, operand_box(kBlockK));
+    // Equally spaced, 16-byte aligned gradients are one 3-D map; others are stored directly.
+    const auto bytes = static_cast<int64_t>(element_size(p.output_type));
+    args.out_tma = p.weight_grad.table == nullptr &&
+                   reinterpret_cast<uintptr_t>(p.weight_grad.base) % 16 == 0 &&
+                   p.weight_grad.group_stride * bytes % 16 == 0;
+    if (args.out_tma) {
+      args.out_map = encode_map(p.output_type, p.weight_grad.base, p.k, p.n, p.num_groups,
+                                p.weight_grad.group_stride, output_box(p.output_type));
+    }
   }
   if constexpr (kKind != GemmKind::kWgrad) {
     if (p.weight_maps == nullptr) {
-      args.b_map = encode_map(p.input_type, p.weight.base, p.k, p.n, p.num_groups,
-                              p.weight.group_stride, 64, weight_box_rows(kKind));
+      args.b_map = encode_map(in, p.weight.base, p.k, p.n, p.num_groups, p.weight.group_stride,
+                              weight_box(kKind));
     }
   }
   kernel<<<sm_count(), kThreads, kSharedBytes, stream>>>(args);
@@ -609,8 +835,7 @@ std::vector<uint8_t> encode_weight_maps(GemmKind kind, ScalarType input_type, in
   TORCH_INTERNAL_ASSERT(kind != GemmKind::kWgrad, "encode_weight_maps: fprop or dgrad only");
   std::vector<uint8_t> bytes(weights.size() * sizeof(CUtensorMap));
   for (size_t g = 0; g < weights.size(); ++g) {
-    const CUtensorMap map =
-        encode_map(input_type, weights[g], k, n, 1, n * k, 64, weight_box_rows(kind));
+    const CUtensorMap map = encode_map(input_type, weights[g], k, n, 1, n * k, weight_box(kind));
     std::memcpy(bytes.data() + g * sizeof(CUtensorMap), &map, sizeof(CUtensorMap));
   }
   return bytes;

@@ -44,13 +44,19 @@ void check_device_splits(const char* op, const at::Tensor& m_splits, size_t num_
               m_splits.numel());
 }
 
-void check_operand(const char* op, const char* name, const at::Tensor& t, const at::Tensor& like,
-                   c10::IntArrayRef shape) {
-  TORCH_CHECK(t.defined(), op, ": ", name, " must be a defined tensor");
-  TORCH_CHECK(t.device() == like.device(), op, ": ", name, " must be on ", like.device(),
+// Tensor g of a per-group list named `what`. The messages name it `what[g]` and are only
+// formatted on failure: building names for 128 experts on every call cost microseconds.
+void check_group_tensor(const char* op, const char* what, size_t g, const at::Tensor& t,
+                        const at::Tensor& like, c10::IntArrayRef shape, at::ScalarType dtype,
+                        const char* dtype_rule) {
+  TORCH_CHECK(t.defined(), op, ": ", what, "[", g, "] must be a defined tensor");
+  TORCH_CHECK(t.device() == like.device(), op, ": ", what, "[", g, "] must be on ", like.device(),
               " like the input, got ", t.device());
-  TORCH_CHECK(t.sizes() == shape, op, ": ", name, " must have shape ", shape, ", got ", t.sizes());
-  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+  TORCH_CHECK(t.sizes() == shape, op, ": ", what, "[", g, "] must have shape ", shape, ", got ",
+              t.sizes());
+  TORCH_CHECK(t.is_contiguous(), op, ": ", what, "[", g, "] must be contiguous");
+  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", what, "[", g, "] must have ", dtype_rule, " ",
+              dtype, ", got ", t.scalar_type());
 }
 
 void check_rows_operand(const char* op, const char* name, const at::Tensor& t) {
@@ -69,11 +75,8 @@ std::pair<int64_t, int64_t> check_weights(const char* op, at::TensorList weights
               ": weights must be 2-D [out_features, in_features] tensors");
   const int64_t n = weights[0].size(0), k = weights[0].size(1);
   for (size_t g = 0; g < weights.size(); ++g) {
-    const std::string name = "weights[" + std::to_string(g) + "]";
-    check_operand(op, name.c_str(), weights[g], like, {n, k});
-    TORCH_CHECK(weights[g].scalar_type() == like.scalar_type(), op, ": ", name,
-                " must have the input's dtype ", like.scalar_type(), ", got ",
-                weights[g].scalar_type());
+    check_group_tensor(op, "weights", g, weights[g], like, {n, k}, like.scalar_type(),
+                       "the input's dtype");
   }
   return {n, k};
 }
@@ -85,11 +88,7 @@ void check_vectors(const char* op, const char* what, at::TensorList vectors, siz
               " must be empty or hold one tensor per ", "group (", num_groups, "), got ",
               vectors.size());
   for (size_t g = 0; g < vectors.size(); ++g) {
-    const std::string name = std::string(what) + "[" + std::to_string(g) + "]";
-    check_operand(op, name.c_str(), vectors[g], like, {n});
-    TORCH_CHECK(vectors[g].scalar_type() == like.scalar_type(), op, ": ", name,
-                " must have the input's dtype ", like.scalar_type(), ", got ",
-                vectors[g].scalar_type());
+    check_group_tensor(op, what, g, vectors[g], like, {n}, like.scalar_type(), "the input's dtype");
   }
 }
 
@@ -358,12 +357,7 @@ GemmBackend select_backend(const at::Tensor& operand, const GemmShape& shape,
   if (operand.is_cuda() && (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16)) {
     if (choice == GemmBackendChoice::kCublasLt) return GemmBackend::kCublasLt;
     const char* refusal = sm90_refusal(operand, shape);
-    if (refusal == nullptr) {
-      const bool small_groups =
-          shape.rows <= kSm90MaxRowsPerGroup * static_cast<int64_t>(shape.groups);
-      const bool sm90 = choice == GemmBackendChoice::kSm90 || shape.device_splits || small_groups;
-      return sm90 ? GemmBackend::kSm90 : GemmBackend::kCublasLt;
-    }
+    if (refusal == nullptr) return GemmBackend::kSm90;
     TORCH_CHECK_NOT_IMPLEMENTED(choice == GemmBackendChoice::kAuto,
                                 "torchmoe grouped GEMM: the sm90 backend cannot run this call: ",
                                 refusal, " (dtype ", dtype, ", out_features ", shape.n,
@@ -408,9 +402,8 @@ std::vector<int64_t> GroupSplits::to_host() const {
 GroupSplits resolve_splits(const GroupSplits& m_splits, const at::Tensor& input,
                            at::TensorList weights, GemmBackendChoice choice) {
   if (!m_splits.on_device() || weights.empty()) return m_splits;
-  const GemmShape shape{weights[0].size(0), weights[0].size(1),
-                        weights.size(),     all_aligned({&input}, weights),
-                        input.size(0),      /*device_splits=*/true};
+  const GemmShape shape{weights[0].size(0), weights[0].size(1), weights.size(),
+                        all_aligned({&input}, weights)};
   if (select_backend(input, shape, choice) == GemmBackend::kSm90) return m_splits;
   return GroupSplits(m_splits.to_host());
 }
@@ -426,8 +419,7 @@ at::Tensor grouped_linear_forward(const at::Tensor& input, const GroupSplits& m_
   check_vectors(op, "biases", biases, weights.size(), n, input);
 
   at::Tensor output = at::empty({input.size(0), n}, input.options());
-  const GemmShape shape{
-      n, k, weights.size(), all_aligned({&input}, weights), input.size(0), m_splits.on_device()};
+  const GemmShape shape{n, k, weights.size(), all_aligned({&input}, weights)};
   switch (select_backend(input, shape, choice)) {
     case GemmBackend::kSm90: {
       const at::Tensor splits = checked_kernel_splits(op, m_splits, weights.size(), input);
@@ -484,12 +476,7 @@ at::Tensor grouped_linear_dgrad(const at::Tensor& grad_output, const GroupSplits
               " features (weights are [", n, ", ", k, "]), got ", grad_output.size(1));
 
   at::Tensor grad_input = at::empty({grad_output.size(0), k}, grad_output.options());
-  const GemmShape shape{n,
-                        k,
-                        weights.size(),
-                        all_aligned({&grad_output}, weights),
-                        grad_output.size(0),
-                        m_splits.on_device()};
+  const GemmShape shape{n, k, weights.size(), all_aligned({&grad_output}, weights)};
   switch (select_backend(grad_output, shape, choice)) {
     case GemmBackend::kSm90: {
       const at::Tensor splits = checked_kernel_splits(op, m_splits, weights.size(), grad_output);
@@ -581,19 +568,13 @@ void grouped_linear_wgrad(const at::Tensor& input, const at::Tensor& grad_output
   TORCH_CHECK(!accumulate || grad_type == at::kFloat || grad_type == at::kDouble, op,
               ": accumulate requires float32 (or float64) weight_grads_out, got ", grad_type);
   for (size_t g = 0; g < weight_grads_out.size(); ++g) {
-    const std::string name = "weight_grads_out[" + std::to_string(g) + "]";
-    check_operand(op, name.c_str(), weight_grads_out[g], input, {n, k});
-    TORCH_CHECK(weight_grads_out[g].scalar_type() == grad_type, op, ": ", name, " must have dtype ",
-                grad_type, " like weight_grads_out[0], got ", weight_grads_out[g].scalar_type());
+    check_group_tensor(op, "weight_grads_out", g, weight_grads_out[g], input, {n, k}, grad_type,
+                       "weight_grads_out[0]'s dtype");
   }
   check_vectors(op, "bias_grads_out", bias_grads_out, weight_grads_out.size(), n, input);
 
-  const GemmShape shape{n,
-                        k,
-                        weight_grads_out.size(),
-                        all_aligned({&input, &grad_output}, weight_grads_out),
-                        input.size(0),
-                        m_splits.on_device()};
+  const GemmShape shape{n, k, weight_grads_out.size(),
+                        all_aligned({&input, &grad_output}, weight_grads_out)};
   switch (select_backend(input, shape, choice)) {
     case GemmBackend::kSm90: {
       const at::Tensor splits = checked_kernel_splits(op, m_splits, weight_grads_out.size(), input);

@@ -39,23 +39,15 @@ struct GemmShape {
   int64_t k = 0;  // in_features
   size_t groups = 0;
   bool aligned = true;  // every operand's data pointer is 16-byte aligned
-  int64_t rows = 0;     // rows of the row-grouped operands
-  bool device_splits = false;
 };
-
-// Rows per group above which kAuto keeps host-split calls on per-group cuBLASLt: measured on the
-// H100 (docs/performance.md), cuBLASLt leads for large experts (mixtral, deepseek-v3: 2048+ rows
-// per expert) and the sm90 kernel for small ones (qwen3, olmoe, the example LM: 512-1024).
-inline constexpr int64_t kSm90MaxRowsPerGroup = 1024;
 
 // The dispatch table:
 //   CPU, floating dtype                      -> kReference (a forced CUDA backend is an error)
 //   CUDA fp32                                -> kCublasLt
 //   CUDA bf16/fp16, choice kCublasLt         -> kCublasLt
-//   CUDA bf16/fp16, sm_90 device, n and k multiples of 8 (> 0), groups <= 1024, aligned:
-//     choice kSm90, or device splits          -> kSm90 (no host sync)
-//     host splits, rows / groups <= 1024      -> kSm90
-//     host splits, larger groups              -> kCublasLt
+//   CUDA bf16/fp16, sm_90 device, n and k multiples of 8 (> 0), groups <= 1024, aligned
+//                                            -> kSm90 (one launch, no host sync; at or above
+//                                               per-group cuBLASLt on the measured shapes)
 //   CUDA bf16/fp16 otherwise                 -> kCublasLt (kAuto); NotImplementedError (kSm90)
 //   anything else                            -> NotImplementedError
 GemmBackend select_backend(const at::Tensor& operand, const GemmShape& shape,
