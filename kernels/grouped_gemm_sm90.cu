@@ -401,13 +401,19 @@ __device__ void produce(const KernelArgs& args, const GroupTable& t, uint8_t* sm
 // Where an output tile goes and what is added to it (see Tile).
 template <typename T, typename OutT>
 struct TileOutput {
-  OutT* out;      // row 0, column 0 of the tile's matrix (y / dx, or dW_g)
-  int64_t cols;   // the matrix's columns (its row stride)
-  const T* bias;  // fprop: b_g, else null
-  int map_row;    // the tile's first row and group in out_map's coordinates
-  int map_group;
+  OutT* out;         // row 0, column 0 of the tile's matrix (y / dx, or dW_g)
+  int64_t cols;      // the matrix's columns (its row stride)
+  const T* bias;     // fprop: b_g, else null
+  int map_group;     // the tile's group in out_map's coordinates (its rows: Tile::row0)
   int64_t map_rows;  // out_map's rows: boxes starting past them are not issued
 };
+
+// The bias of output columns col and col + 1 (zeros without a bias or past the last column).
+template <typename T, typename OutT>
+__device__ __forceinline__ float2 bias_pair(const TileOutput<T, OutT>& o, int64_t col) {
+  if (o.bias == nullptr || col >= o.cols) return make_float2(0.0f, 0.0f);
+  return make_float2(to_float(o.bias[col]), to_float(o.bias[col + 1]));
+}
 
 // Stores this warpgroup's 64 × 256 accumulators through its 32 KB shared-memory buffer and TMA:
 // all boxes of a round are written, then one thread issues their stores (one round for 16-bit
@@ -415,8 +421,8 @@ struct TileOutput {
 // rewritten once they have read it.
 template <typename T, typename OutT>
 __device__ __forceinline__ void store_tile_tma(const KernelArgs& args, const TileOutput<T, OutT>& o,
-                                               int col0, const float (&acc)[128], uint8_t* buffer,
-                                               int consumer) {
+                                               const Tile& tile, const float (&acc)[128],
+                                               uint8_t* buffer, int consumer) {
   constexpr int kChunkCols = kEpilogueRowBytes / static_cast<int>(sizeof(OutT));  // 32 or 16
   constexpr int kBlocksPerChunk = kChunkCols / 8;  // 8-column accumulator blocks
   constexpr int kRounds = kBlockN / kChunkCols / kEpilogueBoxes;
@@ -433,14 +439,7 @@ __device__ __forceinline__ void store_tile_tma(const KernelArgs& args, const Til
 #pragma unroll
       for (int jj = 0; jj < kBlocksPerChunk; ++jj) {
         const int j = (round * kEpilogueBoxes + box) * kBlocksPerChunk + jj;
-        float b0 = 0.0f, b1 = 0.0f;
-        if (o.bias != nullptr) {
-          const int64_t col = col0 + j * 8 + (lane % 4) * 2;
-          if (col < o.cols) {
-            b0 = to_float(o.bias[col]);
-            b1 = to_float(o.bias[col + 1]);
-          }
-        }
+        const float2 bias = bias_pair(o, tile.col0 + j * 8 + (lane % 4) * 2);
         const int byte = (jj * 8 + (lane % 4) * 2) * static_cast<int>(sizeof(OutT));
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -448,17 +447,17 @@ __device__ __forceinline__ void store_tile_tma(const KernelArgs& args, const Til
           // 64-byte swizzle: 16-byte unit u of row r sits at unit u ^ ((r / 2) % 4).
           const int unit = (byte / 16) ^ ((r / 2) % 4);
           store2(reinterpret_cast<OutT*>(box_base + r * kEpilogueRowBytes + unit * 16 + byte % 16),
-                 acc[4 * j + 2 * half] + b0, acc[4 * j + 2 * half + 1] + b1);
+                 acc[4 * j + 2 * half] + bias.x, acc[4 * j + 2 * half + 1] + bias.y);
         }
       }
     }
     fence_proxy_async();
     named_barrier(barrier, 128);
     if (thread == 0) {
-      const int c1 = o.map_row + consumer * 64;
+      const int c1 = tile.row0 + consumer * 64;
 #pragma unroll 1
       for (int box = 0; box < kEpilogueBoxes; ++box) {
-        const int c0 = col0 + (round * kEpilogueBoxes + box) * kChunkCols;
+        const int c0 = tile.col0 + (round * kEpilogueBoxes + box) * kChunkCols;
         if (c0 >= o.cols || c1 >= o.map_rows) continue;  // wholly outside the matrix
         const uint8_t* box_base = buffer + box * kEpilogueBoxBytes;
         if (add) {
@@ -472,32 +471,27 @@ __device__ __forceinline__ void store_tile_tma(const KernelArgs& args, const Til
   }
 }
 
-// Stores this warpgroup's accumulators straight from registers, masking rows past `valid_rows`
-// of the tile (fp32 accumulation: read, add, write).
+// Stores this warpgroup's accumulators straight from registers, masking rows past the tile's
+// valid rows (fp32 accumulation: read, add, write).
 template <typename T, typename OutT>
 __device__ __forceinline__ void store_tile_direct(const Sm90GemmParams& p,
-                                                  const TileOutput<T, OutT>& o, int col0,
-                                                  int valid_rows, const float (&acc)[128],
-                                                  int consumer) {
+                                                  const TileOutput<T, OutT>& o, const Tile& tile,
+                                                  const float (&acc)[128], int consumer) {
   // Accumulator layout of m64nN: warp w holds rows 16w..16w+15; lane l holds rows l/4 and
   // l/4 + 8 of those, columns 8j + 2(l%4) + {0, 1} in registers 4j + {0, 1} / {2, 3}.
   const int thread = threadIdx.x % 128, warp = thread / kWarpSize, lane = thread % kWarpSize;
   const int row_in_tile = consumer * 64 + warp * 16 + lane / 4;
 #pragma unroll
   for (int j = 0; j < kBlockN / 8; ++j) {
-    const int64_t col = col0 + j * 8 + (lane % 4) * 2;
+    const int64_t col = tile.col0 + j * 8 + (lane % 4) * 2;
     if (col >= o.cols) continue;  // cols is a multiple of 8, so col + 1 is in range too
-    float b0 = 0.0f, b1 = 0.0f;
-    if (o.bias != nullptr) {
-      b0 = to_float(o.bias[col]);
-      b1 = to_float(o.bias[col + 1]);
-    }
+    const float2 bias = bias_pair(o, col);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = row_in_tile + half * 8;
-      if (r >= valid_rows) continue;
+      if (r >= tile.valid_rows) continue;
       OutT* dst = o.out + static_cast<int64_t>(r) * o.cols + col;
-      float v0 = acc[4 * j + 2 * half] + b0, v1 = acc[4 * j + 2 * half + 1] + b1;
+      float v0 = acc[4 * j + 2 * half] + bias.x, v1 = acc[4 * j + 2 * half + 1] + bias.y;
       if constexpr (std::is_same_v<OutT, float>) {
         if (p.accumulate) {
           const float2 old = *reinterpret_cast<const float2*>(dst);
@@ -579,7 +573,6 @@ __device__ void consume(const KernelArgs& args, const GroupTable& t, uint8_t* sm
       o.out = const_cast<OutT*>(group_ptr<OutT>(p.weight_grad, tile.group)) +
               static_cast<int64_t>(tile.row0) * p.k;
       o.cols = p.k;
-      o.map_row = tile.row0;
       o.map_group = tile.group;
       o.map_rows = p.n;
     } else {
@@ -589,16 +582,15 @@ __device__ void consume(const KernelArgs& args, const GroupTable& t, uint8_t* sm
         if (p.bias.base != nullptr || p.bias.table != nullptr)
           o.bias = group_ptr<T>(p.bias, tile.group);
       }
-      o.map_row = tile.row0;
       o.map_group = 0;
       o.map_rows = p.rows;
       // A TMA store would write whole 64-row boxes: rows of the next group must not be touched.
       tma = tma && tile.valid_rows >= (consumer + 1) * 64;
     }
     if (tma) {
-      store_tile_tma<T, OutT>(args, o, tile.col0, acc, buffer, consumer);
+      store_tile_tma<T, OutT>(args, o, tile, acc, buffer, consumer);
     } else {
-      store_tile_direct<T, OutT>(p, o, tile.col0, tile.valid_rows, acc, consumer);
+      store_tile_direct<T, OutT>(p, o, tile, acc, consumer);
     }
   });
   // Shared memory must outlive the stores still reading it.
@@ -729,7 +721,8 @@ MapBox output_box(ScalarType type) {
 CUtensorMap encode_map(ScalarType type, const void* base, int64_t inner, int64_t rows,
                        int64_t groups, int64_t group_stride, MapBox box) {
   const auto bytes = static_cast<int64_t>(element_size(type));
-  TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(base) % 16 == 0 && inner * bytes % 16 == 0,
+  TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(base) % 16 == 0 && inner * bytes % 16 == 0 &&
+                            group_stride * bytes % 16 == 0,
                         "sm90 grouped GEMM: tensors must be 16-byte aligned");
   CUtensorMap map;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(rows),
@@ -780,11 +773,8 @@ void launch(const Sm90GemmParams& p, cudaStream_t stream) {
   } else {
     args.a_map = encode_map(in, p.grad_output, p.n, p.rows, 1, 0, operand_box(kBlockK));
     args.b_map = encode_map(in, p.input, p.k, p.rows, 1, 0, operand_box(kBlockK));
-    // Equally spaced, 16-byte aligned gradients are one 3-D map; others are stored directly.
-    const auto bytes = static_cast<int64_t>(element_size(p.output_type));
-    args.out_tma = p.weight_grad.table == nullptr &&
-                   reinterpret_cast<uintptr_t>(p.weight_grad.base) % 16 == 0 &&
-                   p.weight_grad.group_stride * bytes % 16 == 0;
+    // Equally spaced gradients are one 3-D map; a pointer table's are stored from registers.
+    args.out_tma = p.weight_grad.table == nullptr;
     if (args.out_tma) {
       args.out_map = encode_map(p.output_type, p.weight_grad.base, p.k, p.n, p.num_groups,
                                 p.weight_grad.group_stride, output_box(p.output_type));

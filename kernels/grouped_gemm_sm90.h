@@ -39,6 +39,8 @@ struct GroupAddress {
   const void* const* table = nullptr;
 };
 
+// Every tensor starts on a 16-byte boundary and equally spaced groups are a multiple of 16 bytes
+// apart (TMA's requirements; ops checks them before choosing this kernel).
 struct Sm90GemmParams {
   GemmKind kind = GemmKind::kFprop;
   ScalarType input_type = ScalarType::kBFloat16;   // x, W, dy, bias: bf16 or fp16

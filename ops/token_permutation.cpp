@@ -37,24 +37,17 @@ void check_rows(const char* op, const char* name, const at::Tensor& t) {
   TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 
-void check_row_map(const char* op, const at::Tensor& row_map, const at::Tensor& data) {
-  TORCH_CHECK(row_map.defined() && row_map.dim() == 2 && row_map.scalar_type() == at::kLong, op,
-              ": row_map must be a 2-D int64 tensor [tokens, topk], got ",
-              row_map.defined() ? row_map.sizes() : at::IntArrayRef{}, " ",
-              row_map.defined() ? row_map.scalar_type() : at::ScalarType::Undefined);
-  TORCH_CHECK(row_map.device() == data.device(), op, ": row_map must be on ", data.device(),
-              ", got ", row_map.device());
-  TORCH_CHECK(row_map.is_contiguous(), op, ": row_map must be contiguous");
-}
-
-void check_sorted_slots(const char* op, const at::Tensor& slots, const at::Tensor& data) {
-  TORCH_CHECK(slots.defined() && slots.dim() == 1 && slots.scalar_type() == at::kLong, op,
-              ": sorted_slots must be a 1-D int64 tensor, got ",
-              slots.defined() ? slots.sizes() : at::IntArrayRef{}, " ",
-              slots.defined() ? slots.scalar_type() : at::ScalarType::Undefined);
-  TORCH_CHECK(slots.device() == data.device(), op, ": sorted_slots must be on ", data.device(),
-              ", got ", slots.device());
-  TORCH_CHECK(slots.is_contiguous(), op, ": sorted_slots must be contiguous");
+// An int64 index tensor of `dim` dimensions, contiguous, on the data's device; `layout` follows
+// the type in the message (e.g. " [tokens, topk]").
+void check_index_tensor(const char* op, const char* name, const at::Tensor& t, int64_t dim,
+                        const char* layout, const at::Tensor& data) {
+  TORCH_CHECK(t.defined() && t.dim() == dim && t.scalar_type() == at::kLong, op, ": ", name,
+              " must be a ", dim, "-D int64 tensor", layout, ", got ",
+              t.defined() ? t.sizes() : at::IntArrayRef{}, " ",
+              t.defined() ? t.scalar_type() : at::ScalarType::Undefined);
+  TORCH_CHECK(t.device() == data.device(), op, ": ", name, " must be on ", data.device(), ", got ",
+              t.device());
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 
 void check_probs(const char* op, const at::Tensor& probs, at::IntArrayRef expected,
@@ -174,7 +167,7 @@ at::Tensor permute_rows(const at::Tensor& tokens, const at::Tensor& sorted_slots
                         const at::Tensor& probs) {
   constexpr const char* kOp = "torchmoe::permute_rows";
   check_rows(kOp, "tokens", tokens);
-  check_sorted_slots(kOp, sorted_slots, tokens);
+  check_index_tensor(kOp, "sorted_slots", sorted_slots, 1, "", tokens);
   TORCH_CHECK(topk >= 1, kOp, ": topk must be positive, got ", topk);
   check_probs(kOp, probs, {tokens.size(0), topk}, tokens);
   const int64_t rows = sorted_slots.size(0);
@@ -217,7 +210,7 @@ at::Tensor unpermute_rows(const at::Tensor& permuted, const at::Tensor& row_map,
                           const at::Tensor& probs) {
   constexpr const char* kOp = "torchmoe::unpermute_rows";
   check_rows(kOp, "permuted", permuted);
-  check_row_map(kOp, row_map, permuted);
+  check_index_tensor(kOp, "row_map", row_map, 2, " [tokens, topk]", permuted);
   check_probs(kOp, probs, row_map.sizes(), permuted);
   const int64_t tokens = row_map.size(0), hidden = permuted.size(1);
   switch (select_backend(kOp, permuted)) {
@@ -251,7 +244,7 @@ UnpermuteGrads unpermute_rows_backward(const at::Tensor& grad_out, const at::Ten
                                        const at::Tensor& sorted_slots, const at::Tensor& probs) {
   constexpr const char* kOp = "torchmoe::unpermute_rows_backward";
   check_rows(kOp, "permuted", permuted);
-  check_sorted_slots(kOp, sorted_slots, permuted);
+  check_index_tensor(kOp, "sorted_slots", sorted_slots, 1, "", permuted);
   TORCH_CHECK(sorted_slots.size(0) == permuted.size(0), kOp, ": sorted_slots must have one entry ",
               "per permuted row (", permuted.size(0), "), got ", sorted_slots.size(0));
   TORCH_CHECK(probs.defined() && probs.dim() == 2, kOp,
