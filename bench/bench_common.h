@@ -107,21 +107,42 @@ inline std::vector<Shape> selected_shapes(const Args& args) {
   return selected;
 }
 
-// Median time in ms of `fn` over `iters` runs after `warmup`, each bracketed by CUDA events on
-// the current stream.
-inline double median_ms(const std::function<void()>& fn, int iters, int warmup = 3) {
-  for (int i = 0; i < warmup; ++i) fn();
-  std::vector<double> times;
-  for (int i = 0; i < iters; ++i) {
-    at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
-    start.record();
-    fn();
-    stop.record();
-    stop.synchronize();
-    times.push_back(start.elapsed_time(stop));
+// Median device time in ms of each of `fns` over `iters` runs after `warmup` runs of each. Each
+// run is bracketed by CUDA events on the current stream and the runs are queued back to back with
+// one wait at the end: while the host stays ahead of the GPU, a run's events time its GPU work
+// alone. (Waiting after every run put the host's latency to the first launch, e.g. an autograd
+// backward's hand-off to its device thread, inside every interval: 5-10% of a 0.2 ms kernel.)
+// When the host is slower than the GPU, its launch gaps inside a run still count; host cost is
+// measured on its own where it matters (bench_grouped_linear's host time per forward).
+// The functions take turns, run by run: the H100's clocks drift with power and temperature over a
+// benchmark (one GEMM measured 594 and 680 TFLOP/s minutes apart), and taking turns gives every
+// function the same conditions, so ratios between them hold when absolute numbers move.
+inline std::vector<double> median_ms_each(const std::vector<std::function<void()>>& fns, int iters,
+                                          int warmup = 3) {
+  for (int i = 0; i < warmup; ++i) {
+    for (const auto& fn : fns) fn();
   }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+  std::vector<std::vector<at::cuda::CUDAEvent>> starts(fns.size()), stops(fns.size());
+  for (int i = 0; i < iters; ++i) {
+    for (size_t f = 0; f < fns.size(); ++f) {
+      starts[f].emplace_back(cudaEventDefault).record();
+      fns[f]();
+      stops[f].emplace_back(cudaEventDefault).record();
+    }
+  }
+  stops.back().back().synchronize();
+  std::vector<double> medians;
+  for (size_t f = 0; f < fns.size(); ++f) {
+    std::vector<double> times;
+    for (int i = 0; i < iters; ++i) times.push_back(starts[f][i].elapsed_time(stops[f][i]));
+    std::sort(times.begin(), times.end());
+    medians.push_back(times[times.size() / 2]);
+  }
+  return medians;
+}
+
+inline double median_ms(const std::function<void()>& fn, int iters, int warmup = 3) {
+  return median_ms_each({fn}, iters, warmup)[0];
 }
 
 }  // namespace torchmoe::bench

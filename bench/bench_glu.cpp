@@ -1,6 +1,7 @@
 // ScaledSwiGLU forward and backward bandwidth on the fc1 outputs of the benchmark MoE shapes
 // (M = tokens·topk rows, width 2·ffn, bf16, fp32 probabilities), next to the device-to-device copy
-// bandwidth and the same math composed from ATen ops (autograd for its backward), in one process.
+// bandwidth and the same math composed from ATen ops (autograd for its backward), in one process;
+// the five measurements take turns (bench_common.h).
 //
 //   bench_glu [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
 //
@@ -24,8 +25,6 @@
 #include <vector>
 
 namespace {
-
-using torchmoe::bench::median_ms;
 
 torch::Tensor composed(const torch::Tensor& x, const torch::Tensor& s) {
   const auto halves = x.chunk(2, -1);
@@ -60,30 +59,26 @@ int main(int argc, char** argv) {
     const double elem = 2.0;  // bf16 bytes
     const double fwd_bytes = elem * (2 * m * f + m * f) + 4.0 * m;
     const double bwd_bytes = elem * (2 * m * f + m * f + 2 * m * f) + 4.0 * 2 * m;
-    const double copy_gbs = 2.0 * elem * x.numel() /
-                            median_ms([&] { copy_dst.copy_(x); }, args.iters, args.warmup) * 1e-6;
-
     torch::NoGradGuard no_grad;
-    const double fwd_ms =
-        median_ms([&] { torchmoe::functional::scaled_swiglu(x, s); }, args.iters, args.warmup);
-    const double aten_fwd_ms = median_ms([&] { composed(x, s); }, args.iters, args.warmup);
-    torch::Tensor xr = x.detach().requires_grad_(true), sr = s.detach().requires_grad_(true);
-    double bwd_ms = 0, aten_bwd_ms = 0;
+    const torch::Tensor xr = x.detach().requires_grad_(true), sr = s.detach().requires_grad_(true);
+    torch::Tensor y, yc;
     {
       torch::AutoGradMode enable(true);
-      const torch::Tensor y = torchmoe::functional::scaled_swiglu(xr, sr);
-      bwd_ms = median_ms(
-          [&] {
-            torch::autograd::grad({y}, {xr, sr}, {dy}, true);
-          },
-          args.iters, args.warmup);
-      const torch::Tensor yc = composed(xr, sr);
-      aten_bwd_ms = median_ms(
-          [&] {
-            torch::autograd::grad({yc}, {xr, sr}, {dy}, true);
-          },
-          args.iters, args.warmup);
+      y = torchmoe::functional::scaled_swiglu(xr, sr);
+      yc = composed(xr, sr);
     }
+    const std::vector<double> ms = torchmoe::bench::median_ms_each(
+        {[&] { copy_dst.copy_(x); }, [&] { torchmoe::functional::scaled_swiglu(x, s); },
+         [&] { composed(x, s); },
+         [&] {
+           torch::autograd::grad({y}, {xr, sr}, {dy}, /*retain_graph=*/true);
+         },
+         [&] {
+           torch::autograd::grad({yc}, {xr, sr}, {dy}, /*retain_graph=*/true);
+         }},
+        args.iters, args.warmup);
+    const double copy_gbs = 2.0 * elem * x.numel() / ms[0] * 1e-6;
+    const double fwd_ms = ms[1], aten_fwd_ms = ms[2], bwd_ms = ms[3], aten_bwd_ms = ms[4];
     const double fwd = fwd_bytes / fwd_ms * 1e-6, bwd = bwd_bytes / bwd_ms * 1e-6;
     const double aten_fwd = fwd_bytes / aten_fwd_ms * 1e-6,
                  aten_bwd = bwd_bytes / aten_bwd_ms * 1e-6;

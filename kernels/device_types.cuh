@@ -1,12 +1,13 @@
 #pragma once
 // Device-side helpers shared by torchmoe's elementwise and row kernels: the CUDA type of a
-// kernels::ScalarType, fp32 conversions, 16-byte vector access, warp reduction, and the number of
-// blocks that fills the device. Included by .cu files only.
+// kernels::ScalarType, fp32 conversions, 16-byte vector access, warp reduction, and the grid of
+// one wave for grid-stride loops. Included by .cu files only.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "torchmoe/kernels/cuda_check.h"
@@ -94,10 +95,18 @@ inline int sm_count() {
   return sms;
 }
 
-// Blocks of `threads` that fill every SM of the current device (2048 resident threads each);
-// grid-stride kernels launch at most this many.
-inline int64_t resident_blocks(int threads) {
-  return static_cast<int64_t>(sm_count()) * (2048 / threads);
+// Blocks for a grid-stride loop that needs `blocks_needed`: at most one wave of `kernel`, i.e. as
+// many blocks as fit on the SMs at once given its registers and shared memory. Each block of such
+// a loop gets the same share of the work, so a grid of 1.33 waves runs its last part on a third of
+// the SMs: counting 2048 threads per SM whatever the registers did that to ScaledSwiGLU's forward
+// (40 registers, so 6 blocks of 256 fit, not 8), ncu: 67% of DRAM peak (docs/performance.md).
+template <typename Kernel>
+unsigned one_wave_grid(Kernel* kernel, int threads, size_t shared_bytes, int64_t blocks_needed) {
+  int per_sm = 0;
+  TORCHMOE_CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared_bytes));
+  const int64_t wave = static_cast<int64_t>(sm_count()) * std::max(per_sm, 1);
+  return static_cast<unsigned>(std::clamp<int64_t>(blocks_needed, 1, wave));
 }
 
 }  // namespace torchmoe::kernels

@@ -27,9 +27,10 @@
 // v3). Tiles whose rows end inside the tile (a group's last row tile: the next group's rows
 // follow) and outputs no tensor map describes are stored from registers with row masks instead.
 //
-// The persistent grid walks a global tile list, group after group, in the same order in every
-// role, so the producer and the consumers agree on each slot's tile without talking. Per-group
-// row offsets and tile counts are computed once per block from the device split sizes.
+// The persistent grid walks a global tile list, group after group: round-robin for fprop and
+// dgrad, claimed from a global counter for wgrad (take_tiles); each block's producer passes its
+// tile indices to its consumers. Per-group row offsets and tile counts are computed once per block
+// from the device split sizes.
 
 #include "torchmoe/kernels/grouped_gemm_sm90.h"
 
@@ -57,8 +58,12 @@ constexpr int kConsumerWarps = 8;                    // the empty barriers' arri
 // Epilogue: per consumer 8 boxes of 64 rows × 64 bytes (a 64 × 256 tile of 16-bit values).
 constexpr int kEpilogueRowBytes = 64, kEpilogueBoxBytes = 64 * kEpilogueRowBytes;  // 4 KB
 constexpr int kEpilogueBoxes = 8, kEpilogueBytes = kEpilogueBoxes * kEpilogueBoxBytes;
+// Tile indices pass from the producer to the consumers through a ring (see take_tiles). The
+// producer runs at most kStages reduction blocks ahead, i.e. a few tiles when they have one each.
+constexpr int kTileSlots = 4;
 constexpr size_t kSharedBytes = kStages * kStageBytes + 2 * kEpilogueBytes  // one per consumer
-                                + 2 * kStages * sizeof(uint64_t) + 1024;    // + alignment slack
+                                + 2 * (kStages + kTileSlots) * sizeof(uint64_t) +
+                                kTileSlots * sizeof(int) + 1024;  // + alignment slack
 // Registers: the producer needs few, the consumers' 128 accumulators need many (64K per SM).
 constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;
 static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= 65536);
@@ -344,25 +349,79 @@ __device__ __forceinline__ Tile tile_at(const Sm90GemmParams& p, const GroupTabl
   return tile;
 }
 
-// Walks this block's tiles in order, calling fn(tile) for each.
+// A block's first tile is blockIdx.x. fprop and dgrad tiles all reduce over the same length, so
+// the next one is gridDim.x further on (a fixed round-robin). wgrad tiles reduce over their
+// group's rows: with skewed splits, round-robin left the blocks that drew the big groups' tiles
+// working while the others idled (modelled on the benchmark's qwen3 splits: 13-16% over an even
+// share), so wgrad blocks claim the lowest index nobody has taken from a global counter that the
+// launcher zeroes (modelled: 0-1%; measured +20% on qwen3 skewed wgrad). fprop and dgrad skip the
+// counter: claiming measured the same there, and zeroing it costs a memset per call. Blocks take
+// neighbouring indices at about the same time either way, so the panel order keeps its L2 reuse.
+//
+// The producer thread decides (claiming one index ahead, so the atomic's latency overlaps the
+// current tile's loads) and passes each index to the consumers through kTileSlots shared-memory
+// slots with full/empty mbarriers, as it passes operands; an index past the last tile ends both
+// loops.
+struct TileRing {
+  int* index;       // [kTileSlots]
+  uint64_t* full;   // [kTileSlots]: one arrival, the producer's
+  uint64_t* empty;  // [kTileSlots]: one arrival per consumer warp
+};
+
 template <GemmKind kKind, typename Fn>
-__device__ __forceinline__ void for_each_tile(const Sm90GemmParams& p, const GroupTable& t,
-                                              Fn&& fn) {
+__device__ __forceinline__ void take_tiles(const Sm90GemmParams& p, const GroupTable& t,
+                                           const TileRing& ring, Fn&& fn) {
   const int total = t.tiles[p.num_groups];
-  int g = 0;
-  for (int index = blockIdx.x; index < total; index += gridDim.x) {
+  int slot = 0, g = 0;
+  uint32_t phase = 0;
+  for (int index = blockIdx.x;;) {
+    int next = index + static_cast<int>(gridDim.x);
+    if constexpr (kKind == GemmKind::kWgrad) {
+      next = index < total ? static_cast<int>(gridDim.x) + atomicAdd(p.tile_counter, 1) : total;
+    }
+    mbar_wait(&ring.empty[slot], phase ^ 1);
+    ring.index[slot] = index;
+    mbar_arrive(&ring.full[slot]);
+    if (++slot == kTileSlots) {
+      slot = 0;
+      phase ^= 1;
+    }
+    if (index >= total) return;
+    while (index >= t.tiles[g + 1]) ++g;  // a block's indices only grow
+    fn(tile_at<kKind>(p, t, g, index));
+    index = next;
+  }
+}
+
+template <GemmKind kKind, typename Fn>
+__device__ __forceinline__ void taken_tiles(const Sm90GemmParams& p, const GroupTable& t,
+                                            const TileRing& ring, Fn&& fn) {
+  const int total = t.tiles[p.num_groups];
+  const int lane = threadIdx.x % kWarpSize;
+  int slot = 0, g = 0;
+  uint32_t phase = 0;
+  while (true) {
+    mbar_wait(&ring.full[slot], phase);
+    const int index = ring.index[slot];
+    __syncwarp();  // every lane has read the slot before it is handed back
+    if (lane == 0) mbar_arrive(&ring.empty[slot]);
+    if (++slot == kTileSlots) {
+      slot = 0;
+      phase ^= 1;
+    }
+    if (index >= total) return;
     while (index >= t.tiles[g + 1]) ++g;
     fn(tile_at<kKind>(p, t, g, index));
   }
 }
 
 template <GemmKind kKind>
-__device__ void produce(const KernelArgs& args, const GroupTable& t, uint8_t* smem, uint64_t* full,
-                        uint64_t* empty) {
+__device__ void produce(const KernelArgs& args, const GroupTable& t, const TileRing& ring,
+                        uint8_t* smem, uint64_t* full, uint64_t* empty) {
   const Sm90GemmParams& p = args.p;
   int stage = 0;
   uint32_t phase = 0;
-  for_each_tile<kKind>(p, t, [&](const Tile& tile) {
+  take_tiles<kKind>(p, t, ring, [&](const Tile& tile) {
     const CUtensorMap* w_map = p.weight_maps != nullptr
                                    ? static_cast<const CUtensorMap*>(p.weight_maps) + tile.group
                                    : &args.b_map;
@@ -505,8 +564,9 @@ __device__ __forceinline__ void store_tile_direct(const Sm90GemmParams& p,
 }
 
 template <GemmKind kKind, typename T, typename OutT>
-__device__ void consume(const KernelArgs& args, const GroupTable& t, uint8_t* smem, uint64_t* full,
-                        uint64_t* empty, uint8_t* epilogue, int consumer) {
+__device__ void consume(const KernelArgs& args, const GroupTable& t, const TileRing& ring,
+                        uint8_t* smem, uint64_t* full, uint64_t* empty, uint8_t* epilogue,
+                        int consumer) {
   constexpr int kTransA = kKind == GemmKind::kWgrad ? 1 : 0;
   constexpr int kTransB = kKind == GemmKind::kFprop ? 0 : 1;
   // Per-k16 start-address steps and the LBO/SBO of each operand (see the file comment).
@@ -518,7 +578,7 @@ __device__ void consume(const KernelArgs& args, const GroupTable& t, uint8_t* sm
   uint32_t phase = 0;
   float acc[128];
 
-  for_each_tile<kKind>(p, t, [&](const Tile& tile) {
+  taken_tiles<kKind>(p, t, ring, [&](const Tile& tile) {
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
     int previous = -1;
@@ -609,6 +669,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* epilogue = smem + kStages * kStageBytes;
   uint64_t* full = reinterpret_cast<uint64_t*>(epilogue + 2 * kEpilogueBytes);
   uint64_t* empty = full + kStages;
+  uint64_t* tile_full = empty + kStages;
+  uint64_t* tile_empty = tile_full + kTileSlots;
+  const TileRing ring{reinterpret_cast<int*>(tile_empty + kTileSlots), tile_full, tile_empty};
   const GroupTable table{group_start, group_count, group_tiles};
 
   if (threadIdx.x < kWarpSize) build_group_table<kKind>(args.p, table);
@@ -617,6 +680,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(&full[s], 1);
       mbar_init(&empty[s], kConsumerWarps);
     }
+    for (int s = 0; s < kTileSlots; ++s) {
+      mbar_init(&ring.full[s], 1);
+      mbar_init(&ring.empty[s], kConsumerWarps);
+    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     fence_proxy_async();
   }
@@ -624,10 +691,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters));
-    if (threadIdx.x == 0) produce<kKind>(args, table, smem, full, empty);
+    if (threadIdx.x == 0) produce<kKind>(args, table, ring, smem, full, empty);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegisters));
-    consume<kKind, T, OutT>(args, table, smem, full, empty, epilogue, threadIdx.x / 128 - 1);
+    consume<kKind, T, OutT>(args, table, ring, smem, full, empty, epilogue, threadIdx.x / 128 - 1);
   }
 #else
   __trap();  // this library was built without sm_90a code, and the host side checks for it
@@ -786,6 +853,9 @@ void launch(const Sm90GemmParams& p, cudaStream_t stream) {
                               weight_box(kKind));
     }
   }
+  if constexpr (kKind == GemmKind::kWgrad) {
+    TORCHMOE_CUDA_CHECK(cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream));
+  }
   kernel<<<sm_count(), kThreads, kSharedBytes, stream>>>(args);
   TORCHMOE_CUDA_CHECK(cudaGetLastError());
 }
@@ -832,7 +902,8 @@ std::vector<uint8_t> encode_weight_maps(GemmKind kind, ScalarType input_type, in
 }
 
 void launch_grouped_gemm_sm90(const Sm90GemmParams& p, cudaStream_t stream) {
-  TORCH_INTERNAL_ASSERT(p.num_groups > 0 && p.num_groups <= kSm90MaxGroups && p.rows > 0 &&
+  TORCH_INTERNAL_ASSERT((p.kind != GemmKind::kWgrad || p.tile_counter != nullptr) &&
+                            p.num_groups > 0 && p.num_groups <= kSm90MaxGroups && p.rows > 0 &&
                             p.rows <= INT_MAX && p.n % kSm90FeatureMultiple == 0 &&
                             p.k % kSm90FeatureMultiple == 0,
                         "launch_grouped_gemm_sm90: unchecked arguments");

@@ -59,9 +59,10 @@ struct Sm90GemmParams {
   // through `weight_maps`, a device array of G tensor maps from encode_weight_maps().
   GroupAddress weight;
   const void* weight_maps = nullptr;
-  GroupAddress bias;         // b_g [n] (kFprop; base and table null = no bias)
-  GroupAddress weight_grad;  // dW_g [n, k] (kWgrad)
-  bool accumulate = false;   // kWgrad: dW_g += product (fp32 only); empty groups left untouched
+  GroupAddress bias;            // b_g [n] (kFprop; base and table null = no bias)
+  GroupAddress weight_grad;     // dW_g [n, k] (kWgrad)
+  bool accumulate = false;      // kWgrad: dW_g += product (fp32 only); empty groups left untouched
+  int* tile_counter = nullptr;  // kWgrad: device workspace for one int; the launch zeroes it
 };
 
 // Limits of this kernel; ops checks them before choosing it.

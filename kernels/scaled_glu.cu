@@ -1,12 +1,14 @@
 // Fused (scaled) SwiGLU / ClampedSwiGLU forward and backward. Layout and math: scaled_glu.h.
 //
-// One warp walks whole rows (grid-stride over rows), its lanes stride over the row in vectors of
-// V elements: 16-byte loads and stores when H, G and the pointers allow, else V = 1. A row is one
-// warp so that the backward's scale gradient, a sum over the row, is a shuffle reduction in the
-// same pass: no second kernel and no block barrier. (A block per row with a block reduction was
-// measured at 73-81% of copy bandwidth in backward on the H100; see docs/performance.md.)
+// A warp's lanes stride over a row in vectors of V elements: 16-byte loads and stores when H, G
+// and the pointers allow, else V = 1. In the backward one warp walks whole rows (grid-stride over
+// rows) so that the scale gradient, a sum over the row, is a shuffle reduction in the same pass:
+// no second kernel and no block barrier. (A block per row with a block reduction was measured at
+// 73-81% of copy bandwidth in backward on the H100; see docs/performance.md.) The forward has no
+// row sum, so its work items are row segments of at most kSegmentChunks chunks: whole rows of
+// mixtral's width (56 chunks, 84 KB of traffic each) left 2.6 rows per warp, i.e. the time of 3.
+// Grids are one wave (one_wave_grid): every warp gets the same share of items.
 
-#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <type_traits>
@@ -20,6 +22,7 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarp = kWarpSize;
 constexpr int kWarpsPerBlock = kThreads / kWarp;
+constexpr int64_t kSegmentChunks = 8;  // forward work item: up to 8 chunks of 32·V elements
 
 struct ActParams {
   float limit, alpha, offset;
@@ -60,14 +63,18 @@ __global__ void glu_forward_kernel(const T* __restrict__ input, const S* __restr
                                    int64_t interleave, ActParams p) {
   const int64_t gate_offset = interleave ? interleave : hidden;
   const int64_t chunks = chunk_count<V>(hidden);
+  const int64_t segments = (chunks + kSegmentChunks - 1) / kSegmentChunks;
   const int lane = threadIdx.x % kWarp;
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
-       row < rows; row += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
+  for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
+       item < rows * segments; item += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
+    const int64_t row = item / segments;
+    const int64_t first = (item - row * segments) * kSegmentChunks;
+    const int64_t count = min(kSegmentChunks, chunks - first);
     const T* in = input + row * 2 * hidden;
     T* out = output + row * hidden;
     const float scale = scales ? to_float(scales[row]) : 1.0f;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t j = chunk_start<V>(c, row, chunks) + lane * V;
+    for (int64_t c = 0; c < count; ++c) {
+      const int64_t j = first * kWarp * V + chunk_start<V>(c, row, count) + lane * V;
       if (j >= hidden) continue;
       const int64_t ai = a_index(j, interleave);
       const Vec<T, V> a = load<T, V>(in + ai), b = load<T, V>(in + ai + gate_offset);
@@ -129,34 +136,28 @@ void dispatch_types(const GluParams& params, Fn&& fn) {
   });
 }
 
-struct LaunchShape {
-  dim3 grid, block;
-  bool vectorized;
-};
-
-LaunchShape launch_shape(const GluParams& params, int vector,
-                         std::initializer_list<const void*> pointers) {
+// 16-byte vectors when the sizes and every pointer allow.
+bool vectorizable(const GluParams& params, int vector,
+                  std::initializer_list<const void*> pointers) {
   bool vectorized = params.hidden % vector == 0 && params.interleave % vector == 0;
   for (const void* p : pointers) vectorized &= p == nullptr || aligned16(p);
-  const int64_t resident = resident_blocks(kThreads);  // more rows loop
-  const int64_t needed = (params.rows + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  return {dim3(static_cast<unsigned>(std::min(needed, resident))), dim3(kThreads), vectorized};
+  return vectorized;
 }
 
 // The one place that turns runtime parameters into a kernel instantiation: resolves the data
 // type T, scale type S, activation K and vector width V (16 bytes when `pointers` and the sizes
-// allow), then calls launch(T{}, S{}, K tag, V tag, shape) and checks the launch.
+// allow), then calls launch(T{}, S{}, K tag, V tag) and checks the launch.
 template <typename Launch>
 void dispatch(const GluParams& params, std::initializer_list<const void*> pointers,
               Launch&& launch) {
   dispatch_types(params, [&](auto data_tag, auto scale_tag) {
     constexpr int kVec = 16 / sizeof(decltype(data_tag));
-    const LaunchShape shape = launch_shape(params, kVec, pointers);
+    const bool vectorized = vectorizable(params, kVec, pointers);
     auto with_kind = [&](auto kind_tag) {
-      if (shape.vectorized) {
-        launch(data_tag, scale_tag, kind_tag, std::integral_constant<int, kVec>{}, shape);
+      if (vectorized) {
+        launch(data_tag, scale_tag, kind_tag, std::integral_constant<int, kVec>{});
       } else {
-        launch(data_tag, scale_tag, kind_tag, std::integral_constant<int, 1>{}, shape);
+        launch(data_tag, scale_tag, kind_tag, std::integral_constant<int, 1>{});
       }
     };
     if (params.kind == GluKind::kSwiGLU) {
@@ -174,14 +175,20 @@ void launch_glu_forward(const GluParams& params, cudaStream_t stream) {
   if (params.rows == 0) return;
   const ActParams act{params.limit, params.alpha, params.offset};
   dispatch(params, {params.input, params.output},
-           [&](auto data_tag, auto scale_tag, auto kind, auto vec, const LaunchShape& shape) {
+           [&](auto data_tag, auto scale_tag, auto kind, auto vec) {
              using T = decltype(data_tag);
              using S = decltype(scale_tag);
-             glu_forward_kernel<T, S, decltype(kind)::value, decltype(vec)::value>
-                 <<<shape.grid, shape.block, 0, stream>>>(
-                     static_cast<const T*>(params.input), static_cast<const S*>(params.scales),
-                     static_cast<T*>(params.output), params.rows, params.hidden, params.interleave,
-                     act);
+             constexpr int kVec = decltype(vec)::value;
+             auto* kernel = glu_forward_kernel<T, S, decltype(kind)::value, kVec>;
+             const int64_t items =
+                 params.rows *
+                 ((chunk_count<kVec>(params.hidden) + kSegmentChunks - 1) / kSegmentChunks);
+             const unsigned grid =
+                 one_wave_grid(kernel, kThreads, 0, (items + kWarpsPerBlock - 1) / kWarpsPerBlock);
+             kernel<<<grid, kThreads, 0, stream>>>(static_cast<const T*>(params.input),
+                                                   static_cast<const S*>(params.scales),
+                                                   static_cast<T*>(params.output), params.rows,
+                                                   params.hidden, params.interleave, act);
            });
 }
 
@@ -189,15 +196,17 @@ void launch_glu_backward(const GluParams& params, cudaStream_t stream) {
   if (params.rows == 0) return;
   const ActParams act{params.limit, params.alpha, params.offset};
   dispatch(params, {params.input, params.grad_output, params.grad_input},
-           [&](auto data_tag, auto scale_tag, auto kind, auto vec, const LaunchShape& shape) {
+           [&](auto data_tag, auto scale_tag, auto kind, auto vec) {
              using T = decltype(data_tag);
              using S = decltype(scale_tag);
-             glu_backward_kernel<T, S, decltype(kind)::value, decltype(vec)::value>
-                 <<<shape.grid, shape.block, 0, stream>>>(
-                     static_cast<const T*>(params.input), static_cast<const S*>(params.scales),
-                     static_cast<const T*>(params.grad_output), static_cast<T*>(params.grad_input),
-                     static_cast<S*>(params.grad_scales), params.rows, params.hidden,
-                     params.interleave, act);
+             auto* kernel = glu_backward_kernel<T, S, decltype(kind)::value, decltype(vec)::value>;
+             const unsigned grid = one_wave_grid(
+                 kernel, kThreads, 0, (params.rows + kWarpsPerBlock - 1) / kWarpsPerBlock);
+             kernel<<<grid, kThreads, 0, stream>>>(
+                 static_cast<const T*>(params.input), static_cast<const S*>(params.scales),
+                 static_cast<const T*>(params.grad_output), static_cast<T*>(params.grad_input),
+                 static_cast<S*>(params.grad_scales), params.rows, params.hidden, params.interleave,
+                 act);
            });
 }
 

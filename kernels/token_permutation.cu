@@ -13,7 +13,6 @@
 
 #include <cub/device/device_radix_sort.cuh>
 
-#include <algorithm>
 #include <initializer_list>
 #include <type_traits>
 
@@ -106,11 +105,6 @@ RoutingWorkspace carve(void* base, int64_t slots, size_t cub_bytes) {
   w.cub_storage = p;
   w.cub_bytes = cub_bytes;
   return w;
-}
-
-unsigned grid_for(int64_t items, int threads) {
-  const int64_t needed = (items + threads - 1) / threads;
-  return static_cast<unsigned>(std::max<int64_t>(1, std::min(needed, resident_blocks(threads))));
 }
 
 // ---- row kernels -----------------------------------------------------------------------------
@@ -207,8 +201,14 @@ __global__ void unpermute_backward_kernel(const T* __restrict__ grad_out,
   }
 }
 
+// One wave of warp-per-row blocks, or fewer when there are fewer rows.
+template <typename Kernel>
+unsigned row_grid(Kernel* kernel, int64_t rows) {
+  return one_wave_grid(kernel, kThreads, 0, (rows + kWarpsPerBlock - 1) / kWarpsPerBlock);
+}
+
 // Resolves data type T, probability type S and vector width V (16 bytes when H and `pointers`
-// allow), then calls launch(T{}, S{}, V tag, grid) and checks the launch.
+// allow), then calls launch(T{}, S{}, V tag) and checks the launch.
 template <typename Launch>
 void dispatch(const PermuteParams& params, int64_t out_rows,
               std::initializer_list<const void*> pointers, Launch&& launch) {
@@ -218,12 +218,10 @@ void dispatch(const PermuteParams& params, int64_t out_rows,
       constexpr int kVec = 16 / sizeof(decltype(data_tag));
       bool vectorized = params.hidden % kVec == 0;
       for (const void* p : pointers) vectorized &= p == nullptr || aligned16(p);
-      const unsigned grid = static_cast<unsigned>(std::min<int64_t>(
-          (out_rows + kWarpsPerBlock - 1) / kWarpsPerBlock, resident_blocks(kThreads)));
       if (vectorized) {
-        launch(data_tag, prob_tag, std::integral_constant<int, kVec>{}, grid);
+        launch(data_tag, prob_tag, std::integral_constant<int, kVec>{});
       } else {
-        launch(data_tag, prob_tag, std::integral_constant<int, 1>{}, grid);
+        launch(data_tag, prob_tag, std::integral_constant<int, 1>{});
       }
     });
   });
@@ -251,32 +249,36 @@ void launch_routing_map(const RoutingMapParams& params, cudaStream_t stream) {
 
   const int64_t bins = params.experts + 2;
   const size_t shared_bytes = bins <= kMaxSharedBins ? bins * sizeof(int32_t) : 0;
-  const unsigned grid = grid_for(slots, kThreads);
+  const int64_t blocks_needed = (slots + kThreads - 1) / kThreads;
+  auto keys = [&](auto index_tag) {
+    using Index = decltype(index_tag);
+    auto* kernel = routing_keys_kernel<Index>;
+    kernel<<<one_wave_grid(kernel, kThreads, shared_bytes, blocks_needed), kThreads, shared_bytes,
+             stream>>>(static_cast<const Index*>(params.indices), slots, experts, w.keys_in,
+                       w.values_in, params.counts);
+  };
   if (params.indices_int32) {
-    routing_keys_kernel<<<grid, kThreads, shared_bytes, stream>>>(
-        static_cast<const int32_t*>(params.indices), slots, experts, w.keys_in, w.values_in,
-        params.counts);
+    keys(int32_t{});
   } else {
-    routing_keys_kernel<<<grid, kThreads, shared_bytes, stream>>>(
-        static_cast<const int64_t*>(params.indices), slots, experts, w.keys_in, w.values_in,
-        params.counts);
+    keys(int64_t{});
   }
   TORCHMOE_CUDA_CHECK(cudaGetLastError());
   size_t bytes = w.cub_bytes;
   TORCHMOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
       w.cub_storage, bytes, w.keys_in, w.keys_out, w.values_in, params.sorted_slots,
       static_cast<int>(slots), 0, end_bit(params.experts), stream));
-  row_map_kernel<<<grid, kThreads, 0, stream>>>(w.keys_out, params.sorted_slots, slots, experts,
-                                                params.row_map);
+  row_map_kernel<<<one_wave_grid(row_map_kernel, kThreads, 0, blocks_needed), kThreads, 0,
+                   stream>>>(w.keys_out, params.sorted_slots, slots, experts, params.row_map);
   TORCHMOE_CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_permute(const PermuteParams& params, cudaStream_t stream) {
   dispatch(params, params.rows, {params.input, params.output},
-           [&](auto data_tag, auto prob_tag, auto vec, unsigned grid) {
+           [&](auto data_tag, auto prob_tag, auto vec) {
              using T = decltype(data_tag);
              using S = decltype(prob_tag);
-             permute_kernel<T, S, decltype(vec)::value><<<grid, kThreads, 0, stream>>>(
+             auto* kernel = permute_kernel<T, S, decltype(vec)::value>;
+             kernel<<<row_grid(kernel, params.rows), kThreads, 0, stream>>>(
                  static_cast<const T*>(params.input), params.sorted_slots,
                  static_cast<const S*>(params.probs), static_cast<T*>(params.output), params.rows,
                  params.topk, params.hidden);
@@ -285,10 +287,11 @@ void launch_permute(const PermuteParams& params, cudaStream_t stream) {
 
 void launch_unpermute(const PermuteParams& params, cudaStream_t stream) {
   dispatch(params, params.tokens, {params.input, params.output},
-           [&](auto data_tag, auto prob_tag, auto vec, unsigned grid) {
+           [&](auto data_tag, auto prob_tag, auto vec) {
              using T = decltype(data_tag);
              using S = decltype(prob_tag);
-             unpermute_kernel<T, S, decltype(vec)::value><<<grid, kThreads, 0, stream>>>(
+             auto* kernel = unpermute_kernel<T, S, decltype(vec)::value>;
+             kernel<<<row_grid(kernel, params.tokens), kThreads, 0, stream>>>(
                  static_cast<const T*>(params.input), params.row_map,
                  static_cast<const S*>(params.probs), static_cast<T*>(params.output), params.tokens,
                  params.topk, params.hidden);
@@ -297,10 +300,11 @@ void launch_unpermute(const PermuteParams& params, cudaStream_t stream) {
 
 void launch_unpermute_backward(const PermuteParams& params, cudaStream_t stream) {
   dispatch(params, params.rows, {params.input, params.output, params.permuted},
-           [&](auto data_tag, auto prob_tag, auto vec, unsigned grid) {
+           [&](auto data_tag, auto prob_tag, auto vec) {
              using T = decltype(data_tag);
              using S = decltype(prob_tag);
-             unpermute_backward_kernel<T, S, decltype(vec)::value><<<grid, kThreads, 0, stream>>>(
+             auto* kernel = unpermute_backward_kernel<T, S, decltype(vec)::value>;
+             kernel<<<row_grid(kernel, params.rows), kThreads, 0, stream>>>(
                  static_cast<const T*>(params.input), params.sorted_slots,
                  static_cast<const S*>(params.probs), static_cast<const T*>(params.permuted),
                  static_cast<T*>(params.output), static_cast<S*>(params.grad_probs), params.rows,

@@ -67,29 +67,64 @@ void check_rows_operand(const char* op, const char* name, const at::Tensor& t) {
   TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 
-// Weights: G tensors [n, k] of the operand's dtype and device. Returns {n, k}.
-std::pair<int64_t, int64_t> check_weights(const char* op, at::TensorList weights,
-                                          const at::Tensor& like) {
+// What the checking pass over a per-group tensor list also finds: whether every tensor starts on a
+// 16-byte boundary, and whether they are equally spaced (views of one buffer), which lets the sm90
+// kernel address them by a base and a stride.
+struct GroupLayout {
+  bool aligned = true;
+  kernels::GroupAddress spaced;  // base and group_stride when equally spaced, else empty
+};
+
+// Checks every tensor of `tensors` (check_group_tensor) and finds their layout in the same pass:
+// with 128 experts, separate passes over the list were a visible part of a forward's host time.
+GroupLayout check_group_list(const char* op, const char* what, at::TensorList tensors,
+                             const at::Tensor& like, c10::IntArrayRef shape, at::ScalarType dtype,
+                             const char* dtype_rule) {
+  GroupLayout layout;
+  intptr_t base = 0, step = 0;
+  bool spaced = true;
+  for (size_t g = 0; g < tensors.size(); ++g) {
+    check_group_tensor(op, what, g, tensors[g], like, shape, dtype, dtype_rule);
+    const auto address = reinterpret_cast<intptr_t>(tensors[g].const_data_ptr());
+    layout.aligned &= address % 16 == 0;
+    if (g == 0) {
+      base = address;
+      step = tensors.size() > 1 ? 0 : tensors[0].numel() * tensors[0].element_size();
+    } else if (g == 1) {
+      step = address - base;
+    }
+    spaced &= address == base + static_cast<intptr_t>(g) * step;
+  }
+  if (!tensors.empty() && spaced && step > 0 && step % 16 == 0) {
+    layout.spaced.base = tensors[0].const_data_ptr();
+    layout.spaced.group_stride = step / tensors[0].element_size();
+  }
+  return layout;
+}
+
+// Weights: G tensors [n, k] of the operand's dtype and device.
+struct CheckedWeights {
+  int64_t n, k;
+  GroupLayout layout;
+};
+
+CheckedWeights check_weights(const char* op, at::TensorList weights, const at::Tensor& like) {
   TORCH_CHECK(!weights.empty(), op, ": weights must hold at least one tensor");
   TORCH_CHECK(weights[0].defined() && weights[0].dim() == 2, op,
               ": weights must be 2-D [out_features, in_features] tensors");
   const int64_t n = weights[0].size(0), k = weights[0].size(1);
-  for (size_t g = 0; g < weights.size(); ++g) {
-    check_group_tensor(op, "weights", g, weights[g], like, {n, k}, like.scalar_type(),
-                       "the input's dtype");
-  }
-  return {n, k};
+  return {n, k,
+          check_group_list(op, "weights", weights, like, {n, k}, like.scalar_type(),
+                           "the input's dtype")};
 }
 
-void check_vectors(const char* op, const char* what, at::TensorList vectors, size_t num_groups,
-                   int64_t n, const at::Tensor& like) {
-  if (vectors.empty()) return;
+GroupLayout check_vectors(const char* op, const char* what, at::TensorList vectors,
+                          size_t num_groups, int64_t n, const at::Tensor& like) {
+  if (vectors.empty()) return {};
   TORCH_CHECK(vectors.size() == num_groups, op, ": ", what,
               " must be empty or hold one tensor per ", "group (", num_groups, "), got ",
               vectors.size());
-  for (size_t g = 0; g < vectors.size(); ++g) {
-    check_group_tensor(op, what, g, vectors[g], like, {n}, like.scalar_type(), "the input's dtype");
-  }
+  return check_group_list(op, what, vectors, like, {n}, like.scalar_type(), "the input's dtype");
 }
 
 // ---- CUDA: cuBLASLt ---------------------------------------------------------------------------
@@ -196,15 +231,8 @@ const char* sm90_refusal(const at::Tensor& operand, const GemmShape& shape) {
   return nullptr;
 }
 
-bool all_aligned(std::initializer_list<const at::Tensor*> tensors, at::TensorList lists = {}) {
-  bool aligned = true;
-  for (const at::Tensor* t : tensors) {
-    aligned &= reinterpret_cast<uintptr_t>(t->const_data_ptr()) % 16 == 0;
-  }
-  for (const at::Tensor& t : lists) {
-    aligned &= reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
-  }
-  return aligned;
+bool aligned16(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
 }
 
 // Small device tables (tensor maps, pointer arrays), kept per device for the life of the process
@@ -233,29 +261,15 @@ const void* device_table(const std::string& bytes, const at::Device& device) {
 }
 
 // Where each group's tensor lives: one base and a stride when the tensors are equally spaced
-// (views of one buffer), else a device table of pointers.
-kernels::GroupAddress group_address(at::TensorList tensors) {
-  kernels::GroupAddress address;
-  if (tensors.empty()) return address;
-  const auto base = reinterpret_cast<intptr_t>(tensors[0].const_data_ptr());
-  const intptr_t step = tensors.size() > 1
-                            ? reinterpret_cast<intptr_t>(tensors[1].const_data_ptr()) - base
-                            : tensors[0].numel() * tensors[0].element_size();
-  bool uniform = step > 0 && step % 16 == 0;
-  for (size_t g = 0; g < tensors.size() && uniform; ++g) {
-    uniform = reinterpret_cast<intptr_t>(tensors[g].const_data_ptr()) ==
-              base + static_cast<intptr_t>(g) * step;
-  }
-  if (uniform) {
-    address.base = tensors[0].const_data_ptr();
-    address.group_stride = step / tensors[0].element_size();
-    return address;
-  }
+// (views of one buffer; `layout` from check_group_list), else a device table of pointers.
+kernels::GroupAddress group_address(at::TensorList tensors, const GroupLayout& layout) {
+  if (tensors.empty() || layout.spaced.base != nullptr) return layout.spaced;
   std::string bytes(tensors.size() * sizeof(void*), '\0');
   for (size_t g = 0; g < tensors.size(); ++g) {
     const void* p = tensors[g].const_data_ptr();
     std::memcpy(bytes.data() + g * sizeof(void*), &p, sizeof(void*));
   }
+  kernels::GroupAddress address;
   address.table = static_cast<const void* const*>(device_table(bytes, tensors[0].device()));
   return address;
 }
@@ -311,8 +325,8 @@ kernels::Sm90GemmParams sm90_params(kernels::GemmKind kind, const at::Tensor& li
 
 // The weights as the kernel reads them: one 3-D tensor map over equally spaced weights (built per
 // launch), or a cached device table of per-group maps.
-void set_weights(kernels::Sm90GemmParams& p, at::TensorList weights) {
-  p.weight = group_address(weights);
+void set_weights(kernels::Sm90GemmParams& p, at::TensorList weights, const GroupLayout& layout) {
+  p.weight = group_address(weights, layout);
   if (p.weight.table == nullptr) return;
   std::vector<const void*> pointers;
   for (const at::Tensor& w : weights) pointers.push_back(w.const_data_ptr());
@@ -322,13 +336,20 @@ void set_weights(kernels::Sm90GemmParams& p, at::TensorList weights) {
   p.weight.table = nullptr;
 }
 
-void run_sm90(const at::Tensor& like, const kernels::Sm90GemmParams& params) {
+void run_sm90(const at::Tensor& like, kernels::Sm90GemmParams params) {
   const c10::cuda::CUDAGuard guard(like.device());
+  // wgrad's tile counter: from the caching allocator, so it is stream-ordered (and part of a
+  // captured graph's pool) like every other buffer of the call.
+  at::Tensor counter;
+  if (params.kind == kernels::GemmKind::kWgrad) {
+    counter = at::empty({1}, like.options().dtype(at::kInt));
+    params.tile_counter = counter.mutable_data_ptr<int>();
+  }
   kernels::launch_grouped_gemm_sm90(params, at::cuda::getCurrentCUDAStream().stream());
 }
 
 void column_sums_sm90(const at::Tensor& grad_output, const at::Tensor& splits,
-                      at::TensorList bias_grads_out) {
+                      at::TensorList bias_grads_out, const GroupLayout& layout) {
   const c10::cuda::CUDAGuard guard(grad_output.device());
   kernels::GroupedColumnSumParams p;
   p.type = kernel_type(grad_output.scalar_type());
@@ -338,7 +359,7 @@ void column_sums_sm90(const at::Tensor& grad_output, const at::Tensor& splits,
   p.m_splits = splits.const_data_ptr();
   p.splits_int32 = splits.scalar_type() == at::kInt;
   p.grad_output = grad_output.const_data_ptr();
-  p.bias_grad = group_address(bias_grads_out);
+  p.bias_grad = group_address(bias_grads_out, layout);
   kernels::launch_grouped_column_sum(p, at::cuda::getCurrentCUDAStream().stream());
 }
 
@@ -402,8 +423,9 @@ std::vector<int64_t> GroupSplits::to_host() const {
 GroupSplits resolve_splits(const GroupSplits& m_splits, const at::Tensor& input,
                            at::TensorList weights, GemmBackendChoice choice) {
   if (!m_splits.on_device() || weights.empty()) return m_splits;
-  const GemmShape shape{weights[0].size(0), weights[0].size(1), weights.size(),
-                        all_aligned({&input}, weights)};
+  bool aligned = aligned16(input);
+  for (const at::Tensor& w : weights) aligned &= aligned16(w);
+  const GemmShape shape{weights[0].size(0), weights[0].size(1), weights.size(), aligned};
   if (select_backend(input, shape, choice) == GemmBackend::kSm90) return m_splits;
   return GroupSplits(m_splits.to_host());
 }
@@ -413,13 +435,13 @@ at::Tensor grouped_linear_forward(const at::Tensor& input, const GroupSplits& m_
                                   GemmBackendChoice choice) {
   constexpr const char* op = "torchmoe::ops::grouped_linear_forward";
   check_rows_operand(op, "input", input);
-  const auto [n, k] = check_weights(op, weights, input);
+  const auto [n, k, weight_layout] = check_weights(op, weights, input);
   TORCH_CHECK(input.size(1) == k, op, ": input must have ", k, " features (weights are [", n, ", ",
               k, "]), got ", input.size(1));
-  check_vectors(op, "biases", biases, weights.size(), n, input);
+  const GroupLayout bias_layout = check_vectors(op, "biases", biases, weights.size(), n, input);
 
   at::Tensor output = at::empty({input.size(0), n}, input.options());
-  const GemmShape shape{n, k, weights.size(), all_aligned({&input}, weights)};
+  const GemmShape shape{n, k, weights.size(), aligned16(input) && weight_layout.aligned};
   switch (select_backend(input, shape, choice)) {
     case GemmBackend::kSm90: {
       const at::Tensor splits = checked_kernel_splits(op, m_splits, weights.size(), input);
@@ -428,8 +450,8 @@ at::Tensor grouped_linear_forward(const at::Tensor& input, const GroupSplits& m_
           sm90_params(kernels::GemmKind::kFprop, input, n, k, weights.size(), splits);
       p.input = input.const_data_ptr();
       p.output = output.data_ptr();
-      set_weights(p, weights);
-      p.bias = group_address(biases);
+      set_weights(p, weights, weight_layout);
+      p.bias = group_address(biases, bias_layout);
       run_sm90(input, p);
       return output;
     }
@@ -471,12 +493,12 @@ at::Tensor grouped_linear_dgrad(const at::Tensor& grad_output, const GroupSplits
                                 at::TensorList weights, GemmBackendChoice choice) {
   constexpr const char* op = "torchmoe::ops::grouped_linear_dgrad";
   check_rows_operand(op, "grad_output", grad_output);
-  const auto [n, k] = check_weights(op, weights, grad_output);
+  const auto [n, k, weight_layout] = check_weights(op, weights, grad_output);
   TORCH_CHECK(grad_output.size(1) == n, op, ": grad_output must have ", n,
               " features (weights are [", n, ", ", k, "]), got ", grad_output.size(1));
 
   at::Tensor grad_input = at::empty({grad_output.size(0), k}, grad_output.options());
-  const GemmShape shape{n, k, weights.size(), all_aligned({&grad_output}, weights)};
+  const GemmShape shape{n, k, weights.size(), aligned16(grad_output) && weight_layout.aligned};
   switch (select_backend(grad_output, shape, choice)) {
     case GemmBackend::kSm90: {
       const at::Tensor splits = checked_kernel_splits(op, m_splits, weights.size(), grad_output);
@@ -485,7 +507,7 @@ at::Tensor grouped_linear_dgrad(const at::Tensor& grad_output, const GroupSplits
           sm90_params(kernels::GemmKind::kDgrad, grad_output, n, k, weights.size(), splits);
       p.grad_output = grad_output.const_data_ptr();
       p.output = grad_input.data_ptr();
-      set_weights(p, weights);
+      set_weights(p, weights, weight_layout);
       run_sm90(grad_output, p);
       return grad_input;
     }
@@ -522,8 +544,8 @@ void grouped_bias_grad(const at::Tensor& grad_output, const GroupSplits& m_split
   constexpr const char* op = "torchmoe::ops::grouped_bias_grad";
   check_rows_operand(op, "grad_output", grad_output);
   TORCH_CHECK(!bias_grads_out.empty(), op, ": bias_grads_out must hold one tensor per group");
-  check_vectors(op, "bias_grads_out", bias_grads_out, bias_grads_out.size(), grad_output.size(1),
-                grad_output);
+  const GroupLayout layout = check_vectors(op, "bias_grads_out", bias_grads_out,
+                                           bias_grads_out.size(), grad_output.size(1), grad_output);
   if (m_splits.on_device()) {
     // Device sizes (the sm90 path): one kernel reads them; fp32 sums, one rounding, zeros for an
     // empty group, as below.
@@ -531,7 +553,7 @@ void grouped_bias_grad(const at::Tensor& grad_output, const GroupSplits& m_split
                 ": device m_splits need an even number of bfloat16/float16/float32 features");
     const at::Tensor splits =
         checked_kernel_splits(op, m_splits, bias_grads_out.size(), grad_output);
-    column_sums_sm90(grad_output, splits, bias_grads_out);
+    column_sums_sm90(grad_output, splits, bias_grads_out, layout);
     return;
   }
   check_host_splits(op, m_splits.host(), bias_grads_out.size(), grad_output.size(0));
@@ -567,14 +589,14 @@ void grouped_linear_wgrad(const at::Tensor& input, const at::Tensor& grad_output
   // rounding the product before the add); accumulation is for fp32 main-grad buffers.
   TORCH_CHECK(!accumulate || grad_type == at::kFloat || grad_type == at::kDouble, op,
               ": accumulate requires float32 (or float64) weight_grads_out, got ", grad_type);
-  for (size_t g = 0; g < weight_grads_out.size(); ++g) {
-    check_group_tensor(op, "weight_grads_out", g, weight_grads_out[g], input, {n, k}, grad_type,
+  const GroupLayout grad_layout =
+      check_group_list(op, "weight_grads_out", weight_grads_out, input, {n, k}, grad_type,
                        "weight_grads_out[0]'s dtype");
-  }
-  check_vectors(op, "bias_grads_out", bias_grads_out, weight_grads_out.size(), n, input);
+  const GroupLayout bias_layout =
+      check_vectors(op, "bias_grads_out", bias_grads_out, weight_grads_out.size(), n, input);
 
   const GemmShape shape{n, k, weight_grads_out.size(),
-                        all_aligned({&input, &grad_output}, weight_grads_out)};
+                        aligned16(input) && aligned16(grad_output) && grad_layout.aligned};
   switch (select_backend(input, shape, choice)) {
     case GemmBackend::kSm90: {
       const at::Tensor splits = checked_kernel_splits(op, m_splits, weight_grads_out.size(), input);
@@ -588,11 +610,13 @@ void grouped_linear_wgrad(const at::Tensor& input, const at::Tensor& grad_output
         p.output_type = kernel_type(grad_type);
         p.input = input.const_data_ptr();
         p.grad_output = grad_output.const_data_ptr();
-        p.weight_grad = group_address(weight_grads_out);
+        p.weight_grad = group_address(weight_grads_out, grad_layout);
         p.accumulate = accumulate;
         run_sm90(input, p);
       }
-      if (!bias_grads_out.empty()) column_sums_sm90(grad_output, splits, bias_grads_out);
+      if (!bias_grads_out.empty()) {
+        column_sums_sm90(grad_output, splits, bias_grads_out, bias_layout);
+      }
       return;
     }
     case GemmBackend::kReference: {

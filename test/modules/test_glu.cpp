@@ -131,6 +131,9 @@ GluCase make_case(int activation, bool scaled, std::optional<int64_t> interleave
 
 const std::vector<std::vector<int64_t>> kShapes = {{17, 64},    {13, 100},    {71, 192},
                                                    {5, 7, 128}, {1024, 2048}, {0, 64}};
+// CUDA only: H = 4224 spans 17 chunks of 16-byte vectors per warp in bf16, so the forward splits
+// each row into three segments of at most 8 chunks, the last one a half chunk.
+const std::vector<int64_t> kLongRows = {37, 8448};
 
 }  // namespace
 
@@ -160,13 +163,17 @@ TEST_CASE("SwiGLU family fused CUDA kernels vs float64 reference", "[modules][gl
     run_glu_case(make_case(activation, scaled, interleave), shape, torch::kCUDA, dtype,
                  fp32_scales ? torch::kFloat32 : dtype, input_grad, scale_grad);
   }
+  run_glu_case(make_case(activation, scaled, interleave), kLongRows, torch::kCUDA, dtype,
+               fp32_scales ? torch::kFloat32 : dtype, input_grad, scale_grad);
 }
 
 TEST_CASE("SwiGLU CUDA kernel takes the scalar path for unaligned rows", "[modules][glu][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
-  // H = 50 is not a multiple of the 8-wide bf16 vector; a sliced input is not 16-byte aligned.
+  // H = 50 and 4225 are not multiples of the 8-wide bf16 vector (4225: 133 one-element chunks,
+  // 17 forward segments); a sliced input is not 16-byte aligned.
   const GluCase c = make_case(1, true, std::nullopt);
   run_glu_case(c, {33, 100}, torch::kCUDA, torch::kBFloat16, torch::kFloat32, true, true);
+  run_glu_case(c, {9, 8450}, torch::kCUDA, torch::kBFloat16, torch::kFloat32, true, true);
   const auto bf16 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
   const torch::Tensor big = torch::randn({9 * 64 + 1}, bf16);
   const torch::Tensor x = big.narrow(0, 1, 9 * 64).view({9, 64});  // offset by one element
