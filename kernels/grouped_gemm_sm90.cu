@@ -6,8 +6,9 @@
 // 128 × 256 tiles read 48 KB of shared memory per 2·128·256·64 FLOPs, a third less per FLOP
 // than 128 × 128 tiles; that keeps the tensor cores, not shared memory or L2, the limit.
 //
-// Shared memory (226 KB of 227): 3 slots of (A 16 KB | B 32 KB), 128-byte swizzled, one "full"
-// and one "empty" mbarrier per slot; one 32 KB epilogue buffer per consumer; the group table.
+// Shared memory (221-226 KB of 227, see Smem): slots of (A 16 KB | B 32 KB), 128-byte swizzled,
+// one "full" and one "empty" mbarrier per slot; one epilogue buffer per consumer; the group
+// table. fprop/dgrad: 4 slots and 8 KB buffers; wgrad: 3 slots and 32 KB buffers.
 // Operands come in 64 × 64 boxes (8 KB) or one larger K-major box:
 //
 //   K-major operand (x in fprop, dy in dgrad, W in fprop): one TMA box {64 reduction, 128 or 256
@@ -17,15 +18,17 @@
 //     apart (LBO); reduction step j at j·128 B, 8-step groups 1024 B apart (SBO); k16 steps move
 //     the start by 2048 B. wgmma reads it with the transpose bit set.
 //
-// Epilogue: each consumer writes its 64 × 256 result into its buffer as 8 boxes of 64 rows × 64
+// Epilogue: each consumer writes its 64 × 256 result into its buffer in boxes of 64 rows × 64
 // bytes (64-byte swizzle: the 8 rows a warp writes at once land in distinct banks), then one
-// thread issues a TMA store per box (a TMA add for fp32 accumulation); fp32 takes two such
-// rounds. The stores drain while the next tile's main loop runs; the buffer is rewritten only
-// once they have read it. A whole-tile buffer costs the pipeline its fourth stage, and pays for
-// it: with 4 stages and 4 KB chunks, each chunk waited for the previous store, and the serial
-// epilogue cost mixtral's wgrad (64 KB out per 32 k-blocks) 10–15% (docs/performance.md, v2 →
-// v3). Tiles whose rows end inside the tile (a group's last row tile: the next group's rows
-// follow) and outputs no tensor map describes are stored from registers with row masks instead.
+// thread issues a TMA store per box (a TMA add for fp32 accumulation), in rounds of as many
+// boxes as the buffer holds. The last round's stores drain while the next tile's main loop
+// runs; a buffer is rewritten only once they have read it. The trade between pipeline stages
+// and buffer size differs by kind (docs/performance.md): wgrad keeps a whole-tile buffer and 3
+// stages, because its fp32 tiles with 4 stages and small buffers spent 10-15% waiting on their
+// own stores (v2 -> v3); fprop/dgrad take the fourth stage and store in four rounds: +4-9% on
+// small experts (v6). Tiles whose rows end inside the tile (a group's last row tile: the next
+// group's rows follow) and outputs no tensor map describes are stored from registers with row
+// masks instead.
 //
 // The persistent grid walks a global tile list, group after group: round-robin for fprop and
 // dgrad, claimed from a global counter for wgrad (take_tiles); each block's producer passes its
@@ -49,26 +52,35 @@ namespace {
 
 constexpr int kThreads = 384;
 constexpr int kBlockM = 128, kBlockN = 256, kBlockK = 64;
-constexpr int kStages = 3;
 constexpr int kBoxBytes = 64 * 128;                  // one 64 × 64 box: 8 KB
 constexpr int kABytes = (kBlockM / 64) * kBoxBytes;  // 16 KB
 constexpr int kBBytes = (kBlockN / 64) * kBoxBytes;  // 32 KB
 constexpr int kStageBytes = kABytes + kBBytes;       // A | B
 constexpr int kConsumerWarps = 8;                    // the empty barriers' arrivals
-// Epilogue: per consumer 8 boxes of 64 rows × 64 bytes (a 64 × 256 tile of 16-bit values).
+// Epilogue boxes: 64 rows × 64 bytes (a 64 × 256 tile of 16-bit values is 8 of them).
 constexpr int kEpilogueRowBytes = 64, kEpilogueBoxBytes = 64 * kEpilogueRowBytes;  // 4 KB
-constexpr int kEpilogueBoxes = 8, kEpilogueBytes = kEpilogueBoxes * kEpilogueBoxBytes;
 // Tile indices pass from the producer to the consumers through a ring (see take_tiles). The
-// producer runs at most kStages reduction blocks ahead, i.e. a few tiles when they have one each.
+// producer runs at most a few reduction blocks ahead, i.e. a few tiles when they have one each.
 constexpr int kTileSlots = 4;
-constexpr size_t kSharedBytes = kStages * kStageBytes + 2 * kEpilogueBytes  // one per consumer
-                                + 2 * (kStages + kTileSlots) * sizeof(uint64_t) +
-                                kTileSlots * sizeof(int) + 1024;  // + alignment slack
+// Shared memory by kind (see the file comment): wgrad, 3 stages and a whole-tile epilogue buffer
+// per consumer; fprop/dgrad (16-bit output), 4 stages and a quarter-tile buffer, four rounds.
+template <GemmKind kKind>
+struct Smem {
+  static constexpr int kStages = kKind == GemmKind::kWgrad ? 3 : 4;
+  static constexpr int kEpilogueBoxes = kKind == GemmKind::kWgrad ? 8 : 2;
+  static constexpr int kEpilogueBytes = kEpilogueBoxes * kEpilogueBoxBytes;  // per consumer
+  static constexpr size_t kBytes = kStages * kStageBytes + 2 * kEpilogueBytes +
+                                   2 * (kStages + kTileSlots) * sizeof(uint64_t) +
+                                   kTileSlots * sizeof(int) + 1024;  // + alignment slack
+};
 // Registers: the producer needs few, the consumers' 128 accumulators need many (64K per SM).
 constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;
 static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= 65536);
 // Dynamic plus the static group table (3 int arrays) within the 227 KB a block may use.
-static_assert(kSharedBytes + (3 * kSm90MaxGroups + 1) * sizeof(int) <= 227 * 1024);
+static_assert(Smem<GemmKind::kFprop>::kBytes + (3 * kSm90MaxGroups + 1) * sizeof(int) <=
+              227 * 1024);
+static_assert(Smem<GemmKind::kWgrad>::kBytes + (3 * kSm90MaxGroups + 1) * sizeof(int) <=
+              227 * 1024);
 
 // Everything a launch passes by value; the tensor maps must live in parameter (or global) memory.
 struct KernelArgs {
@@ -449,7 +461,7 @@ __device__ void produce(const KernelArgs& args, const GroupTable& t, const TileR
           tma_load_3d(b + h * kBoxBytes, &args.b_map, &full[stage], tile.col0 + 64 * h, row, 0);
         }
       }
-      if (++stage == kStages) {
+      if (++stage == Smem<kKind>::kStages) {
         stage = 0;
         phase ^= 1;
       }
@@ -474,11 +486,12 @@ __device__ __forceinline__ float2 bias_pair(const TileOutput<T, OutT>& o, int64_
   return make_float2(to_float(o.bias[col]), to_float(o.bias[col + 1]));
 }
 
-// Stores this warpgroup's 64 × 256 accumulators through its 32 KB shared-memory buffer and TMA:
-// all boxes of a round are written, then one thread issues their stores (one round for 16-bit
-// outputs, two for fp32). The stores drain during the next tile's main loop; the buffer is only
-// rewritten once they have read it.
-template <typename T, typename OutT>
+// Stores this warpgroup's 64 × 256 accumulators through its shared-memory buffer of
+// kEpilogueBoxes boxes and TMA: the boxes of a round are written, then one thread issues their
+// stores (16 boxes for fp32, 8 for 16-bit outputs, in as many rounds as the buffer needs). A
+// round waits until the previous round's stores have read the buffer; the last round's drain
+// during the next tile's main loop.
+template <int kEpilogueBoxes, typename T, typename OutT>
 __device__ __forceinline__ void store_tile_tma(const KernelArgs& args, const TileOutput<T, OutT>& o,
                                                const Tile& tile, const float (&acc)[128],
                                                uint8_t* buffer, int consumer) {
@@ -573,7 +586,7 @@ __device__ void consume(const KernelArgs& args, const GroupTable& t, const TileR
   constexpr uint32_t kStepA = kTransA ? 2048 : 32, kStepB = kTransB ? 2048 : 32;
   const Sm90GemmParams& p = args.p;
   const int thread = threadIdx.x % 128, lane = thread % kWarpSize;
-  uint8_t* buffer = epilogue + consumer * kEpilogueBytes;
+  uint8_t* buffer = epilogue + consumer * Smem<kKind>::kEpilogueBytes;
   int stage = 0;
   uint32_t phase = 0;
   float acc[128];
@@ -618,7 +631,7 @@ __device__ void consume(const KernelArgs& args, const GroupTable& t, const TileR
       wgmma_wait<1>();  // the previous block's wgmma are done: its slot can be refilled
       if (previous >= 0 && lane == 0) mbar_arrive(&empty[previous]);
       previous = stage;
-      if (++stage == kStages) {
+      if (++stage == Smem<kKind>::kStages) {
         stage = 0;
         phase ^= 1;
       }
@@ -648,7 +661,7 @@ __device__ void consume(const KernelArgs& args, const GroupTable& t, const TileR
       tma = tma && tile.valid_rows >= (consumer + 1) * 64;
     }
     if (tma) {
-      store_tile_tma<T, OutT>(args, o, tile, acc, buffer, consumer);
+      store_tile_tma<Smem<kKind>::kEpilogueBoxes, T, OutT>(args, o, tile, acc, buffer, consumer);
     } else {
       store_tile_direct<T, OutT>(p, o, tile, acc, consumer);
     }
@@ -666,8 +679,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       group_tiles[kSm90MaxGroups + 1];
   // 128-byte swizzle atoms must start on 1024-byte boundaries.
   uint8_t* smem = smem_raw + ((1024 - smem_u32(smem_raw) % 1024) % 1024);
+  constexpr int kStages = Smem<kKind>::kStages;
   uint8_t* epilogue = smem + kStages * kStageBytes;
-  uint64_t* full = reinterpret_cast<uint64_t*>(epilogue + 2 * kEpilogueBytes);
+  uint64_t* full = reinterpret_cast<uint64_t*>(epilogue + 2 * Smem<kKind>::kEpilogueBytes);
   uint64_t* empty = full + kStages;
   uint64_t* tile_full = empty + kStages;
   uint64_t* tile_empty = tile_full + kTileSlots;
@@ -823,7 +837,7 @@ void launch(const Sm90GemmParams& p, cudaStream_t stream) {
   TORCH_CHECK(device < kMaxDevices, "sm90 grouped GEMM: device index ", device, " out of range");
   std::call_once(configured[device], [&] {
     TORCHMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(kSharedBytes)));
+                                             static_cast<int>(Smem<kKind>::kBytes)));
   });
   KernelArgs args;
   std::memset(&args, 0, sizeof(args));
@@ -856,7 +870,7 @@ void launch(const Sm90GemmParams& p, cudaStream_t stream) {
   if constexpr (kKind == GemmKind::kWgrad) {
     TORCHMOE_CUDA_CHECK(cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream));
   }
-  kernel<<<sm_count(), kThreads, kSharedBytes, stream>>>(args);
+  kernel<<<sm_count(), kThreads, Smem<kKind>::kBytes, stream>>>(args);
   TORCHMOE_CUDA_CHECK(cudaGetLastError());
 }
 
