@@ -6,9 +6,9 @@
 // 128 × 256 tiles read 48 KB of shared memory per 2·128·256·64 FLOPs, a third less per FLOP
 // than 128 × 128 tiles; that keeps the tensor cores, not shared memory or L2, the limit.
 //
-// Shared memory (221-226 KB of 227, see Smem): slots of (A 16 KB | B 32 KB), 128-byte swizzled,
-// one "full" and one "empty" mbarrier per slot; one epilogue buffer per consumer; the group
-// table. fprop/dgrad: 4 slots and 8 KB buffers; wgrad: 3 slots and 32 KB buffers.
+// Shared memory (221 KiB of 227 for every kind, see Smem): slots of (A 16 KB | B 32 KB),
+// 128-byte swizzled, one "full" and one "empty" mbarrier per slot; one epilogue buffer per
+// consumer; the group table. fprop/dgrad: 4 slots and 8 KB buffers; wgrad: 3 slots and 32 KB.
 // Operands come in 64 × 64 boxes (8 KB) or one larger K-major box:
 //
 //   K-major operand (x in fprop, dy in dgrad, W in fprop): one TMA box {64 reduction, 128 or 256
