@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 
 #include "torchmoe/kernels/cuda_check.h"
 #include "torchmoe/kernels/scalar_type.h"
@@ -86,6 +87,14 @@ void dispatch_type(ScalarType type, Fn&& fn) {
 }
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Every pointer that is set starts on a 16-byte boundary (null ones are optional operands).
+inline bool aligned16(std::initializer_list<const void*> pointers) {
+  for (const void* p : pointers) {
+    if (p != nullptr && !aligned16(p)) return false;
+  }
+  return true;
+}
 
 // Multiprocessors of the current device.
 inline int sm_count() {

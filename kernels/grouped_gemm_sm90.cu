@@ -387,9 +387,11 @@ __device__ __forceinline__ void take_tiles(const Sm90GemmParams& p, const GroupT
   int slot = 0, g = 0;
   uint32_t phase = 0;
   for (int index = blockIdx.x;;) {
-    int next = index + static_cast<int>(gridDim.x);
+    int next;
     if constexpr (kKind == GemmKind::kWgrad) {
       next = index < total ? static_cast<int>(gridDim.x) + atomicAdd(p.tile_counter, 1) : total;
+    } else {
+      next = index + static_cast<int>(gridDim.x);
     }
     mbar_wait(&ring.empty[slot], phase ^ 1);
     ring.index[slot] = index;
@@ -759,17 +761,36 @@ __global__ void grouped_column_sum_kernel(const GroupedColumnSumParams p) {
 
 // ---- host side -----------------------------------------------------------------------------
 
+// A driver entry point, resolved once through the runtime (the library never links libcuda).
+void* driver_entry_point(const char* name, int version) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  TORCHMOE_CUDA_CHECK(
+      cudaGetDriverEntryPointByVersion(name, &fn, version, cudaEnableDefault, &found));
+  TORCH_CHECK(found == cudaDriverEntryPointSuccess && fn != nullptr,
+              "torchmoe sm90 grouped GEMM: the CUDA driver has no ", name);
+  return fn;
+}
+
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    TORCHMOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
-                                                         cudaEnableDefault, &found));
-    TORCH_CHECK(found == cudaDriverEntryPointSuccess && fn != nullptr,
-                "torchmoe sm90 grouped GEMM: the CUDA driver has no cuTensorMapEncodeTiled");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }();
+  static const auto encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(
+      driver_entry_point("cuTensorMapEncodeTiled", 12000));
   return encode;
+}
+
+// cuTensorMapEncodeTiled needs a current context (else CUresult 201). The runtime binds the
+// device's primary context to a thread lazily, on the first call that needs one, so a thread that
+// so far made none (a new std::thread or an autograd worker whose tensors came from the caching
+// allocator) has none yet; cudaSetDevice binds it.
+void bind_current_context() {
+  static const auto get_current =
+      reinterpret_cast<PFN_cuCtxGetCurrent_v4000>(driver_entry_point("cuCtxGetCurrent", 4000));
+  CUcontext context = nullptr;
+  TORCH_CHECK(get_current(&context) == CUDA_SUCCESS, "sm90 grouped GEMM: cuCtxGetCurrent failed");
+  if (context != nullptr) return;
+  int device = 0;
+  TORCHMOE_CUDA_CHECK(cudaGetDevice(&device));
+  TORCHMOE_CUDA_CHECK(cudaSetDevice(device));
 }
 
 CUtensorMapDataType map_type(ScalarType type) {
@@ -805,6 +826,7 @@ CUtensorMap encode_map(ScalarType type, const void* base, int64_t inner, int64_t
   TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(base) % 16 == 0 && inner * bytes % 16 == 0 &&
                             group_stride * bytes % 16 == 0,
                         "sm90 grouped GEMM: tensors must be 16-byte aligned");
+  bind_current_context();
   CUtensorMap map;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(rows),
                               static_cast<cuuint64_t>(groups)};

@@ -139,9 +139,7 @@ void dispatch_types(const GluParams& params, Fn&& fn) {
 // 16-byte vectors when the sizes and every pointer allow.
 bool vectorizable(const GluParams& params, int vector,
                   std::initializer_list<const void*> pointers) {
-  bool vectorized = params.hidden % vector == 0 && params.interleave % vector == 0;
-  for (const void* p : pointers) vectorized &= p == nullptr || aligned16(p);
-  return vectorized;
+  return params.hidden % vector == 0 && params.interleave % vector == 0 && aligned16(pointers);
 }
 
 // The one place that turns runtime parameters into a kernel instantiation: resolves the data

@@ -216,9 +216,7 @@ void dispatch(const PermuteParams& params, int64_t out_rows,
   dispatch_type(params.data_type, [&](auto data_tag) {
     dispatch_type(params.prob_type, [&](auto prob_tag) {
       constexpr int kVec = 16 / sizeof(decltype(data_tag));
-      bool vectorized = params.hidden % kVec == 0;
-      for (const void* p : pointers) vectorized &= p == nullptr || aligned16(p);
-      if (vectorized) {
+      if (params.hidden % kVec == 0 && aligned16(pointers)) {
         launch(data_tag, prob_tag, std::integral_constant<int, kVec>{});
       } else {
         launch(data_tag, prob_tag, std::integral_constant<int, 1>{});

@@ -10,6 +10,8 @@
 #include <torchmoe/ops/grouped_gemm.h>
 
 #include <limits>
+#include <string>
+#include <thread>
 
 #include "test_utils.h"
 
@@ -169,6 +171,31 @@ TEST_CASE("sm90 grouped GEMM clamps device splits to the buffer", "[ops][cuda][s
   const torch::Tensor expected =
       torch::cat({x.narrow(0, 0, 30).mm(w[0].t()), x.narrow(0, 30, 20).mm(w[2].t())});
   check_close(y, expected, {1e-2, 1e-2}, "truncated groups");
+}
+
+TEST_CASE("sm90 grouped GEMM runs on a thread that has made no CUDA call", "[ops][cuda][sm90]") {
+  TORCHMOE_REQUIRE_SM90();
+  // The tensor maps come from a driver call, which needs a current context. A new thread has none
+  // until a runtime call binds one, and here none does: the first call below has configured the
+  // kernel, and the worker's tensors come from the caching allocator.
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+  const torch::Tensor x = torch::randn({64, 64}, cuda);
+  const std::vector<torch::Tensor> w = torch::randn({2, 64, 64}, cuda).unbind(0);
+  const ops::GroupSplits splits(torch::tensor({40, 24}).to(torch::kCUDA));
+  const torch::Tensor expected = ops::grouped_linear_forward(x, splits, w, {}, kSm90);
+  torch::Tensor y;
+  std::string error;
+  std::thread worker([&] {
+    try {
+      y = ops::grouped_linear_forward(x, splits, w, {}, kSm90);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  });
+  worker.join();
+  INFO(error);
+  REQUIRE(error.empty());
+  CHECK(torch::equal(y, expected));
 }
 
 TEST_CASE("sm90 grouped GEMM rejects device splits it cannot use", "[ops][cuda][sm90][errors]") {
