@@ -235,22 +235,35 @@ bool aligned16(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
 }
 
+// The tensors' data pointers as bytes: what identifies a per-group table of them.
+std::string pointer_bytes(at::TensorList tensors) {
+  std::string bytes(tensors.size() * sizeof(void*), '\0');
+  for (size_t g = 0; g < tensors.size(); ++g) {
+    const void* p = tensors[g].const_data_ptr();
+    std::memcpy(bytes.data() + g * sizeof(void*), &p, sizeof(void*));
+  }
+  return bytes;
+}
+
 // Small device tables (tensor maps, pointer arrays), kept per device for the life of the process
-// and keyed by content: the same weights or gradient buffers give the same table on every call,
-// so the upload happens once and a CUDA graph may keep the pointer it captured.
-const void* device_table(const std::string& bytes, const at::Device& device) {
+// and keyed by what determines their content: the same weights or gradient buffers give the same
+// table on every call, so make_bytes() runs and the upload happens once, and a CUDA graph may keep
+// the pointer it captured.
+template <typename MakeBytes>
+const void* device_table(const std::string& key, const at::Device& device, MakeBytes&& make_bytes) {
   static std::mutex mutex;
   static std::unordered_map<std::string, at::Tensor> tables;
-  const std::string key = std::to_string(device.index()) + ":" + bytes;
+  const std::string device_key = std::to_string(device.index()) + ":" + key;
   const std::lock_guard<std::mutex> lock(mutex);
-  auto it = tables.find(key);
+  auto it = tables.find(device_key);
   if (it == tables.end()) {
     TORCH_CHECK(at::cuda::currentStreamCaptureStatus() == at::cuda::CaptureStatus::None,
                 "torchmoe grouped GEMM: new weight or gradient tensors were seen during CUDA graph "
                 "capture; run the step once before capturing (their address table is built then)");
+    const std::string bytes = make_bytes();
     at::Tensor host = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
     std::memcpy(host.data_ptr(), bytes.data(), bytes.size());
-    it = tables.emplace(key, host.to(device)).first;
+    it = tables.emplace(device_key, host.to(device)).first;
     if (tables.size() == 4096) {
       TORCH_WARN(
           "torchmoe grouped GEMM: 4096 address tables cached; are weight or gradient "
@@ -264,13 +277,10 @@ const void* device_table(const std::string& bytes, const at::Device& device) {
 // (views of one buffer; `layout` from check_group_list), else a device table of pointers.
 kernels::GroupAddress group_address(at::TensorList tensors, const GroupLayout& layout) {
   if (tensors.empty() || layout.spaced.base != nullptr) return layout.spaced;
-  std::string bytes(tensors.size() * sizeof(void*), '\0');
-  for (size_t g = 0; g < tensors.size(); ++g) {
-    const void* p = tensors[g].const_data_ptr();
-    std::memcpy(bytes.data() + g * sizeof(void*), &p, sizeof(void*));
-  }
+  const std::string bytes = pointer_bytes(tensors);
   kernels::GroupAddress address;
-  address.table = static_cast<const void* const*>(device_table(bytes, tensors[0].device()));
+  address.table = static_cast<const void* const*>(
+      device_table("pointers " + bytes, tensors[0].device(), [&] { return bytes; }));
   return address;
 }
 
@@ -324,16 +334,25 @@ kernels::Sm90GemmParams sm90_params(kernels::GemmKind kind, const at::Tensor& li
 }
 
 // The weights as the kernel reads them: one 3-D tensor map over equally spaced weights (built per
-// launch), or a cached device table of per-group maps.
+// launch), or a cached device table of per-group maps. A map depends only on the kind, dtype,
+// shape and address, so those are the table's key and its G driver encodes run once per set of
+// weights, not on every call.
 void set_weights(kernels::Sm90GemmParams& p, at::TensorList weights, const GroupLayout& layout) {
-  p.weight = group_address(weights, layout);
-  if (p.weight.table == nullptr) return;
-  std::vector<const void*> pointers;
-  for (const at::Tensor& w : weights) pointers.push_back(w.const_data_ptr());
-  const std::vector<uint8_t> maps =
-      kernels::encode_weight_maps(p.kind, p.input_type, p.n, p.k, pointers);
-  p.weight_maps = device_table(std::string(maps.begin(), maps.end()), weights[0].device());
-  p.weight.table = nullptr;
+  if (layout.spaced.base != nullptr) {
+    p.weight = layout.spaced;
+    return;
+  }
+  const std::string key = "weight maps " + std::to_string(static_cast<int>(p.kind)) + " " +
+                          std::to_string(static_cast<int>(p.input_type)) + " " +
+                          std::to_string(p.n) + " " + std::to_string(p.k) + " " +
+                          pointer_bytes(weights);
+  p.weight_maps = device_table(key, weights[0].device(), [&] {
+    std::vector<const void*> pointers;
+    for (const at::Tensor& w : weights) pointers.push_back(w.const_data_ptr());
+    const std::vector<uint8_t> maps =
+        kernels::encode_weight_maps(p.kind, p.input_type, p.n, p.k, pointers);
+    return std::string(maps.begin(), maps.end());
+  });
 }
 
 void run_sm90(const at::Tensor& like, kernels::Sm90GemmParams params) {
