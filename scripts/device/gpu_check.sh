@@ -4,7 +4,7 @@
 # with 1 cuBLASLt stream, ScaledSwiGLU, GroupedMLP, MoELayer by part). Logs and JSON go to $OUT (8 files: the
 # device tool returns at most 8); tables go to stdout.
 # Catch2 and fmt travel in .device/ (the GPU machine has no package registry).
-#   device run: bash scripts/gpu_check.sh [tests] [example] [bench]     (carry: .device)
+#   device run: bash scripts/device/gpu_check.sh [tests] [example] [bench]     (carry: .device)
 # With no arguments it does all three.
 set -uo pipefail
 out=${OUT:-/tmp/torchmoe-out}

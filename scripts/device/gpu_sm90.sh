@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One device call: build, run the sm90 + graph tests and the CUDA GEMM tests, then the GEMM benchmark
 # (BENCH=1) and compute-sanitizer memcheck + racecheck on the sm90 kernel tests (SANITIZE=1).
+# Run from the repository root; Catch2 and fmt travel in .device/ (see docs/build.md).
+#   device run: [TESTS=filter] [BENCH=1 [BENCH_SHAPES=a,b]] [SANITIZE=1 [SANITIZE_ONLY=memcheck|racecheck]]
+#               bash scripts/device/gpu_sm90.sh     (carry: .device)
 set -uo pipefail
 torch_cmake=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTORCHMOE_BUILD_EXAMPLES=OFF \
