@@ -23,7 +23,7 @@ at::Tensor GluFunction::forward(AutogradContext* ctx, const at::Tensor& input,
 variable_list GluFunction::backward(AutogradContext* ctx, variable_list grad_outputs) {
   const variable_list saved = ctx->get_saved_variables();
   ops::GluOptions options;
-  options.activation = static_cast<ops::GluActivation>(ctx->saved_data["activation"].toInt());
+  options.activation = static_cast<GluActivation>(ctx->saved_data["activation"].toInt());
   options.limit = ctx->saved_data["limit"].toDouble();
   options.alpha = ctx->saved_data["alpha"].toDouble();
   options.offset = ctx->saved_data["offset"].toDouble();

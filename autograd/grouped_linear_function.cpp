@@ -2,55 +2,48 @@
 
 #include <ATen/ATen.h>
 
-#include "torchmoe/ops/grouped_gemm.h"
-
 namespace torchmoe::autograd {
 namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Per-group [out, in] / [out] views of parameters given either as G tensors or one stacked tensor.
-std::vector<at::Tensor> per_group(at::TensorList params, bool grouped) {
+// Parameters (or their gradient buffers) as the ops take them: one stacked tensor or G tensors.
+ops::GroupedTensors grouped(at::TensorList params, bool stacked) {
   if (params.empty()) return {};
-  if (grouped) return params[0].unbind(0);
-  return params.vec();
+  if (stacked) return ops::GroupedTensors::stacked(params[0]);
+  return ops::GroupedTensors(params);
 }
 
-void check_layout(at::TensorList params, bool grouped, int64_t stacked_dim, const char* what) {
-  if (!grouped) return;
+void check_layout(at::TensorList params, bool stacked, int64_t stacked_dim, const char* what) {
+  if (!stacked) return;
   TORCH_CHECK(params.size() == 1 && params[0].dim() == stacked_dim, "GroupedLinearFunction: ", what,
               " must be one ", stacked_dim, "-D tensor when grouped, got ", params.size(),
               " tensor(s)", params.empty() ? "" : " of rank " + std::to_string(params[0].dim()));
 }
 
-// Writes weight gradients in the parameter layout; `accumulate` adds into the existing contents.
-void wgrad_into(const at::Tensor& input, const at::Tensor& grad_output,
-                const GroupedLinearConfig& cfg, at::TensorList weight_grads, bool accumulate,
-                at::TensorList bias_grads) {
-  ops::grouped_linear_wgrad(input, grad_output, cfg.m_splits,
-                            per_group(weight_grads, cfg.grouped_weight), accumulate,
-                            per_group(bias_grads, cfg.grouped_bias), cfg.gemm_backend);
-}
-
-// New gradient buffers in the parameter layout: one [G, ...] allocation either way, so that the
-// per-group tensors are equally spaced (the sm90 kernel then needs no address table for them).
-std::vector<at::Tensor> new_group_buffers(at::IntArrayRef shape, bool grouped, size_t groups,
-                                          const at::TensorOptions& options) {
+// New [G, ...] gradient buffers, allocated in one piece either way, so that the ops find them
+// equally spaced (the sm90 kernel then needs no address table).
+at::Tensor new_group_buffer(at::IntArrayRef shape, size_t groups,
+                            const at::TensorOptions& options) {
   std::vector<int64_t> sizes{static_cast<int64_t>(groups)};
   sizes.insert(sizes.end(), shape.begin(), shape.end());
-  at::Tensor all = at::empty(sizes, options);
-  if (grouped) return {all};
-  return all.unbind(0);
+  return at::empty(sizes, options);
 }
 
-std::vector<at::Tensor> new_weight_grads(const at::Tensor& input, const at::Tensor& grad_output,
-                                         const GroupedLinearConfig& cfg) {
-  return new_group_buffers({grad_output.size(1), input.size(1)}, cfg.grouped_weight,
-                           cfg.m_splits.size(), input.options());
+// The gradients autograd receives for parameters in the given layout.
+std::vector<at::Tensor> in_layout(const at::Tensor& buffer, bool stacked) {
+  if (stacked) return {buffer};
+  return buffer.unbind(0);
 }
 
 }  // namespace
+
+std::vector<GemmPlan> plan_layers(const char* module, const at::Tensor& input,
+                                  c10::ArrayRef<GemmShape> shapes, const SplitSizes& m_splits,
+                                  GemmBackend backend) {
+  return ops::plan_grouped_gemms(module, input, shapes, m_splits, backend);
+}
 
 at::Tensor GroupedLinearFunction::forward(AutogradContext* ctx, const at::Tensor& input,
                                           const std::optional<at::Tensor>& input_scales,
@@ -64,9 +57,9 @@ at::Tensor GroupedLinearFunction::forward(AutogradContext* ctx, const at::Tensor
   const at::Tensor scales = input_scales.value_or(at::Tensor());
   const at::Tensor gemm_input =
       config->input_activation ? ops::glu_forward(input, scales, *config->input_activation) : input;
-  at::Tensor output = ops::grouped_linear_forward(
-      gemm_input, config->m_splits, per_group(weights, config->grouped_weight),
-      per_group(biases, config->grouped_bias), config->gemm_backend);
+  at::Tensor output =
+      ops::grouped_linear_forward(config->plan, gemm_input, grouped(weights, config->grouped_weight),
+                                  grouped(biases, config->grouped_bias));
   variable_list saved{input, scales};
   saved.insert(saved.end(), weights.begin(), weights.end());
   ctx->save_for_backward(saved);
@@ -85,6 +78,7 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
   const auto config = c10::static_intrusive_pointer_cast<GroupedLinearConfig>(
       ctx->saved_data["config"].toCapsule());
   const GroupedLinearConfig& cfg = *config;
+  const size_t groups = cfg.plan.shape.groups;
   const at::Tensor grad_output = grad_outputs[0].contiguous();
 
   // Gradient slots: input, input_scales, weights..., biases..., config (one per forward
@@ -94,8 +88,8 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
   variable_list grads(kFirstWeightSlot + num_weights + num_biases + 1);
   const bool scales_need_grad = scales.defined() && ctx->needs_input_grad(1);
   if (ctx->needs_input_grad(0) || scales_need_grad) {
-    at::Tensor grad_gemm_input = ops::grouped_linear_dgrad(
-        grad_output, cfg.m_splits, per_group(weights, cfg.grouped_weight), cfg.gemm_backend);
+    at::Tensor grad_gemm_input =
+        ops::grouped_linear_dgrad(cfg.plan, grad_output, grouped(weights, cfg.grouped_weight));
     if (cfg.input_activation) {
       ops::GluGrads glu = ops::glu_backward(grad_gemm_input, input, scales, *cfg.input_activation,
                                             scales_need_grad);
@@ -113,10 +107,12 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
     biases_need_grad |= ctx->needs_input_grad(first_weight + num_weights + i);
   }
 
-  const std::vector<at::Tensor> bias_grads =
-      biases_need_grad ? new_group_buffers({grad_output.size(1)}, cfg.grouped_bias,
-                                           cfg.m_splits.size(), grad_output.options())
-                       : std::vector<at::Tensor>{};
+  // Bias gradients in one [G, out] buffer, handed to autograd in the parameters' layout.
+  const at::Tensor bias_grad =
+      biases_need_grad ? new_group_buffer({cfg.plan.shape.n}, groups, grad_output.options())
+                       : at::Tensor();
+  const ops::GroupedTensors bias_grads =
+      biases_need_grad ? ops::GroupedTensors::stacked(bias_grad) : ops::GroupedTensors();
 
   // The wgrad GEMM's input: recomputed here when forward saved the pre-activation instead.
   const at::Tensor gemm_input = weights_need_grad && cfg.input_activation
@@ -125,34 +121,43 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
   if (weights_need_grad && cfg.wgrad_queue) {
     // Delayed: dbias now (it is cheap and autograd wants it), the wgrad GEMM in backward_dw().
     cfg.wgrad_queue->push_back(DelayedWgrad{gemm_input, grad_output, config});
-    if (biases_need_grad) {
-      ops::grouped_bias_grad(grad_output, cfg.m_splits, per_group(bias_grads, cfg.grouped_bias));
-    }
+    if (biases_need_grad) ops::grouped_bias_grad(cfg.plan, grad_output, bias_grads);
   } else if (weights_need_grad && !cfg.main_grads.empty()) {
-    wgrad_into(gemm_input, grad_output, cfg, cfg.main_grads, !cfg.overwrite_main_grad, bias_grads);
+    ops::grouped_linear_wgrad(cfg.plan, gemm_input, grad_output, grouped(cfg.main_grads, cfg.grouped_weight),
+               !cfg.overwrite_main_grad, bias_grads);
   } else if (weights_need_grad) {
-    const std::vector<at::Tensor> weight_grads = new_weight_grads(gemm_input, grad_output, cfg);
-    wgrad_into(gemm_input, grad_output, cfg, weight_grads, /*accumulate=*/false, bias_grads);
+    const at::Tensor weight_grad = new_group_buffer({cfg.plan.shape.n, cfg.plan.shape.k}, groups,
+                                                    gemm_input.options());
+    ops::grouped_linear_wgrad(cfg.plan, gemm_input, grad_output, ops::GroupedTensors::stacked(weight_grad),
+               /*accumulate=*/false, bias_grads);
+    const std::vector<at::Tensor> weight_grads = in_layout(weight_grad, cfg.grouped_weight);
     std::copy(weight_grads.begin(), weight_grads.end(), grads.begin() + kFirstWeightSlot);
   } else if (biases_need_grad) {
-    ops::grouped_bias_grad(grad_output, cfg.m_splits, per_group(bias_grads, cfg.grouped_bias));
+    ops::grouped_bias_grad(cfg.plan, grad_output, bias_grads);
   }
-  std::copy(bias_grads.begin(), bias_grads.end(), grads.begin() + kFirstWeightSlot + num_weights);
+  if (biases_need_grad) {
+    const std::vector<at::Tensor> per_layout = in_layout(bias_grad, cfg.grouped_bias);
+    std::copy(per_layout.begin(), per_layout.end(), grads.begin() + kFirstWeightSlot + num_weights);
+  }
   return grads;
 }
 
 std::vector<at::Tensor> run_delayed_wgrad(const DelayedWgrad& work) {
   // Called from user code (backward_dw), where grad mode is on; like backward, this writes into
-  // per-group views of gradient buffers, which autograd must not track.
+  // gradient buffers, which autograd must not track.
   const at::NoGradGuard no_grad;
   const GroupedLinearConfig& cfg = *work.config;
   if (!cfg.main_grads.empty()) {
-    wgrad_into(work.input, work.grad_output, cfg, cfg.main_grads, !cfg.overwrite_main_grad, {});
+    ops::grouped_linear_wgrad(cfg.plan, work.input, work.grad_output, grouped(cfg.main_grads, cfg.grouped_weight),
+               !cfg.overwrite_main_grad, {});
     return {};
   }
-  std::vector<at::Tensor> weight_grads = new_weight_grads(work.input, work.grad_output, cfg);
-  wgrad_into(work.input, work.grad_output, cfg, weight_grads, /*accumulate=*/false, {});
-  return weight_grads;
+  const at::Tensor weight_grad =
+      new_group_buffer({cfg.plan.shape.n, cfg.plan.shape.k}, cfg.plan.shape.groups,
+                       work.input.options());
+  ops::grouped_linear_wgrad(cfg.plan, work.input, work.grad_output, ops::GroupedTensors::stacked(weight_grad),
+             /*accumulate=*/false, {});
+  return in_layout(weight_grad, cfg.grouped_weight);
 }
 
 }  // namespace torchmoe::autograd

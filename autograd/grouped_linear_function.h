@@ -1,6 +1,7 @@
 #pragma once
 // Autograd for the grouped linear layer: one torch::autograd::Function whose forward and backward
-// call the grouped GEMM ops, plus the deferred weight-gradient step of delay_wgrad_compute.
+// call the grouped GEMM ops, the planning step a module runs once per call, and the deferred
+// weight-gradient step of delay_wgrad_compute.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
@@ -17,6 +18,15 @@
 
 namespace torchmoe::autograd {
 
+using ops::GemmPlan;
+using ops::GemmShape;
+
+// The plans of one module call: which backend runs each layer and the split sizes every GEMM of
+// its forward and backward reads (ops::plan_grouped_gemms). `module` names the caller in errors.
+std::vector<GemmPlan> plan_layers(const char* module, const at::Tensor& input,
+                                  c10::ArrayRef<GemmShape> shapes, const SplitSizes& m_splits,
+                                  GemmBackend backend);
+
 struct GroupedLinearConfig;
 
 // A weight-gradient GEMM that delay_wgrad_compute moved out of backward.
@@ -25,14 +35,13 @@ struct DelayedWgrad {
   at::Tensor grad_output;  // [rows, out]
   c10::intrusive_ptr<GroupedLinearConfig> config;
 };
-using WgradQueue = std::deque<DelayedWgrad>;  // FIFO: oldest backward first
+
+// FIFO of delayed weight-gradient GEMMs: oldest backward first.
+class WgradQueue : public std::deque<DelayedWgrad> {};
 
 // Everything about one forward call that is not a differentiable tensor.
 struct GroupedLinearConfig : torch::CustomClassHolder {
-  // Rows per group: on the host, or on the device when every GEMM runs on the sm90 kernel
-  // (ops::resolve_splits decided; then nothing in forward or backward copies them to the host).
-  ops::GroupSplits m_splits{std::vector<int64_t>{}};
-  ops::GemmBackendChoice gemm_backend = ops::GemmBackendChoice::kAuto;
+  GemmPlan plan;
   // The weights (biases) were passed as one [G, out, in] ([G, out]) tensor instead of G tensors.
   bool grouped_weight = false;
   bool grouped_bias = false;

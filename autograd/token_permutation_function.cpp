@@ -24,11 +24,13 @@ variable_list PermuteFunction::backward(AutogradContext* ctx, variable_list grad
 
 at::Tensor UnpermuteFunction::forward(AutogradContext* ctx, const at::Tensor& permuted,
                                       const at::Tensor& row_map,
+                                      const std::optional<at::Tensor>& sorted_slots,
                                       const std::optional<at::Tensor>& probs) {
   const at::Tensor x = permuted.contiguous();
   const at::Tensor p = probs.has_value() ? probs->contiguous() : at::Tensor();
   // The permuted rows are only needed for the probabilities' gradient.
-  ctx->save_for_backward({row_map, p, p.defined() ? x : at::Tensor()});
+  ctx->save_for_backward(
+      {row_map, sorted_slots.value_or(at::Tensor()), p, p.defined() ? x : at::Tensor()});
   ctx->saved_data["num_rows"] = x.size(0);
   return ops::unpermute_rows(x, row_map, p);
 }
@@ -36,16 +38,20 @@ at::Tensor UnpermuteFunction::forward(AutogradContext* ctx, const at::Tensor& pe
 variable_list UnpermuteFunction::backward(AutogradContext* ctx, variable_list grad_outputs) {
   const variable_list saved = ctx->get_saved_variables();
   const at::Tensor& row_map = saved[0];
-  const at::Tensor& probs = saved[1];
+  const at::Tensor& probs = saved[2];
   const at::Tensor grad = grad_outputs[0].contiguous();
-  const at::Tensor sorted_slots = ops::slots_of_rows(row_map, ctx->saved_data["num_rows"].toInt());
+  const at::Tensor sorted_slots =
+      saved[1].defined() ? saved[1]
+                         : ops::slots_of_rows(row_map, ctx->saved_data["num_rows"].toInt());
   if (!probs.defined()) {
     return {ops::permute_rows(grad, sorted_slots, row_map.size(1), at::Tensor()), at::Tensor(),
-            at::Tensor()};
+            at::Tensor(), at::Tensor()};
   }
-  ops::UnpermuteGrads grads = ops::unpermute_rows_backward(grad, saved[2], sorted_slots, probs);
+  ops::UnpermuteGrads grads = ops::unpermute_rows_backward(grad, saved[3], sorted_slots, probs);
+  // One gradient per forward argument; autograd edges exist only for the optionals given.
+  const size_t probs_edge = saved[1].defined() ? 3 : 2;
   return {ctx->needs_input_grad(0) ? grads.grad_permuted : at::Tensor(), at::Tensor(),
-          ctx->needs_input_grad(2) ? grads.grad_probs : at::Tensor()};
+          at::Tensor(), ctx->needs_input_grad(probs_edge) ? grads.grad_probs : at::Tensor()};
 }
 
 PermutedTokens permute_tokens(const at::Tensor& tokens, const at::Tensor& indices,
@@ -72,9 +78,36 @@ PermutedTokens permute_tokens(const at::Tensor& tokens, const at::Tensor& indice
     out.probs = probs->reshape(-1).index_select(0, map.sorted_slots);
   }
   out.row_map = std::move(map.row_map);
-  out.m_splits = std::move(map.host_splits);
-  out.m_splits_device = std::move(map.m_splits);
+  out.sorted_slots = std::move(map.sorted_slots);
+  out.m_splits = map.m_splits.is_cuda() ? SplitSizes(std::move(map.host_splits), map.m_splits)
+                                        : SplitSizes(map.host_splits);
   return out;
+}
+
+at::Tensor unpermute_tokens(const at::Tensor& permuted, const at::Tensor& row_map,
+                            const std::optional<at::Tensor>& probs) {
+  constexpr const char* kOp = "unpermute_tokens";
+  TORCH_CHECK(permuted.defined() && permuted.dim() == 2, kOp,
+              ": permuted must be 2-D [rows, hidden], got ",
+              permuted.defined() ? permuted.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(row_map.defined() && row_map.dim() == 2 && row_map.scalar_type() == at::kLong, kOp,
+              ": row_map must be a 2-D int64 tensor [tokens, topk], got ",
+              row_map.defined() ? row_map.sizes() : at::IntArrayRef{}, " ",
+              row_map.defined() ? row_map.scalar_type() : at::ScalarType::Undefined);
+  TORCH_CHECK(row_map.device() == permuted.device(), kOp, ": row_map must be on ",
+              permuted.device(), " like permuted, got ", row_map.device());
+  ops::check_row_map(kOp, row_map, permuted.size(0));
+  return UnpermuteFunction::apply(permuted, row_map, std::nullopt, probs);
+}
+
+at::Tensor unpermute_tokens(const at::Tensor& permuted, const PermutedTokens& routed,
+                            const std::optional<at::Tensor>& probs) {
+  TORCH_CHECK(permuted.defined() && permuted.dim() == 2 &&
+                  permuted.size(0) == routed.sorted_slots.size(0),
+              "unpermute_tokens: permuted must be [rows=", routed.sorted_slots.size(0),
+              ", hidden] like the permuted tokens (to unpermute padded rows, pass the row_map), got ",
+              permuted.defined() ? permuted.sizes() : at::IntArrayRef{});
+  return UnpermuteFunction::apply(permuted, routed.row_map, routed.sorted_slots, probs);
 }
 
 }  // namespace torchmoe::autograd

@@ -1,14 +1,16 @@
 #pragma once
 // Autograd for token permutation: PermuteFunction (token order -> expert-grouped rows) and
-// UnpermuteFunction (back, optionally weighted by the routing probabilities), plus
-// permute_tokens(), which builds the routing map and applies PermuteFunction.
+// UnpermuteFunction (back, optionally weighted by the routing probabilities), plus the entry
+// points the modules call: permute_tokens() builds the routing map and applies PermuteFunction;
+// unpermute_tokens() applies UnpermuteFunction to a checked or a trusted map.
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <cstdint>
 #include <optional>
-#include <vector>
+
+#include "torchmoe/ops/types.h"
 
 namespace torchmoe::autograd {
 
@@ -24,26 +26,28 @@ class PermuteFunction : public torch::autograd::Function<PermuteFunction> {
 
 class UnpermuteFunction : public torch::autograd::Function<UnpermuteFunction> {
  public:
-  // permuted [N, H], row_map [T, k], probs none or [T, k] -> [T, H]. Gradients for permuted and
-  // probs.
+  // permuted [N, H], row_map [T, k] meeting ops::check_row_map's contract, sorted_slots: its
+  // inverse [N] when the caller has it (else backward derives it), probs none or [T, k]
+  // -> [T, H]. Gradients for permuted (zero on rows no slot names) and probs.
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& permuted,
-                            const at::Tensor& row_map, const std::optional<at::Tensor>& probs);
+                            const at::Tensor& row_map,
+                            const std::optional<at::Tensor>& sorted_slots,
+                            const std::optional<at::Tensor>& probs);
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs);
-};
-
-/// Tokens grouped by expert, as returned by permute_tokens.
-struct PermutedTokens {
-  at::Tensor tokens;              // [N, H], expert e's rows contiguous, experts in order
-  at::Tensor probs;               // [N]: each row's routing probability (when probs given)
-  at::Tensor row_map;             // [T, k] int64: the row of each (token, choice), -1 if dropped
-  std::vector<int64_t> m_splits;  // rows per expert, on the host
-  at::Tensor m_splits_device;     // the same as an int64 tensor on the tokens' device
 };
 
 // tokens [T, H]; indices [T, k] int32/int64 in [0, num_experts) or -1 (dropped); probs none or
 // [T, k]. Differentiable in tokens and probs.
 PermutedTokens permute_tokens(const at::Tensor& tokens, const at::Tensor& indices,
                               int64_t num_experts, const std::optional<at::Tensor>& probs);
+
+// Through a row_map the caller built: checked against the contract first (one device-to-host
+// copy on CUDA).
+at::Tensor unpermute_tokens(const at::Tensor& permuted, const at::Tensor& row_map,
+                            const std::optional<at::Tensor>& probs);
+// Through the map permute_tokens made (trusted: no check, no host sync).
+at::Tensor unpermute_tokens(const at::Tensor& permuted, const PermutedTokens& routed,
+                            const std::optional<at::Tensor>& probs);
 
 }  // namespace torchmoe::autograd

@@ -2,7 +2,8 @@
 // (dW = dyᵀ·x) of an MoE expert fc1 layer, through torchmoe's ops on both CUDA backends (the sm90
 // kernel with device splits, per-group cuBLASLt with host splits), next to at::_grouped_mm and a
 // dense at::mm of the same FLOPs, measured in the same process. Also the host time of one forward
-// call with device splits. Prints a table, writes JSON.
+// with device splits, by layer (plan, op, module with and without autograd). Prints tables, writes
+// JSON.
 //
 //   bench_grouped_linear [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
 //
@@ -14,6 +15,7 @@
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/Sleep.h>
 #include <torchmoe/ops/grouped_gemm.h>
+#include <torchmoe/torchmoe.h>
 
 #include "bench_common.h"
 
@@ -63,26 +65,31 @@ struct Record {
 };
 
 namespace ops = torchmoe::ops;
-constexpr auto kSm90 = ops::GemmBackendChoice::kSm90;
-constexpr auto kCublasLt = ops::GemmBackendChoice::kCublasLt;
+constexpr auto kSm90 = torchmoe::GemmBackend::kSm90;
+constexpr auto kCublasLt = torchmoe::GemmBackend::kCublasLt;
 
-// Host time of one sm90 forward with device splits (argument checks, tensor maps, allocation,
-// launch): the median over calls each timed alone, each made while the GPU is busy with a short
-// spin kernel queued just before it, so the launch queue is short and the GPU is not idle.
-// (Timing 200 calls in a row measured 6.5-15.9 us for the same code: each call queues ~0.8 ms of
-// GPU work, so the queue can fill and the host then waits; calls made right after a device
-// synchronisation measured 11-33 us, launches into an idle GPU.)
-double host_us_per_forward(const torch::Tensor& x, const ops::GroupSplits& splits,
-                           const std::vector<torch::Tensor>& weights) {
-  constexpr int kCalls = 100;
+ops::GemmPlan plan_for(const torch::Tensor& x, int64_t n, int64_t k,
+                       const torchmoe::SplitSizes& splits, torchmoe::GemmBackend backend) {
+  return ops::plan_grouped_gemms("bench", x, {ops::GemmShape{n, k, splits.size()}}, splits,
+                                 backend)
+      .front();
+}
+
+// Host time of one call of `fn`: the median over calls each timed alone, each made while the GPU
+// is busy with a short spin kernel queued just before it, so the launch queue is short and the
+// GPU is not idle. (Timing 200 calls in a row measured 6.5-15.9 us for the same code: each call
+// queues ~0.8 ms of GPU work, so the queue can fill and the host then waits; calls made right after
+// a device synchronisation measured 11-33 us, launches into an idle GPU.)
+double host_us(const std::function<void()>& fn) {
+  constexpr int kCalls = 200;
   constexpr int64_t kSpinCycles = 400000;  // ~0.2 ms at the H100's clock: outlasts any call
-  for (int i = 0; i < 10; ++i) ops::grouped_linear_forward(x, splits, weights, {}, kSm90);
+  for (int i = 0; i < 10; ++i) fn();
   std::vector<double> times;
   for (int i = 0; i < kCalls; ++i) {
     torch::cuda::synchronize();
     at::cuda::sleep(kSpinCycles);
     const auto start = std::chrono::steady_clock::now();
-    ops::grouped_linear_forward(x, splits, weights, {}, kSm90);
+    fn();
     times.push_back(
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
             .count());
@@ -90,6 +97,40 @@ double host_us_per_forward(const torch::Tensor& x, const ops::GroupSplits& split
   torch::cuda::synchronize();
   std::sort(times.begin(), times.end());
   return times[times.size() / 2];
+}
+
+struct HostTimes {
+  std::string shape;
+  double plan, op, module_no_grad, module, module_single;  // microseconds
+};
+
+// Host time per forward with device splits, layer by layer: planning alone, the op alone (checks,
+// allocation, tensor maps, launch), and the GroupedLinear module (G separate weights, its default)
+// without and with autograd, and with a single grouped weight.
+HostTimes host_times(const torchmoe::bench::Shape& shape, const torch::Tensor& x,
+                     const torchmoe::SplitSizes& splits) {
+  const int64_t n = 2 * shape.ffn, k = shape.hidden;
+  auto options = torchmoe::GroupedLinearOptions(shape.experts, k, n)
+                     .bias(false)
+                     .params_dtype(torch::kBFloat16)
+                     .device(torch::kCUDA);
+  HostTimes t;
+  t.shape = shape.name;
+  {
+    torchmoe::GroupedLinear layer(options);
+    const std::vector<torch::Tensor> weights = layer->expert_weights();
+    const ops::GemmPlan plan = plan_for(x, n, k, splits, torchmoe::GemmBackend::kAuto);
+    t.plan = host_us([&] { plan_for(x, n, k, splits, torchmoe::GemmBackend::kAuto); });
+    t.op = host_us([&] { ops::grouped_linear_forward(plan, x, weights, {}); });
+    t.module_no_grad = host_us([&] {
+      const torch::NoGradGuard no_grad;
+      layer(x, splits);
+    });
+    t.module = host_us([&] { layer(x, splits); });
+  }
+  torchmoe::GroupedLinear single(options.single_grouped_weight(true));
+  t.module_single = host_us([&] { single(x, splits); });
+  return t;
 }
 
 }  // namespace
@@ -108,6 +149,7 @@ int main(int argc, char** argv) {
             << "   (TFLOP/s; ratio = sm90 / grouped_mm)\n";
 
   std::vector<Record> records;
+  std::vector<HostTimes> host;
   const auto bf16 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
   for (const Shape& shape : torchmoe::bench::selected_shapes(args)) {
     const int64_t m = shape.tokens * shape.topk, n = 2 * shape.ffn, k = shape.hidden;
@@ -124,14 +166,15 @@ int main(int argc, char** argv) {
       const torch::Tensor offs =
           torch::tensor(splits, torch::kInt32).cumsum(0).to(torch::kInt32).to(torch::kCUDA);
       const std::string split_name = skewed ? "skewed" : "uniform";
-      const ops::GroupSplits device_splits(torch::tensor(splits).to(torch::kCUDA));
+      const torchmoe::SplitSizes device_splits(torch::tensor(splits).to(torch::kCUDA));
+      const ops::GemmPlan sm90 = plan_for(x, n, k, device_splits, kSm90);
+      const ops::GemmPlan cublaslt = plan_for(x, n, k, splits, kCublasLt);
 
       // One correctness look per case: both backends' fprop against at::_grouped_mm.
       const torch::Tensor ref_y = at::_grouped_mm(x, w.transpose(1, 2), offs);
       for (const auto& [name, y] :
-           {std::pair{"sm90", ops::grouped_linear_forward(x, device_splits, w_views, {}, kSm90)},
-            std::pair{"cublaslt",
-                      ops::grouped_linear_forward(x, splits, w_views, {}, kCublasLt)}}) {
+           {std::pair{"sm90", ops::grouped_linear_forward(sm90, x, w_views, {})},
+            std::pair{"cublaslt", ops::grouped_linear_forward(cublaslt, x, w_views, {})}}) {
         const double rel = ((y.to(torch::kFloat32) - ref_y.to(torch::kFloat32)).norm() /
                             ref_y.to(torch::kFloat32).norm())
                                .item<double>();
@@ -142,9 +185,9 @@ int main(int argc, char** argv) {
         }
       }
       if (!skewed) {
-        std::cout << "host time per sm90 forward with device splits (" << shape.name
-                  << "): " << std::setprecision(1) << std::fixed
-                  << host_us_per_forward(x, device_splits, w_views) << " us\n";
+        // x requires no grad here; the module's autograd cost needs an input that does.
+        const torch::Tensor x_grad = x.detach().requires_grad_(true);
+        host.push_back(host_times(shape, x_grad, device_splits));
       }
 
       const std::function<void()> dense = [&] { at::mm(x, w0t); };
@@ -153,15 +196,15 @@ int main(int argc, char** argv) {
         std::function<void()> sm90, cublaslt, grouped_mm;
       };
       const std::vector<Gemm> gemms = {
-          {"fprop", [&] { ops::grouped_linear_forward(x, device_splits, w_views, {}, kSm90); },
-           [&] { ops::grouped_linear_forward(x, splits, w_views, {}, kCublasLt); },
+          {"fprop", [&] { ops::grouped_linear_forward(sm90, x, w_views, {}); },
+           [&] { ops::grouped_linear_forward(cublaslt, x, w_views, {}); },
            [&] { at::_grouped_mm(x, w.transpose(1, 2), offs); }},
-          {"dgrad", [&] { ops::grouped_linear_dgrad(dy, device_splits, w_views, kSm90); },
-           [&] { ops::grouped_linear_dgrad(dy, splits, w_views, kCublasLt); },
+          {"dgrad", [&] { ops::grouped_linear_dgrad(sm90, dy, w_views); },
+           [&] { ops::grouped_linear_dgrad(cublaslt, dy, w_views); },
            [&] { at::_grouped_mm(dy, w, offs); }},
           {"wgrad",
-           [&] { ops::grouped_linear_wgrad(x, dy, device_splits, dw_views, false, {}, kSm90); },
-           [&] { ops::grouped_linear_wgrad(x, dy, splits, dw_views, false, {}, kCublasLt); },
+           [&] { ops::grouped_linear_wgrad(sm90, x, dy, dw_views, false, {}); },
+           [&] { ops::grouped_linear_wgrad(cublaslt, x, dy, dw_views, false, {}); },
            [&] { at::_grouped_mm(dy.t(), x, offs); }},
       };
       for (const Gemm& gemm : gemms) {
@@ -190,6 +233,18 @@ int main(int argc, char** argv) {
     }
   }
 
+  std::cout << "\nhost time per forward with device splits (us, median of 200 calls; module = "
+               "GroupedLinear with G separate weights, autograd on):\n"
+            << std::left << std::setw(17) << "shape" << std::right << std::setw(8) << "plan"
+            << std::setw(8) << "op" << std::setw(16) << "module no-grad" << std::setw(9)
+            << "module" << std::setw(15) << "single weight" << "\n";
+  for (const HostTimes& t : host) {
+    std::cout << std::left << std::setw(17) << t.shape << std::right << std::fixed
+              << std::setprecision(1) << std::setw(8) << t.plan << std::setw(8) << t.op
+              << std::setw(16) << t.module_no_grad << std::setw(9) << t.module << std::setw(15)
+              << t.module_single << "\n";
+  }
+
   std::ofstream json(args.json_path);
   json << "{\n  \"device\": \"" << at::cuda::getCurrentDeviceProperties()->name
        << "\",\n  \"dtype\": \"bfloat16\",\n  \"cublaslt_streams\": \"" << (streams ? streams : "4")
@@ -203,6 +258,14 @@ int main(int argc, char** argv) {
          << ", \"dense_mm\": " << r.dense << ", \"m_splits\": [";
     for (size_t g = 0; g < r.m_splits.size(); ++g) json << (g ? ", " : "") << r.m_splits[g];
     json << "]}" << (i + 1 < records.size() ? "," : "") << "\n";
+  }
+  json << "  ],\n  \"host_us_per_forward\": [\n";
+  for (size_t i = 0; i < host.size(); ++i) {
+    const HostTimes& t = host[i];
+    json << "    {\"shape\": \"" << t.shape << "\", \"plan\": " << t.plan << ", \"op\": " << t.op
+         << ", \"module_no_grad\": " << t.module_no_grad << ", \"module\": " << t.module
+         << ", \"module_single_weight\": " << t.module_single << "}"
+         << (i + 1 < host.size() ? "," : "") << "\n";
   }
   json << "  ]\n}\n";
   std::cout << "wrote " << args.json_path << "\n";

@@ -40,10 +40,9 @@ int main(int argc, char** argv) {
   bool first = true;
   for (const Shape& shape : torchmoe::bench::selected_shapes(args)) {
     const int64_t m = shape.tokens * shape.topk, h = shape.hidden, f = shape.ffn;
-    torchmoe::GroupedMLP mlp(torchmoe::GroupedMLPOptions(shape.experts, h, f)
-                                 .bias(false)
-                                 .params_dtype(torch::kBFloat16)
-                                 .device(torch::kCUDA));
+    torchmoe::GroupedMLPOptions options(shape.experts, h, f);
+    options.params_dtype(torch::kBFloat16).device(torch::kCUDA).linear().bias(false);
+    torchmoe::GroupedMLP mlp(options);
     const std::vector<int64_t> splits(shape.experts, m / shape.experts);
     const torch::Tensor x = torch::randn({m, h}, bf16).requires_grad_(true);
     const torch::Tensor probs = torch::rand({m}, bf16.dtype(torch::kFloat32)).requires_grad_(true);

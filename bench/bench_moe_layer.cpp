@@ -48,10 +48,11 @@ int main(int argc, char** argv) {
   for (size_t i = 0; i < shapes.size(); ++i) {
     const torchmoe::bench::Shape& s = shapes[i];
     torch::manual_seed(0);
-    torchmoe::MoELayer moe(torchmoe::MoELayerOptions(s.hidden, s.ffn, s.experts, s.topk)
-                               .single_grouped_weight(true)
-                               .params_dtype(torch::kBFloat16)
-                               .device(torch::kCUDA));
+    torchmoe::MoELayerOptions options(s.hidden, s.ffn, s.experts, s.topk);
+    options.params_dtype(torch::kBFloat16).device(torch::kCUDA);
+    options.router().aux_loss_coeff(1e-2);
+    options.experts().linear().single_grouped_weight(true);
+    torchmoe::MoELayer moe(options);
     const torch::Tensor x = torch::randn({s.tokens, s.hidden}, bf16).requires_grad_(true);
     const int64_t m = s.tokens * s.topk;
     // permute reads T token rows and writes M = T·k rows; unpermute the reverse (bf16).
@@ -86,7 +87,7 @@ int main(int argc, char** argv) {
     const double unpermute_ms = median_ms(
         [&] {
           torch::NoGradGuard no_grad;
-          torchmoe::functional::unpermute_tokens(routed.tokens, routed.row_map);
+          torchmoe::functional::unpermute_tokens(routed.tokens, routed);
         },
         args.iters, args.warmup);
     const torch::Tensor dout = torch::randn({s.tokens, s.hidden}, bf16);

@@ -1,7 +1,8 @@
 #pragma once
-// Device-side helpers shared by torchmoe's elementwise and row kernels: the CUDA type of a
-// kernels::ScalarType, fp32 conversions, 16-byte vector access, warp reduction, and the grid of
-// one wave for grid-stride loops. Included by .cu files only.
+// Device-side helpers shared by torchmoe's kernels: the CUDA type of a kernels::ScalarType, fp32
+// conversions, 16-byte vector access, the grouped kernels' split sizes, group addresses and paired
+// stores, warp reduction, and the grid of one wave for grid-stride loops. Included by .cu files
+// only.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -12,7 +13,7 @@
 #include <initializer_list>
 
 #include "torchmoe/kernels/cuda_check.h"
-#include "torchmoe/kernels/scalar_type.h"
+#include "torchmoe/kernels/types.h"
 
 namespace torchmoe::kernels {
 
@@ -50,6 +51,31 @@ __device__ __forceinline__ Vec<T, V> load(const T* p) {
 template <typename T, int V>
 __device__ __forceinline__ void store(T* p, const Vec<T, V>& x) {
   *reinterpret_cast<Vec<T, V>*>(p) = x;
+}
+
+// Group g's size from a device array of int32 or int64 split sizes (negative sizes read as 0).
+__device__ __forceinline__ int64_t split_at(const void* splits, bool int32, int g) {
+  const int64_t v =
+      int32 ? static_cast<const int32_t*>(splits)[g] : static_cast<const int64_t*>(splits)[g];
+  return v > 0 ? v : 0;
+}
+
+// Group g's tensor: table[g] when the groups have a pointer table, else base + g · group_stride.
+template <typename T>
+__device__ __forceinline__ const T* group_ptr(const GroupAddress& a, int g) {
+  if (a.table != nullptr) return static_cast<const T*>(a.table[g]);
+  return static_cast<const T*>(a.base) + static_cast<int64_t>(g) * a.group_stride;
+}
+
+// Stores a and b to p[0] and p[1] with one vector store (16-bit types: rounded to nearest even).
+__device__ __forceinline__ void store2(float* p, float a, float b) {
+  *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+__device__ __forceinline__ void store2(__nv_bfloat16* p, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+__device__ __forceinline__ void store2(__half* p, float a, float b) {
+  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

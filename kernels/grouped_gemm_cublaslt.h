@@ -21,11 +21,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "torchmoe/kernels/scalar_type.h"
+#include "torchmoe/kernels/types.h"
 
 namespace torchmoe::kernels {
-
-enum class GemmKind { kFprop, kDgrad, kWgrad };
 
 // One group's operands. Which pointers a kind reads or writes:
 //   kFprop: input, weight -> output (y), bias (may be null)

@@ -26,18 +26,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "torchmoe/kernels/grouped_gemm_cublaslt.h"
-#include "torchmoe/kernels/scalar_type.h"
+#include "torchmoe/kernels/types.h"
 
 namespace torchmoe::kernels {
-
-// Where group g's matrix or vector lives: base + g · group_stride elements, or, when `table` is
-// set, table[g] (a device array of G pointers, for tensors that are not equally spaced).
-struct GroupAddress {
-  const void* base = nullptr;
-  int64_t group_stride = 0;  // elements
-  const void* const* table = nullptr;
-};
 
 // Every tensor starts on a 16-byte boundary and equally spaced groups are a multiple of 16 bytes
 // apart (TMA's requirements; ops checks them before choosing this kernel).
@@ -78,19 +69,5 @@ std::vector<uint8_t> encode_weight_maps(GemmKind kind, ScalarType input_type, in
                                         const std::vector<const void*>& weights);
 
 void launch_grouped_gemm_sm90(const Sm90GemmParams& params, cudaStream_t stream);
-
-// db_g[n] = Σ over rows of g of dy (fp32 sums, one rounding), with the splits on the device; an
-// empty group gets zeros. Deterministic: one thread block per (group, column chunk) walks the rows.
-struct GroupedColumnSumParams {
-  ScalarType type = ScalarType::kBFloat16;  // dy and the sums
-  int num_groups = 0;
-  int64_t rows = 0;
-  int64_t n = 0;
-  const void* m_splits = nullptr;
-  bool splits_int32 = false;
-  const void* grad_output = nullptr;  // [rows, n]
-  GroupAddress bias_grad;             // db_g [n]
-};
-void launch_grouped_column_sum(const GroupedColumnSumParams& params, cudaStream_t stream);
 
 }  // namespace torchmoe::kernels

@@ -114,6 +114,15 @@ __device__ __forceinline__ float prob_at(const S* probs, int64_t slot) {
   return probs ? to_float(probs[slot]) : 1.0f;
 }
 
+// One warp writes zeros over a row of `hidden` elements.
+template <typename T, int V>
+__device__ __forceinline__ void store_zero_row(T* row, int lane, int64_t hidden) {
+  Vec<T, V> zero;
+#pragma unroll
+  for (int i = 0; i < V; ++i) zero.v[i] = from_float<T>(0.0f);
+  for (int64_t c = lane * V; c < hidden; c += kWarpSize * V) store<T, V>(row + c, zero);
+}
+
 template <typename T, typename S, int V>
 __global__ void permute_kernel(const T* __restrict__ input,
                                const int64_t* __restrict__ sorted_slots,
@@ -124,6 +133,10 @@ __global__ void permute_kernel(const T* __restrict__ input,
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
        r < rows; r += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
     const int64_t slot = sorted_slots[r];
+    if (slot < 0) {  // a row no slot maps to (padding): zeros
+      store_zero_row<T, V>(output + r * hidden, lane, hidden);
+      continue;
+    }
     const T* src = input + (slot / topk) * hidden;
     const float p = prob_at(probs, slot);
     for (int64_t chunk = 0; chunk < chunks; ++chunk) {
@@ -179,6 +192,10 @@ __global__ void unpermute_backward_kernel(const T* __restrict__ grad_out,
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
        r < rows; r += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
     const int64_t slot = sorted_slots[r];
+    if (slot < 0) {  // a row no slot maps to (padding): zero gradient, no probability
+      store_zero_row<T, V>(grad_permuted + r * hidden, lane, hidden);
+      continue;
+    }
     const T* g_row = grad_out + (slot / topk) * hidden;
     const float p = prob_at(probs, slot);
     float dot = 0.0f;

@@ -7,7 +7,8 @@
 //
 //   indices [T, k]   expert of each slot s = t·k + j; -1 = dropped (capacity), else in [0, E)
 //   row_map [T, k]   permuted row of each slot, -1 when dropped
-//   sorted_slots [N] slot of each permuted row (row_map's inverse); N = kept slots
+//   sorted_slots [N] slot of each permuted row (row_map's inverse); N = kept slots, or more rows
+//                    (padding) whose entry is -1: no slot maps to them
 //
 //   permute     permuted[r] = tokens[sorted_slots[r] / k]  (· probs[sorted_slots[r]])
 //   unpermute   out[t] = Σ_j probs[t, j] · permuted[row_map[t, j]]
@@ -22,7 +23,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "torchmoe/kernels/scalar_type.h"
+#include "torchmoe/kernels/types.h"
 
 namespace torchmoe::kernels {
 
@@ -63,7 +64,8 @@ struct PermuteParams {
   void* grad_probs = nullptr;
 };
 
-// output[r] = input[sorted_slots[r] / k] (· probs[sorted_slots[r]]), r < N.
+// output[r] = input[sorted_slots[r] / k] (· probs[sorted_slots[r]]), r < N; zeros where
+// sorted_slots[r] is -1.
 void launch_permute(const PermuteParams& params, cudaStream_t stream);
 // output[t] = Σ_j probs[t,j] · input[row_map[t,j]] over kept slots, summed in fp32 (0 if none).
 void launch_unpermute(const PermuteParams& params, cudaStream_t stream);
@@ -71,6 +73,7 @@ void launch_unpermute(const PermuteParams& params, cudaStream_t stream);
 // slot s = sorted_slots[r], token t = s / k:
 //   output[r] = probs[s] · grad_out[t]                 (grad of permuted)
 //   grad_probs[s] = <grad_out[t], permuted[r]>
+// and output[r] = 0 for a row whose slot is -1.
 void launch_unpermute_backward(const PermuteParams& params, cudaStream_t stream);
 
 }  // namespace torchmoe::kernels

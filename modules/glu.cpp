@@ -1,6 +1,7 @@
 #include "torchmoe/modules/glu.h"
 
 #include "torchmoe/autograd/glu_function.h"
+#include "torchmoe/modules/glu_options.h"
 
 namespace torchmoe {
 namespace {
@@ -33,7 +34,7 @@ ops::GluOptions glu_options(const SwiGLUOptions& o) {
 
 ops::GluOptions glu_options(const ClampedSwiGLUOptions& o) {
   ops::GluOptions g;
-  g.activation = ops::GluActivation::kClampedSwiGLU;
+  g.activation = GluActivation::kClampedSwiGLU;
   g.limit = o.limit();
   g.alpha = o.alpha();
   g.offset = o.offset();

@@ -12,7 +12,6 @@
 #include <optional>
 #include <ostream>
 
-#include "torchmoe/ops/glu.h"
 
 namespace torchmoe {
 
@@ -44,10 +43,6 @@ struct ClampedSwiGLUOptions {
   TORCH_ARG(std::optional<int64_t>, glu_interleave_size) = std::nullopt;
 };
 using ScaledClampedSwiGLUOptions = ClampedSwiGLUOptions;
-
-/// The op-level description of each option set (also used by GroupedMLP's fused path).
-ops::GluOptions glu_options(const SwiGLUOptions& options);
-ops::GluOptions glu_options(const ClampedSwiGLUOptions& options);
 
 namespace functional {
 

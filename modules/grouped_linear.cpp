@@ -8,6 +8,8 @@
 #include <set>
 #include <utility>
 
+#include "torchmoe/autograd/grouped_linear_function.h"
+
 namespace torchmoe {
 namespace {
 
@@ -102,60 +104,68 @@ void GroupedLinearImpl::pretty_print(std::ostream& stream) const {
          << ", bias=" << options.bias() << ")";
 }
 
-torch::Tensor GroupedLinearImpl::forward(const torch::Tensor& input, const SplitSizes& splits,
+torch::Tensor GroupedLinearImpl::forward(const torch::Tensor& input, const SplitSizes& m_splits,
                                          std::optional<bool> is_first_microbatch) {
-  return run(input, splits, is_first_microbatch, torch::Tensor(), std::nullopt);
+  const torch::Tensor rows = input_rows(input, in_features_per_partition);
+  const ops::GemmShape shape = gemm_shape();
+  const std::vector<ops::GemmPlan> plans =
+      autograd::plan_layers(kModule, rows, {shape}, m_splits, options.gemm_backend());
+  const torch::Tensor output =
+      run(rows, plans.front(), is_first_microbatch, torch::Tensor(), nullptr);
+  std::vector<int64_t> shape_out = input.sizes().vec();
+  shape_out.back() = out_features_per_partition;
+  return output.view(shape_out);
 }
 
-torch::Tensor GroupedLinearImpl::forward_with_activation(const torch::Tensor& pre_activation,
-                                                         const torch::Tensor& scales,
-                                                         const ops::GluOptions& activation,
-                                                         const SplitSizes& splits,
-                                                         std::optional<bool> is_first_microbatch) {
-  TORCH_CHECK(scales.defined(), kModule, "::forward_with_activation: scales must be defined");
-  return run(pre_activation, splits, is_first_microbatch, scales, activation);
-}
-
-torch::Tensor GroupedLinearImpl::run(const torch::Tensor& input, const SplitSizes& splits,
-                                     std::optional<bool> is_first_microbatch,
-                                     const torch::Tensor& scales,
-                                     const std::optional<ops::GluOptions>& activation) {
-  // With a fused activation the input holds act and gate halves: twice the GEMM's input width.
-  const int64_t width = activation ? 2 * in_features_per_partition : in_features_per_partition;
+torch::Tensor GroupedLinearImpl::input_rows(const torch::Tensor& input, int64_t width) const {
   TORCH_CHECK(input.defined(), kModule, ": input must be a defined tensor");
   TORCH_CHECK(input.dim() >= 1, kModule,
               ": input must have at least 1 dimension [..., in_features], got a 0-d tensor");
   TORCH_CHECK(input.size(-1) == width, kModule, ": input's last dimension must be ",
-              activation ? "2·in_features=" : "in_features=", width, ", got input of shape ",
-              input.sizes());
-  TORCH_CHECK(input.scalar_type() == options.params_dtype(), kModule,
-              ": input dtype must match params_dtype=", options.params_dtype(), ", got ",
+              width == in_features_per_partition ? "in_features=" : "2·in_features=", width,
+              ", got input of shape ", input.sizes());
+  // The parameters' dtype and device, not the options': ->to() may have changed them.
+  const torch::Tensor& weight = weight_params_.front();
+  TORCH_CHECK(input.scalar_type() == weight.scalar_type(), kModule,
+              ": input must have the parameters' dtype ", weight.scalar_type(), ", got ",
               input.scalar_type());
-  const torch::Device param_device = weight_params_.front().device();
-  TORCH_CHECK(input.device() == param_device, kModule, ": input must be on the parameters' device ",
-              param_device, ", got ", input.device());
-  TORCH_CHECK(static_cast<int64_t>(splits.size()) == options.num_gemms(), kModule,
-              ": m_splits must have num_gemms=", options.num_gemms(), " entries, got ",
-              splits.size());
+  TORCH_CHECK(input.device() == weight.device(), kModule,
+              ": input must be on the parameters' device ", weight.device(), ", got ",
+              input.device());
+  return input.reshape({-1, width}).contiguous();
+}
 
-  const torch::Tensor rows = input.reshape({-1, width}).contiguous();
+ops::GemmShape GroupedLinearImpl::gemm_shape() const {
+  auto aligned = [](const std::vector<torch::Tensor>& tensors) {
+    for (const torch::Tensor& t : tensors) {
+      if (reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 != 0) return false;
+    }
+    return true;
+  };
+  ops::GemmShape shape;
+  shape.n = out_features_per_partition;
+  shape.k = in_features_per_partition;
+  shape.groups = static_cast<size_t>(options.num_gemms());
+  shape.aligned = aligned(weight_params_) && aligned(bias_params_) && aligned(main_grads_);
+  return shape;
+}
+
+torch::Tensor GroupedLinearImpl::run(const torch::Tensor& rows, const ops::GemmPlan& plan,
+                                     std::optional<bool> is_first_microbatch,
+                                     const torch::Tensor& scales,
+                                     const ops::GluOptions* activation) {
   auto config = c10::make_intrusive<autograd::GroupedLinearConfig>();
-  config->m_splits = ops::resolve_splits(splits, rows, expert_weights(), options.gemm_backend());
-  config->gemm_backend = options.gemm_backend();
+  config->plan = plan;
   config->grouped_weight = options.single_grouped_weight();
   config->grouped_bias = options.bias() && options.single_grouped_bias();
   config->main_grads = main_grads_;
   config->overwrite_main_grad = is_first_microbatch.value_or(false);
   if (options.delay_wgrad_compute()) config->wgrad_queue = wgrad_queue_;
-  config->input_activation = activation;
-
+  if (activation != nullptr) config->input_activation = *activation;
   const std::optional<torch::Tensor> row_scales =
-      activation ? std::optional<torch::Tensor>(scales.reshape({-1})) : std::nullopt;
-  const torch::Tensor output = autograd::GroupedLinearFunction::apply(
-      rows, row_scales, at::TensorList(weight_params_), at::TensorList(bias_params_), config);
-  std::vector<int64_t> shape = input.sizes().vec();
-  shape.back() = out_features_per_partition;
-  return output.view(shape);
+      activation != nullptr ? std::optional<torch::Tensor>(scales.reshape({-1})) : std::nullopt;
+  return autograd::GroupedLinearFunction::apply(rows, row_scales, at::TensorList(weight_params_),
+                                                at::TensorList(bias_params_), config);
 }
 
 void GroupedLinearImpl::backward_dw() {
@@ -202,6 +212,31 @@ void GroupedLinearImpl::set_main_grads(std::vector<torch::Tensor> buffers) {
     TORCH_CHECK(b.is_contiguous(), kModule, "::set_main_grads: buffer ", i, " must be contiguous");
   }
   main_grads_ = std::move(buffers);
+}
+
+void GroupedLinearImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  TORCH_CHECK(wgrad_queue_->empty(), kModule, "::to: ", wgrad_queue_->size(),
+              " delayed weight-gradient computation(s) are queued; run backward_dw() first");
+  torch::nn::Module::to(device, dtype, non_blocking);
+  move_main_grads(device);
+}
+
+void GroupedLinearImpl::to(torch::Device device, bool non_blocking) {
+  TORCH_CHECK(wgrad_queue_->empty(), kModule, "::to: ", wgrad_queue_->size(),
+              " delayed weight-gradient computation(s) are queued; run backward_dw() first");
+  torch::nn::Module::to(device, non_blocking);
+  move_main_grads(device);
+}
+
+// Main grads stay float32 whatever the parameters' dtype; views of one buffer stay views of one
+// buffer, so that the grouped GEMM keeps addressing them without a table.
+void GroupedLinearImpl::move_main_grads(torch::Device device) {
+  if (main_grads_.empty() || main_grads_.front().device() == device) return;
+  if (main_grads_.size() == 1) {
+    main_grads_.front() = main_grads_.front().to(device);
+  } else {
+    main_grads_ = torch::stack(main_grads_).to(device).unbind(0);
+  }
 }
 
 std::vector<torch::Tensor> GroupedLinearImpl::expert_weights() const {

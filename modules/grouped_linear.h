@@ -18,9 +18,19 @@
 #include <unordered_map>
 #include <vector>
 
-#include "torchmoe/autograd/grouped_linear_function.h"
+#include "torchmoe/ops/types.h"
 
 namespace torchmoe {
+namespace autograd {
+class WgradQueue;
+}
+namespace ops {
+struct GemmPlan;
+struct GemmShape;
+struct GluOptions;
+}  // namespace ops
+
+class GroupedMLPImpl;
 
 // Tensor-parallel layout of the layer (shapes and metadata only; no communication happens here).
 enum class ParallelMode { kNone, kRow, kColumn };
@@ -45,7 +55,8 @@ struct GroupedLinearOptions {
   TORCH_ARG(int64_t, out_features);
   /// Learn an additive bias per expert.
   TORCH_ARG(bool, bias) = true;
-  /// dtype of the parameters; the input must have the same dtype.
+  /// dtype of the parameters at construction (`->to(dtype)` changes it later); the input must have
+  /// the parameters' dtype.
   TORCH_ARG(torch::Dtype, params_dtype) = torch::kFloat32;
   /// Device of the parameters.
   TORCH_ARG(torch::Device, device) = torch::kCPU;
@@ -60,21 +71,13 @@ struct GroupedLinearOptions {
   TORCH_ARG(bool, single_grouped_weight) = false;
   /// Store all biases as one parameter `bias` [G, out] instead of `bias0..bias{G-1}`.
   TORCH_ARG(bool, single_grouped_bias) = false;
-  /// Which grouped GEMM runs the layer (kAuto: the sm90 kernel where it applies, else per-group
-  /// cuBLASLt; TORCHMOE_GROUPED_GEMM_BACKEND overrides kAuto). See ops::select_backend.
-  TORCH_ARG(ops::GemmBackendChoice, gemm_backend) = ops::GemmBackendChoice::kAuto;
+  /// Which grouped GEMM runs the layer (see GemmBackend).
+  TORCH_ARG(GemmBackend, gemm_backend) = GemmBackend::kAuto;
   /// Row: in_features is split over tp_size ranks; column: out_features is.
   TORCH_ARG(ParallelMode, parallel_mode) = ParallelMode::kNone;
   /// Tensor-parallel world size.
   TORCH_ARG(int64_t, tp_size) = 1;
 };
-
-/// Rows per expert, given either on the host (a vector, brace list or IntArrayRef) or as a 1-D
-/// integer tensor (CPU or CUDA). One type rather than two forward overloads, because
-/// ModuleHolder::operator() (`layer(x, splits)`) only works with a single forward. A CUDA tensor
-/// stays on the device when the sm90 grouped GEMM runs the layer (no host sync, CUDA-graph safe);
-/// see ops::GroupSplits.
-using SplitSizes = ops::GroupSplits;
 
 /// Megatron-style tensor-parallel attributes of one parameter.
 struct TensorParallelAttributes {
@@ -106,16 +109,6 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
   torch::Tensor forward(const torch::Tensor& input, const SplitSizes& m_splits,
                         std::optional<bool> is_first_microbatch = std::nullopt);
 
-  /// forward(glu(pre_activation, scales)) with the gated activation fused in front: the layer
-  /// saves the pre-activation [..., 2·in_features] and the per-row scales instead of the
-  /// activation and recomputes it in backward (GroupedMLP's recompute_activation). Both inputs
-  /// receive gradients.
-  torch::Tensor forward_with_activation(const torch::Tensor& pre_activation,
-                                        const torch::Tensor& scales,
-                                        const ops::GluOptions& activation,
-                                        const SplitSizes& m_splits,
-                                        std::optional<bool> is_first_microbatch = std::nullopt);
-
   /// Runs the oldest queued weight-gradient computation (delay_wgrad_compute) and adds its result
   /// into `.grad` (or the main-grad buffers) exactly as backward would have.
   void backward_dw();
@@ -125,8 +118,16 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
   /// fp32 main-grad buffers: G tensors [out, in], or one [G, out, in] with single_grouped_weight.
   /// Empty unless fuse_wgrad_accumulation.
   std::vector<torch::Tensor> main_grads() const;
-  /// Replaces the main-grad buffers (e.g. with views into one flat buffer). Shapes as main_grads().
+  /// Replaces the main-grad buffers (e.g. with views into one flat buffer). Shapes as main_grads(),
+  /// float32, contiguous, on the parameters' device.
   void set_main_grads(std::vector<torch::Tensor> buffers);
+
+  /// As torch::nn::Module's, and the main-grad buffers follow the parameters to a new device (as
+  /// float32 copies: buffers given to set_main_grads are then the module's own again). Refused
+  /// while delayed weight-gradient computations are queued.
+  using torch::nn::Module::to;
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Device device, bool non_blocking = false) override;
 
   /// Per-expert [out, in] weights and [out] biases (views into the grouped parameters when used).
   std::vector<torch::Tensor> expert_weights() const;
@@ -147,15 +148,25 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
   int64_t out_features_per_partition = 0;
 
  private:
-  // The shared body of both forwards; `activation` set means input is the pre-activation.
-  torch::Tensor run(const torch::Tensor& input, const SplitSizes& m_splits,
+  // GroupedMLP plans fc1 and fc2 together and runs fc2 with its activation fused in front.
+  friend class GroupedMLPImpl;
+
+  // The layer's GEMM shape for planning: sizes, groups and the alignment of its own tensors.
+  ops::GemmShape gemm_shape() const;
+  // The body of every forward: `input` [..., width] with width = in_features, or 2·in_features
+  // with an `activation` (then input is its pre-activation and `scales` its per-row scales: the
+  // layer saves those and recomputes the activation in backward).
+  torch::Tensor run(const torch::Tensor& input, const ops::GemmPlan& plan,
                     std::optional<bool> is_first_microbatch, const torch::Tensor& scales,
-                    const std::optional<ops::GluOptions>& activation);
+                    const ops::GluOptions* activation);
+  // Checks an input of `width` features against the parameters; returns it as [rows, width].
+  torch::Tensor input_rows(const torch::Tensor& input, int64_t width) const;
+  void move_main_grads(torch::Device device);
 
   std::vector<torch::Tensor> weight_params_;  // as registered: G tensors, or one grouped tensor
   std::vector<torch::Tensor> bias_params_;
   std::vector<torch::Tensor> main_grads_;
-  std::shared_ptr<autograd::WgradQueue> wgrad_queue_ = std::make_shared<autograd::WgradQueue>();
+  std::shared_ptr<autograd::WgradQueue> wgrad_queue_;
 };
 
 /// A `ModuleHolder` subclass for `GroupedLinearImpl`; see `GroupedLinearImpl` and

@@ -3,6 +3,8 @@
 #include <utility>
 
 #include "torchmoe/autograd/glu_function.h"
+#include "torchmoe/autograd/grouped_linear_function.h"
+#include "torchmoe/modules/glu_options.h"
 
 namespace torchmoe {
 namespace {
@@ -10,21 +12,35 @@ namespace {
 constexpr const char* kModule = "GroupedMLP";
 
 GroupedLinearOptions layer_options(const GroupedMLPOptions& o, int64_t in, int64_t out) {
-  return GroupedLinearOptions(o.num_experts(), in, out)
-      .bias(o.bias())
-      .params_dtype(o.params_dtype())
-      .device(o.device())
-      .fuse_wgrad_accumulation(o.fuse_wgrad_accumulation())
-      .delay_wgrad_compute(o.delay_wgrad_compute())
-      .single_grouped_weight(o.single_grouped_weight())
-      .single_grouped_bias(o.single_grouped_bias())
-      .gemm_backend(o.gemm_backend());
+  return GroupedLinearOptions(o.linear()).num_gemms(o.num_experts()).in_features(in).out_features(
+      out);
+}
+
+ops::GluOptions activation_of(const GroupedMLPOptions& o) {
+  if (o.activation() == GluActivation::kSwiGLU) {
+    return glu_options(SwiGLUOptions().glu_interleave_size(o.glu_interleave_size()));
+  }
+  ClampedSwiGLUOptions clamped = o.clamped();
+  return glu_options(clamped.glu_interleave_size(o.glu_interleave_size()));
 }
 
 }  // namespace
 
 GroupedMLPOptions::GroupedMLPOptions(int64_t num_experts, int64_t hidden, int64_t ffn_hidden)
-    : num_experts_(num_experts), hidden_(hidden), ffn_hidden_(ffn_hidden) {}
+    : num_experts_(num_experts),
+      hidden_(hidden),
+      ffn_hidden_(ffn_hidden),
+      linear_(num_experts, hidden, 2 * ffn_hidden) {}
+
+GroupedMLPOptions& GroupedMLPOptions::params_dtype(torch::Dtype dtype) {
+  linear_.params_dtype(dtype);
+  return *this;
+}
+
+GroupedMLPOptions& GroupedMLPOptions::device(torch::Device device) {
+  linear_.device(device);
+  return *this;
+}
 
 GroupedMLPImpl::GroupedMLPImpl(GroupedMLPOptions options_) : options(std::move(options_)) {
   reset();
@@ -42,9 +58,8 @@ void GroupedMLPImpl::reset() {
 void GroupedMLPImpl::pretty_print(std::ostream& stream) const {
   stream << std::boolalpha << "torchmoe::GroupedMLP(num_experts=" << options.num_experts()
          << ", hidden=" << options.hidden() << ", ffn_hidden=" << options.ffn_hidden()
-         << ", bias=" << options.bias() << ", activation="
-         << (options.activation() == GroupedMLPActivation::kSwiGLU ? "swiglu" : "clamped_swiglu")
-         << ")";
+         << ", bias=" << options.linear().bias() << ", activation="
+         << (options.activation() == GluActivation::kSwiGLU ? "swiglu" : "clamped_swiglu") << ")";
 }
 
 torch::Tensor GroupedMLPImpl::forward(const torch::Tensor& x, const SplitSizes& m_splits,
@@ -56,32 +71,37 @@ torch::Tensor GroupedMLPImpl::forward(const torch::Tensor& x, const SplitSizes& 
   TORCH_CHECK(probs.defined() && probs.dim() == 1 && probs.size(0) == x.size(0), kModule,
               ": probs must be [rows] with one probability per row of x (", x.size(0), "), got ",
               probs.defined() ? probs.sizes() : torch::IntArrayRef{});
-  // One decision for both layers: device sizes stay on the device only where fc1 runs on the sm90
-  // kernel (fc2 decides again for its own shape).
-  const SplitSizes splits =
-      ops::resolve_splits(m_splits, x, fc1->expert_weights(), options.gemm_backend());
-  const torch::Tensor z = fc1(x, splits, is_first_microbatch);
-  ops::GluOptions activation;
-  if (options.activation() == GroupedMLPActivation::kSwiGLU) {
-    activation = glu_options(SwiGLUOptions().glu_interleave_size(options.glu_interleave_size()));
-  } else {
-    ClampedSwiGLUOptions clamped = options.clamped();
-    activation = glu_options(clamped.glu_interleave_size(options.glu_interleave_size()));
-  }
+  const torch::Tensor& weight = fc1->weight_params_.front();
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), kModule,
+              ": x must have the parameters' dtype ", weight.scalar_type(), ", got ",
+              x.scalar_type());
+  TORCH_CHECK(x.device() == weight.device(), kModule, ": x must be on the parameters' device ",
+              weight.device(), ", got ", x.device());
+  TORCH_CHECK(probs.device() == x.device(), kModule, ": probs must be on ", x.device(),
+              " like x, got ", probs.device());
+  const torch::Tensor rows = x.contiguous();
+  // One decision for both layers: their backends, and split sizes that cross between host and
+  // device at most once.
+  const std::vector<ops::GemmPlan> plans =
+      autograd::plan_layers(kModule, rows, {fc1->gemm_shape(), fc2->gemm_shape()}, m_splits,
+                            options.linear().gemm_backend());
+  const torch::Tensor z = fc1->run(rows, plans[0], is_first_microbatch, torch::Tensor(), nullptr);
+  const ops::GluOptions activation = activation_of(options);
   torch::Tensor y;
   if (options.recompute_activation()) {
-    y = fc2->forward_with_activation(z, probs, activation, splits, is_first_microbatch);
+    y = fc2->run(z, plans[1], is_first_microbatch, probs, &activation);
   } else {
     const torch::Tensor h = autograd::GluFunction::apply(z, probs, activation);
-    y = fc2(h, splits, is_first_microbatch);
+    y = fc2->run(h, plans[1], is_first_microbatch, torch::Tensor(), nullptr);
   }
-  if (options.bias() && options.scale_bias()) {
+  if (options.linear().bias() && options.scale_bias()) {
     // fc2 added b2_e; adding b2_e·(p - 1) leaves b2_e·p, with the gradients of b2 and p that
     // TE's scale_bias has (Σ dy·p and Σ dy·b2_e).
     // Row r belongs to the first expert whose cumulative size exceeds r (no host copy of device
     // sizes; padded rows past the sum map to the last expert, and fc2 left them unwritten).
+    const SplitSizes& splits = plans[1].m_splits;
     const auto on_device = torch::TensorOptions().device(x.device());
-    const torch::Tensor sizes = splits.on_device()
+    const torch::Tensor sizes = splits.has_device()
                                     ? splits.device().to(torch::kLong)
                                     : torch::tensor(splits.host(), on_device.dtype(torch::kLong));
     const torch::Tensor expert_of_row =

@@ -17,45 +17,44 @@
 
 namespace torchmoe {
 
-enum class GroupedMLPActivation { kSwiGLU, kClampedSwiGLU };
-
-/// Options for `GroupedMLP`.
+/// Options for `GroupedMLP`: its sizes, the activation, and the settings its two GroupedLinear
+/// layers share (`linear`).
 ///
 /// Example:
 /// ```
 /// torchmoe::GroupedMLP experts(torchmoe::GroupedMLPOptions(/*num_experts=*/8, 1024, 2048)
+///                                  .glu_interleave_size(32)
 ///                                  .params_dtype(torch::kBFloat16)
-///                                  .device(torch::kCUDA)
-///                                  .glu_interleave_size(32));
+///                                  .device(torch::kCUDA));
 /// torch::Tensor y = experts(x, m_splits, probs);  // x [M, 1024], probs [M]
 /// ```
 struct GroupedMLPOptions {
   GroupedMLPOptions(int64_t num_experts, int64_t hidden, int64_t ffn_hidden);
+
+  /// Shorthands for linear().params_dtype(...) and linear().device(...), so that the options
+  /// chain.
+  GroupedMLPOptions& params_dtype(torch::Dtype dtype);
+  GroupedMLPOptions& device(torch::Device device);
 
   TORCH_ARG(int64_t, num_experts);
   /// Model width: fc1's input and fc2's output.
   TORCH_ARG(int64_t, hidden);
   /// Expert width: fc1 produces 2·ffn_hidden (act and gate halves), fc2 consumes ffn_hidden.
   TORCH_ARG(int64_t, ffn_hidden);
-  TORCH_ARG(bool, bias) = true;
-  TORCH_ARG(GroupedMLPActivation, activation) = GroupedMLPActivation::kSwiGLU;
+  TORCH_ARG(GluActivation, activation) = GluActivation::kSwiGLU;
   /// ClampedSwiGLU parameters (activation == kClampedSwiGLU).
   TORCH_ARG(ClampedSwiGLUOptions, clamped) = {};
   /// fc1's output columns interleave act and gate in blocks of this size (see SwiGLUOptions).
   TORCH_ARG(std::optional<int64_t>, glu_interleave_size) = std::nullopt;
-  TORCH_ARG(torch::Dtype, params_dtype) = torch::kFloat32;
-  TORCH_ARG(torch::Device, device) = torch::kCPU;
-  /// Passed to both GroupedLinear layers.
-  TORCH_ARG(bool, fuse_wgrad_accumulation) = false;
-  TORCH_ARG(bool, delay_wgrad_compute) = false;
-  TORCH_ARG(bool, single_grouped_weight) = false;
-  TORCH_ARG(bool, single_grouped_bias) = false;
-  TORCH_ARG(ops::GemmBackendChoice, gemm_backend) = ops::GemmBackendChoice::kAuto;
   /// fc2's bias is scaled by the routing probability too (TE's scale_bias): + b2_e · p.
   TORCH_ARG(bool, scale_bias) = false;
   /// Keep fc1's output instead of the activation for backward and recompute the activation
   /// there (saves M·ffn_hidden activations per layer for one extra activation pass).
   TORCH_ARG(bool, recompute_activation) = false;
+  /// What fc1 and fc2 share: bias, params_dtype, device, init_method, fuse_wgrad_accumulation,
+  /// delay_wgrad_compute, single_grouped_weight/bias and gemm_backend. Its num_gemms and feature
+  /// sizes are not used: GroupedMLP sets them from num_experts, hidden and ffn_hidden.
+  TORCH_ARG(GroupedLinearOptions, linear);
 };
 
 class GroupedMLPImpl : public torch::nn::Cloneable<GroupedMLPImpl> {
@@ -67,8 +66,8 @@ class GroupedMLPImpl : public torch::nn::Cloneable<GroupedMLPImpl> {
   void reset() override;
   void pretty_print(std::ostream& stream) const override;
 
-  /// x [M, hidden] grouped by expert, m_splits rows per expert (summing to M), probs [M] (fp32 or
-  /// the parameters' dtype; receives a gradient). Returns [M, hidden].
+  /// x [M, hidden] grouped by expert, m_splits rows per expert (summing to M; see SplitSizes),
+  /// probs [M] (fp32 or the parameters' dtype; receives a gradient). Returns [M, hidden].
   torch::Tensor forward(const torch::Tensor& x, const SplitSizes& m_splits,
                         const torch::Tensor& probs,
                         std::optional<bool> is_first_microbatch = std::nullopt);

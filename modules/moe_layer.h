@@ -22,47 +22,32 @@
 
 namespace torchmoe {
 
-/// Options for `MoELayer`: the router's and the experts' options side by side.
+/// Options for `MoELayer`: the router's and the experts' options, composed.
 ///
 /// Example:
 /// ```
-/// torchmoe::MoELayer moe(torchmoe::MoELayerOptions(/*hidden=*/1024, /*ffn_hidden=*/1024,
-///                                                  /*num_experts=*/32, /*topk=*/2)
-///                            .aux_loss_coeff(1e-2)
-///                            .params_dtype(torch::kBFloat16)
-///                            .device(torch::kCUDA));
+/// torchmoe::MoELayerOptions options(/*hidden=*/1024, /*ffn_hidden=*/1024, /*num_experts=*/32,
+///                                   /*topk=*/2);
+/// options.router().aux_loss_coeff(1e-2);
+/// options.params_dtype(torch::kBFloat16).device(torch::kCUDA);
+/// torchmoe::MoELayer moe(options);
 /// torchmoe::MoEOutput out = moe(x);  // x [B, S, 1024]
 /// loss = task_loss(out.output) + out.aux_loss;
 /// ```
 struct MoELayerOptions {
+  /// The router (hidden -> num_experts, top-k) and the experts (num_experts GroupedMLPs of
+  /// hidden -> ffn_hidden -> hidden, without biases unless experts().linear().bias(true)).
   MoELayerOptions(int64_t hidden, int64_t ffn_hidden, int64_t num_experts, int64_t topk);
 
-  TORCH_ARG(int64_t, hidden);
-  TORCH_ARG(int64_t, ffn_hidden);
-  TORCH_ARG(int64_t, num_experts);
-  TORCH_ARG(int64_t, topk);
-  // Router (see TopKRouterOptions).
-  TORCH_ARG(RouterScore, score_function) = RouterScore::kSoftmax;
-  TORCH_ARG(bool, normalize_topk) = true;
-  TORCH_ARG(double, aux_loss_coeff) = 1e-2;
-  TORCH_ARG(double, z_loss_coeff) = 0.0;
-  TORCH_ARG(bool, expert_bias) = false;
-  TORCH_ARG(double, expert_bias_update_rate) = 1e-3;
-  TORCH_ARG(std::optional<double>, capacity_factor) = std::nullopt;
-  // Experts (see GroupedMLPOptions).
-  TORCH_ARG(bool, bias) = false;
-  TORCH_ARG(GroupedMLPActivation, activation) = GroupedMLPActivation::kSwiGLU;
-  TORCH_ARG(ClampedSwiGLUOptions, clamped) = {};
-  TORCH_ARG(std::optional<int64_t>, glu_interleave_size) = std::nullopt;
-  TORCH_ARG(bool, fuse_wgrad_accumulation) = false;
-  TORCH_ARG(bool, delay_wgrad_compute) = false;
-  TORCH_ARG(bool, recompute_activation) = false;
-  TORCH_ARG(bool, single_grouped_weight) = false;
-  TORCH_ARG(bool, single_grouped_bias) = false;
-  TORCH_ARG(ops::GemmBackendChoice, gemm_backend) = ops::GemmBackendChoice::kAuto;
-  // Both.
-  TORCH_ARG(torch::Dtype, params_dtype) = torch::kFloat32;
-  TORCH_ARG(torch::Device, device) = torch::kCPU;
+  /// Shorthands that set both the router's and the experts' dtype or device.
+  MoELayerOptions& params_dtype(torch::Dtype dtype);
+  MoELayerOptions& device(torch::Device device);
+
+  int64_t hidden() const { return router_.hidden(); }
+  int64_t num_experts() const { return router_.num_experts(); }
+
+  TORCH_ARG(TopKRouterOptions, router);
+  TORCH_ARG(GroupedMLPOptions, experts);
 };
 
 struct MoEOutput {

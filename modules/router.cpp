@@ -144,4 +144,15 @@ void TopKRouterImpl::update_expert_bias() {
   expert_load.zero_();
 }
 
+void TopKRouterImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  weight.set_data(weight.to(device, dtype, non_blocking));
+  for (torch::Tensor& buffer : buffers(/*recurse=*/false)) {
+    buffer.set_data(buffer.to(device, non_blocking));
+  }
+}
+
+void TopKRouterImpl::to(torch::Dtype dtype, bool non_blocking) {
+  weight.set_data(weight.to(dtype, non_blocking));
+}
+
 }  // namespace torchmoe

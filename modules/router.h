@@ -88,6 +88,12 @@ class TopKRouterImpl : public torch::nn::Cloneable<TopKRouterImpl> {
   /// since the last call, then clears the count. No-op without expert_bias.
   void update_expert_bias();
 
+  /// As torch::nn::Module's, except that the expert bias and load stay float32 (a bf16 load count
+  /// would stop counting at 256; a bf16 bias would not move by small update rates).
+  using torch::nn::Module::to;
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
+
   TopKRouterOptions options;
   torch::Tensor weight;       // [E, hidden]
   torch::Tensor expert_bias;  // buffer [E] fp32 (defined with options.expert_bias)

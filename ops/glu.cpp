@@ -6,7 +6,7 @@
 
 #include <vector>
 
-#include "torchmoe/kernels/scaled_glu.h"
+#include "torchmoe/kernels/glu.h"
 #include "torchmoe/ops/kernel_types.h"
 
 namespace torchmoe::ops {
@@ -113,8 +113,7 @@ at::Tensor row_scales(const at::Tensor& scales, at::ScalarType compute) {
 kernels::GluParams kernel_params(const at::Tensor& input, const at::Tensor& scales,
                                  const GluOptions& o, int64_t hidden) {
   kernels::GluParams p;
-  p.kind = o.activation == GluActivation::kSwiGLU ? kernels::GluKind::kSwiGLU
-                                                  : kernels::GluKind::kClampedSwiGLU;
+  p.activation = o.activation;
   p.limit = static_cast<float>(o.limit);
   p.alpha = static_cast<float>(o.alpha);
   p.offset = static_cast<float>(o.offset);

@@ -9,9 +9,9 @@
 
 #include <cstdint>
 
-namespace torchmoe::ops {
+#include "torchmoe/ops/types.h"
 
-enum class GluActivation { kSwiGLU, kClampedSwiGLU };
+namespace torchmoe::ops {
 
 struct GluOptions {
   GluActivation activation = GluActivation::kSwiGLU;

@@ -173,12 +173,15 @@ at::Tensor permute_rows(const at::Tensor& tokens, const at::Tensor& sorted_slots
   const int64_t rows = sorted_slots.size(0);
   switch (select_backend(kOp, tokens)) {
     case PermuteBackend::kReference: {
-      at::Tensor out = tokens.index_select(0, at::floor_divide(sorted_slots, topk));
-      if (!probs.defined()) return out;
+      // Rows whose slot is -1 (padding) read slot 0 and are multiplied by 0.
+      const at::Tensor has_slot = (sorted_slots >= 0).unsqueeze(1);
+      const at::Tensor slots = sorted_slots.clamp_min(0);
       const at::ScalarType compute = compute_type(tokens);
-      return (out.to(compute) *
-              probs.reshape(-1).index_select(0, sorted_slots).to(compute).unsqueeze(1))
-          .to(tokens.scalar_type());
+      at::Tensor out = tokens.index_select(0, at::floor_divide(slots, topk)).to(compute);
+      if (probs.defined()) {
+        out = out * probs.reshape(-1).index_select(0, slots).to(compute).unsqueeze(1);
+      }
+      return (out * has_slot).to(tokens.scalar_type());
     }
     case PermuteBackend::kCuda: {
       const c10::cuda::CUDAGuard guard(tokens.device());
@@ -196,14 +199,35 @@ at::Tensor permute_rows(const at::Tensor& tokens, const at::Tensor& sorted_slots
 }
 
 at::Tensor slots_of_rows(const at::Tensor& row_map, int64_t num_rows) {
-  TORCH_CHECK(num_rows >= 0 && num_rows <= row_map.numel(), "torchmoe::slots_of_rows: num_rows ",
-              "must be in [0, ", row_map.numel(), "], got ", num_rows);
-  // Dropped slots (-1) all write one spare element past the end, which is cut off.
+  TORCH_CHECK(num_rows >= 0, "torchmoe::slots_of_rows: num_rows must be non-negative, got ",
+              num_rows);
+  // Rows no slot names (padding) keep -1; dropped slots (-1) all write one spare element past the
+  // end, which is cut off.
   const at::Tensor flat = row_map.reshape(-1);
   const at::Tensor target = at::where(flat >= 0, flat, num_rows);
-  return at::empty({num_rows + 1}, flat.options())
+  return at::full({num_rows + 1}, -1, flat.options())
       .scatter_(0, target, at::arange(flat.numel(), flat.options()))
       .narrow(0, 0, num_rows);
+}
+
+void check_row_map(const char* op, const at::Tensor& row_map, int64_t num_rows) {
+  if (row_map.numel() == 0) return;
+  const at::Tensor flat = row_map.reshape(-1);
+  const at::Tensor kept = flat >= 0;
+  // Uses of each row; the dropped slots (and any out-of-range entry) land in a spare bin.
+  const at::Tensor in_range = kept & (flat < num_rows);
+  const at::Tensor uses =
+      at::zeros({num_rows + 1}, flat.options())
+          .scatter_add_(0, at::where(in_range, flat, num_rows), in_range.to(at::kLong));
+  uses.narrow(0, num_rows, 1).zero_();  // the spare bin is no row
+  // One device-to-host copy for the three facts.
+  const at::Tensor facts =
+      at::stack({((flat < -1) | (flat >= num_rows)).sum(), uses.max(), at::argmax(uses)}).cpu();
+  const int64_t* f = facts.const_data_ptr<int64_t>();
+  TORCH_CHECK(f[0] == 0, op, ": row_map entries must be -1 (dropped) or rows of permuted in [0, ",
+              num_rows, "), got ", f[0], " out of range");
+  TORCH_CHECK(f[1] <= 1, op, ": row_map must name each row of permuted at most once, got row ",
+              f[2], " ", f[1], " times");
 }
 
 at::Tensor unpermute_rows(const at::Tensor& permuted, const at::Tensor& row_map,
@@ -261,14 +285,18 @@ UnpermuteGrads unpermute_rows_backward(const at::Tensor& grad_out, const at::Ten
   UnpermuteGrads grads;
   switch (select_backend(kOp, permuted)) {
     case PermuteBackend::kReference: {
+      // Rows whose slot is -1 (padding) get a zero gradient and give none to a probability.
       const at::ScalarType compute = compute_type(permuted);
-      const at::Tensor g =
-          grad_out.index_select(0, at::floor_divide(sorted_slots, topk)).to(compute);
-      const at::Tensor p = probs.reshape(-1).index_select(0, sorted_slots).to(compute);
+      const at::Tensor has_slot = sorted_slots >= 0;
+      const at::Tensor slots = sorted_slots.clamp_min(0);
+      const at::Tensor g = grad_out.index_select(0, at::floor_divide(slots, topk)).to(compute) *
+                           has_slot.unsqueeze(1);
+      const at::Tensor p = probs.reshape(-1).index_select(0, slots).to(compute);
       grads.grad_permuted = (g * p.unsqueeze(1)).to(permuted.scalar_type());
       const at::Tensor dots = (g * permuted.to(compute)).sum(1);
+      const at::Tensor kept = at::nonzero(has_slot).reshape(-1);
       grads.grad_probs = at::zeros({probs.numel()}, probs.options().dtype(compute))
-                             .index_copy_(0, sorted_slots, dots)
+                             .index_copy_(0, slots.index_select(0, kept), dots.index_select(0, kept))
                              .to(probs.scalar_type())
                              .view(probs.sizes());
       return grads;

@@ -23,11 +23,17 @@ struct RoutingMap {
 RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts);
 
 // tokens [T, H] -> [N, H]: row r = tokens[sorted_slots[r] / topk] (· probs.flat[sorted_slots[r]]
-// when given, probs [T, topk]).
+// when given, probs [T, topk]); zeros where sorted_slots[r] is -1.
 at::Tensor permute_rows(const at::Tensor& tokens, const at::Tensor& sorted_slots, int64_t topk,
                         const at::Tensor& probs);
 
-// row_map's inverse: the slot of each of the num_rows permuted rows (no host synchronisation).
+// The contract of a row_map [T, k] over num_rows permuted rows: every entry is -1 (a dropped slot)
+// or a row in [0, num_rows), and no row is named twice; rows no entry names (padding) are
+// allowed. Checks it; on CUDA this costs one device-to-host copy. `op` names the caller.
+void check_row_map(const char* op, const at::Tensor& row_map, int64_t num_rows);
+
+// row_map's inverse: the slot of each of the num_rows permuted rows, -1 for a row no slot names
+// (no host synchronisation; row_map must meet the contract above).
 at::Tensor slots_of_rows(const at::Tensor& row_map, int64_t num_rows);
 
 // permuted [N, H] -> [T, H]: out[t] = Σ_j probs[t, j] · permuted[row_map[t, j]] (weight 1 without

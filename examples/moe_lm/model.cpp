@@ -122,13 +122,11 @@ void MoETransformerImpl::reset() {
     // Expert weight gradients go straight into fp32 main-grad buffers (the trainer's). One
     // [E, out, in] weight per layer rather than E: the optimizer then updates 2 tensors per MoE
     // layer instead of 2·E (per-tensor AdamW launches dominate otherwise).
-    moes->push_back(torchmoe::MoELayer(torchmoe::MoELayerOptions(c.hidden, c.ffn, c.experts, c.topk)
-                                           .aux_loss_coeff(c.aux_loss_coeff)
-                                           .z_loss_coeff(c.z_loss_coeff)
-                                           .fuse_wgrad_accumulation(true)
-                                           .single_grouped_weight(true)
-                                           .params_dtype(dtype)
-                                           .device(device)));
+    torchmoe::MoELayerOptions moe(c.hidden, c.ffn, c.experts, c.topk);
+    moe.params_dtype(dtype).device(device);
+    moe.router().aux_loss_coeff(c.aux_loss_coeff).z_loss_coeff(c.z_loss_coeff);
+    moe.experts().linear().fuse_wgrad_accumulation(true).single_grouped_weight(true);
+    moes->push_back(torchmoe::MoELayer(moe));
   }
   final_norm = register_module("final_norm", RMSNorm(c.hidden, options));
 }

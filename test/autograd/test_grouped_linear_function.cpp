@@ -16,10 +16,13 @@ TEST_CASE("GroupedLinearFunction computes only the gradients that are needed", "
   const bool bias_grad = GENERATE(false, true);
   if (!input_grad && !weight_grad && !bias_grad) return;  // nothing to differentiate
   INFO("input_grad=" << input_grad << " weight_grad=" << weight_grad << " bias_grad=" << bias_grad);
-  auto config = c10::make_intrusive<GroupedLinearConfig>();
-  config->m_splits = {3, 0, 4};
   const auto f64 = torch::kFloat64;
   const torch::Tensor x = torch::randn({7, 5}, f64).requires_grad_(input_grad);
+  const std::vector<int64_t> splits = {3, 0, 4};
+  auto config = c10::make_intrusive<GroupedLinearConfig>();
+  config->plan = torchmoe::autograd::plan_layers("test", x, {torchmoe::autograd::GemmShape{2, 5, 3}},
+                                                 splits, torchmoe::GemmBackend::kAuto)
+                     .front();
   std::vector<torch::Tensor> w, b;
   for (int g = 0; g < 3; ++g) {
     w.push_back(torch::randn({2, 5}, f64).requires_grad_(weight_grad));
@@ -29,7 +32,7 @@ TEST_CASE("GroupedLinearFunction computes only the gradients that are needed", "
       GroupedLinearFunction::apply(x, std::nullopt, at::TensorList(w), at::TensorList(b), config);
   const torch::Tensor dy = torch::randn({7, 2}, f64);
   y.backward(dy);
-  const Reference ref = reference_grouped_linear(x, config->m_splits.to_host(), w, b, dy);
+  const Reference ref = reference_grouped_linear(x, splits, w, b, dy);
   check_close(y, ref.output, tolerance_for(f64), "output");
   CHECK(x.grad().defined() == input_grad);
   if (input_grad) check_close(x.grad(), ref.grad_input, tolerance_for(f64), "dx");
@@ -42,10 +45,13 @@ TEST_CASE("GroupedLinearFunction computes only the gradients that are needed", "
 }
 
 TEST_CASE("GroupedLinearFunction validates its layout arguments", "[autograd][errors]") {
-  auto config = c10::make_intrusive<GroupedLinearConfig>();
-  config->m_splits = {1, 1};
-  config->grouped_weight = true;
   const torch::Tensor x = torch::randn({2, 3});
+  auto config = c10::make_intrusive<GroupedLinearConfig>();
+  config->plan = torchmoe::autograd::plan_layers("test", x, {torchmoe::autograd::GemmShape{2, 3, 2}},
+                                                 std::vector<int64_t>{1, 1},
+                                                 torchmoe::GemmBackend::kAuto)
+                     .front();
+  config->grouped_weight = true;
   std::vector<torch::Tensor> w = {torch::randn({2, 3}), torch::randn({2, 3})};
   REQUIRE_THROWS_WITH(GroupedLinearFunction::apply(x, std::nullopt, at::TensorList(w), at::TensorList(), config),
                       Contains("weights must be one 3-D tensor when grouped, got 2 tensor(s)"));

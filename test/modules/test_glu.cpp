@@ -129,8 +129,12 @@ GluCase make_case(int activation, bool scaled, std::optional<int64_t> interleave
   return c;
 }
 
-const std::vector<std::vector<int64_t>> kShapes = {{17, 64},    {13, 100},    {71, 192},
-                                                   {5, 7, 128}, {1024, 2048}, {0, 64}};
+// Edge shapes: rows of 1 to 71 (5 × 7 rows in 3-D), H = 32 (one 16-byte vector per lane and
+// less), 50 (no 16-byte vectors), 96, 64, and no rows at all.
+const std::vector<std::vector<int64_t>> kShapes = {
+    {17, 64}, {13, 100}, {71, 192}, {5, 7, 128}, {0, 64}};
+// CUDA only (the CPU path is the reference's own arithmetic): a grid of many blocks.
+const std::vector<int64_t> kWideRows = {1024, 2048};
 // CUDA only: H = 4224 spans 17 chunks of 16-byte vectors per warp in bf16, so the forward splits
 // each row into three segments of at most 8 chunks, the last one a half chunk.
 const std::vector<int64_t> kLongRows = {37, 8448};
@@ -163,8 +167,10 @@ TEST_CASE("SwiGLU family fused CUDA kernels vs float64 reference", "[modules][gl
     run_glu_case(make_case(activation, scaled, interleave), shape, torch::kCUDA, dtype,
                  fp32_scales ? torch::kFloat32 : dtype, input_grad, scale_grad);
   }
-  run_glu_case(make_case(activation, scaled, interleave), kLongRows, torch::kCUDA, dtype,
-               fp32_scales ? torch::kFloat32 : dtype, input_grad, scale_grad);
+  for (const auto& shape : {kWideRows, kLongRows}) {
+    run_glu_case(make_case(activation, scaled, interleave), shape, torch::kCUDA, dtype,
+                 fp32_scales ? torch::kFloat32 : dtype, input_grad, scale_grad);
+  }
 }
 
 TEST_CASE("SwiGLU CUDA kernel takes the scalar path for unaligned rows", "[modules][glu][cuda]") {

@@ -151,7 +151,8 @@ TEST_CASE("GroupedLinear rejects bad input with clear errors",
   SECTION("splits that do not sum to the rows") {
     REQUIRE_THROWS_WITH(
         m(x, std::vector<int64_t>{3, 3, 3}),
-        Contains("m_splits must sum to the number of rows (10)") && Contains("sum 9"));
+        Contains("GroupedLinear: m_splits must sum to the number of rows (10)") &&
+            Contains("sum 9"));
   }
   SECTION("non-integer split tensor") {
     REQUIRE_THROWS_WITH(m(x, torch::tensor({3.0, 3.0, 4.0})),
@@ -168,7 +169,8 @@ TEST_CASE("GroupedLinear rejects bad input with clear errors",
   }
   SECTION("input dtype != params dtype") {
     REQUIRE_THROWS_WITH(m(x.to(torch::kFloat64), std::vector<int64_t>{3, 3, 4}),
-                        Contains("input dtype must match params_dtype=Float, got Double"));
+                        Contains("GroupedLinear: input must have the parameters' dtype Float, got "
+                                 "Double"));
   }
   SECTION("input on another device than the parameters") {
     REQUIRE_THROWS_WITH(m(torch::empty({10, 8}, torch::kMeta), std::vector<int64_t>{3, 3, 4}),
@@ -388,22 +390,37 @@ TEST_CASE("GroupedLinear CPU 16-bit dtypes", "[modules][grouped_linear]") {
   run_module_case(c);
 }
 
-TEST_CASE("GroupedLinear forward_with_activation rejects bad input",
-          "[modules][grouped_linear][errors]") {
-  GroupedLinear m(GroupedLinearOptions(2, 32, 4));
-  const torchmoe::ops::GluOptions swiglu;
-  const std::vector<int64_t> splits = {1, 2};
-  REQUIRE_THROWS_WITH(
-      m->forward_with_activation(torch::randn({3, 32}), torch::rand({3}), swiglu, splits),
-      Contains("input's last dimension must be 2·in_features=64"));
-  REQUIRE_THROWS_WITH(
-      m->forward_with_activation(torch::randn({3, 64}), torch::Tensor(), swiglu, splits),
-      Contains("forward_with_activation: scales must be defined"));
-  REQUIRE_THROWS_WITH(
-      m->forward_with_activation(torch::randn({3, 64}), torch::rand({2}), swiglu, splits),
-      Contains("scales must have shape [3]"));
-  // And the happy path equals forward(glu(...)).
-  const torch::Tensor z = torch::randn({3, 64}), p = torch::rand({3});
-  check_close(m->forward_with_activation(z, p, swiglu, splits),
-              m(torchmoe::functional::scaled_swiglu(z, p), splits), {1e-6, 1e-6}, "fused");
+TEST_CASE("GroupedLinear follows ->to(dtype) as torch::nn::Linear does",
+          "[modules][grouped_linear]") {
+  const bool fuse = GENERATE(false, true);
+  const bool single = GENERATE(false, true);
+  INFO("fuse=" << fuse << " single=" << single);
+  GroupedLinear m(GroupedLinearOptions(2, 4, 3)
+                      .fuse_wgrad_accumulation(fuse)
+                      .single_grouped_weight(single)
+                      .single_grouped_bias(single));
+  m->to(torch::kFloat64);
+  const torch::Tensor x = torch::randn({5, 4}, torch::kFloat64).requires_grad_(true);
+  const std::vector<int64_t> splits = {2, 3};
+  const torch::Tensor y = m(x, splits);
+  CHECK(y.scalar_type() == torch::kFloat64);
+  const torch::Tensor dy = torch::randn({5, 3}, torch::kFloat64);
+  y.backward(dy);
+  const Reference ref = reference_grouped_linear(x, splits, m->expert_weights(),
+                                                 m->expert_biases(), dy);
+  check_close(y, ref.output, tolerance_for(torch::kFloat64), "output");
+  check_close(x.grad(), ref.grad_input, tolerance_for(torch::kFloat64), "grad_input");
+  if (fuse) {
+    // Main-grad buffers stay float32 (one rounding of the float64 product).
+    std::vector<torch::Tensor> main = m->main_grads();
+    if (single) main = main[0].unbind(0);
+    for (size_t g = 0; g < 2; ++g) {
+      CHECK(main[g].scalar_type() == torch::kFloat32);
+      check_close(main[g], ref.grad_weights[g], tolerance_for(torch::kFloat32), "main_grad");
+    }
+  }
+  // A float input is now the wrong dtype, and the message names the parameters' dtype.
+  REQUIRE_THROWS_WITH(m(torch::randn({5, 4}), splits),
+                      Contains("GroupedLinear: input must have the parameters' dtype Double, got "
+                               "Float"));
 }

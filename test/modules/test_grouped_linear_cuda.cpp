@@ -73,3 +73,34 @@ TEST_CASE("GroupedLinear CUDA rejects CPU input", "[modules][grouped_linear][cud
   REQUIRE_THROWS_WITH(m(torch::randn({3, 8}), std::vector<int64_t>{1, 2}),
                       Contains("input must be on the parameters' device cuda:0, got cpu"));
 }
+
+TEST_CASE("GroupedLinear ->to(kCUDA) moves fused main-grad buffers with the parameters",
+          "[modules][grouped_linear][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const bool single = GENERATE(false, true);
+  const auto dtype = GENERATE(torch::kFloat32, torch::kBFloat16);
+  INFO("single=" << single << " dtype=" << dtype);
+  GroupedLinear m(GroupedLinearOptions(2, 64, 32)
+                      .bias(false)
+                      .fuse_wgrad_accumulation(true)
+                      .single_grouped_weight(single));
+  m->to(torch::kCUDA, dtype);
+  for (const torch::Tensor& mg : m->main_grads()) {
+    CHECK(mg.device() == torch::Device(torch::kCUDA, 0));
+    CHECK(mg.scalar_type() == torch::kFloat32);
+  }
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(dtype);
+  const torch::Tensor x = torch::randn({24, 64}, cuda);
+  const torch::Tensor dy = torch::randn({24, 32}, cuda) / 5;
+  const std::vector<int64_t> splits = {9, 15};
+  m(x, splits, /*is_first_microbatch=*/true).backward(dy);
+  const Reference ref = reference_grouped_linear(x, splits, m->expert_weights(), {}, dy);
+  std::vector<torch::Tensor> main = m->main_grads();
+  if (single) main = main[0].unbind(0);
+  for (size_t g = 0; g < 2; ++g) {
+    check_close(main[g], ref.grad_weights[g], tolerance_for(dtype), "main_grad");
+  }
+  // Back on the CPU, buffers handed in for one device must match the new one.
+  m->to(torch::kCPU);
+  CHECK(m->main_grads().front().is_cpu());
+}

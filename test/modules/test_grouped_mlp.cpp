@@ -9,7 +9,7 @@
 using namespace torchmoe::test;
 using Catch::Matchers::Contains;
 using torchmoe::GroupedMLP;
-using torchmoe::GroupedMLPActivation;
+using torchmoe::GluActivation;
 using torchmoe::GroupedMLPOptions;
 
 namespace {
@@ -20,7 +20,7 @@ struct MlpCase {
   int64_t hidden = 128;
   bool bias = true, scale_bias = false, fuse = false, delay = false, single = false;
   bool recompute = false;
-  GroupedMLPActivation activation = GroupedMLPActivation::kSwiGLU;
+  GluActivation activation = GluActivation::kSwiGLU;
   std::optional<int64_t> interleave;
 };
 
@@ -29,7 +29,7 @@ std::string describe(const MlpCase& c) {
   s << "dtype=" << c.dtype << " device=" << c.device << " hidden=" << c.hidden << " bias=" << c.bias
     << " scale_bias=" << c.scale_bias << " fuse=" << c.fuse << " delay=" << c.delay
     << " single=" << c.single
-    << " clamped=" << (c.activation == GroupedMLPActivation::kClampedSwiGLU)
+    << " clamped=" << (c.activation == GluActivation::kClampedSwiGLU)
     << " interleave=" << c.interleave.value_or(0);
   return s.str();
 }
@@ -58,7 +58,7 @@ torch::Tensor reference_act(const torch::Tensor& z, const MlpCase& c,
   }
   const torch::Tensor a = z.index_select(1, torch::tensor(a_idx).to(z.device()));
   const torch::Tensor b = z.index_select(1, torch::tensor(b_idx).to(z.device()));
-  if (c.activation == GroupedMLPActivation::kSwiGLU) return a * torch::sigmoid(a) * b;
+  if (c.activation == GluActivation::kSwiGLU) return a * torch::sigmoid(a) * b;
   const torch::Tensor ac = torch::clamp_max(a, clamped.limit());
   return ac * torch::sigmoid(clamped.alpha() * ac) *
          (torch::clamp(b, -clamped.limit(), clamped.limit()) + clamped.offset());
@@ -92,18 +92,20 @@ void run_mlp_case(const MlpCase& c) {
   INFO(describe(c));
   torch::manual_seed(23);
   const int64_t experts = 4, ffn = c.hidden;
-  GroupedMLP mlp(GroupedMLPOptions(experts, c.hidden, ffn)
-                     .bias(c.bias)
-                     .scale_bias(c.scale_bias)
-                     .activation(c.activation)
-                     .glu_interleave_size(c.interleave)
-                     .params_dtype(c.dtype)
-                     .device(c.device)
-                     .fuse_wgrad_accumulation(c.fuse)
-                     .delay_wgrad_compute(c.delay)
-                     .single_grouped_weight(c.single)
-                     .single_grouped_bias(c.single)
-                     .recompute_activation(c.recompute));
+  GroupedMLPOptions options_mlp = GroupedMLPOptions(experts, c.hidden, ffn)
+                                     .scale_bias(c.scale_bias)
+                                     .activation(c.activation)
+                                     .glu_interleave_size(c.interleave)
+                                     .recompute_activation(c.recompute)
+                                     .params_dtype(c.dtype)
+                                     .device(c.device);
+  options_mlp.linear()
+      .bias(c.bias)
+      .fuse_wgrad_accumulation(c.fuse)
+      .delay_wgrad_compute(c.delay)
+      .single_grouped_weight(c.single)
+      .single_grouped_bias(c.single);
+  GroupedMLP mlp(options_mlp);
   const auto options = torch::TensorOptions().device(c.device);
   {
     torch::NoGradGuard no_grad;
@@ -176,7 +178,7 @@ TEST_CASE("GroupedMLP on CPU vs float64 reference", "[modules][grouped_mlp]") {
   MlpCase c;
   c.dtype = GENERATE(torch::kFloat32, torch::kFloat64);
   c.hidden = GENERATE(128, 256);
-  c.activation = GENERATE(GroupedMLPActivation::kSwiGLU, GroupedMLPActivation::kClampedSwiGLU);
+  c.activation = GENERATE(GluActivation::kSwiGLU, GluActivation::kClampedSwiGLU);
   c.interleave = GENERATE(std::optional<int64_t>{}, std::optional<int64_t>{32});
   c.scale_bias = GENERATE(false, true);
   run_mlp_case(c);
@@ -198,7 +200,7 @@ TEST_CASE("GroupedMLP on CUDA (bf16) vs float64 reference", "[modules][grouped_m
   c.device = torch::kCUDA;
   c.dtype = GENERATE(torch::kBFloat16, torch::kFloat32);
   c.hidden = GENERATE(128, 256);
-  c.activation = GENERATE(GroupedMLPActivation::kSwiGLU, GroupedMLPActivation::kClampedSwiGLU);
+  c.activation = GENERATE(GluActivation::kSwiGLU, GluActivation::kClampedSwiGLU);
   c.interleave = GENERATE(std::optional<int64_t>{}, std::optional<int64_t>{32});
   c.scale_bias = GENERATE(false, true);
   c.fuse = GENERATE(false, true);
@@ -213,8 +215,9 @@ TEST_CASE("GroupedMLP recompute_activation gives the same numbers", "[modules][g
   const bool delay = GENERATE(false, true);
   const bool clamped = GENERATE(false, true);
   torch::manual_seed(31);
-  auto options = GroupedMLPOptions(3, 32, 64).delay_wgrad_compute(delay).glu_interleave_size(32);
-  if (clamped) options.activation(GroupedMLPActivation::kClampedSwiGLU);
+  auto options = GroupedMLPOptions(3, 32, 64).glu_interleave_size(32);
+  options.linear().delay_wgrad_compute(delay);
+  if (clamped) options.activation(GluActivation::kClampedSwiGLU);
   GroupedMLP plain(options);
   GroupedMLP recompute(GroupedMLPOptions(options).recompute_activation(true));
   {
@@ -251,7 +254,9 @@ TEST_CASE("GroupedMLP rejects bad input", "[modules][grouped_mlp][errors]") {
       mlp(x, splits, torch::rand({5})),
       Contains("probs must be [rows] with one probability per row of x (6), got [5]"));
   REQUIRE_THROWS_WITH(mlp(x, std::vector<int64_t>{2, 0, 3}, torch::rand({6})),
-                      Contains("m_splits must sum to the number of rows (6)"));
+                      Contains("GroupedMLP: m_splits must sum to the number of rows (6)"));
+  REQUIRE_THROWS_WITH(mlp(x.to(torch::kFloat64), splits, torch::rand({6})),
+                      Contains("GroupedMLP: x must have the parameters' dtype Float, got Double"));
   REQUIRE_THROWS_WITH(mlp(torch::randn({6, 12}), splits, torch::rand({6})),
                       Contains("x must be [rows, hidden=16], got [6, 12]"));
   REQUIRE_THROWS_WITH(GroupedMLP(GroupedMLPOptions(3, 16, 0)),
@@ -260,4 +265,28 @@ TEST_CASE("GroupedMLP rejects bad input", "[modules][grouped_mlp][errors]") {
   s << mlp;
   CHECK(s.str().find("torchmoe::GroupedMLP(num_experts=3, hidden=16, ffn_hidden=8, bias=true, "
                      "activation=swiglu)") == 0);
+}
+
+TEST_CASE("GroupedMLP options compose the layers' shared settings", "[modules][grouped_mlp]") {
+  GroupedMLPOptions options(4, 16, 8);
+  options.params_dtype(torch::kFloat64).linear().bias(false).single_grouped_weight(true);
+  GroupedMLP mlp(options);
+  for (torchmoe::GroupedLinear* layer : {&mlp->fc1, &mlp->fc2}) {
+    CHECK((*layer)->options.num_gemms() == 4);
+    CHECK((*layer)->options.params_dtype() == torch::kFloat64);
+    CHECK_FALSE((*layer)->options.bias());
+    CHECK((*layer)->options.single_grouped_weight());
+  }
+  CHECK(mlp->fc1->options.in_features() == 16);
+  CHECK(mlp->fc1->options.out_features() == 16);  // act and gate halves: 2 · ffn_hidden
+  CHECK(mlp->fc2->options.in_features() == 8);
+  CHECK(mlp->fc2->options.out_features() == 16);
+}
+
+TEST_CASE("GroupedMLP follows ->to(dtype)", "[modules][grouped_mlp]") {
+  GroupedMLP mlp(GroupedMLPOptions(2, 16, 8));
+  mlp->to(torch::kFloat64);
+  const torch::Tensor x = torch::randn({5, 16}, torch::kFloat64);
+  const torch::Tensor y = mlp(x, std::vector<int64_t>{2, 3}, torch::rand({5}, torch::kFloat64));
+  CHECK(y.scalar_type() == torch::kFloat64);
 }

@@ -25,7 +25,7 @@ torch::Tensor leaf(const torch::Tensor& t) {
 Reference reference_moe(MoELayer& moe, const torch::Tensor& x_in, const torch::Tensor& dy) {
   torch::AutoGradMode enable(true);
   const auto& o = moe->options;
-  const int64_t e_count = o.num_experts(), k = o.topk(), ffn = o.ffn_hidden();
+  const int64_t e_count = o.num_experts(), k = o.router().topk(), ffn = o.experts().ffn_hidden();
   const torch::Tensor x = leaf(x_in.reshape({-1, o.hidden()}));
   const torch::Tensor w_router = leaf(moe->router->weight);
   std::vector<torch::Tensor> w1, w2;
@@ -51,7 +51,7 @@ Reference reference_moe(MoELayer& moe, const torch::Tensor& x_in, const torch::T
     out = out.index_add(0, rows, torch::linear(h, w2[e]) * p.unsqueeze(1));
   }
   const torch::Tensor aux =
-      o.aux_loss_coeff() * e_count / (double(k) * tokens * tokens) * (scores.sum(0) * counts).sum();
+      o.router().aux_loss_coeff() * e_count / (double(k) * tokens * tokens) * (scores.sum(0) * counts).sum();
   ((out * dy.to(torch::kCPU, torch::kFloat64).reshape(out.sizes())).sum() + aux).backward();
 
   Reference ref;
@@ -77,11 +77,11 @@ void check_layer(torch::Dtype dtype, torch::Device device, int64_t topk, double 
                  bool single = false) {
   torch::manual_seed(17);
   const int64_t hidden = 32, ffn = 48, experts = 6;
-  MoELayer moe(MoELayerOptions(hidden, ffn, experts, topk)
-                   .aux_loss_coeff(0.05)
-                   .single_grouped_weight(single)
-                   .params_dtype(dtype)
-                   .device(device));
+  MoELayerOptions options(hidden, ffn, experts, topk);
+  options.params_dtype(dtype).device(device);
+  options.router().aux_loss_coeff(0.05);
+  options.experts().linear().single_grouped_weight(single);
+  MoELayer moe(options);
   const torch::Tensor x =
       (torch::randn({3, 21, hidden}) * 0.5).to(dtype).to(device).requires_grad_(true);
   const torch::Tensor dy = torch::randn({3, 21, hidden}).to(dtype).to(device);
@@ -134,5 +134,30 @@ TEST_CASE("MoELayer errors", "[modules][moe]") {
   CHECK_THROWS_WITH(MoELayer(MoELayerOptions(8, 16, 4, 5)),
                     Contains("topk must be in [1, num_experts=4], got 5"));
   CHECK_THROWS_WITH(moe(torch::randn({3, 8}, torch::kFloat64)),
-                    Contains("x dtype must match params_dtype=Float, got Double"));
+                    Contains("MoELayer: x must have the experts' dtype Float, got Double"));
+  MoELayerOptions mismatched(8, 16, 4, 2);
+  mismatched.experts().hidden(12);
+  CHECK_THROWS_WITH(MoELayer(mismatched),
+                    Contains("MoELayer: the router and the experts must agree on hidden and "
+                             "num_experts, got router (8, 4) and experts (12, 4)"));
+}
+
+TEST_CASE("MoELayer options: one aux-loss default, the router's", "[modules][moe]") {
+  const MoELayerOptions options(8, 16, 4, 2);
+  CHECK(options.router().aux_loss_coeff() ==
+        torchmoe::TopKRouterOptions(8, 4, 2).aux_loss_coeff());
+  CHECK_FALSE(options.experts().linear().bias());
+}
+
+TEST_CASE("MoELayer follows ->to(dtype); the router's expert bias stays float32",
+          "[modules][moe]") {
+  MoELayerOptions options(8, 16, 4, 2);
+  options.router().expert_bias(true);
+  MoELayer moe(options);
+  moe->to(torch::kFloat64);
+  const auto out = moe(torch::randn({5, 8}, torch::kFloat64));
+  CHECK(out.output.scalar_type() == torch::kFloat64);
+  CHECK(moe->router->expert_bias.scalar_type() == torch::kFloat32);
+  CHECK(moe->router->expert_load.scalar_type() == torch::kFloat32);
+  CHECK(moe->router->expert_load.sum().item<double>() == 10.0);  // 5 tokens, top-2
 }

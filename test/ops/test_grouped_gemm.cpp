@@ -1,5 +1,6 @@
-// Grouped GEMM ops: the dispatch table, op-level validation, and wgrad write/accumulate semantics
-// (CPU reference backend and CUDA cuBLASLt backend) against per-group float64 products.
+// Grouped GEMM ops: the planning step (dispatch table, split checks, host/device copies), op-level
+// validation, and wgrad write/accumulate semantics (CPU reference backend and CUDA cuBLASLt
+// backend) against per-group float64 products.
 
 #include <torchmoe/ops/grouped_gemm.h>
 
@@ -11,6 +12,15 @@ using Catch::Matchers::Contains;
 
 namespace {
 
+// One layer's plan for `input`.
+ops::GemmPlan plan_for(const torch::Tensor& input, int64_t n, int64_t k,
+                       const torchmoe::SplitSizes& splits,
+                       torchmoe::GemmBackend backend = torchmoe::GemmBackend::kAuto) {
+  return ops::plan_grouped_gemms("test", input, {ops::GemmShape{n, k, splits.size()}}, splits,
+                                 backend)
+      .front();
+}
+
 std::vector<torch::Tensor> make_weights(int64_t groups, int64_t out, int64_t in,
                                         const torch::TensorOptions& options) {
   std::vector<torch::Tensor> w;
@@ -21,7 +31,7 @@ std::vector<torch::Tensor> make_weights(int64_t groups, int64_t out, int64_t in,
 // Checks wgrad (with accumulate on/off and bias grads) against float64 per-group products.
 void check_wgrad(const torch::TensorOptions& options, torch::Dtype grad_dtype, bool accumulate,
                  const std::vector<int64_t>& splits, int64_t in, int64_t out, Tolerance tol,
-                 ops::GemmBackendChoice backend = ops::GemmBackendChoice::kAuto) {
+                 torchmoe::GemmBackend backend = torchmoe::GemmBackend::kAuto) {
   INFO("accumulate=" << accumulate << " grad_dtype=" << grad_dtype
                      << " splits=" << torch::IntArrayRef(splits));
   int64_t rows = 0;
@@ -34,7 +44,7 @@ void check_wgrad(const torch::TensorOptions& options, torch::Dtype grad_dtype, b
     dw.push_back(torch::full({out, in}, 0.25, options.dtype(grad_dtype)));
     db.push_back(torch::full({out}, 9.0, options));
   }
-  ops::grouped_linear_wgrad(x, dy, splits, dw, accumulate, db, backend);
+  ops::grouped_linear_wgrad(plan_for(x, out, in, splits, backend), x, dy, dw, accumulate, db);
   int64_t offset = 0;
   for (size_t g = 0; g < splits.size(); ++g) {
     const torch::Tensor x_g = x.narrow(0, offset, splits[g]).to(torch::kFloat64);
@@ -48,20 +58,27 @@ void check_wgrad(const torch::TensorOptions& options, torch::Dtype grad_dtype, b
 
 }  // namespace
 
+// The backend a plan picks for a layer of this shape on `input`.
+ops::Backend backend_for(const torch::Tensor& input, const ops::GemmShape& shape,
+                         torchmoe::GemmBackend choice = torchmoe::GemmBackend::kAuto) {
+  const std::vector<int64_t> splits(shape.groups, 0);
+  return ops::plan_grouped_gemms("test", input.narrow(0, 0, 0), {shape}, splits, choice)
+      .front()
+      .backend;
+}
+
 TEST_CASE("grouped GEMM dispatch table", "[ops]") {
   const ops::GemmShape shape{64, 64, 4};
-  CHECK(ops::select_backend(torch::empty({1, 64}, torch::kFloat32), shape) ==
-        ops::GemmBackend::kReference);
-  CHECK(ops::select_backend(torch::empty({1, 64}, torch::kBFloat16), shape) ==
-        ops::GemmBackend::kReference);
-  REQUIRE_THROWS_AS(ops::select_backend(torch::empty({1, 64}, torch::kInt32), shape),
+  CHECK(backend_for(torch::empty({1, 64}, torch::kFloat32), shape) == ops::Backend::kReference);
+  CHECK(backend_for(torch::empty({1, 64}, torch::kBFloat16), shape) == ops::Backend::kReference);
+  REQUIRE_THROWS_AS(backend_for(torch::empty({1, 64}, torch::kInt32), shape),
                     c10::NotImplementedError);
-  REQUIRE_THROWS_WITH(ops::select_backend(torch::empty({1, 64}, torch::kMeta), shape),
-                      Contains("no backend for meta tensors of dtype Float"));
+  REQUIRE_THROWS_WITH(backend_for(torch::empty({1, 64}, torch::kMeta), shape),
+                      Contains("test: no grouped GEMM backend for meta tensors of dtype Float"));
   // A forced GPU backend on CPU tensors is refused, not silently ignored.
-  REQUIRE_THROWS_WITH(ops::select_backend(torch::empty({1, 64}, torch::kBFloat16), shape,
-                                          ops::GemmBackendChoice::kSm90),
-                      Contains("sm90 backend runs on CUDA tensors only"));
+  REQUIRE_THROWS_WITH(
+      backend_for(torch::empty({1, 64}, torch::kBFloat16), shape, torchmoe::GemmBackend::kSm90),
+      Contains("test: the sm90 grouped GEMM backend runs on CUDA tensors only"));
 }
 
 TEST_CASE("grouped GEMM dispatch table on CUDA", "[ops][cuda]") {
@@ -71,58 +88,106 @@ TEST_CASE("grouped GEMM dispatch table on CUDA", "[ops][cuda]") {
   const auto fp32 = bf16.to(torch::kFloat32);
   const ops::GemmShape good{64, 64, 4}, odd_k{64, 60, 4}, many{64, 64, 2000};
   const bool sm90 = sm90_available();
-  CHECK(ops::select_backend(bf16, good) ==
-        (sm90 ? ops::GemmBackend::kSm90 : ops::GemmBackend::kCublasLt));
-  CHECK(ops::select_backend(bf16, good, ops::GemmBackendChoice::kCublasLt) ==
-        ops::GemmBackend::kCublasLt);
-  CHECK(ops::select_backend(fp32, good) == ops::GemmBackend::kCublasLt);
-  CHECK(ops::select_backend(bf16, odd_k) == ops::GemmBackend::kCublasLt);
-  CHECK(ops::select_backend(bf16, many) == ops::GemmBackend::kCublasLt);
-  REQUIRE_THROWS_WITH(ops::select_backend(fp32, good, ops::GemmBackendChoice::kSm90),
+  constexpr auto kCublasLt = torchmoe::GemmBackend::kCublasLt;
+  constexpr auto kSm90 = torchmoe::GemmBackend::kSm90;
+  CHECK(backend_for(bf16, good) == (sm90 ? ops::Backend::kSm90 : ops::Backend::kCublasLt));
+  CHECK(backend_for(bf16, good, kCublasLt) == ops::Backend::kCublasLt);
+  CHECK(backend_for(fp32, good) == ops::Backend::kCublasLt);
+  CHECK(backend_for(bf16, odd_k) == ops::Backend::kCublasLt);
+  CHECK(backend_for(bf16, many) == ops::Backend::kCublasLt);
+  REQUIRE_THROWS_WITH(backend_for(fp32, good, kSm90),
                       Contains("bfloat16 and float16 operands only"));
   if (sm90) {
-    CHECK(ops::select_backend(bf16, good, ops::GemmBackendChoice::kSm90) ==
-          ops::GemmBackend::kSm90);
-    REQUIRE_THROWS_WITH(ops::select_backend(bf16, odd_k, ops::GemmBackendChoice::kSm90),
-                        Contains("positive multiples of 8"));
-    REQUIRE_THROWS_WITH(ops::select_backend(bf16, many, ops::GemmBackendChoice::kSm90),
-                        Contains("1 to 1024 groups"));
+    CHECK(backend_for(bf16, good, kSm90) == ops::Backend::kSm90);
+    REQUIRE_THROWS_WITH(backend_for(bf16, odd_k, kSm90), Contains("positive multiples of 8"));
+    REQUIRE_THROWS_WITH(backend_for(bf16, many, kSm90), Contains("1 to 1024 groups"));
     const ops::GemmShape unaligned{64, 64, 4, /*aligned=*/false};
-    REQUIRE_THROWS_WITH(ops::select_backend(bf16, unaligned, ops::GemmBackendChoice::kSm90),
-                        Contains("16-byte boundary"));
+    REQUIRE_THROWS_WITH(backend_for(bf16, unaligned, kSm90), Contains("16-byte boundaries"));
+    CHECK(backend_for(bf16, unaligned) == ops::Backend::kCublasLt);
   }
+}
+
+TEST_CASE("planning checks split sizes once and copies them at most once", "[ops]") {
+  const torch::Tensor x = torch::randn({5, 6});
+  REQUIRE_THROWS_WITH(plan_for(x, 4, 6, std::vector<int64_t>{2, 2}),
+                      Contains("test: m_splits must sum to the number of rows (5), got [2, 2] "
+                               "(sum 4)"));
+  REQUIRE_THROWS_WITH(plan_for(x, 4, 6, std::vector<int64_t>{6, -1}),
+                      Contains("test: m_splits[1] must be non-negative, got -1"));
+  REQUIRE_THROWS_WITH(
+      ops::plan_grouped_gemms("test", x, {ops::GemmShape{4, 6, 3}}, std::vector<int64_t>{2, 3},
+                              torchmoe::GemmBackend::kAuto),
+      Contains("test: m_splits must have num_gemms=3 entries, got 2"));
+  const ops::GemmPlan plan = plan_for(x, 4, 6, std::vector<int64_t>{2, 3});
+  CHECK(plan.backend == ops::Backend::kReference);
+  CHECK(plan.rows == 5);
+  CHECK(plan.m_splits.host().vec() == std::vector<int64_t>{2, 3});
+  CHECK_FALSE(plan.m_splits.has_device());
+}
+
+TEST_CASE("planning on CUDA: device splits stay, host splits go up once", "[ops][cuda]") {
+  TORCHMOE_REQUIRE_SM90();
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  const torch::Tensor x = torch::randn({5, 64}, cuda.dtype(torch::kBFloat16));
+  const torch::Tensor sizes = torch::tensor({2, 3}, cuda.dtype(torch::kInt32));
+  // fc1 fits the sm90 kernel, fc2 (60 features) does not: both share one host copy.
+  const std::vector<ops::GemmPlan> mixed = ops::plan_grouped_gemms(
+      "test", x, {ops::GemmShape{64, 64, 2}, ops::GemmShape{60, 64, 2}}, torchmoe::SplitSizes(sizes),
+      torchmoe::GemmBackend::kAuto);
+  CHECK(mixed[0].backend == ops::Backend::kSm90);
+  CHECK(mixed[1].backend == ops::Backend::kCublasLt);
+  CHECK(mixed[0].m_splits.device().data_ptr() == sizes.data_ptr());  // not copied
+  CHECK(mixed[1].m_splits.host().vec() == std::vector<int64_t>{2, 3});
+  // Device sizes alone for an sm90 layer: nothing crosses to the host (no sum check either).
+  const ops::GemmPlan device_only = plan_for(x, 64, 64, torchmoe::SplitSizes(sizes));
+  CHECK_FALSE(device_only.m_splits.has_host());
+  // Host sizes for an sm90 layer: checked, then uploaded once.
+  const ops::GemmPlan uploaded = plan_for(x, 64, 64, std::vector<int64_t>{1, 4});
+  CHECK(torch::equal(uploaded.m_splits.device().cpu(), torch::tensor({1, 4}, torch::kLong)));
+  // Device sizes must be on the input's device.
+  REQUIRE_THROWS_WITH(plan_for(x.cpu(), 64, 64, torchmoe::SplitSizes(sizes)),
+                      Contains("test: m_splits must be on cpu like the input, or on the host"));
 }
 
 TEST_CASE("grouped GEMM ops reject bad operands", "[ops][errors]") {
   const auto w = make_weights(2, 4, 6, torch::kFloat32);
   const torch::Tensor x = torch::randn({5, 6});
-  const std::vector<int64_t> splits = {2, 3};
-  REQUIRE_THROWS_WITH(ops::grouped_linear_forward(torch::randn({6, 5}).t(), splits, w, {}),
+  const ops::GemmPlan plan = plan_for(x, 4, 6, std::vector<int64_t>{2, 3});
+  REQUIRE_THROWS_WITH(ops::grouped_linear_forward(plan, torch::randn({6, 5}).t(), w, {}),
                       Contains("grouped_linear_forward: input must be contiguous"));
-  REQUIRE_THROWS_WITH(ops::grouped_linear_forward(x.unsqueeze(0), splits, w, {}),
+  REQUIRE_THROWS_WITH(ops::grouped_linear_forward(plan, x.unsqueeze(0), w, {}),
                       Contains("input must be a 2-D [rows, features] tensor, got 3-D"));
-  REQUIRE_THROWS_WITH(ops::grouped_linear_forward(x.to(torch::kLong), splits, w, {}),
-                      Contains("input must have a floating dtype, got Long"));
-  REQUIRE_THROWS_WITH(ops::grouped_linear_forward(x, splits, {w[0], w[1].to(torch::kFloat64)}, {}),
+  REQUIRE_THROWS_WITH(ops::grouped_linear_forward(plan, x.to(torch::kLong), w, {}),
+                      Contains("input must be a Float tensor on cpu like the planned input, got "
+                               "Long on cpu"));
+  REQUIRE_THROWS_WITH(ops::grouped_linear_forward(plan, torch::randn({4, 6}), w, {}),
+                      Contains("input must have the plan's 5 rows, got 4"));
+  const std::vector<torch::Tensor> w_double = {w[0], w[1].to(torch::kFloat64)};
+  REQUIRE_THROWS_WITH(ops::grouped_linear_forward(plan, x, w_double, {}),
                       Contains("weights[1] must have the input's dtype Float, got Double"));
-  REQUIRE_THROWS_WITH(ops::grouped_linear_forward(x, splits, {w[0], torch::randn({4, 5})}, {}),
+  const std::vector<torch::Tensor> w_shape = {w[0], torch::randn({4, 5})};
+  REQUIRE_THROWS_WITH(ops::grouped_linear_forward(plan, x, w_shape, {}),
                       Contains("weights[1] must have shape [4, 6], got [4, 5]"));
-  REQUIRE_THROWS_WITH(ops::grouped_linear_forward(x, splits, w, {torch::zeros({4})}),
-                      Contains("biases must be empty or hold one tensor per group (2), got 1"));
-  REQUIRE_THROWS_WITH(ops::grouped_linear_forward(x, {2, 2}, w, {}),
-                      Contains("m_splits must sum to the number of rows (5), got [2, 2] (sum 4)"));
-  REQUIRE_THROWS_WITH(ops::grouped_linear_dgrad(torch::randn({5, 3}), splits, w),
-                      Contains("grad_output must have 4 features"));
-  std::vector<torch::Tensor> dw = {torch::zeros({4, 6}, torch::kFloat16),
-                                   torch::zeros({4, 6}, torch::kFloat16)};
   REQUIRE_THROWS_WITH(
-      ops::grouped_linear_wgrad(x, torch::randn({5, 4}), splits, dw, false, {}),
+      ops::grouped_linear_forward(plan, x, ops::GroupedTensors::stacked(torch::randn({2, 4, 5})),
+                                  {}),
+      Contains("weights[0] must have shape [2, 4, 6], got [2, 4, 5]"));
+  const std::vector<torch::Tensor> one_bias = {torch::zeros({4})};
+  REQUIRE_THROWS_WITH(ops::grouped_linear_forward(plan, x, w, one_bias),
+                      Contains("biases must hold one tensor per group (2), got 1"));
+  REQUIRE_THROWS_WITH(ops::grouped_linear_dgrad(plan, torch::randn({5, 3}), w),
+                      Contains("grad_output must have 4 features"));
+  const std::vector<torch::Tensor> dw = {torch::zeros({4, 6}, torch::kFloat16),
+                                         torch::zeros({4, 6}, torch::kFloat16)};
+  REQUIRE_THROWS_WITH(
+      ops::grouped_linear_wgrad(plan, x, torch::randn({5, 4}), dw, false, {}),
       Contains("weight_grads_out must have the input's dtype Float or float32, got Half"));
+  const torch::Tensor x16 = x.to(torch::kBFloat16);
   const std::vector<torch::Tensor> dw16 = {torch::zeros({4, 6}, torch::kBFloat16),
                                            torch::zeros({4, 6}, torch::kBFloat16)};
   REQUIRE_THROWS_WITH(
-      ops::grouped_linear_wgrad(x.to(torch::kBFloat16), torch::randn({5, 4}, torch::kBFloat16),
-                                splits, dw16, true, {}),
+      ops::grouped_linear_wgrad(plan_for(x16, 4, 6, std::vector<int64_t>{2, 3}), x16,
+                                torch::randn({5, 4}, torch::kBFloat16), dw16, true, {}),
       Contains("accumulate requires float32 (or float64) weight_grads_out, got BFloat16"));
 }
 
@@ -134,8 +199,17 @@ TEST_CASE("grouped GEMM CPU forward and dgrad vs float64", "[ops]") {
   for (int g = 0; g < 4; ++g) b.push_back(torch::randn({5}, torch::kFloat64));
   const torch::Tensor x = torch::randn({12, 7}, torch::kFloat64);
   const torch::Tensor dy = torch::randn({12, 5}, torch::kFloat64);
-  const torch::Tensor y = ops::grouped_linear_forward(x, splits, w, b);
-  const torch::Tensor dx = ops::grouped_linear_dgrad(dy, splits, w);
+  const ops::GemmPlan plan = plan_for(x, 5, 7, splits);
+  // Both parameter layouts: G tensors and one stacked [G, ...] tensor.
+  const bool stacked = GENERATE(false, true);
+  INFO("stacked=" << stacked);
+  const torch::Tensor w_all = torch::stack(w), b_all = torch::stack(b);
+  const ops::GroupedTensors weights = stacked ? ops::GroupedTensors::stacked(w_all)
+                                              : ops::GroupedTensors(w);
+  const ops::GroupedTensors biases = stacked ? ops::GroupedTensors::stacked(b_all)
+                                             : ops::GroupedTensors(b);
+  const torch::Tensor y = ops::grouped_linear_forward(plan, x, weights, biases);
+  const torch::Tensor dx = ops::grouped_linear_dgrad(plan, dy, weights);
   int64_t offset = 0;
   for (int g = 0; g < 4; ++g) {
     check_close(y.narrow(0, offset, splits[g]),
@@ -165,32 +239,38 @@ TEST_CASE("grouped GEMM cuBLASLt wgrad into fp32 main-grad and bias grads", "[op
   // Accumulation is into fp32 main-grad only.
   const auto grad_dtype = GENERATE(true, false) && !accumulate ? dtype : torch::kFloat32;
   check_wgrad(cuda, grad_dtype, accumulate, {64, 0, 17, 1, 300, 0, 7, 128}, 96, 40,
-              tolerance_for(dtype), ops::GemmBackendChoice::kCublasLt);
+              tolerance_for(dtype), torchmoe::GemmBackend::kCublasLt);
 }
 
 TEST_CASE("grouped GEMM on CUDA rejects float64 as not implemented", "[ops][cuda][errors]") {
   TORCHMOE_REQUIRE_CUDA();
   const auto cuda64 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kFloat64);
-  REQUIRE_THROWS_AS(ops::grouped_linear_forward(torch::randn({2, 4}, cuda64), {2},
-                                                {torch::randn({3, 4}, cuda64)}, {}),
+  REQUIRE_THROWS_AS(plan_for(torch::randn({2, 4}, cuda64), 3, 4, std::vector<int64_t>{2}),
                     c10::NotImplementedError);
 }
 
-TEST_CASE("GroupSplits reads CPU tensors at once and keeps CUDA tensors", "[ops]") {
-  const ops::GroupSplits cpu(torch::tensor({3, 0, 5}, torch::kInt16));
-  CHECK_FALSE(cpu.on_device());
+TEST_CASE("SplitSizes reads CPU tensors at once", "[ops]") {
+  const torchmoe::SplitSizes cpu(torch::tensor({3, 0, 5}, torch::kInt16));
+  CHECK_FALSE(cpu.has_device());
   CHECK(cpu.host().vec() == std::vector<int64_t>{3, 0, 5});
-  REQUIRE_THROWS_WITH(ops::GroupSplits(torch::ones({2, 2}, torch::kLong)),
+  REQUIRE_THROWS_WITH(torchmoe::SplitSizes(torch::ones({2, 2}, torch::kLong)),
                       Contains("m_splits must be a 1-D tensor, got 2-D"));
-  REQUIRE_THROWS_WITH(ops::GroupSplits(torch::ones({2}, torch::kFloat32)),
+  REQUIRE_THROWS_WITH(torchmoe::SplitSizes(torch::ones({2}, torch::kFloat32)),
                       Contains("m_splits must have an integer dtype, got Float"));
 }
 
-TEST_CASE("GroupSplits keeps CUDA tensors on the device", "[ops][cuda]") {
+TEST_CASE("SplitSizes keeps CUDA tensors on the device, and both copies when given both",
+          "[ops][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
-  const ops::GroupSplits cuda(
-      torch::tensor({3, 0, 5}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kInt32)));
-  CHECK(cuda.on_device());
+  const torch::Tensor sizes =
+      torch::tensor({3, 0, 5}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kInt32));
+  const torchmoe::SplitSizes cuda(sizes);
+  CHECK(cuda.has_device());
+  CHECK_FALSE(cuda.has_host());
   CHECK(cuda.size() == 3);
-  CHECK(cuda.to_host() == std::vector<int64_t>{3, 0, 5});
+  const torchmoe::SplitSizes both(std::vector<int64_t>{3, 0, 5}, sizes);
+  CHECK(both.has_host());
+  CHECK(both.device().data_ptr() == sizes.data_ptr());
+  REQUIRE_THROWS_WITH(torchmoe::SplitSizes(std::vector<int64_t>{3, 0}, sizes),
+                      Contains("as many entries as the host sizes (2)"));
 }

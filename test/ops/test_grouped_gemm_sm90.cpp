@@ -20,7 +20,15 @@ namespace ops = torchmoe::ops;
 
 namespace {
 
-constexpr auto kSm90 = ops::GemmBackendChoice::kSm90;
+constexpr auto kSm90 = torchmoe::GemmBackend::kSm90;
+
+// The forced-sm90 plan of one [n, k] layer over `input`.
+ops::GemmPlan sm90_plan(const torch::Tensor& input, int64_t n, int64_t k,
+                        const torchmoe::SplitSizes& splits) {
+  return ops::plan_grouped_gemms("test", input, {ops::GemmShape{n, k, splits.size()}}, splits,
+                                 kSm90)
+      .front();
+}
 
 // One output rounding (rtol) plus fp32 accumulation-order differences on entries that cancel
 // (atol, scaled to the result's magnitude).
@@ -95,23 +103,24 @@ void run_case(const Case& c, torch::Dtype dtype, bool device_splits, bool one_bu
   dy.narrow(0, valid, c.padding).fill_(nan);
   const auto weights = group_tensors(groups, {c.n, c.k}, one_buffer, cuda, 0.1);
   const auto biases = group_tensors(groups, {c.n}, one_buffer, cuda, 1.0);
-  const ops::GroupSplits splits =
+  const torchmoe::SplitSizes splits =
       device_splits
-          ? ops::GroupSplits(torch::tensor(c.splits, torch::kLong)
-                                 .to(torch::kCUDA, int32_splits ? torch::kInt : torch::kLong))
-          : ops::GroupSplits(c.splits);
+          ? torchmoe::SplitSizes(torch::tensor(c.splits, torch::kLong)
+                                     .to(torch::kCUDA, int32_splits ? torch::kInt : torch::kLong))
+          : torchmoe::SplitSizes(c.splits);
+  const ops::GemmPlan plan = sm90_plan(x, c.n, c.k, splits);
 
-  const torch::Tensor y = ops::grouped_linear_forward(x, splits, weights, biases, kSm90);
-  const torch::Tensor dx = ops::grouped_linear_dgrad(dy, splits, weights, kSm90);
+  const torch::Tensor y = ops::grouped_linear_forward(plan, x, weights, biases);
+  const torch::Tensor dx = ops::grouped_linear_dgrad(plan, dy, weights);
   auto fp32 = cuda.dtype(torch::kFloat32);
   const auto dw32 = grad_tensors(groups, c.n, c.k, one_buffer, fp32, nan);
   const auto dw_acc = grad_tensors(groups, c.n, c.k, one_buffer, fp32, 0.25);
   const auto dw16 = grad_tensors(groups, c.n, c.k, one_buffer, cuda, nan);
   std::vector<torch::Tensor> db;
   for (int64_t g = 0; g < groups; ++g) db.push_back(torch::full({c.n}, nan, cuda));
-  ops::grouped_linear_wgrad(x, dy, splits, dw32, /*accumulate=*/false, db, kSm90);
-  ops::grouped_linear_wgrad(x, dy, splits, dw_acc, /*accumulate=*/true, {}, kSm90);
-  ops::grouped_linear_wgrad(x, dy, splits, dw16, /*accumulate=*/false, {}, kSm90);
+  ops::grouped_linear_wgrad(plan, x, dy, dw32, /*accumulate=*/false, db);
+  ops::grouped_linear_wgrad(plan, x, dy, dw_acc, /*accumulate=*/true, {});
+  ops::grouped_linear_wgrad(plan, x, dy, dw16, /*accumulate=*/false, {});
 
   int64_t offset = 0;
   for (int64_t g = 0; g < groups; ++g) {
@@ -166,8 +175,8 @@ TEST_CASE("sm90 grouped GEMM clamps device splits to the buffer", "[ops][cuda][s
   const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
   const torch::Tensor x = torch::randn({50, 64}, cuda);
   const std::vector<torch::Tensor> w = torch::randn({3, 64, 64}, cuda).unbind(0);
-  const ops::GroupSplits too_many(torch::tensor({30, -5, 40}, torch::kLong).to(torch::kCUDA));
-  const torch::Tensor y = ops::grouped_linear_forward(x, too_many, w, {}, kSm90);
+  const torchmoe::SplitSizes too_many(torch::tensor({30, -5, 40}, torch::kLong).to(torch::kCUDA));
+  const torch::Tensor y = ops::grouped_linear_forward(sm90_plan(x, 64, 64, too_many), x, w, {});
   const torch::Tensor expected =
       torch::cat({x.narrow(0, 0, 30).mm(w[0].t()), x.narrow(0, 30, 20).mm(w[2].t())});
   check_close(y, expected, {1e-2, 1e-2}, "truncated groups");
@@ -181,13 +190,14 @@ TEST_CASE("sm90 grouped GEMM runs on a thread that has made no CUDA call", "[ops
   const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
   const torch::Tensor x = torch::randn({64, 64}, cuda);
   const std::vector<torch::Tensor> w = torch::randn({2, 64, 64}, cuda).unbind(0);
-  const ops::GroupSplits splits(torch::tensor({40, 24}).to(torch::kCUDA));
-  const torch::Tensor expected = ops::grouped_linear_forward(x, splits, w, {}, kSm90);
+  const ops::GemmPlan plan =
+      sm90_plan(x, 64, 64, torchmoe::SplitSizes(torch::tensor({40, 24}).to(torch::kCUDA)));
+  const torch::Tensor expected = ops::grouped_linear_forward(plan, x, w, {});
   torch::Tensor y;
   std::string error;
   std::thread worker([&] {
     try {
-      y = ops::grouped_linear_forward(x, splits, w, {}, kSm90);
+      y = ops::grouped_linear_forward(plan, x, w, {});
     } catch (const std::exception& e) {
       error = e.what();
     }
@@ -198,20 +208,34 @@ TEST_CASE("sm90 grouped GEMM runs on a thread that has made no CUDA call", "[ops
   CHECK(torch::equal(y, expected));
 }
 
-TEST_CASE("sm90 grouped GEMM rejects device splits it cannot use", "[ops][cuda][sm90][errors]") {
+TEST_CASE("sm90 grouped GEMM rejects splits and shapes it cannot use", "[ops][cuda][sm90][errors]") {
   TORCHMOE_REQUIRE_SM90();
   const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
   const torch::Tensor x = torch::randn({8, 64}, cuda);
-  const std::vector<torch::Tensor> w = torch::randn({2, 64, 64}, cuda).unbind(0);
   using Catch::Matchers::Contains;
   REQUIRE_THROWS_WITH(
-      ops::grouped_linear_forward(x, ops::GroupSplits(torch::tensor({4, 2, 2}).to(torch::kCUDA)), w,
-                                  {}, kSm90),
-      Contains("m_splits must have one entry per group (2), got 3"));
-  REQUIRE_THROWS_WITH(ops::grouped_linear_forward(x, {4, 2}, w, {}, kSm90),
-                      Contains("m_splits must sum to the number of rows (8)"));
-  const torch::Tensor odd = torch::randn({8, 60}, cuda);
-  REQUIRE_THROWS_AS(ops::grouped_linear_forward(
-                        odd, {4, 4}, torch::randn({2, 64, 60}, cuda).unbind(0), {}, kSm90),
+      ops::plan_grouped_gemms("test", x, {ops::GemmShape{64, 64, 2}},
+                              torchmoe::SplitSizes(torch::tensor({4, 2, 2}).to(torch::kCUDA)),
+                              kSm90),
+      Contains("test: m_splits must have num_gemms=2 entries, got 3"));
+  REQUIRE_THROWS_WITH(sm90_plan(x, 64, 64, std::vector<int64_t>{4, 2}),
+                      Contains("test: m_splits must sum to the number of rows (8)"));
+  REQUIRE_THROWS_AS(sm90_plan(torch::randn({8, 60}, cuda), 64, 60, std::vector<int64_t>{4, 4}),
                     c10::NotImplementedError);
+}
+
+TEST_CASE("sm90 grouped GEMM copies an unaligned activation instead of refusing it",
+          "[ops][cuda][sm90]") {
+  TORCHMOE_REQUIRE_SM90();
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+  // Rows that start 2 bytes into a buffer: TMA cannot read them in place.
+  const torch::Tensor x = torch::randn({8 * 64 + 1}, cuda).narrow(0, 1, 8 * 64).view({8, 64});
+  REQUIRE(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0);
+  const torch::Tensor w = torch::randn({2, 64, 64}, cuda);
+  const ops::GemmPlan plan = sm90_plan(x, 64, 64, std::vector<int64_t>{5, 3});
+  REQUIRE(plan.backend == ops::Backend::kSm90);
+  const torch::Tensor y = ops::grouped_linear_forward(plan, x, ops::GroupedTensors::stacked(w), {});
+  const torch::Tensor expected =
+      torch::cat({x.narrow(0, 0, 5).mm(w[0].t()), x.narrow(0, 5, 3).mm(w[1].t())});
+  check_close(y, expected, {1e-2, 1e-2}, "unaligned input");
 }

@@ -74,7 +74,7 @@ TEST_CASE("permute_tokens matches a loop over experts and round-trips", "[ops][p
 
   const auto routed = F::permute_tokens(x, indices, experts, probs);
   const ExpectedPermutation expected = loop_reference(x, indices, experts);
-  CHECK(routed.m_splits == expected.splits);
+  CHECK(routed.m_splits.host().vec() == expected.splits);
   CHECK(torch::equal(routed.tokens, expected.permuted));
   // Each row's probability is its slot's.
   for (int64_t t = 0; t < tokens; ++t) {
@@ -95,21 +95,21 @@ TEST_CASE("permutation edge cases: empty experts, one expert, dropped slots, no 
   const torch::Tensor x = torch::randn({6, 5}, torch::kFloat64);
   SECTION("all tokens to one expert (the others empty)") {
     const auto routed = F::permute_tokens(x, torch::full({6, 1}, 2, torch::kLong), 4);
-    CHECK(routed.m_splits == std::vector<int64_t>{0, 0, 6, 0});
+    CHECK(routed.m_splits.host().vec() == std::vector<int64_t>{0, 0, 6, 0});
     CHECK(torch::equal(routed.tokens, x));
   }
   SECTION("dropped slots (-1) get no row and contribute nothing") {
     const torch::Tensor indices =
         torch::tensor({0, -1, -1, -1, 1, 0, -1, 1, 0, 1, -1, -1}, torch::kLong).view({6, 2});
     const auto routed = F::permute_tokens(x, indices, 2);
-    CHECK(routed.m_splits == std::vector<int64_t>{3, 3});
+    CHECK(routed.m_splits.host().vec() == std::vector<int64_t>{3, 3});
     const torch::Tensor back = F::unpermute_tokens(routed.tokens, routed.row_map);
     const torch::Tensor kept = (indices >= 0).sum(1, true).to(torch::kFloat64);
     check_close(back, x * kept, {1e-12, 1e-12}, "dropped tokens come back as zero");
   }
   SECTION("no tokens") {
     const auto routed = F::permute_tokens(x.narrow(0, 0, 0), torch::empty({0, 2}, torch::kLong), 3);
-    CHECK(routed.m_splits == std::vector<int64_t>{0, 0, 0});
+    CHECK(routed.m_splits.host().vec() == std::vector<int64_t>{0, 0, 0});
     CHECK(routed.tokens.sizes() == torch::IntArrayRef({0, 5}));
     CHECK(F::unpermute_tokens(routed.tokens, routed.row_map).sizes() == torch::IntArrayRef({0, 5}));
   }
@@ -160,8 +160,71 @@ TEST_CASE("permutation errors", "[ops][permutation]") {
                     Contains("probs must have shape [4, 2]"));
   CHECK_THROWS_WITH(torchmoe::ops::permute_rows(x, routed.row_map, 2, torch::Tensor()),
                     Contains("sorted_slots must be a 1-D int64 tensor"));
-  CHECK_THROWS_WITH(torchmoe::ops::slots_of_rows(routed.row_map, 9),
-                    Contains("num_rows must be in [0, 8], got 9"));
+  CHECK_THROWS_WITH(F::unpermute_tokens(routed.tokens.narrow(0, 0, 7), routed),
+                    Contains("unpermute_tokens: permuted must be [rows=8, hidden] like the "
+                             "permuted tokens"));
+}
+
+// The contract of a caller's row_map: entries -1 or rows of permuted, no row twice, padding rows
+// allowed (zero gradient). Checked on both devices; the CUDA kernels read no uninitialised index.
+void check_row_map_contract(const torch::Device& device, bool weighted) {
+  INFO("device=" << device << " weighted=" << weighted);
+  const auto f64 = torch::TensorOptions().device(device).dtype(
+      device.is_cuda() ? torch::kFloat32 : torch::kFloat64);
+  const auto i64 = torch::TensorOptions().device(device).dtype(torch::kLong);
+  const torch::Tensor two_rows = torch::randn({2, 8}, f64);
+  CHECK_THROWS_WITH(F::unpermute_tokens(two_rows, torch::tensor({0, 5}, i64).view({2, 1})),
+                    Contains("unpermute_tokens: row_map entries must be -1 (dropped) or rows of "
+                             "permuted in [0, 2), got 1 out of range"));
+  CHECK_THROWS_WITH(F::unpermute_tokens(two_rows, torch::tensor({0, -3}, i64).view({2, 1})),
+                    Contains("got 1 out of range"));
+  CHECK_THROWS_WITH(
+      F::unpermute_tokens(two_rows.narrow(0, 0, 1), torch::tensor({0, 0}, i64).view({2, 1})),
+      Contains("unpermute_tokens: row_map must name each row of permuted at most once, got row "
+               "0 2 times"));
+
+  // 12 slots, 2 dropped, into a buffer of 15 rows: 5 rows no slot names (capacity padding).
+  const torch::Tensor row_map =
+      torch::tensor({3, 14, -1, 0, 7, 2, 9, -1, 11, 5, 1, 8}, i64).view({6, 2});
+  const torch::Tensor permuted = torch::randn({15, 8}, f64).requires_grad_(true);
+  const torch::Tensor probs = torch::rand({6, 2}, f64).requires_grad_(true);
+  const torch::Tensor out =
+      F::unpermute_tokens(permuted, row_map, weighted ? probs : torch::Tensor());
+  const torch::Tensor dy = torch::randn({6, 8}, f64);
+  out.backward(dy);
+  // Reference on the host, slot by slot.
+  const torch::Tensor p_cpu = permuted.detach().cpu().to(torch::kFloat64);
+  const torch::Tensor w_cpu = probs.detach().cpu().to(torch::kFloat64);
+  const torch::Tensor dy_cpu = dy.cpu().to(torch::kFloat64);
+  torch::Tensor expected = torch::zeros({6, 8}, torch::kFloat64);
+  torch::Tensor expected_grad = torch::zeros({15, 8}, torch::kFloat64);
+  torch::Tensor expected_dprobs = torch::zeros({6, 2}, torch::kFloat64);
+  const torch::Tensor map_cpu = row_map.cpu();
+  for (int64_t t = 0; t < 6; ++t) {
+    for (int64_t j = 0; j < 2; ++j) {
+      const int64_t r = map_cpu[t][j].item<int64_t>();
+      if (r < 0) continue;
+      const double w = weighted ? w_cpu[t][j].item<double>() : 1.0;
+      expected[t] += w * p_cpu[r];
+      expected_grad[r] += w * dy_cpu[t];
+      expected_dprobs[t][j] = (dy_cpu[t] * p_cpu[r]).sum().item<double>();
+    }
+  }
+  const Tolerance tol = device.is_cuda() ? Tolerance{1e-5, 1e-5} : Tolerance{1e-12, 1e-12};
+  check_close(out, expected, tol, "output");
+  check_close(permuted.grad(), expected_grad, tol, "grad permuted (zero on padding rows)");
+  if (weighted) check_close(probs.grad(), expected_dprobs, tol, "grad probs");
+}
+
+TEST_CASE("unpermute_tokens checks a caller's row_map and supports padding rows",
+          "[ops][permutation][errors]") {
+  check_row_map_contract(torch::kCPU, GENERATE(false, true));
+}
+
+TEST_CASE("unpermute_tokens checks a caller's row_map and supports padding rows on CUDA",
+          "[ops][permutation][errors][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  check_row_map_contract(torch::kCUDA, GENERATE(false, true));
 }
 
 TEST_CASE("permutation on CUDA matches the CPU reference", "[ops][permutation][cuda]") {
@@ -196,8 +259,8 @@ TEST_CASE("permutation on CUDA matches the CPU reference", "[ops][permutation][c
   for (const bool int32 : {false, true}) {
     INFO("int32 indices=" << int32);
     const auto [routed, y, dx, dp] = run(torch::kCUDA, int32 ? indices.to(torch::kInt) : indices);
-    CHECK(routed.m_splits == cpu_routed.m_splits);
-    CHECK(torch::equal(routed.m_splits_device.cpu(), torch::tensor(cpu_routed.m_splits)));
+    CHECK(routed.m_splits.host().vec() == cpu_routed.m_splits.host().vec());
+    CHECK(torch::equal(routed.m_splits.device().cpu(), torch::tensor(cpu_routed.m_splits.host())));
     CHECK(torch::equal(routed.row_map.cpu(), cpu_routed.row_map));
     CHECK(torch::equal(routed.tokens.cpu(), cpu_routed.tokens));
     const Tolerance tol = dtype == torch::kFloat32 ? Tolerance{1e-5, 1e-5} : Tolerance{1e-2, 1e-2};

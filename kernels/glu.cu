@@ -1,4 +1,4 @@
-// Fused (scaled) SwiGLU / ClampedSwiGLU forward and backward. Layout and math: scaled_glu.h.
+// Fused (scaled) SwiGLU / ClampedSwiGLU forward and backward. Layout and math: glu.h.
 //
 // A warp's lanes stride over a row in vectors of V elements: 16-byte loads and stores when H, G
 // and the pointers allow, else V = 1. In the backward one warp walks whole rows (grid-stride over
@@ -14,7 +14,7 @@
 #include <type_traits>
 
 #include "torchmoe/kernels/device_types.cuh"
-#include "torchmoe/kernels/scaled_glu.h"
+#include "torchmoe/kernels/glu.h"
 
 namespace torchmoe::kernels {
 namespace {
@@ -35,9 +35,9 @@ struct GluTerms {
   float value, d_a, d_b;
 };
 
-template <GluKind K>
+template <GluActivation K>
 __device__ __forceinline__ GluTerms glu_terms(float a, float b, const ActParams& p) {
-  if constexpr (K == GluKind::kSwiGLU) {
+  if constexpr (K == GluActivation::kSwiGLU) {
     const float s = sigmoid(a);
     const float act = a * s;
     return {act * b, (s + act * (1.0f - s)) * b, act};
@@ -57,7 +57,7 @@ __device__ __forceinline__ int64_t a_index(int64_t j, int64_t interleave) {
   return interleave ? (j / interleave) * 2 * interleave + j % interleave : j;
 }
 
-template <typename T, typename S, GluKind K, int V>
+template <typename T, typename S, GluActivation K, int V>
 __global__ void glu_forward_kernel(const T* __restrict__ input, const S* __restrict__ scales,
                                    T* __restrict__ output, int64_t rows, int64_t hidden,
                                    int64_t interleave, ActParams p) {
@@ -88,7 +88,7 @@ __global__ void glu_forward_kernel(const T* __restrict__ input, const S* __restr
   }
 }
 
-template <typename T, typename S, GluKind K, int V>
+template <typename T, typename S, GluActivation K, int V>
 __global__ void glu_backward_kernel(const T* __restrict__ input, const S* __restrict__ scales,
                                     const T* __restrict__ grad_output, T* __restrict__ grad_input,
                                     S* __restrict__ grad_scales, int64_t rows, int64_t hidden,
@@ -158,10 +158,10 @@ void dispatch(const GluParams& params, std::initializer_list<const void*> pointe
         launch(data_tag, scale_tag, kind_tag, std::integral_constant<int, 1>{});
       }
     };
-    if (params.kind == GluKind::kSwiGLU) {
-      with_kind(std::integral_constant<GluKind, GluKind::kSwiGLU>{});
+    if (params.activation == GluActivation::kSwiGLU) {
+      with_kind(std::integral_constant<GluActivation, GluActivation::kSwiGLU>{});
     } else {
-      with_kind(std::integral_constant<GluKind, GluKind::kClampedSwiGLU>{});
+      with_kind(std::integral_constant<GluActivation, GluActivation::kClampedSwiGLU>{});
     }
   });
   TORCHMOE_CUDA_CHECK(cudaGetLastError());

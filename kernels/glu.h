@@ -25,14 +25,12 @@
 
 #include <cstdint>
 
-#include "torchmoe/kernels/scalar_type.h"
+#include "torchmoe/kernels/types.h"
 
 namespace torchmoe::kernels {
 
-enum class GluKind { kSwiGLU, kClampedSwiGLU };
-
 struct GluParams {
-  GluKind kind = GluKind::kSwiGLU;
+  GluActivation activation = GluActivation::kSwiGLU;
   float limit = 7.0f, alpha = 1.702f, offset = 1.0f;  // ClampedSwiGLU only
   int64_t rows = 0;
   int64_t hidden = 0;                            // H: output width; the input is 2H wide

@@ -1,0 +1,323 @@
+#pragma once
+// The sm90 grouped GEMM kernel: the producer's TMA loads, the consumers' wgmma main loop and
+// epilogue, and the __global__ entry that lays out shared memory and splits the block into
+// warpgroups. This is the data path; the block's shape is in grouped_gemm_sm90_layout.cuh, the
+// order of the tiles in grouped_gemm_sm90_schedule.cuh and the instructions in
+// grouped_gemm_sm90_ptx.cuh. Included by grouped_gemm_sm90.cu only, which instantiates and
+// launches the kernel.
+//
+// Epilogue: each consumer writes its 64 × 256 result into its buffer in boxes of 64 rows × 64
+// bytes (64-byte swizzle: the 8 rows a warp writes at once land in distinct banks), then one
+// thread issues a TMA store per box (a TMA add for fp32 accumulation), in rounds of as many
+// boxes as the buffer holds (Smem: a whole tile for wgrad, a quarter for fprop/dgrad). The last
+// round's stores drain while the next tile's main loop runs; a buffer is rewritten only once they
+// have read it. Tiles whose rows end inside the tile (a group's last row tile: the next group's
+// rows follow) and outputs no tensor map describes are stored from registers with row masks
+// instead.
+
+#include <cuda.h>  // CUtensorMap
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "torchmoe/kernels/device_types.cuh"
+#include "torchmoe/kernels/grouped_gemm_sm90.h"
+#include "torchmoe/kernels/grouped_gemm_sm90_layout.cuh"
+#include "torchmoe/kernels/grouped_gemm_sm90_ptx.cuh"
+#include "torchmoe/kernels/grouped_gemm_sm90_schedule.cuh"
+#include "torchmoe/kernels/types.h"
+
+namespace torchmoe::kernels::sm90 {
+
+template <GemmKind kKind>
+__device__ void produce(const KernelArgs& args, const GroupTable& t, const TileRing& ring,
+                        uint8_t* smem, uint64_t* full, uint64_t* empty) {
+  const Sm90GemmParams& p = args.p;
+  int stage = 0;
+  uint32_t phase = 0;
+  claim_tiles<kKind>(p, t, ring, [&](const Tile& tile) {
+    const CUtensorMap* w_map = p.weight_maps != nullptr
+                                   ? static_cast<const CUtensorMap*>(p.weight_maps) + tile.group
+                                   : &args.b_map;
+    const int w_group = p.weight_maps != nullptr ? 0 : tile.group;
+    for (int kb = 0; kb < tile.k_blocks; ++kb) {
+      mbar_wait(&empty[stage], phase ^ 1);
+      uint8_t* a = smem + stage * kStageBytes;
+      uint8_t* b = a + kABytes;
+      mbar_expect_tx(&full[stage], kStageBytes);
+      const int r = kb * kBlockK;  // reduction offset
+      if constexpr (kKind == GemmKind::kFprop) {
+        tma_load_3d(a, &args.a_map, &full[stage], r, tile.row0, 0);
+        tma_load_3d(b, w_map, &full[stage], r, tile.col0, w_group);
+      } else if constexpr (kKind == GemmKind::kDgrad) {
+        tma_load_3d(a, &args.a_map, &full[stage], r, tile.row0, 0);
+        for (int h = 0; h < kBlockN / 64; ++h) {
+          tma_load_3d(b + h * kBoxBytes, w_map, &full[stage], tile.col0 + 64 * h, r, w_group);
+        }
+      } else {
+        const int row = t.start[tile.group] + r;
+        for (int h = 0; h < kBlockM / 64; ++h) {
+          tma_load_3d(a + h * kBoxBytes, &args.a_map, &full[stage], tile.row0 + 64 * h, row, 0);
+        }
+        for (int h = 0; h < kBlockN / 64; ++h) {
+          tma_load_3d(b + h * kBoxBytes, &args.b_map, &full[stage], tile.col0 + 64 * h, row, 0);
+        }
+      }
+      if (++stage == Smem<kKind>::kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+  });
+}
+
+// Where an output tile goes and what is added to it (see Tile).
+template <typename T, typename OutT>
+struct TileOutput {
+  OutT* out;         // row 0, column 0 of the tile's matrix (y / dx, or dW_g)
+  int64_t cols;      // the matrix's columns (its row stride)
+  const T* bias;     // fprop: b_g, else null
+  int map_group;     // the tile's group in out_map's coordinates (its rows: Tile::row0)
+  int64_t map_rows;  // out_map's rows: boxes starting past them are not issued
+};
+
+// The bias of output columns col and col + 1 (zeros without a bias or past the last column).
+template <typename T, typename OutT>
+__device__ __forceinline__ float2 bias_pair(const TileOutput<T, OutT>& o, int64_t col) {
+  if (o.bias == nullptr || col >= o.cols) return make_float2(0.0f, 0.0f);
+  return make_float2(to_float(o.bias[col]), to_float(o.bias[col + 1]));
+}
+
+// Stores this warpgroup's 64 × 256 accumulators through its shared-memory buffer of
+// kEpilogueBoxes boxes and TMA: the boxes of a round are written, then one thread issues their
+// stores (16 boxes for fp32, 8 for 16-bit outputs, in as many rounds as the buffer needs). A
+// round waits until the previous round's stores have read the buffer; the last round's drain
+// during the next tile's main loop.
+template <int kEpilogueBoxes, typename T, typename OutT>
+__device__ __forceinline__ void store_tile_tma(const KernelArgs& args, const TileOutput<T, OutT>& o,
+                                               const Tile& tile, const float (&acc)[128],
+                                               uint8_t* buffer, int consumer) {
+  constexpr int kChunkCols = kEpilogueRowBytes / static_cast<int>(sizeof(OutT));  // 32 or 16
+  constexpr int kBlocksPerChunk = kChunkCols / 8;  // 8-column accumulator blocks
+  constexpr int kRounds = kBlockN / kChunkCols / kEpilogueBoxes;
+  const bool add = std::is_same_v<OutT, float> && args.p.accumulate;
+  const int thread = threadIdx.x % 128, warp = thread / kWarpSize, lane = thread % kWarpSize;
+  const int barrier = 2 + consumer;  // 0: __syncthreads, 1: both consumers (wgrad masking)
+#pragma unroll
+  for (int round = 0; round < kRounds; ++round) {
+    if (thread == 0) bulk_wait_read<0>();  // earlier stores from this buffer are done reading
+    named_barrier(barrier, 128);
+#pragma unroll
+    for (int box = 0; box < kEpilogueBoxes; ++box) {
+      uint8_t* box_base = buffer + box * kEpilogueBoxBytes;
+#pragma unroll
+      for (int jj = 0; jj < kBlocksPerChunk; ++jj) {
+        const int j = (round * kEpilogueBoxes + box) * kBlocksPerChunk + jj;
+        const float2 bias = bias_pair(o, tile.col0 + j * 8 + (lane % 4) * 2);
+        const int byte = (jj * 8 + (lane % 4) * 2) * static_cast<int>(sizeof(OutT));
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = warp * 16 + half * 8 + lane / 4;
+          // 64-byte swizzle: 16-byte unit u of row r sits at unit u ^ ((r / 2) % 4).
+          const int unit = (byte / 16) ^ ((r / 2) % 4);
+          store2(reinterpret_cast<OutT*>(box_base + r * kEpilogueRowBytes + unit * 16 + byte % 16),
+                 acc[4 * j + 2 * half] + bias.x, acc[4 * j + 2 * half + 1] + bias.y);
+        }
+      }
+    }
+    fence_proxy_async();
+    named_barrier(barrier, 128);
+    if (thread == 0) {
+      const int c1 = tile.row0 + consumer * 64;
+#pragma unroll 1
+      for (int box = 0; box < kEpilogueBoxes; ++box) {
+        const int c0 = tile.col0 + (round * kEpilogueBoxes + box) * kChunkCols;
+        if (c0 >= o.cols || c1 >= o.map_rows) continue;  // wholly outside the matrix
+        const uint8_t* box_base = buffer + box * kEpilogueBoxBytes;
+        if (add) {
+          tma_add_3d(&args.out_map, box_base, c0, c1, o.map_group);
+        } else {
+          tma_store_3d(&args.out_map, box_base, c0, c1, o.map_group);
+        }
+      }
+      bulk_commit();
+    }
+  }
+}
+
+// Stores this warpgroup's accumulators straight from registers, masking rows past the tile's
+// valid rows (fp32 accumulation: read, add, write).
+template <typename T, typename OutT>
+__device__ __forceinline__ void store_tile_direct(const Sm90GemmParams& p,
+                                                  const TileOutput<T, OutT>& o, const Tile& tile,
+                                                  const float (&acc)[128], int consumer) {
+  // Accumulator layout of m64nN: warp w holds rows 16w..16w+15; lane l holds rows l/4 and
+  // l/4 + 8 of those, columns 8j + 2(l%4) + {0, 1} in registers 4j + {0, 1} / {2, 3}.
+  const int thread = threadIdx.x % 128, warp = thread / kWarpSize, lane = thread % kWarpSize;
+  const int row_in_tile = consumer * 64 + warp * 16 + lane / 4;
+#pragma unroll
+  for (int j = 0; j < kBlockN / 8; ++j) {
+    const int64_t col = tile.col0 + j * 8 + (lane % 4) * 2;
+    if (col >= o.cols) continue;  // cols is a multiple of 8, so col + 1 is in range too
+    const float2 bias = bias_pair(o, col);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = row_in_tile + half * 8;
+      if (r >= tile.valid_rows) continue;
+      OutT* dst = o.out + static_cast<int64_t>(r) * o.cols + col;
+      float v0 = acc[4 * j + 2 * half] + bias.x, v1 = acc[4 * j + 2 * half + 1] + bias.y;
+      if constexpr (std::is_same_v<OutT, float>) {
+        if (p.accumulate) {
+          const float2 old = *reinterpret_cast<const float2*>(dst);
+          v0 += old.x;
+          v1 += old.y;
+        }
+      }
+      store2(dst, v0, v1);
+    }
+  }
+}
+
+template <GemmKind kKind, typename T, typename OutT>
+__device__ void consume(const KernelArgs& args, const GroupTable& t, const TileRing& ring,
+                        uint8_t* smem, uint64_t* full, uint64_t* empty, uint8_t* epilogue,
+                        int consumer) {
+  constexpr int kTransA = kKind == GemmKind::kWgrad ? 1 : 0;
+  constexpr int kTransB = kKind == GemmKind::kFprop ? 0 : 1;
+  // Per-k16 start-address steps and the LBO/SBO of each operand (see
+  // grouped_gemm_sm90_layout.cuh).
+  constexpr uint32_t kStepA = kTransA ? 2048 : 32, kStepB = kTransB ? 2048 : 32;
+  const Sm90GemmParams& p = args.p;
+  const int thread = threadIdx.x % 128, lane = thread % kWarpSize;
+  uint8_t* buffer = epilogue + consumer * Smem<kKind>::kEpilogueBytes;
+  int stage = 0;
+  uint32_t phase = 0;
+  float acc[128];
+
+  receive_tiles<kKind>(p, t, ring, [&](const Tile& tile) {
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+    int previous = -1;
+    for (int kb = 0; kb < tile.k_blocks; ++kb) {
+      mbar_wait(&full[stage], phase);
+      uint8_t* a = smem + stage * kStageBytes;
+      uint8_t* b = a + kABytes;
+      if constexpr (kKind == GemmKind::kWgrad) {
+        // The last block of a group reads rows of the next group (or padding): zero them in all
+        // six boxes (A and B are adjacent), then make the generic-proxy stores visible to wgmma.
+        const int valid = min(kBlockK, tile.reduction_rows - kb * kBlockK);
+        if (valid < kBlockK) {
+          constexpr int kBoxes = kStageBytes / kBoxBytes;
+          const int chunks = (kBlockK - valid) * 8;  // 16-byte chunks per box
+          for (int i = threadIdx.x - 128; i < kBoxes * chunks; i += 256) {
+            const int box = i / chunks, rem = i % chunks;
+            *reinterpret_cast<uint4*>(a + box * kBoxBytes + (valid + rem / 8) * 128 +
+                                      (rem % 8) * 16) = make_uint4(0, 0, 0, 0);
+          }
+          fence_proxy_async();
+          named_barrier(1, 256);
+        }
+      }
+      // This warpgroup's 64 rows start 8 KB in for both layouts: 64 K-major rows of 128 B, or the
+      // second 64-row MN-major box.
+      const uint8_t* a_tile = a + consumer * kBoxBytes;
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockK / 16; ++kk) {
+        const uint64_t da = kTransA ? smem_desc(a_tile + kk * kStepA, kBoxBytes, 1024)
+                                    : smem_desc(a_tile + kk * kStepA, 16, 1024);
+        const uint64_t db = kTransB ? smem_desc(b + kk * kStepB, kBoxBytes, 1024)
+                                    : smem_desc(b + kk * kStepB, 16, 1024);
+        wgmma_m64n256k16<T, kTransA, kTransB>(acc, da, db);
+      }
+      wgmma_commit();
+      wgmma_wait<1>();  // the previous block's wgmma are done: its slot can be refilled
+      if (previous >= 0 && lane == 0) mbar_arrive(&empty[previous]);
+      previous = stage;
+      if (++stage == Smem<kKind>::kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+    wgmma_wait<0>();
+    if (previous >= 0 && lane == 0) mbar_arrive(&empty[previous]);
+
+    TileOutput<T, OutT> o{};
+    bool tma = args.out_tma;
+    if constexpr (kKind == GemmKind::kWgrad) {
+      if (tile.k_blocks == 0 && p.accumulate) return;  // empty group: main-grad left untouched
+      o.out = const_cast<OutT*>(group_ptr<OutT>(p.weight_grad, tile.group)) +
+              static_cast<int64_t>(tile.row0) * p.k;
+      o.cols = p.k;
+      o.map_group = tile.group;
+      o.map_rows = p.n;
+    } else {
+      o.cols = kKind == GemmKind::kFprop ? p.n : p.k;
+      o.out = static_cast<OutT*>(p.output) + static_cast<int64_t>(tile.row0) * o.cols;
+      if constexpr (kKind == GemmKind::kFprop) {
+        if (p.bias.base != nullptr || p.bias.table != nullptr)
+          o.bias = group_ptr<T>(p.bias, tile.group);
+      }
+      o.map_group = 0;
+      o.map_rows = p.rows;
+      // A TMA store would write whole 64-row boxes: rows of the next group must not be touched.
+      tma = tma && tile.valid_rows >= (consumer + 1) * 64;
+    }
+    if (tma) {
+      store_tile_tma<Smem<kKind>::kEpilogueBoxes, T, OutT>(args, o, tile, acc, buffer, consumer);
+    } else {
+      store_tile_direct<T, OutT>(p, o, tile, acc, consumer);
+    }
+  });
+  // Shared memory must outlive the stores still reading it.
+  if (thread == 0) bulk_wait_all();
+}
+
+template <GemmKind kKind, typename T, typename OutT>
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_gemm_sm90_kernel(const __grid_constant__ KernelArgs args) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ int group_start[kSm90MaxGroups], group_count[kSm90MaxGroups],
+      group_tiles[kSm90MaxGroups + 1];
+  // 128-byte swizzle atoms must start on 1024-byte boundaries.
+  uint8_t* smem = smem_raw + ((1024 - smem_u32(smem_raw) % 1024) % 1024);
+  constexpr int kStages = Smem<kKind>::kStages;
+  uint8_t* epilogue = smem + kStages * kStageBytes;
+  uint64_t* full = reinterpret_cast<uint64_t*>(epilogue + 2 * Smem<kKind>::kEpilogueBytes);
+  uint64_t* empty = full + kStages;
+  uint64_t* tile_full = empty + kStages;
+  uint64_t* tile_empty = tile_full + kTileSlots;
+  const TileRing ring{reinterpret_cast<int*>(tile_empty + kTileSlots), tile_full, tile_empty};
+  const GroupTable table{group_start, group_count, group_tiles};
+
+  if (threadIdx.x < kWarpSize) build_group_table<kKind>(args.p, table);
+  if (threadIdx.x == kWarpSize) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], kConsumerWarps);
+    }
+    for (int s = 0; s < kTileSlots; ++s) {
+      mbar_init(&ring.full[s], 1);
+      mbar_init(&ring.empty[s], kConsumerWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    fence_proxy_async();
+  }
+  __syncthreads();
+
+  if (threadIdx.x < 128) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters));
+    if (threadIdx.x == 0) produce<kKind>(args, table, ring, smem, full, empty);
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegisters));
+    consume<kKind, T, OutT>(args, table, ring, smem, full, empty, epilogue, threadIdx.x / 128 - 1);
+  }
+#else
+  __trap();  // this library was built without sm_90a code, and the host side checks for it
+#endif
+}
+
+}  // namespace torchmoe::kernels::sm90

@@ -1,0 +1,82 @@
+#pragma once
+// The shape of one sm90 grouped GEMM block: tile sizes, the shared-memory plan of each kind,
+// register budgets and the launch arguments. Kept apart because the device code and the host
+// launcher (grouped_gemm_sm90.cu: block size, shared-memory opt-in, tensor-map boxes) must agree
+// on these numbers. Included by grouped_gemm_sm90.cu only (directly and through the kernel files).
+//
+// Block: 3 warpgroups. Warpgroup 0 is the producer (one thread issues TMA; it gives registers
+// away with setmaxnreg); warpgroups 1 and 2 are consumers, each owning 64 rows of the 128 × 256
+// output tile and issuing m64n256k16 wgmma into 128 fp32 accumulator registers per thread.
+// 128 × 256 tiles read 48 KB of shared memory per 2·128·256·64 FLOPs, a third less per FLOP
+// than 128 × 128 tiles; that keeps the tensor cores, not shared memory or L2, the limit.
+//
+// Shared memory (221 KiB of 227 for every kind, see Smem): slots of (A 16 KB | B 32 KB),
+// 128-byte swizzled, one "full" and one "empty" mbarrier per slot; one epilogue buffer per
+// consumer; the group table. fprop/dgrad: 4 slots and 8 KB buffers; wgrad: 3 slots and 32 KB.
+// Operands come in 64 × 64 boxes (8 KB) or one larger K-major box:
+//
+//   K-major operand (x in fprop, dy in dgrad, W in fprop): one TMA box {64 reduction, 128 or 256
+//     rows}, row r at r·128 B: 8-row core groups 1024 B apart (SBO); k16 steps move the start
+//     by 32 B.
+//   MN-major operand (W in dgrad, dy and x in wgrad): 2 or 4 boxes {64 rows, 64 reduction}, 8 KB
+//     apart (LBO); reduction step j at j·128 B, 8-step groups 1024 B apart (SBO); k16 steps move
+//     the start by 2048 B. wgmma reads it with the transpose bit set.
+//
+// The trade between pipeline stages and epilogue buffer size differs by kind
+// (docs/performance.md): wgrad keeps a whole-tile buffer and 3 stages, because its fp32 tiles with
+// 4 stages and small buffers spent 10-15% waiting on their own stores; fprop/dgrad take the
+// fourth stage and store in four rounds: +4-9% on small experts.
+
+#include <cuda.h>  // CUtensorMap
+
+#include <cstddef>
+#include <cstdint>
+
+#include "torchmoe/kernels/grouped_gemm_sm90.h"
+#include "torchmoe/kernels/types.h"
+
+namespace torchmoe::kernels::sm90 {
+
+constexpr int kThreads = 384;
+constexpr int kBlockM = 128, kBlockN = 256, kBlockK = 64;
+constexpr int kBoxBytes = 64 * 128;                  // one 64 × 64 box: 8 KB
+constexpr int kABytes = (kBlockM / 64) * kBoxBytes;  // 16 KB
+constexpr int kBBytes = (kBlockN / 64) * kBoxBytes;  // 32 KB
+constexpr int kStageBytes = kABytes + kBBytes;       // A | B
+constexpr int kConsumerWarps = 8;                    // the empty barriers' arrivals
+// Epilogue boxes: 64 rows × 64 bytes (a 64 × 256 tile of 16-bit values is 8 of them).
+constexpr int kEpilogueRowBytes = 64, kEpilogueBoxBytes = 64 * kEpilogueRowBytes;  // 4 KB
+// Tile indices pass from the producer to the consumers through a ring (see claim_tiles in
+// grouped_gemm_sm90_schedule.cuh). The producer runs at most a few reduction blocks ahead, i.e. a
+// few tiles when they have one each.
+constexpr int kTileSlots = 4;
+// Shared memory by kind (see the file comment): wgrad, 3 stages and a whole-tile epilogue buffer
+// per consumer; fprop/dgrad (16-bit output), 4 stages and a quarter-tile buffer, four rounds.
+template <GemmKind kKind>
+struct Smem {
+  static constexpr int kStages = kKind == GemmKind::kWgrad ? 3 : 4;
+  static constexpr int kEpilogueBoxes = kKind == GemmKind::kWgrad ? 8 : 2;
+  static constexpr int kEpilogueBytes = kEpilogueBoxes * kEpilogueBoxBytes;  // per consumer
+  static constexpr size_t kBytes = kStages * kStageBytes + 2 * kEpilogueBytes +
+                                   2 * (kStages + kTileSlots) * sizeof(uint64_t) +
+                                   kTileSlots * sizeof(int) + 1024;  // + alignment slack
+};
+// Registers: the producer needs few, the consumers' 128 accumulators need many (64K per SM).
+constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;
+static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= 65536);
+// Dynamic plus the static group table (3 int arrays) within the 227 KB a block may use.
+static_assert(Smem<GemmKind::kFprop>::kBytes + (3 * kSm90MaxGroups + 1) * sizeof(int) <=
+              227 * 1024);
+static_assert(Smem<GemmKind::kWgrad>::kBytes + (3 * kSm90MaxGroups + 1) * sizeof(int) <=
+              227 * 1024);
+
+// Everything a launch passes by value; the tensor maps must live in parameter (or global) memory.
+struct KernelArgs {
+  CUtensorMap a_map;    // fprop: x; dgrad: dy; wgrad: dy (MN-major)
+  CUtensorMap b_map;    // fprop/dgrad: equally spaced weights (3-D); wgrad: x (MN-major)
+  CUtensorMap out_map;  // y / dx [1, rows, cols] or equally spaced dW [G, n, k]; see out_tma
+  bool out_tma;         // out_map is valid (else every tile is stored from registers)
+  Sm90GemmParams p;
+};
+
+}  // namespace torchmoe::kernels::sm90

@@ -1,0 +1,84 @@
+#pragma once
+// The backends behind ops/grouped_gemm.h (internal, not installed). grouped_gemm.cpp validates,
+// allocates and switches on the plan; each function here runs one product on arguments that are
+// already checked, for one backend:
+//   grouped_gemm_reference.cpp  CPU, per-group ATen (the reference)
+//   grouped_gemm_cublaslt.cpp   per-group cuBLASLt over a pool of streams (host splits)
+//   grouped_gemm_sm90.cpp       torchmoe's one-launch sm90 kernel (device splits)
+
+#include <ATen/core/Tensor.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "torchmoe/kernels/types.h"
+#include "torchmoe/ops/grouped_gemm.h"
+
+namespace torchmoe::ops::detail {
+
+// A per-group tensor list after its checking pass, with what that pass found about its layout.
+struct CheckedGroups {
+  GroupedTensors tensors;
+  bool aligned = true;  // every group's data starts on a 16-byte boundary
+  // Base and stride (elements) when the groups are equally spaced (a stacked tensor, or views of
+  // one buffer); else empty. The sm90 kernel then addresses them without a pointer table.
+  kernels::GroupAddress spaced;
+  size_t group_bytes = 0;  // one group's tensor
+
+  size_t size() const { return tensors.size(); }
+  bool empty() const { return tensors.empty(); }
+  // Group g's data (no tensor view is made: 128 of them per call would cost microseconds).
+  const void* data(size_t g) const;
+  void* mutable_data(size_t g) const;
+};
+
+// Calls fn(g, first_row, rows) for every group of host sizes, in order.
+template <typename Fn>
+void for_each_group(c10::IntArrayRef m_splits, Fn&& fn) {
+  int64_t first_row = 0;
+  for (size_t g = 0; g < m_splits.size(); ++g) {
+    fn(g, first_row, m_splits[g]);
+    first_row += m_splits[g];
+  }
+}
+
+// db_g = Σ_rows dy_g with host sizes, one at::sum per group (fp32 accumulation for 16-bit data,
+// one rounding, zeros for an empty group): every backend's bias gradient when host sizes are at
+// hand and no fused epilogue produced it.
+void host_bias_grad(c10::IntArrayRef m_splits, const at::Tensor& grad_output,
+                    const CheckedGroups& bias_grads);
+
+void reference_forward(const GemmPlan& plan, const at::Tensor& input,
+                       const CheckedGroups& weights, const CheckedGroups& biases,
+                       at::Tensor& output);
+void reference_dgrad(const GemmPlan& plan, const at::Tensor& grad_output,
+                     const CheckedGroups& weights, at::Tensor& grad_input);
+void reference_wgrad(const GemmPlan& plan, const at::Tensor& input, const at::Tensor& grad_output,
+                     const CheckedGroups& weight_grads, bool accumulate);
+
+void cublaslt_forward(const GemmPlan& plan, const at::Tensor& input, const CheckedGroups& weights,
+                      const CheckedGroups& biases, at::Tensor& output);
+void cublaslt_dgrad(const GemmPlan& plan, const at::Tensor& grad_output,
+                    const CheckedGroups& weights, at::Tensor& grad_input);
+// Also writes the bias gradients (fused into the GEMM epilogue where cuBLASLt can).
+void cublaslt_wgrad(const GemmPlan& plan, const at::Tensor& input, const at::Tensor& grad_output,
+                    const CheckedGroups& weight_grads, bool accumulate,
+                    const CheckedGroups& bias_grads);
+
+// Why the sm90 kernel cannot run a layer of this dtype and shape on the input's device, or
+// nullptr when it can.
+const char* sm90_refusal(const at::Tensor& input, const GemmShape& shape);
+// The split sizes as the sm90 kernel reads them, on the input's device: the device sizes (int32
+// or int64) as given, else one asynchronous upload of the host sizes.
+at::Tensor sm90_splits(const SplitSizes& m_splits, const at::Tensor& input);
+void sm90_forward(const GemmPlan& plan, const at::Tensor& input, const CheckedGroups& weights,
+                  const CheckedGroups& biases, at::Tensor& output);
+void sm90_dgrad(const GemmPlan& plan, const at::Tensor& grad_output, const CheckedGroups& weights,
+                at::Tensor& grad_input);
+void sm90_wgrad(const GemmPlan& plan, const at::Tensor& input, const at::Tensor& grad_output,
+                const CheckedGroups& weight_grads, bool accumulate);
+// db_g with the device sizes (one kernel, no host sync).
+void sm90_bias_grad(const GemmPlan& plan, const at::Tensor& grad_output,
+                    const CheckedGroups& bias_grads);
+
+}  // namespace torchmoe::ops::detail

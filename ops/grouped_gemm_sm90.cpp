@@ -1,0 +1,225 @@
+// The sm90 backend: torchmoe's one-launch grouped GEMM (kernels/grouped_gemm_sm90.h) and the
+// per-group column sums (kernels/grouped_column_sum.h), reading the split sizes on the device.
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <ATen/cuda/CUDAGraphsUtils.cuh>
+
+#include <climits>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "torchmoe/kernels/grouped_column_sum.h"
+#include "torchmoe/kernels/grouped_gemm_sm90.h"
+#include "torchmoe/ops/grouped_gemm_backends.h"
+#include "torchmoe/ops/kernel_types.h"
+
+namespace torchmoe::ops::detail {
+namespace {
+
+bool aligned16(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+}
+
+// TMA needs 16-byte aligned rows; an activation that starts elsewhere (a view at an odd offset) is
+// copied once rather than sending the whole layer to another backend.
+at::Tensor aligned_operand(const at::Tensor& t) {
+  return aligned16(t) ? t : at::empty_like(t, at::MemoryFormat::Contiguous).copy_(t);
+}
+
+// The groups' data pointers as bytes: what identifies a per-group table of them.
+std::string pointer_bytes(const CheckedGroups& groups) {
+  std::string bytes(groups.size() * sizeof(void*), '\0');
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const void* p = groups.data(g);
+    std::memcpy(bytes.data() + g * sizeof(void*), &p, sizeof(void*));
+  }
+  return bytes;
+}
+
+// Small device tables (tensor maps, pointer arrays), kept per device for the life of the process
+// and keyed by what determines their content: the same weights or gradient buffers give the same
+// table on every call, so make_bytes() runs and the upload happens once, and a CUDA graph may keep
+// the pointer it captured.
+template <typename MakeBytes>
+const void* device_table(const std::string& key, const at::Device& device, MakeBytes&& make_bytes) {
+  static std::mutex mutex;
+  static std::unordered_map<std::string, at::Tensor> tables;
+  const std::string device_key = std::to_string(device.index()) + ":" + key;
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = tables.find(device_key);
+  if (it == tables.end()) {
+    TORCH_CHECK(at::cuda::currentStreamCaptureStatus() == at::cuda::CaptureStatus::None,
+                "torchmoe grouped GEMM: new weight or gradient tensors were seen during CUDA graph "
+                "capture; run the step once before capturing (their address table is built then)");
+    const std::string bytes = make_bytes();
+    at::Tensor host = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+    std::memcpy(host.data_ptr(), bytes.data(), bytes.size());
+    it = tables.emplace(device_key, host.to(device)).first;
+    if (tables.size() == 4096) {
+      TORCH_WARN(
+          "torchmoe grouped GEMM: 4096 address tables cached; are weight or gradient "
+          "buffers reallocated every step? (each new set adds one)");
+    }
+  }
+  return it->second.const_data_ptr();
+}
+
+// Where each group's tensor lives: one base and a stride when the groups are equally spaced, else
+// a cached device table of pointers.
+kernels::GroupAddress group_address(const CheckedGroups& groups) {
+  if (groups.empty() || !groups.spaced.empty()) return groups.spaced;
+  const std::string bytes = pointer_bytes(groups);
+  kernels::GroupAddress address;
+  address.table = static_cast<const void* const*>(
+      device_table("pointers " + bytes, groups.tensors[0].device(), [&] { return bytes; }));
+  return address;
+}
+
+kernels::Sm90GemmParams params_for(kernels::GemmKind kind, const GemmPlan& plan) {
+  const at::Tensor& splits = plan.m_splits.device();
+  kernels::Sm90GemmParams p;
+  p.kind = kind;
+  p.input_type = kernel_type(plan.dtype);
+  p.output_type = p.input_type;
+  p.num_groups = static_cast<int>(plan.shape.groups);
+  p.rows = plan.rows;
+  p.n = plan.shape.n;
+  p.k = plan.shape.k;
+  p.m_splits = splits.const_data_ptr();
+  p.splits_int32 = splits.scalar_type() == at::kInt;
+  return p;
+}
+
+// The weights as the kernel reads them: one 3-D tensor map over equally spaced weights (built per
+// launch), or a cached device table of per-group maps. A map depends only on the kind, dtype,
+// shape and address, so those are the table's key and its G driver encodes run once per set of
+// weights, not on every call.
+void set_weights(kernels::Sm90GemmParams& p, const CheckedGroups& weights) {
+  TORCH_CHECK(weights.aligned, "torchmoe grouped GEMM: the sm90 backend needs weights that start ",
+              "on 16-byte boundaries (plan with GemmShape::aligned false for others)");
+  if (!weights.spaced.empty()) {
+    p.weight = weights.spaced;
+    return;
+  }
+  const std::string key = "weight maps " + std::to_string(static_cast<int>(p.kind)) + " " +
+                          std::to_string(static_cast<int>(p.input_type)) + " " +
+                          std::to_string(p.n) + " " + std::to_string(p.k) + " " +
+                          pointer_bytes(weights);
+  p.weight_maps = device_table(key, weights.tensors[0].device(), [&] {
+    std::vector<const void*> pointers;
+    for (size_t g = 0; g < weights.size(); ++g) pointers.push_back(weights.data(g));
+    const std::vector<uint8_t> maps =
+        kernels::encode_weight_maps(p.kind, p.input_type, p.n, p.k, pointers);
+    return std::string(maps.begin(), maps.end());
+  });
+}
+
+void launch(const at::Tensor& like, kernels::Sm90GemmParams params) {
+  const c10::cuda::CUDAGuard guard(like.device());
+  // wgrad's tile counter: from the caching allocator, so it is stream-ordered (and part of a
+  // captured graph's pool) like every other buffer of the call.
+  at::Tensor counter;
+  if (params.kind == kernels::GemmKind::kWgrad) {
+    counter = at::empty({1}, like.options().dtype(at::kInt));
+    params.tile_counter = counter.mutable_data_ptr<int>();
+  }
+  kernels::launch_grouped_gemm_sm90(params, at::cuda::getCurrentCUDAStream().stream());
+}
+
+}  // namespace
+
+const char* sm90_refusal(const at::Tensor& input, const GemmShape& shape) {
+  if (input.scalar_type() != at::kBFloat16 && input.scalar_type() != at::kHalf) {
+    return "it takes bfloat16 and float16 operands only";
+  }
+  if (!kernels::sm90_grouped_gemm_available()) {
+    return "the device is not sm_90 or the library was built without sm_90a code";
+  }
+  if (shape.n <= 0 || shape.k <= 0 || shape.n % kernels::kSm90FeatureMultiple != 0 ||
+      shape.k % kernels::kSm90FeatureMultiple != 0) {
+    return "in_features and out_features must be positive multiples of 8 (16-byte TMA rows)";
+  }
+  if (shape.groups == 0 || shape.groups > static_cast<size_t>(kernels::kSm90MaxGroups)) {
+    return "it takes 1 to 1024 groups";
+  }
+  if (!shape.aligned) return "weights, biases and main-grad buffers must start on 16-byte boundaries";
+  if (input.size(0) > INT32_MAX) return "it takes fewer than 2^31 rows";
+  return nullptr;
+}
+
+at::Tensor sm90_splits(const SplitSizes& m_splits, const at::Tensor& input) {
+  if (m_splits.has_device()) return m_splits.device();
+  // Through pinned memory, so that the copy is asynchronous (the allocator keeps the block until
+  // the copy has run).
+  const c10::IntArrayRef host = m_splits.host();
+  at::Tensor pinned = at::empty({static_cast<int64_t>(host.size())},
+                                at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  std::memcpy(pinned.data_ptr(), host.data(), host.size() * sizeof(int64_t));
+  return pinned.to(input.device(), /*non_blocking=*/true);
+}
+
+void sm90_forward(const GemmPlan& plan, const at::Tensor& input, const CheckedGroups& weights,
+                  const CheckedGroups& biases, at::Tensor& output) {
+  if (plan.rows == 0) return;
+  const at::Tensor x = aligned_operand(input);
+  kernels::Sm90GemmParams p = params_for(kernels::GemmKind::kFprop, plan);
+  p.input = x.const_data_ptr();
+  p.output = output.data_ptr();
+  set_weights(p, weights);
+  p.bias = group_address(biases);
+  launch(x, p);
+}
+
+void sm90_dgrad(const GemmPlan& plan, const at::Tensor& grad_output, const CheckedGroups& weights,
+                at::Tensor& grad_input) {
+  if (plan.rows == 0) return;
+  const at::Tensor dy = aligned_operand(grad_output);
+  kernels::Sm90GemmParams p = params_for(kernels::GemmKind::kDgrad, plan);
+  p.grad_output = dy.const_data_ptr();
+  p.output = grad_input.data_ptr();
+  set_weights(p, weights);
+  launch(dy, p);
+}
+
+void sm90_wgrad(const GemmPlan& plan, const at::Tensor& input, const at::Tensor& grad_output,
+                const CheckedGroups& weight_grads, bool accumulate) {
+  TORCH_CHECK(weight_grads.aligned, "torchmoe grouped GEMM: the sm90 backend needs weight ",
+              "gradient buffers that start on 16-byte boundaries");
+  if (plan.rows == 0) {  // nothing to read: every group is empty
+    if (!accumulate) {
+      for (size_t g = 0; g < weight_grads.size(); ++g) weight_grads.tensors[g].zero_();
+    }
+    return;
+  }
+  const at::Tensor x = aligned_operand(input), dy = aligned_operand(grad_output);
+  kernels::Sm90GemmParams p = params_for(kernels::GemmKind::kWgrad, plan);
+  p.output_type = kernel_type(weight_grads.tensors[0].scalar_type());
+  p.input = x.const_data_ptr();
+  p.grad_output = dy.const_data_ptr();
+  p.weight_grad = group_address(weight_grads);
+  p.accumulate = accumulate;
+  launch(x, p);
+}
+
+void sm90_bias_grad(const GemmPlan& plan, const at::Tensor& grad_output,
+                    const CheckedGroups& bias_grads) {
+  const c10::cuda::CUDAGuard guard(grad_output.device());
+  const at::Tensor& splits = plan.m_splits.device();
+  kernels::GroupedColumnSumParams p;
+  p.type = kernel_type(grad_output.scalar_type());
+  p.num_groups = static_cast<int>(bias_grads.size());
+  p.rows = grad_output.size(0);
+  p.n = grad_output.size(1);
+  p.m_splits = splits.const_data_ptr();
+  p.splits_int32 = splits.scalar_type() == at::kInt;
+  p.grad_output = grad_output.const_data_ptr();
+  p.bias_grad = group_address(bias_grads);
+  kernels::launch_grouped_column_sum(p, at::cuda::getCurrentCUDAStream().stream());
+}
+
+}  // namespace torchmoe::ops::detail
