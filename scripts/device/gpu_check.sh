@@ -1,28 +1,50 @@
 #!/usr/bin/env bash
-# One device-machine call: build with the machine's own torch, run the whole test suite (CUDA cases
-# included), the example LM at the measured config, and the benchmarks (grouped GEMM with 4 and
-# with 1 cuBLASLt stream, ScaledSwiGLU, GroupedMLP, MoELayer by part). Logs and JSON go to $OUT (8 files: the
-# device tool returns at most 8); tables go to stdout.
-# Catch2 and fmt travel in .device/ (the GPU machine has no package registry).
-#   device run: bash scripts/device/gpu_check.sh [tests] [example] [bench]     (carry: .device)
-# With no arguments it does all three.
+# The GPU machine's script: builds with the machine's own torch, then runs the steps asked for, in
+# order. Run from the repository root with .device carried (Catch2 and fmt: the machine has no
+# package registry; docs/build.md says how to fill it):
+#   device run: bash scripts/device/gpu_check.sh [tests] [sanitize] [example] [bench]
+# With no arguments it does tests, example and bench.
+#   tests     ctest, every case (CUDA included); CTEST_ARGS narrows it (e.g. "-R sm90")
+#   sanitize  compute-sanitizer memcheck on the sm90 GEMM and token-permutation CUDA cases,
+#             racecheck on the sm90 small cases (every kernel path)
+#   example   the example LM at docs/performance.md's config
+#   bench     the benchmark programs; BENCHES narrows them (e.g. "grouped_linear glu"),
+#             BENCH_SHAPES the shapes (e.g. "qwen3-30b-a3b,olmoe")
+# Logs and JSON go to $OUT (the device tool returns at most 8 files); tables go to stdout.
 set -uo pipefail
 out=${OUT:-/tmp/torchmoe-out}
 mkdir -p "$out"
 steps=${*:-tests example bench}
 torch_cmake=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
-set -e
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+start=$SECONDS
 {
   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_PREFIX_PATH="$torch_cmake;$PWD/.device/catch2;$PWD/.device/fmt" &&
     cmake --build build-gpu -j 16
-} > "$out/build.log" 2>&1 || { grep -B2 -A8 -i error "$out/build.log" | head -60; exit 1; }
-set +e
+} > "$out/build.log" 2>&1 || { grep -B2 -A8 -E "error|FAILED" "$out/build.log" | head -60; exit 1; }
+echo "build ok ($((SECONDS - start)) s)"
+
 if [[ " $steps " == *" tests "* ]]; then
-  ctest --test-dir build-gpu --output-on-failure -j 4 > "$out/ctest.log" 2>&1
-  echo "ctest rc=$?"; grep -E "tests passed|Failed|\*\*\*" "$out/ctest.log" | tail -15
+  # shellcheck disable=SC2086
+  ctest --test-dir build-gpu --output-on-failure -j 8 --timeout 400 ${CTEST_ARGS:-} \
+    > "$out/ctest.log" 2>&1
+  echo "ctest rc=$?"
+  grep -E "tests passed|Failed|\*\*\*|Not Run" "$out/ctest.log" | grep -v Skipped | tail -15
 fi
+
+if [[ " $steps " == *" sanitize "* ]]; then
+  # racecheck is slow: it runs the hidden small-case test (no 160k-row case).
+  for run in "memcheck|[sm90]" "memcheck|[permutation][cuda]" "racecheck|[sm90-small]" \
+    "racecheck|*clamps device splits*"; do
+    tool=${run%%|*} filter=${run#*|}
+    echo "compute-sanitizer --tool $tool on $filter:"
+    timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool "$tool" --error-exitcode 9 \
+      build-gpu/test/torchmoe_tests "$filter" > "$out/sanitize_$tool.log" 2>&1
+    echo "rc=$?"; tail -3 "$out/sanitize_$tool.log"
+  done
+fi
+
 if [[ " $steps " == *" example "* ]]; then
   # docs/performance.md's MoE LM config: 8 layers, hidden 1024, 32 experts top-2, ffn 1024,
   # seq 1024, 8 sequences per step.
@@ -31,11 +53,11 @@ if [[ " $steps " == *" example "* ]]; then
     --csv "$out/moe_lm.csv" --profile-moe 20 > "$out/example.log" 2>&1
   echo "example rc=$?"; tail -8 "$out/example.log"
 fi
+
 if [[ " $steps " == *" bench "* ]]; then
-  build-gpu/bench/bench_grouped_linear --json "$out/bench_streams4.json"
-  # The 1-stream run's table is on stdout; its JSON stays on the machine (8 returned files).
-  TORCHMOE_CUBLASLT_STREAMS=1 build-gpu/bench/bench_grouped_linear --json build-gpu/bench_streams1.json
-  build-gpu/bench/bench_glu --json "$out/bench_glu.json"
-  build-gpu/bench/bench_grouped_mlp --json "$out/bench_grouped_mlp.json"
-  build-gpu/bench/bench_moe_layer --json "$out/bench_moe_layer.json"
+  for bench in ${BENCHES:-grouped_linear glu grouped_mlp moe_layer}; do
+    build-gpu/bench/bench_$bench --json "$out/bench_$bench.json" \
+      ${BENCH_SHAPES:+--shapes $BENCH_SHAPES}
+    echo "bench_$bench rc=$?"
+  done
 fi
