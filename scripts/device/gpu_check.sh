@@ -35,13 +35,14 @@ fi
 
 if [[ " $steps " == *" sanitize "* ]]; then
   # racecheck is slow: it runs the hidden small-case test (no 160k-row case).
+  n=0
   for run in "memcheck|[sm90]" "memcheck|[permutation][cuda]" "racecheck|[sm90-small]" \
     "racecheck|*clamps device splits*"; do
-    tool=${run%%|*} filter=${run#*|}
+    tool=${run%%|*} filter=${run#*|} n=$((n + 1))
     echo "compute-sanitizer --tool $tool on $filter:"
     timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool "$tool" --error-exitcode 9 \
-      build-gpu/test/torchmoe_tests "$filter" > "$out/sanitize_$tool.log" 2>&1
-    echo "rc=$?"; tail -3 "$out/sanitize_$tool.log"
+      build-gpu/test/torchmoe_tests "$filter" > "$out/sanitize$n.log" 2>&1
+    echo "rc=$?"; tail -3 "$out/sanitize$n.log"
   done
 fi
 
