@@ -62,7 +62,7 @@ for t in "$@"; do
   if ninja -C "$build_dir" -t query "$t" >/dev/null 2>&1; then
     targets+=("$t")
   else
-    echo "== skipping target $t: $build_dir does not define it (its TORCHMOE_BUILD_* option is OFF?)"
+    echo "== skipping target $t: $build_dir does not define it (a TORCHMOE_BUILD_* option OFF?)"
   fi
 done
 if (($# && !${#targets[@]})); then
