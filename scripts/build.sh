@@ -2,7 +2,13 @@
 # Installs what is missing (Debian packages, LibTorch from the torch==2.11.0 wheel in .venv), then
 # configures and builds torchmoe into build/. Safe to re-run: every step is skipped when done.
 #
-# Environment: TORCHMOE_BUILD_DIR (default build), TORCHMOE_JOBS (default: all cores).
+# usage: scripts/build.sh [TARGET...]
+#   With no target it builds everything (library, tests, examples, benchmarks); with targets, only
+#   those and what they depend on, e.g. scripts/build.sh moe_lm. A target the build directory does
+#   not define (its TORCHMOE_BUILD_* option is OFF) is skipped with a note.
+#
+# Environment: TORCHMOE_BUILD_DIR (default build), TORCHMOE_JOBS (default: all cores),
+# TORCHMOE_CMAKE_ARGS (extra configure arguments, used when the build directory is configured).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -39,14 +45,34 @@ else
   python3 -m venv "$root/.venv" 2>/dev/null || {
     python3 -m pip install -q virtualenv && python3 -m virtualenv -q "$root/.venv"; }
   "$root/.venv/bin/python" -m pip install -q --upgrade pip
-  "$root/.venv/bin/python" -m pip install -q "torch==$torch_version"
+  # Not quiet: the download is a few GB and pip's progress bar shows it is moving.
+  "$root/.venv/bin/python" -m pip install "torch==$torch_version"
   python=$root/.venv/bin/python
 fi
 torch_cmake=$("$python" -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>/dev/null)
 
 # ---- configure + build ----------------------------------------------------------------------
 if [ ! -f "$build_dir/build.ninja" ]; then
+  echo "== configuring $build_dir"
   cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_PREFIX_PATH="$torch_cmake" ${TORCHMOE_CMAKE_ARGS:-}
 fi
-cmake --build "$build_dir" -j "${TORCHMOE_JOBS:-$(nproc)}"
+targets=()
+for t in "$@"; do
+  if ninja -C "$build_dir" -t query "$t" >/dev/null 2>&1; then
+    targets+=("$t")
+  else
+    echo "== skipping target $t: $build_dir does not define it (a TORCHMOE_BUILD_* option OFF?)"
+  fi
+done
+if (($# && !${#targets[@]})); then
+  echo "== nothing to build"
+  exit 0
+fi
+jobs=${TORCHMOE_JOBS:-$(nproc)}
+echo "== building ${targets[*]:-all targets} in $build_dir ($jobs jobs)"
+# Ninja prints one [done/total elapsed] line per step when its output is not a terminal.
+export NINJA_STATUS=${NINJA_STATUS:-"[%f/%t %es] "}
+build_args=(--build "$build_dir" -j "$jobs")
+((${#targets[@]})) && build_args+=(--target "${targets[@]}")
+cmake "${build_args[@]}"

@@ -38,7 +38,7 @@ def main(argv):
     if val:
         ax_loss.plot(*zip(*val), "o-", label="validation loss")
     ax_loss.plot(step, [float(r["aux_loss"]) for r in rows], label="router aux loss", linewidth=1)
-    ax_loss.set_ylabel("nats / token")
+    ax_loss.set_ylabel("nats/byte")
     ax_loss.set_yscale("log")
     ax_loss.legend()
     ax_loss.grid(True, alpha=0.3)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Sets up and builds if needed, then runs the whole test suite with ctest. Without a GPU the
-# [cuda] cases are reported as skipped.
+# Sets up and builds what ctest runs (the library, which the consumer_find_package test installs;
+# the Catch2 tests; the example LM), then runs the whole test suite with ctest. The benchmarks are
+# not built. Without a GPU the [cuda] cases are reported as skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/build.sh
+scripts/build.sh torchmoe torchmoe_tests moe_lm
 exec ctest --test-dir "${TORCHMOE_BUILD_DIR:-build}" --output-on-failure -j "$(nproc)"

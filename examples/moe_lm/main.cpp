@@ -16,9 +16,11 @@
 #include <torch/serialize.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -26,10 +28,15 @@
 #include <memory>
 #include <optional>
 #include <set>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
+
+#include <fcntl.h>
+#include <unistd.h>
 
 #include "model.h"
 
@@ -37,6 +44,30 @@ namespace fs = std::filesystem;
 
 namespace moe_lm {
 namespace {
+
+// ---- output ----------------------------------------------------------------------------------
+
+// Every line the run reports goes through here and is flushed at once: stdout is fully buffered
+// when it is not a terminal (nohup, CI, `| tee`), and a long run would show nothing until exit.
+template <typename... Args>
+void say(fmt::format_string<Args...> format, Args&&... args) {
+  fmt::print(stdout, format, std::forward<Args>(args)...);
+  std::fflush(stdout);
+}
+
+// Errors go to stderr with every line prefixed "moe_lm: " (a c10::Error's message may hold
+// several lines).
+void print_error(const std::string& message) {
+  std::istringstream lines(message);
+  std::string line;
+  bool any = false;
+  while (std::getline(lines, line)) {
+    if (line.empty()) continue;
+    fmt::print(stderr, "moe_lm: {}\n", line);
+    any = true;
+  }
+  if (!any) fmt::print(stderr, "moe_lm: unknown error\n");
+}
 
 // ---- flags -----------------------------------------------------------------------------------
 
@@ -150,7 +181,11 @@ std::vector<Flag> flag_table(Flags& f) {
       {"--eval-every", "N", "validation every N steps, 0 = only at the end (default 100)",
        integer(f.eval_every, 0)},
       {"--eval-batches", "N", "validation micro-batches (default 8)", integer(f.eval_batches, 1)},
-      {"--csv", "PATH", "write one CSV row per step (loss, aux, lr, speed, validation, load)",
+      {"--csv", "PATH",
+       "write one CSV row per step: step, loss, aux_loss, lr, grad_norm, tokens_per_s and "
+       "ms_per_step (this step), avg_tokens_per_s and avg_ms_per_step (running averages over this "
+       "run's steps after its first), val_loss and val_ppl (on validation steps), load_min and "
+       "load_max (expert load / uniform share); a token is a byte, losses are in nats/byte",
        text(f.csv)},
       {"--save", "PATH", "save a checkpoint at the end (and every --save-every steps)",
        text(f.save)},
@@ -174,11 +209,26 @@ void print_help(const std::vector<Flag>& table) {
   fmt::print(
       "usage: moe_lm [flags]\n\nTrains a byte-level MoE transformer LM with torchmoe from a C++ "
       "loop.\n\nflags:\n");
-  for (const Flag& f : table) {
-    const std::string left = std::string(f.name) + (f.value ? std::string(" ") + f.value : "");
-    fmt::print("  {:<26} {}\n", left, f.help);
-  }
-  fmt::print("  {:<26} {}\n", "--help", "this text");
+  // Help texts are wrapped to 100 columns, continuation lines indented under the first.
+  constexpr size_t kIndent = 29, kWidth = 100;
+  auto print_flag = [&](const std::string& left, const std::string& help) {
+    std::istringstream words(help);
+    std::string word, line;
+    bool first = true;
+    auto flush_line = [&] {
+      fmt::print("  {:<26} {}\n", first ? left : "", line);
+      first = false;
+      line.clear();
+    };
+    while (words >> word) {
+      if (!line.empty() && kIndent + line.size() + 1 + word.size() > kWidth) flush_line();
+      line += (line.empty() ? "" : " ") + word;
+    }
+    flush_line();
+  };
+  for (const Flag& f : table)
+    print_flag(std::string(f.name) + (f.value ? std::string(" ") + f.value : ""), f.help);
+  print_flag("--help", "this text");
 }
 
 // Returns nullopt after --help; throws std::invalid_argument for bad flags.
@@ -442,6 +492,40 @@ double evaluate(MoETransformer& model, const Corpus& c, const Flags& f,
   return total / static_cast<double>(f.eval_batches);
 }
 
+// ---- output files ----------------------------------------------------------------------------
+
+// The directory a file PATH goes into ("." for a bare name).
+fs::path parent_dir(const std::string& path) {
+  const fs::path parent = fs::path(path).parent_path();
+  return parent.empty() ? fs::path(".") : parent;
+}
+
+// Checks, before any training, that the file `probe` can be created in the directory `path` goes
+// into: the directory exists and takes a new file. Creates `probe` and removes it again (unless it
+// was there before). Throws "FLAG: ..." otherwise.
+void check_can_create(const char* flag, const std::string& path, const std::string& probe) {
+  const fs::path dir = parent_dir(path);
+  std::error_code ec;
+  auto fail = [&](const std::string& why) {
+    throw std::runtime_error(fmt::format("{}: cannot write '{}': {}", flag, path, why));
+  };
+  if (!fs::exists(dir, ec)) fail(fmt::format("directory '{}' does not exist", dir.string()));
+  if (!fs::is_directory(dir, ec)) fail(fmt::format("'{}' is not a directory", dir.string()));
+  if (fs::is_directory(path, ec)) fail("it is a directory");
+  const bool existed = fs::exists(probe, ec);
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    const int err = errno;
+    fail(probe == path ? std::string(std::strerror(err))
+                       : fmt::format("cannot create '{}': {}", probe, std::strerror(err)));
+  }
+  ::close(fd);
+  if (!existed) fs::remove(probe, ec);
+}
+
+// The checkpoint is written to PATH.tmp, flushed to the disk, and only then renamed over PATH:
+// a run killed or failing mid-save leaves the previous checkpoint as it was (and at most a
+// partial PATH.tmp, which the next save overwrites).
 void save_checkpoint(const std::string& path, MoETransformer& model, const Trainer& trainer,
                      int64_t step) {
   torch::serialize::OutputArchive archive;
@@ -449,8 +533,25 @@ void save_checkpoint(const std::string& path, MoETransformer& model, const Train
   trainer.save(archive);
   archive.write("step", c10::IValue(step));
   const std::string tmp = path + ".tmp";
+  // save_to returns once the archive's last record is written and the file is closed; it throws
+  // on a failed write.
   archive.save_to(tmp);
-  fs::rename(tmp, path);  // a crash mid-save leaves the previous checkpoint intact
+  // Through a power loss too: the data reaches the disk before the rename can.
+  const int fd = ::open(tmp.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0 || ::fsync(fd) != 0) {
+    const int err = errno;
+    if (fd >= 0) ::close(fd);
+    throw std::runtime_error(
+        fmt::format("--save: cannot flush '{}' to the disk: {}", tmp, std::strerror(err)));
+  }
+  ::close(fd);
+  fs::rename(tmp, path);
+  // Make the rename itself durable (best effort: some file systems refuse fsync on directories).
+  const int dir_fd = ::open(parent_dir(path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir_fd >= 0) {
+    ::fsync(dir_fd);
+    ::close(dir_fd);
+  }
 }
 
 std::string format_eta(double seconds) {
@@ -495,7 +596,7 @@ void generate(MoETransformer& model, const Flags& f, const torch::Device& device
     context.push_back(next);
     text.push_back(static_cast<char>(next));
   }
-  fmt::print("{}\n", text);
+  say("{}\n", text);
 }
 
 // Times forward+backward of one MoE layer alone at the training shape (unit-RMS random input)
@@ -519,19 +620,38 @@ void profile_moe(MoETransformer& model, const Flags& f, const torch::Device& dev
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
       static_cast<double>(f.profile_moe);
   const double share = 100.0 * ms * static_cast<double>(f.model.layers * f.accum) / step_ms;
-  fmt::print(
+  say(
       "moe profile: one MoE layer fwd+bwd {:.3f} ms x {} layers x {} micro-batches = {:.1f}% of a "
       "{:.1f} ms step\n",
       ms, f.model.layers, f.accum, share, step_ms);
   // The profiling passes wrote into the main-grad buffers and .grad; nothing is trained after this.
 }
 
+// The CSV's columns (documented in --csv's help and docs/moe.md).
+constexpr const char* kCsvHeader =
+    "step,loss,aux_loss,lr,grad_norm,tokens_per_s,ms_per_step,avg_tokens_per_s,avg_ms_per_step,"
+    "val_loss,val_ppl,load_min,load_max";
+
+// The first line of `path`, or "" when it cannot be read.
+std::string first_line(const std::string& path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
 int run(const Flags& flags_in) {
   Flags f = flags_in;
   const bool cuda = f.device == "cuda" || (f.device == "auto" && torch::cuda::is_available());
-  if (cuda && !torch::cuda::is_available()) {
-    fmt::print(stderr, "error: --device cuda but no CUDA device is available\n");
-    return 1;
+  if (cuda && !torch::cuda::is_available())
+    throw std::runtime_error("--device cuda but no CUDA device is available");
+  if (!f.resume.empty() && !fs::is_regular_file(f.resume))
+    throw std::runtime_error("checkpoint '" + f.resume + "' does not exist");
+  // Output paths are checked before any work: a run must not train for an hour and then find
+  // that it cannot write its checkpoint.
+  if (!f.generate) {
+    if (!f.save.empty()) check_can_create("--save", f.save, f.save + ".tmp");
+    if (!f.csv.empty()) check_can_create("--csv", f.csv, f.csv);
   }
   const torch::Device device = cuda ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU);
   const torch::Dtype dtype =
@@ -540,10 +660,6 @@ int run(const Flags& flags_in) {
   std::optional<torch::serialize::InputArchive> checkpoint;
   int64_t start_step = 0;
   if (!f.resume.empty()) {
-    if (!fs::is_regular_file(f.resume)) {
-      fmt::print(stderr, "error: checkpoint '{}' does not exist\n", f.resume);
-      return 1;
-    }
     checkpoint.emplace();
     checkpoint->load_from(f.resume, device);
     f.model = ModelConfig::load(*checkpoint);
@@ -564,24 +680,26 @@ int run(const Flags& flags_in) {
   int64_t params = 0;
   for (const auto& p : model->parameters()) params += p.numel();
   const ModelConfig& m = f.model;
-  fmt::print(
-      "moe_lm: {} layers, hidden {}, {} heads, {} experts top-{}, ffn {}, seq {} | {:.2f}M "
+  say("moe_lm: {} layers, hidden {}, {} heads, {} experts top-{}, ffn {}, seq {} | {:.2f}M "
       "parameters | {} {} | data {} ({} train / {} valid bytes)\n",
       m.layers, m.hidden, m.heads, m.experts, m.topk, m.ffn, m.seq, params / 1e6,
       cuda ? "cuda" : "cpu", dtype == torch::kBFloat16 ? "bf16 (fp32 masters)" : "fp32", f.data,
       corpus.train.size(0), corpus.valid.size(0));
-  if (start_step) fmt::print("resumed from {} at step {}\n", f.resume, start_step);
+  if (start_step) say("resumed from {} at step {}\n", f.resume, start_step);
 
   std::unique_ptr<fmt::ostream> csv;
   if (!f.csv.empty()) {
-    const bool append = start_step > 0 && fs::exists(f.csv);
+    // A resumed run appends to its CSV, which must then have this version's columns.
+    const bool append = start_step > 0 && fs::exists(f.csv) && fs::file_size(f.csv) > 0;
+    if (append && first_line(f.csv) != kCsvHeader)
+      throw std::runtime_error(fmt::format(
+          "--csv: '{}' has other columns than this moe_lm writes (an older version's?); give a new "
+          "file",
+          f.csv));
     csv = std::make_unique<fmt::ostream>(
         fmt::output_file(f.csv, append ? fmt::file::WRONLY | fmt::file::APPEND | fmt::file::CREATE
                                        : fmt::file::WRONLY | fmt::file::CREATE | fmt::file::TRUNC));
-    if (!append)
-      csv->print(
-          "step,loss,aux_loss,lr,grad_norm,tokens_per_s,ms_per_step,val_loss,val_ppl,load_min,load_"
-          "max\n");
+    if (!append) csv->print("{}\n", kCsvHeader);
   }
 
   const int64_t tokens_per_step = f.batch * f.accum * m.seq;
@@ -615,6 +733,8 @@ int run(const Flags& flags_in) {
       timed_ms += last_ms;
       ++timed_steps;
     }
+    // Running average over this run's steps after its first (which includes one-time setup);
+    // on the first step, that step's time.
     const double avg_ms = timed_steps ? timed_ms / static_cast<double>(timed_steps) : last_ms;
     const double loss = loss_sum / static_cast<double>(f.accum),
                  aux = aux_sum / static_cast<double>(f.accum);
@@ -622,25 +742,26 @@ int run(const Flags& flags_in) {
     std::optional<double> val;
     if ((f.eval_every && (step + 1) % f.eval_every == 0) || last)
       val = evaluate(model, corpus, f, device);
-    const double tok_s = tokens_per_step / (avg_ms / 1000.0);
+    const double tok_s = static_cast<double>(tokens_per_step) / (last_ms / 1000.0);
+    const double avg_tok_s = static_cast<double>(tokens_per_step) / (avg_ms / 1000.0);
     if ((step + 1) % f.log_every == 0 || step == start_step || last) {
-      fmt::print(
-          "step {:>5}/{} | loss {:.4f} | aux {:.4f} | lr {:.2e} | {:>9.0f} tok/s | {:>7.1f} "
-          "ms/step | ETA {} | load min {:.2f} max {:.2f}\n",
-          step + 1, f.steps, loss, aux, lr, tok_s, avg_ms,
+      say("step {:>5}/{} | loss {:.4f} | aux {:.4f} | lr {:.2e} | {:>9.0f} avg tok/s | {:>7.1f} "
+          "avg ms/step | ETA {} | load min {:.2f} max {:.2f}\n",
+          step + 1, f.steps, loss, aux, lr, avg_tok_s, avg_ms,
           format_eta(avg_ms / 1000.0 * static_cast<double>(end_step - step - 1)), load.first,
           load.second);
     }
-    if (val) fmt::print("  validation | loss {:.4f} | perplexity {:.2f}\n", *val, std::exp(*val));
+    if (val) say("  validation | loss {:.4f} | perplexity {:.2f}\n", *val, std::exp(*val));
     if (csv) {
-      csv->print("{},{:.6f},{:.6f},{:.6e},{:.4f},{:.1f},{:.2f},{},{},{:.4f},{:.4f}\n", step + 1,
-                 loss, aux, lr, grad_norm, tok_s, last_ms, val ? fmt::format("{:.6f}", *val) : "",
+      csv->print("{},{:.6f},{:.6f},{:.6e},{:.4f},{:.1f},{:.2f},{:.1f},{:.2f},{},{},{:.4f},{:.4f}\n",
+                 step + 1, loss, aux, lr, grad_norm, tok_s, last_ms, avg_tok_s, avg_ms,
+                 val ? fmt::format("{:.6f}", *val) : "",
                  val ? fmt::format("{:.4f}", std::exp(*val)) : "", load.first, load.second);
       csv->flush();
     }
     if (!f.save.empty() && (last || (f.save_every && (step + 1) % f.save_every == 0))) {
       save_checkpoint(f.save, model, trainer, step + 1);
-      fmt::print("  saved {} (step {})\n", f.save, step + 1);
+      say("  saved {} (step {})\n", f.save, step + 1);
     }
   }
   if (f.profile_moe) {
@@ -658,7 +779,7 @@ int main(int argc, char** argv) {
   try {
     flags = moe_lm::parse_flags(argc, argv);
   } catch (const std::invalid_argument& e) {
-    fmt::print(stderr, "moe_lm: {}\n", e.what());
+    moe_lm::print_error(e.what());
     return 2;
   }
   if (!flags) return 0;
@@ -669,7 +790,7 @@ int main(int argc, char** argv) {
     std::string message = e.what();
     if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e))
       message = c10_error->what_without_backtrace();
-    fmt::print(stderr, "moe_lm: error: {}\n", message);
+    moe_lm::print_error(message);
     return 1;
   }
 }

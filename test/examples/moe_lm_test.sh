@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The example LM end to end on the CPU with a tiny config: the loss falls by a clear margin, a run
 # split by a checkpoint gives the same next-step loss as an unbroken one, generation from the
-# checkpoint prints text, and bad flags or data fail with a message and a non-zero exit.
+# checkpoint prints text, progress reaches a pipe while the run goes on, and bad flags, data or
+# output paths fail with a message (every stderr line starting "moe_lm: ") and a non-zero exit.
 # usage: moe_lm_test.sh MOE_LM_BINARY WORK_DIR
 set -euo pipefail
 bin=$1
@@ -33,16 +34,34 @@ text=$("$bin" --resume "$work/ckpt.pt" --generate 40 --prompt "The ")
 printf '%s\n' "$text"
 [ "${#text}" -ge 44 ] || fail "generated text too short"
 
+echo "== progress reaches a pipe before the run ends"
+# stdout is a pipe, so it is fully buffered unless each line is flushed: the first step line (the
+# only one for a long time) must arrive while the run is still going.
+mkfifo "$work/progress"
+"$bin" "${tiny[@]}" --steps 1000000 --log-every 1000000 >"$work/progress" &
+pid=$!
+exec 3<"$work/progress"
+line=
+while IFS= read -r -t 60 line <&3 && [[ $line != step* ]]; do :; done
+running=0
+kill -0 "$pid" 2>/dev/null && running=1
+kill "$pid" 2>/dev/null || true
+wait "$pid" 2>/dev/null || true
+exec 3<&-
+[[ $line == step* ]] && ((running)) || fail "no step line in the pipe while the run was going"
+echo "$line"
+
 echo "== errors"
 expect_error() {  # expected exit code, expected message, flags...
   local code=$1 message=$2
   shift 2
   set +e
-  out=$("$bin" "$@" 2>&1)
+  out=$("$bin" "$@" 2>&1 >/dev/null)  # stderr only
   got=$?
   set -e
   [ "$got" -eq "$code" ] || fail "'$*' exited $got, expected $code"
   grep -qF -- "$message" <<<"$out" || fail "'$*' printed '$out', expected '$message'"
+  ! grep -qv '^moe_lm: ' <<<"$out" || fail "'$*' printed an error line not starting 'moe_lm: ': '$out'"
 }
 expect_error 2 "unknown flag '--bogus'" --bogus
 expect_error 2 "--steps needs a value" --steps
@@ -51,5 +70,12 @@ expect_error 2 "--heads 3 must divide --hidden 128" --heads 3
 expect_error 2 "--generate needs --resume" --generate 5
 expect_error 1 "data file or directory '$work/missing' does not exist" --data "$work/missing"
 expect_error 1 "checkpoint '$work/missing.pt' does not exist" --resume "$work/missing.pt" --generate 5
+# Output paths are checked before training: no step line, no minutes of lost work.
+expect_error 1 "moe_lm: --save: cannot write '$work/none/x.pt': directory '$work/none' does not exist" \
+  "${tiny[@]}" --steps 5 --save "$work/none/x.pt"
+expect_error 1 "moe_lm: --csv: cannot write '$work/none/x.csv': directory '$work/none' does not exist" \
+  "${tiny[@]}" --steps 5 --csv "$work/none/x.csv"
+steps=$("$bin" "${tiny[@]}" --steps 5 --save "$work/none/x.pt" 2>/dev/null || true)
+! grep -q '^step' <<<"$steps" || fail "--save into a missing directory trained before failing"
 "$bin" --help | grep -q -- "--profile-moe" || fail "--help does not list every flag"
 echo "PASS"
