@@ -60,9 +60,10 @@ at::Tensor GroupedLinearFunction::forward(AutogradContext* ctx, const at::Tensor
   at::Tensor output =
       ops::grouped_linear_forward(config->plan, gemm_input, grouped(weights, config->grouped_weight),
                                   grouped(biases, config->grouped_bias));
-  variable_list saved{input, scales};
-  saved.insert(saved.end(), weights.begin(), weights.end());
-  ctx->save_for_backward(saved);
+  ctx->save_for_backward({input, scales});
+  config->weights = weights.vec();
+  config->weight_versions.clear();
+  for (const at::Tensor& w : weights) config->weight_versions.push_back(w._version());
   ctx->saved_data["num_biases"] = static_cast<int64_t>(biases.size());
   ctx->saved_data["config"] = c10::IValue::make_capsule(config);
   return output;
@@ -72,12 +73,12 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
   const variable_list saved = ctx->get_saved_variables();
   const at::Tensor& input = saved[0];
   const at::Tensor& scales = saved[1];
-  const at::TensorList weights = at::TensorList(saved).slice(2);
-  const auto num_weights = weights.size();
   const auto num_biases = static_cast<size_t>(ctx->saved_data["num_biases"].toInt());
   const auto config = c10::static_intrusive_pointer_cast<GroupedLinearConfig>(
       ctx->saved_data["config"].toCapsule());
   const GroupedLinearConfig& cfg = *config;
+  const at::TensorList weights = cfg.weights;
+  const auto num_weights = weights.size();
   const size_t groups = cfg.plan.shape.groups;
   const at::Tensor grad_output = grad_outputs[0].contiguous();
 
@@ -88,6 +89,12 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
   variable_list grads(kFirstWeightSlot + num_weights + num_biases + 1);
   const bool scales_need_grad = scales.defined() && ctx->needs_input_grad(1);
   if (ctx->needs_input_grad(0) || scales_need_grad) {
+    for (size_t i = 0; i < num_weights; ++i) {
+      TORCH_CHECK(weights[i]._version() == cfg.weight_versions[i],
+                  "GroupedLinear backward: weight ", i, " was modified in place after the forward ",
+                  "(version ", cfg.weight_versions[i], ", now ", weights[i]._version(),
+                  "); its gradient would be wrong. Run backward before changing the weights.");
+    }
     at::Tensor grad_gemm_input =
         ops::grouped_linear_dgrad(cfg.plan, grad_output, grouped(weights, cfg.grouped_weight));
     if (cfg.input_activation) {

@@ -79,8 +79,9 @@ ops::GemmPlan plan_for(const torch::Tensor& x, int64_t n, int64_t k,
 // is busy with a short spin kernel queued just before it, so the launch queue is short and the
 // GPU is not idle. (Timing 200 calls in a row measured 6.5-15.9 us for the same code: each call
 // queues ~0.8 ms of GPU work, so the queue can fill and the host then waits; calls made right after
-// a device synchronisation measured 11-33 us, launches into an idle GPU.)
-double host_us(const std::function<void()>& fn) {
+// a device synchronisation measured 11-33 us, launches into an idle GPU.) The result is released
+// after the clock stops: in training a forward's output lives on into backward.
+double host_us(const std::function<torch::Tensor()>& fn) {
   constexpr int kCalls = 200;
   constexpr int64_t kSpinCycles = 400000;  // ~0.2 ms at the H100's clock: outlasts any call
   for (int i = 0; i < 10; ++i) fn();
@@ -89,7 +90,7 @@ double host_us(const std::function<void()>& fn) {
     torch::cuda::synchronize();
     at::cuda::sleep(kSpinCycles);
     const auto start = std::chrono::steady_clock::now();
-    fn();
+    torch::Tensor result = fn();
     times.push_back(
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
             .count());
@@ -99,37 +100,45 @@ double host_us(const std::function<void()>& fn) {
   return times[times.size() / 2];
 }
 
+// Host time per forward with device splits, by phase: the output's allocation, planning, the op
+// (checks, tensor maps, launch) on stacked weights and on G separately allocated ones, and the
+// GroupedLinear module (G separate weights, its default) without and with autograd, and with a
+// single grouped weight.
 struct HostTimes {
   std::string shape;
-  double plan, op, module_no_grad, module, module_single;  // microseconds
+  double alloc, plan, op_stacked, op_separate, module_no_grad, module, module_single;  // us
 };
 
-// Host time per forward with device splits, layer by layer: planning alone, the op alone (checks,
-// allocation, tensor maps, launch), and the GroupedLinear module (G separate weights, its default)
-// without and with autograd, and with a single grouped weight.
 HostTimes host_times(const torchmoe::bench::Shape& shape, const torch::Tensor& x,
-                     const torchmoe::SplitSizes& splits) {
+                     const torch::Tensor& stacked_weights, const torchmoe::SplitSizes& splits) {
   const int64_t n = 2 * shape.ffn, k = shape.hidden;
   auto options = torchmoe::GroupedLinearOptions(shape.experts, k, n)
                      .bias(false)
                      .params_dtype(torch::kBFloat16)
                      .device(torch::kCUDA);
+  const torch::Tensor input = x.detach().requires_grad_(true);  // the module's autograd cost
   HostTimes t;
   t.shape = shape.name;
+  t.alloc = host_us([&] { return torch::empty({x.size(0), n}, x.options()); });
+  const ops::GemmPlan plan = plan_for(x, n, k, splits, torchmoe::GemmBackend::kAuto);
+  t.plan = host_us([&] {
+    plan_for(x, n, k, splits, torchmoe::GemmBackend::kAuto);
+    return torch::Tensor();
+  });
+  const ops::GroupedTensors stacked = ops::GroupedTensors::stacked(stacked_weights);
+  t.op_stacked = host_us([&] { return ops::grouped_linear_forward(plan, x, stacked, {}); });
   {
     torchmoe::GroupedLinear layer(options);
     const std::vector<torch::Tensor> weights = layer->expert_weights();
-    const ops::GemmPlan plan = plan_for(x, n, k, splits, torchmoe::GemmBackend::kAuto);
-    t.plan = host_us([&] { plan_for(x, n, k, splits, torchmoe::GemmBackend::kAuto); });
-    t.op = host_us([&] { ops::grouped_linear_forward(plan, x, weights, {}); });
+    t.op_separate = host_us([&] { return ops::grouped_linear_forward(plan, x, weights, {}); });
     t.module_no_grad = host_us([&] {
       const torch::NoGradGuard no_grad;
-      layer(x, splits);
+      return layer(x, splits);
     });
-    t.module = host_us([&] { layer(x, splits); });
+    t.module = host_us([&] { return layer(input, splits); });
   }
   torchmoe::GroupedLinear single(options.single_grouped_weight(true));
-  t.module_single = host_us([&] { single(x, splits); });
+  t.module_single = host_us([&] { return single(input, splits); });
   return t;
 }
 
@@ -185,9 +194,7 @@ int main(int argc, char** argv) {
         }
       }
       if (!skewed) {
-        // x requires no grad here; the module's autograd cost needs an input that does.
-        const torch::Tensor x_grad = x.detach().requires_grad_(true);
-        host.push_back(host_times(shape, x_grad, device_splits));
+        host.push_back(host_times(shape, x, w, device_splits));
       }
 
       const std::function<void()> dense = [&] { at::mm(x, w0t); };
@@ -233,16 +240,18 @@ int main(int argc, char** argv) {
     }
   }
 
-  std::cout << "\nhost time per forward with device splits (us, median of 200 calls; module = "
-               "GroupedLinear with G separate weights, autograd on):\n"
-            << std::left << std::setw(17) << "shape" << std::right << std::setw(8) << "plan"
-            << std::setw(8) << "op" << std::setw(16) << "module no-grad" << std::setw(9)
-            << "module" << std::setw(15) << "single weight" << "\n";
+  std::cout << "\nhost time per forward with device splits (us, median of 200 calls; separate = G "
+               "separately allocated weights, GroupedLinear's default; module with autograd):\n"
+            << std::left << std::setw(17) << "shape" << std::right << std::setw(7) << "alloc"
+            << std::setw(7) << "plan" << std::setw(11) << "op stacked" << std::setw(13)
+            << "op separate" << std::setw(16) << "module no-grad" << std::setw(9) << "module"
+            << std::setw(15) << "module single" << "\n";
   for (const HostTimes& t : host) {
     std::cout << std::left << std::setw(17) << t.shape << std::right << std::fixed
-              << std::setprecision(1) << std::setw(8) << t.plan << std::setw(8) << t.op
-              << std::setw(16) << t.module_no_grad << std::setw(9) << t.module << std::setw(15)
-              << t.module_single << "\n";
+              << std::setprecision(1) << std::setw(7) << t.alloc << std::setw(7) << t.plan
+              << std::setw(11) << t.op_stacked << std::setw(13) << t.op_separate << std::setw(16)
+              << t.module_no_grad << std::setw(9) << t.module << std::setw(15) << t.module_single
+              << "\n";
   }
 
   std::ofstream json(args.json_path);
@@ -262,9 +271,11 @@ int main(int argc, char** argv) {
   json << "  ],\n  \"host_us_per_forward\": [\n";
   for (size_t i = 0; i < host.size(); ++i) {
     const HostTimes& t = host[i];
-    json << "    {\"shape\": \"" << t.shape << "\", \"plan\": " << t.plan << ", \"op\": " << t.op
-         << ", \"module_no_grad\": " << t.module_no_grad << ", \"module\": " << t.module
-         << ", \"module_single_weight\": " << t.module_single << "}"
+    json << "    {\"shape\": \"" << t.shape << "\", \"alloc\": " << t.alloc << ", \"plan\": "
+         << t.plan << ", \"op_stacked\": " << t.op_stacked << ", \"op_separate\": "
+         << t.op_separate << ", \"module_no_grad\": " << t.module_no_grad
+         << ", \"module\": " << t.module << ", \"module_single_weight\": " << t.module_single
+         << "}"
          << (i + 1 < host.size() ? "," : "") << "\n";
   }
   json << "  ]\n}\n";

@@ -13,6 +13,8 @@
 #include <climits>
 #include <cstring>
 #include <mutex>
+#include <tuple>
+#include <unordered_map>
 
 #include "torchmoe/kernels/device_types.cuh"
 #include "torchmoe/kernels/grouped_gemm_sm90_kernel.cuh"
@@ -114,6 +116,49 @@ CUtensorMap encode_map(ScalarType type, const void* base, int64_t inner, int64_t
   return map;
 }
 
+// Everything a tensor map is a function of.
+struct MapKey {
+  ScalarType type;
+  const void* base;
+  int64_t inner, rows, groups, group_stride;
+  int box_inner, box_rows;
+  CUtensorMapSwizzle swizzle;
+
+  auto fields() const {
+    return std::tie(type, base, inner, rows, groups, group_stride, box_inner, box_rows, swizzle);
+  }
+  bool operator==(const MapKey& other) const { return fields() == other.fields(); }
+};
+
+struct MapKeyHash {
+  size_t operator()(const MapKey& k) const {
+    size_t h = std::hash<const void*>()(k.base);
+    for (const int64_t v : {k.inner, k.rows, k.groups, k.group_stride,
+                            static_cast<int64_t>(k.type), static_cast<int64_t>(k.box_inner),
+                            static_cast<int64_t>(k.box_rows), static_cast<int64_t>(k.swizzle)}) {
+      h = h * 1000003u ^ std::hash<int64_t>()(v);
+    }
+    return h;
+  }
+};
+
+// encode_map through a per-thread table of the maps already encoded. Every launch needs two or
+// three maps and an encode is a driver call; training passes the same tensors every step
+// (parameters, and activations in the caching allocator's recycled blocks), so after the first
+// step the launches find their maps here. The table is dropped whole at kMaxCachedMaps entries,
+// which bounds it when addresses keep changing.
+CUtensorMap cached_map(ScalarType type, const void* base, int64_t inner, int64_t rows,
+                       int64_t groups, int64_t group_stride, MapBox box) {
+  constexpr size_t kMaxCachedMaps = 4096;
+  thread_local std::unordered_map<MapKey, CUtensorMap, MapKeyHash> maps;
+  const MapKey key{type, base, inner, rows, groups, group_stride, box.inner, box.rows, box.swizzle};
+  if (const auto it = maps.find(key); it != maps.end()) return it->second;
+  const CUtensorMap map = encode_map(type, base, inner, rows, groups, group_stride, box);
+  if (maps.size() == kMaxCachedMaps) maps.clear();
+  maps.emplace(key, map);
+  return map;
+}
+
 // The weight box: K-major {64 k, 256 n} for fprop, MN-major {64 k, 64 n} for dgrad.
 MapBox weight_box(GemmKind kind) { return operand_box(kind == GemmKind::kFprop ? kBlockN : 64); }
 
@@ -136,26 +181,26 @@ void launch(const Sm90GemmParams& p, cudaStream_t stream) {
   args.p = p;
   const ScalarType in = p.input_type;
   if constexpr (kKind == GemmKind::kFprop) {
-    args.a_map = encode_map(in, p.input, p.k, p.rows, 1, 0, operand_box(kBlockM));
-    args.out_map = encode_map(in, p.output, p.n, p.rows, 1, 0, output_box(in));
+    args.a_map = cached_map(in, p.input, p.k, p.rows, 1, 0, operand_box(kBlockM));
+    args.out_map = cached_map(in, p.output, p.n, p.rows, 1, 0, output_box(in));
     args.out_tma = true;
   } else if constexpr (kKind == GemmKind::kDgrad) {
-    args.a_map = encode_map(in, p.grad_output, p.n, p.rows, 1, 0, operand_box(kBlockM));
-    args.out_map = encode_map(in, p.output, p.k, p.rows, 1, 0, output_box(in));
+    args.a_map = cached_map(in, p.grad_output, p.n, p.rows, 1, 0, operand_box(kBlockM));
+    args.out_map = cached_map(in, p.output, p.k, p.rows, 1, 0, output_box(in));
     args.out_tma = true;
   } else {
-    args.a_map = encode_map(in, p.grad_output, p.n, p.rows, 1, 0, operand_box(kBlockK));
-    args.b_map = encode_map(in, p.input, p.k, p.rows, 1, 0, operand_box(kBlockK));
+    args.a_map = cached_map(in, p.grad_output, p.n, p.rows, 1, 0, operand_box(kBlockK));
+    args.b_map = cached_map(in, p.input, p.k, p.rows, 1, 0, operand_box(kBlockK));
     // Equally spaced gradients are one 3-D map; a pointer table's are stored from registers.
     args.out_tma = p.weight_grad.table == nullptr;
     if (args.out_tma) {
-      args.out_map = encode_map(p.output_type, p.weight_grad.base, p.k, p.n, p.num_groups,
+      args.out_map = cached_map(p.output_type, p.weight_grad.base, p.k, p.n, p.num_groups,
                                 p.weight_grad.group_stride, output_box(p.output_type));
     }
   }
   if constexpr (kKind != GemmKind::kWgrad) {
     if (p.weight_maps == nullptr) {
-      args.b_map = encode_map(in, p.weight.base, p.k, p.n, p.num_groups, p.weight.group_stride,
+      args.b_map = cached_map(in, p.weight.base, p.k, p.n, p.num_groups, p.weight.group_stride,
                               weight_box(kKind));
     }
   }

@@ -424,3 +424,19 @@ TEST_CASE("GroupedLinear follows ->to(dtype) as torch::nn::Linear does",
                       Contains("GroupedLinear: input must have the parameters' dtype Double, got "
                                "Float"));
 }
+
+TEST_CASE("GroupedLinear backward refuses weights modified in place after forward",
+          "[modules][grouped_linear][errors]") {
+  const bool single = GENERATE(false, true);
+  INFO("single=" << single);
+  GroupedLinear m(GroupedLinearOptions(2, 4, 3).single_grouped_weight(single));
+  const torch::Tensor x = torch::randn({5, 4}).requires_grad_(true);
+  const torch::Tensor y = m(x, std::vector<int64_t>{2, 3});
+  {
+    torch::NoGradGuard no_grad;
+    m->expert_weights()[1].mul_(2);  // an optimizer step between forward and backward
+  }
+  REQUIRE_THROWS_WITH(y.sum().backward(),
+                      Contains("GroupedLinear backward: weight ") &&
+                          Contains("was modified in place after the forward"));
+}
