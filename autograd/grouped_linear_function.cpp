@@ -37,6 +37,17 @@ std::vector<at::Tensor> in_layout(const at::Tensor& buffer, bool stacked) {
   return buffer.unbind(0);
 }
 
+// The layer's output, the same with or without autograd.
+at::Tensor forward_output(const at::Tensor& input, const at::Tensor& scales,
+                          at::TensorList weights, at::TensorList biases,
+                          const GroupedLinearConfig& config) {
+  const at::Tensor gemm_input =
+      config.input_activation ? ops::glu_forward(input, scales, *config.input_activation) : input;
+  return ops::grouped_linear_forward(config.plan, gemm_input,
+                                     grouped(weights, config.grouped_weight),
+                                     grouped(biases, config.grouped_bias));
+}
+
 }  // namespace
 
 std::vector<GemmPlan> plan_layers(const char* module, const at::Tensor& input,
@@ -55,11 +66,7 @@ at::Tensor GroupedLinearFunction::forward(AutogradContext* ctx, const at::Tensor
   TORCH_CHECK(!input_scales.has_value() || config->input_activation, "GroupedLinearFunction: ",
               "input_scales are the input activation's scales; config.input_activation is unset");
   const at::Tensor scales = input_scales.value_or(at::Tensor());
-  const at::Tensor gemm_input =
-      config->input_activation ? ops::glu_forward(input, scales, *config->input_activation) : input;
-  at::Tensor output =
-      ops::grouped_linear_forward(config->plan, gemm_input, grouped(weights, config->grouped_weight),
-                                  grouped(biases, config->grouped_bias));
+  at::Tensor output = forward_output(input, scales, weights, biases, *config);
   ctx->save_for_backward({input, scales});
   config->weights = weights.vec();
   config->weight_versions.clear();
@@ -147,6 +154,20 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
     std::copy(per_layout.begin(), per_layout.end(), grads.begin() + kFirstWeightSlot + num_weights);
   }
   return grads;
+}
+
+at::Tensor grouped_linear(const at::Tensor& input, const std::optional<at::Tensor>& input_scales,
+                          at::TensorList weights, at::TensorList biases,
+                          const c10::intrusive_ptr<GroupedLinearConfig>& config) {
+  bool needs_grad = input.requires_grad() || (input_scales && input_scales->requires_grad());
+  for (const at::Tensor& t : weights) needs_grad |= t.requires_grad();
+  for (const at::Tensor& t : biases) needs_grad |= t.requires_grad();
+  if (at::GradMode::is_enabled() && needs_grad) {
+    return GroupedLinearFunction::apply(input, input_scales, weights, biases, config);
+  }
+  check_layout(weights, config->grouped_weight, 3, "weights");
+  check_layout(biases, config->grouped_bias, 2, "biases");
+  return forward_output(input, input_scales.value_or(at::Tensor()), weights, biases, *config);
 }
 
 std::vector<at::Tensor> run_delayed_wgrad(const DelayedWgrad& work) {

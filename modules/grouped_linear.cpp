@@ -112,6 +112,7 @@ torch::Tensor GroupedLinearImpl::forward(const torch::Tensor& input, const Split
       autograd::plan_layers(kModule, rows, {shape}, m_splits, options.gemm_backend());
   const torch::Tensor output =
       run(rows, plans.front(), is_first_microbatch, torch::Tensor(), nullptr);
+  if (input.dim() == 2) return output;  // a view would be one more autograd node per call
   std::vector<int64_t> shape_out = input.sizes().vec();
   shape_out.back() = out_features_per_partition;
   return output.view(shape_out);
@@ -132,7 +133,8 @@ torch::Tensor GroupedLinearImpl::input_rows(const torch::Tensor& input, int64_t 
   TORCH_CHECK(input.device() == weight.device(), kModule,
               ": input must be on the parameters' device ", weight.device(), ", got ",
               input.device());
-  return input.reshape({-1, width}).contiguous();
+  // A 2-D input is taken as it is: a reshape would be one more autograd node per call.
+  return (input.dim() == 2 ? input : input.reshape({-1, width})).contiguous();
 }
 
 ops::GemmShape GroupedLinearImpl::gemm_shape() const {
@@ -164,8 +166,8 @@ torch::Tensor GroupedLinearImpl::run(const torch::Tensor& rows, const ops::GemmP
   if (activation != nullptr) config->input_activation = *activation;
   const std::optional<torch::Tensor> row_scales =
       activation != nullptr ? std::optional<torch::Tensor>(scales.reshape({-1})) : std::nullopt;
-  return autograd::GroupedLinearFunction::apply(rows, row_scales, at::TensorList(weight_params_),
-                                                at::TensorList(bias_params_), config);
+  return autograd::grouped_linear(rows, row_scales, at::TensorList(weight_params_),
+                                  at::TensorList(bias_params_), config);
 }
 
 void GroupedLinearImpl::backward_dw() {

@@ -440,3 +440,20 @@ TEST_CASE("GroupedLinear backward refuses weights modified in place after forwar
                       Contains("GroupedLinear backward: weight ") &&
                           Contains("was modified in place after the forward"));
 }
+
+TEST_CASE("GroupedLinear without a gradient to compute runs no autograd node",
+          "[modules][grouped_linear]") {
+  GroupedLinear m(GroupedLinearOptions(3, 6, 5));
+  const torch::Tensor x = torch::randn({9, 6});
+  const std::vector<int64_t> splits = {4, 0, 5};
+  const torch::Tensor with_graph = m(x, splits);
+  REQUIRE(with_graph.grad_fn() != nullptr);  // the parameters require gradients
+  torch::Tensor without;
+  {
+    torch::NoGradGuard no_grad;
+    without = m(x, splits);
+  }
+  CHECK(without.grad_fn() == nullptr);
+  CHECK_FALSE(without.requires_grad());
+  CHECK(torch::equal(without, with_graph.detach()));
+}
