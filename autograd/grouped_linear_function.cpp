@@ -38,9 +38,8 @@ std::vector<at::Tensor> in_layout(const at::Tensor& buffer, bool stacked) {
 }
 
 // The layer's output, the same with or without autograd.
-at::Tensor forward_output(const at::Tensor& input, const at::Tensor& scales,
-                          at::TensorList weights, at::TensorList biases,
-                          const GroupedLinearConfig& config) {
+at::Tensor forward_output(const at::Tensor& input, const at::Tensor& scales, at::TensorList weights,
+                          at::TensorList biases, const GroupedLinearConfig& config) {
   const at::Tensor gemm_input =
       config.input_activation ? ops::glu_forward(input, scales, *config.input_activation) : input;
   return ops::grouped_linear_forward(config.plan, gemm_input,
@@ -137,13 +136,15 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
     cfg.wgrad_queue->push_back(DelayedWgrad{gemm_input, grad_output, config});
     if (biases_need_grad) ops::grouped_bias_grad(cfg.plan, grad_output, bias_grads);
   } else if (weights_need_grad && !cfg.main_grads.empty()) {
-    ops::grouped_linear_wgrad(cfg.plan, gemm_input, grad_output, grouped(cfg.main_grads, cfg.grouped_weight),
-               !cfg.overwrite_main_grad, bias_grads);
+    ops::grouped_linear_wgrad(cfg.plan, gemm_input, grad_output,
+                              grouped(cfg.main_grads, cfg.grouped_weight), !cfg.overwrite_main_grad,
+                              bias_grads);
   } else if (weights_need_grad) {
-    const at::Tensor weight_grad = new_group_buffer({cfg.plan.shape.n, cfg.plan.shape.k}, groups,
-                                                    gemm_input.options());
-    ops::grouped_linear_wgrad(cfg.plan, gemm_input, grad_output, ops::GroupedTensors::stacked(weight_grad),
-               /*accumulate=*/false, bias_grads);
+    const at::Tensor weight_grad =
+        new_group_buffer({cfg.plan.shape.n, cfg.plan.shape.k}, groups, gemm_input.options());
+    ops::grouped_linear_wgrad(cfg.plan, gemm_input, grad_output,
+                              ops::GroupedTensors::stacked(weight_grad),
+                              /*accumulate=*/false, bias_grads);
     const std::vector<at::Tensor> weight_grads = in_layout(weight_grad, cfg.grouped_weight);
     std::copy(weight_grads.begin(), weight_grads.end(), grads.begin() + kFirstWeightSlot);
   } else if (biases_need_grad) {
@@ -176,15 +177,16 @@ std::vector<at::Tensor> run_delayed_wgrad(const DelayedWgrad& work) {
   const at::NoGradGuard no_grad;
   const GroupedLinearConfig& cfg = *work.config;
   if (!cfg.main_grads.empty()) {
-    ops::grouped_linear_wgrad(cfg.plan, work.input, work.grad_output, grouped(cfg.main_grads, cfg.grouped_weight),
-               !cfg.overwrite_main_grad, {});
+    ops::grouped_linear_wgrad(cfg.plan, work.input, work.grad_output,
+                              grouped(cfg.main_grads, cfg.grouped_weight), !cfg.overwrite_main_grad,
+                              {});
     return {};
   }
-  const at::Tensor weight_grad =
-      new_group_buffer({cfg.plan.shape.n, cfg.plan.shape.k}, cfg.plan.shape.groups,
-                       work.input.options());
-  ops::grouped_linear_wgrad(cfg.plan, work.input, work.grad_output, ops::GroupedTensors::stacked(weight_grad),
-             /*accumulate=*/false, {});
+  const at::Tensor weight_grad = new_group_buffer({cfg.plan.shape.n, cfg.plan.shape.k},
+                                                  cfg.plan.shape.groups, work.input.options());
+  ops::grouped_linear_wgrad(cfg.plan, work.input, work.grad_output,
+                            ops::GroupedTensors::stacked(weight_grad),
+                            /*accumulate=*/false, {});
   return in_layout(weight_grad, cfg.grouped_weight);
 }
 

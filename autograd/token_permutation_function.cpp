@@ -50,8 +50,8 @@ variable_list UnpermuteFunction::backward(AutogradContext* ctx, variable_list gr
   ops::UnpermuteGrads grads = ops::unpermute_rows_backward(grad, saved[3], sorted_slots, probs);
   // One gradient per forward argument; autograd edges exist only for the optionals given.
   const size_t probs_edge = saved[1].defined() ? 3 : 2;
-  return {ctx->needs_input_grad(0) ? grads.grad_permuted : at::Tensor(), at::Tensor(),
-          at::Tensor(), ctx->needs_input_grad(probs_edge) ? grads.grad_probs : at::Tensor()};
+  return {ctx->needs_input_grad(0) ? grads.grad_permuted : at::Tensor(), at::Tensor(), at::Tensor(),
+          ctx->needs_input_grad(probs_edge) ? grads.grad_probs : at::Tensor()};
 }
 
 PermutedTokens permute_tokens(const at::Tensor& tokens, const at::Tensor& indices,
@@ -102,11 +102,11 @@ at::Tensor unpermute_tokens(const at::Tensor& permuted, const at::Tensor& row_ma
 
 at::Tensor unpermute_tokens(const at::Tensor& permuted, const PermutedTokens& routed,
                             const std::optional<at::Tensor>& probs) {
-  TORCH_CHECK(permuted.defined() && permuted.dim() == 2 &&
-                  permuted.size(0) == routed.sorted_slots.size(0),
-              "unpermute_tokens: permuted must be [rows=", routed.sorted_slots.size(0),
-              ", hidden] like the permuted tokens (to unpermute padded rows, pass the row_map), got ",
-              permuted.defined() ? permuted.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(
+      permuted.defined() && permuted.dim() == 2 && permuted.size(0) == routed.sorted_slots.size(0),
+      "unpermute_tokens: permuted must be [rows=", routed.sorted_slots.size(0),
+      ", hidden] like the permuted tokens (to unpermute padded rows, pass the row_map), got ",
+      permuted.defined() ? permuted.sizes() : at::IntArrayRef{});
   return UnpermuteFunction::apply(permuted, routed.row_map, routed.sorted_slots, probs);
 }
 

@@ -70,8 +70,7 @@ constexpr auto kCublasLt = torchmoe::GemmBackend::kCublasLt;
 
 ops::GemmPlan plan_for(const torch::Tensor& x, int64_t n, int64_t k,
                        const torchmoe::SplitSizes& splits, torchmoe::GemmBackend backend) {
-  return ops::plan_grouped_gemms("bench", x, {ops::GemmShape{n, k, splits.size()}}, splits,
-                                 backend)
+  return ops::plan_grouped_gemms("bench", x, {ops::GemmShape{n, k, splits.size()}}, splits, backend)
       .front();
 }
 
@@ -209,8 +208,7 @@ int main(int argc, char** argv) {
           {"dgrad", [&] { ops::grouped_linear_dgrad(sm90, dy, w_views); },
            [&] { ops::grouped_linear_dgrad(cublaslt, dy, w_views); },
            [&] { at::_grouped_mm(dy, w, offs); }},
-          {"wgrad",
-           [&] { ops::grouped_linear_wgrad(sm90, x, dy, dw_views, false, {}); },
+          {"wgrad", [&] { ops::grouped_linear_wgrad(sm90, x, dy, dw_views, false, {}); },
            [&] { ops::grouped_linear_wgrad(cublaslt, x, dy, dw_views, false, {}); },
            [&] { at::_grouped_mm(dy.t(), x, offs); }},
       };
@@ -245,7 +243,8 @@ int main(int argc, char** argv) {
             << std::left << std::setw(17) << "shape" << std::right << std::setw(7) << "alloc"
             << std::setw(7) << "plan" << std::setw(11) << "op stacked" << std::setw(13)
             << "op separate" << std::setw(16) << "module no-grad" << std::setw(9) << "module"
-            << std::setw(15) << "module single" << "\n";
+            << std::setw(15) << "module single"
+            << "\n";
   for (const HostTimes& t : host) {
     std::cout << std::left << std::setw(17) << t.shape << std::right << std::fixed
               << std::setprecision(1) << std::setw(7) << t.alloc << std::setw(7) << t.plan
@@ -271,11 +270,10 @@ int main(int argc, char** argv) {
   json << "  ],\n  \"host_us_per_forward\": [\n";
   for (size_t i = 0; i < host.size(); ++i) {
     const HostTimes& t = host[i];
-    json << "    {\"shape\": \"" << t.shape << "\", \"alloc\": " << t.alloc << ", \"plan\": "
-         << t.plan << ", \"op_stacked\": " << t.op_stacked << ", \"op_separate\": "
-         << t.op_separate << ", \"module_no_grad\": " << t.module_no_grad
-         << ", \"module\": " << t.module << ", \"module_single_weight\": " << t.module_single
-         << "}"
+    json << "    {\"shape\": \"" << t.shape << "\", \"alloc\": " << t.alloc
+         << ", \"plan\": " << t.plan << ", \"op_stacked\": " << t.op_stacked
+         << ", \"op_separate\": " << t.op_separate << ", \"module_no_grad\": " << t.module_no_grad
+         << ", \"module\": " << t.module << ", \"module_single_weight\": " << t.module_single << "}"
          << (i + 1 < host.size() ? "," : "") << "\n";
   }
   json << "  ]\n}\n";

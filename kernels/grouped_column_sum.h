@@ -1,7 +1,7 @@
 #pragma once
 // Per-group column sums with the split sizes on the device: the bias gradient of a grouped linear
-// layer, db_g[n] = Σ over the rows of group g of dy (fp32 sums, one rounding). Groups are clamped to
-// the buffer as in the sm90 grouped GEMM (grouped_gemm_sm90.h); an empty group gets zeros.
+// layer, db_g[n] = Σ over the rows of group g of dy (fp32 sums, one rounding). Groups are clamped
+// to the buffer as in the sm90 grouped GEMM (grouped_gemm_sm90.h); an empty group gets zeros.
 // Deterministic: one thread block per (group, column chunk) walks the rows in a fixed order.
 //
 // Kernel layer: raw pointers, sizes and a stream. Validation: ops/grouped_gemm_sm90.cpp.

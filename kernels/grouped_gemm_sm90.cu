@@ -133,9 +133,9 @@ struct MapKey {
 struct MapKeyHash {
   size_t operator()(const MapKey& k) const {
     size_t h = std::hash<const void*>()(k.base);
-    for (const int64_t v : {k.inner, k.rows, k.groups, k.group_stride,
-                            static_cast<int64_t>(k.type), static_cast<int64_t>(k.box_inner),
-                            static_cast<int64_t>(k.box_rows), static_cast<int64_t>(k.swizzle)}) {
+    for (const int64_t v : {k.inner, k.rows, k.groups, k.group_stride, static_cast<int64_t>(k.type),
+                            static_cast<int64_t>(k.box_inner), static_cast<int64_t>(k.box_rows),
+                            static_cast<int64_t>(k.swizzle)}) {
       h = h * 1000003u ^ std::hash<int64_t>()(v);
     }
     return h;

@@ -12,7 +12,6 @@
 #include <optional>
 #include <ostream>
 
-
 namespace torchmoe {
 
 /// Options for `SwiGLU` and `ScaledSwiGLU`.

@@ -12,8 +12,10 @@ namespace {
 constexpr const char* kModule = "GroupedMLP";
 
 GroupedLinearOptions layer_options(const GroupedMLPOptions& o, int64_t in, int64_t out) {
-  return GroupedLinearOptions(o.linear()).num_gemms(o.num_experts()).in_features(in).out_features(
-      out);
+  return GroupedLinearOptions(o.linear())
+      .num_gemms(o.num_experts())
+      .in_features(in)
+      .out_features(out);
 }
 
 ops::GluOptions activation_of(const GroupedMLPOptions& o) {

@@ -55,9 +55,8 @@ MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_f
               ": x must be [..., hidden=", options.hidden(), "], got ",
               x.defined() ? x.sizes() : torch::IntArrayRef{});
   const torch::Tensor weight = experts->fc1->expert_weights().front();
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), kModule,
-              ": x must have the experts' dtype ", weight.scalar_type(), ", got ",
-              x.scalar_type());
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), kModule, ": x must have the experts' dtype ",
+              weight.scalar_type(), ", got ", x.scalar_type());
   const torch::Tensor tokens = x.reshape({-1, options.hidden()});
   const RouterOutput routing = router(tokens);
   const PermutedTokens routed =

@@ -43,8 +43,8 @@ void check_rows_operand(const char* op, const char* name, const at::Tensor& t,
   TORCH_CHECK(t.size(0) == plan.rows, op, ": ", name, " must have the plan's ", plan.rows,
               " rows, got ", t.size(0));
   TORCH_CHECK(t.device() == plan.device && t.scalar_type() == plan.dtype, op, ": ", name,
-              " must be a ", plan.dtype, " tensor on ", plan.device, " like the planned input, got ",
-              t.scalar_type(), " on ", t.device());
+              " must be a ", plan.dtype, " tensor on ", plan.device,
+              " like the planned input, got ", t.scalar_type(), " on ", t.device());
 }
 
 // Tensor g of a per-group list named `what`. The messages name it `what[g]` and are only
@@ -110,8 +110,8 @@ CheckedGroups check_groups(const char* op, const char* what, const GroupedTensor
 
 CheckedGroups check_weights(const char* op, const GemmPlan& plan, const GroupedTensors& weights,
                             const at::Tensor& like) {
-  return check_groups(op, "weights", weights, plan.shape.groups, like,
-                      {plan.shape.n, plan.shape.k}, like.scalar_type(), "the input's dtype");
+  return check_groups(op, "weights", weights, plan.shape.groups, like, {plan.shape.n, plan.shape.k},
+                      like.scalar_type(), "the input's dtype");
 }
 
 // Biases or their gradients: none, or G × [n] of the operand's dtype.
@@ -164,7 +164,8 @@ Backend select_backend(const char* op, const at::Tensor& input, const GemmShape&
 
 }  // namespace
 
-// ---- GroupedTensors, SplitSizes ------------------------------------------------------------------
+// ---- GroupedTensors, SplitSizes
+// ------------------------------------------------------------------
 
 GroupedTensors GroupedTensors::stacked(const at::Tensor& all) {
   TORCH_CHECK(all.defined() && all.dim() >= 1, "GroupedTensors::stacked: needs a [G, ...] tensor");
@@ -203,13 +204,9 @@ const void* CheckedGroups::data(size_t g) const {
   return tensors.separate()[g].const_data_ptr();
 }
 
-void* CheckedGroups::mutable_data(size_t g) const {
-  return const_cast<void*>(data(g));
-}
+void* CheckedGroups::mutable_data(size_t g) const { return const_cast<void*>(data(g)); }
 
 }  // namespace detail
-
-
 
 std::vector<GemmPlan> plan_grouped_gemms(const char* op, const at::Tensor& input,
                                          c10::ArrayRef<GemmShape> shapes,
@@ -224,7 +221,8 @@ std::vector<GemmPlan> plan_grouped_gemms(const char* op, const at::Tensor& input
   std::vector<GemmPlan> plans(shapes.size());
   bool host_needed = false, device_needed = false;
   for (size_t i = 0; i < shapes.size(); ++i) {
-    TORCH_INTERNAL_ASSERT(shapes[i].groups == groups, "plan_grouped_gemms: layers differ in groups");
+    TORCH_INTERNAL_ASSERT(shapes[i].groups == groups,
+                          "plan_grouped_gemms: layers differ in groups");
     plans[i].backend = select_backend(op, input, shapes[i], choice);
     plans[i].shape = shapes[i];
     plans[i].rows = input.size(0);

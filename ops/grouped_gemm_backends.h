@@ -48,9 +48,8 @@ void for_each_group(c10::IntArrayRef m_splits, Fn&& fn) {
 void host_bias_grad(c10::IntArrayRef m_splits, const at::Tensor& grad_output,
                     const CheckedGroups& bias_grads);
 
-void reference_forward(const GemmPlan& plan, const at::Tensor& input,
-                       const CheckedGroups& weights, const CheckedGroups& biases,
-                       at::Tensor& output);
+void reference_forward(const GemmPlan& plan, const at::Tensor& input, const CheckedGroups& weights,
+                       const CheckedGroups& biases, at::Tensor& output);
 void reference_dgrad(const GemmPlan& plan, const at::Tensor& grad_output,
                      const CheckedGroups& weights, at::Tensor& grad_input);
 void reference_wgrad(const GemmPlan& plan, const at::Tensor& input, const at::Tensor& grad_output,

@@ -59,7 +59,9 @@ const void* rows_at(const at::Tensor& t, int64_t row) {
   return static_cast<const char*>(t.const_data_ptr()) + row * t.size(1) * t.element_size();
 }
 
-void* mutable_rows_at(const at::Tensor& t, int64_t row) { return const_cast<void*>(rows_at(t, row)); }
+void* mutable_rows_at(const at::Tensor& t, int64_t row) {
+  return const_cast<void*>(rows_at(t, row));
+}
 
 kernels::GroupedGemmParams params_for(kernels::GemmKind kind, const GemmPlan& plan,
                                       at::ScalarType output_type) {
@@ -107,8 +109,7 @@ void cublaslt_dgrad(const GemmPlan& plan, const at::Tensor& grad_output,
 void cublaslt_wgrad(const GemmPlan& plan, const at::Tensor& input, const at::Tensor& grad_output,
                     const CheckedGroups& weight_grads, bool accumulate,
                     const CheckedGroups& bias_grads) {
-  auto params =
-      params_for(kernels::GemmKind::kWgrad, plan, weight_grads.tensors[0].scalar_type());
+  auto params = params_for(kernels::GemmKind::kWgrad, plan, weight_grads.tensors[0].scalar_type());
   params.accumulate = accumulate;
   for_each_group(plan.m_splits.host(), [&](size_t g, int64_t first, int64_t rows) {
     kernels::GemmGroup group;

@@ -15,9 +15,8 @@ void host_bias_grad(c10::IntArrayRef m_splits, const at::Tensor& grad_output,
   });
 }
 
-void reference_forward(const GemmPlan& plan, const at::Tensor& input,
-                       const CheckedGroups& weights, const CheckedGroups& biases,
-                       at::Tensor& output) {
+void reference_forward(const GemmPlan& plan, const at::Tensor& input, const CheckedGroups& weights,
+                       const CheckedGroups& biases, at::Tensor& output) {
   for_each_group(plan.m_splits.host(), [&](size_t g, int64_t first, int64_t rows) {
     if (rows == 0) return;
     at::Tensor out_g = output.narrow(0, first, rows);

@@ -147,7 +147,8 @@ const char* sm90_refusal(const at::Tensor& input, const GemmShape& shape) {
   if (shape.groups == 0 || shape.groups > static_cast<size_t>(kernels::kSm90MaxGroups)) {
     return "it takes 1 to 1024 groups";
   }
-  if (!shape.aligned) return "weights, biases and main-grad buffers must start on 16-byte boundaries";
+  if (!shape.aligned)
+    return "weights, biases and main-grad buffers must start on 16-byte boundaries";
   if (input.size(0) > INT32_MAX) return "it takes fewer than 2^31 rows";
   return nullptr;
 }

@@ -295,10 +295,11 @@ UnpermuteGrads unpermute_rows_backward(const at::Tensor& grad_out, const at::Ten
       grads.grad_permuted = (g * p.unsqueeze(1)).to(permuted.scalar_type());
       const at::Tensor dots = (g * permuted.to(compute)).sum(1);
       const at::Tensor kept = at::nonzero(has_slot).reshape(-1);
-      grads.grad_probs = at::zeros({probs.numel()}, probs.options().dtype(compute))
-                             .index_copy_(0, slots.index_select(0, kept), dots.index_select(0, kept))
-                             .to(probs.scalar_type())
-                             .view(probs.sizes());
+      grads.grad_probs =
+          at::zeros({probs.numel()}, probs.options().dtype(compute))
+              .index_copy_(0, slots.index_select(0, kept), dots.index_select(0, kept))
+              .to(probs.scalar_type())
+              .view(probs.sizes());
       return grads;
     }
     case PermuteBackend::kCuda: {

@@ -23,11 +23,11 @@ SplitSizes::SplitSizes(const at::Tensor& sizes) {
   has_host_ = true;
 }
 
-SplitSizes::SplitSizes(std::vector<int64_t> host, const at::Tensor& device)
-    : SplitSizes(device) {
+SplitSizes::SplitSizes(std::vector<int64_t> host, const at::Tensor& device) : SplitSizes(device) {
   TORCH_CHECK(has_device() && static_cast<size_t>(device_.numel()) == host.size(),
               "SplitSizes: the device sizes must be a CUDA tensor with as many entries as the host "
-              "sizes (", host.size(), "), got ", device.device(), " with ", device.numel());
+              "sizes (",
+              host.size(), "), got ", device.device(), " with ", device.numel());
   host_ = std::move(host);
   has_host_ = true;
 }

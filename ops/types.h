@@ -1,7 +1,7 @@
 #pragma once
 // The types a torchmoe user names besides the modules and their options: split sizes, the grouped
-// GEMM backend choice and the gated activation's kind. They live here, at the lowest layer that takes
-// them, so that modules, autograd and ops share one definition of each; they are in namespace
+// GEMM backend choice and the gated activation's kind. They live here, at the lowest layer that
+// takes them, so that modules, autograd and ops share one definition of each; they are in namespace
 // torchmoe because they are public. Installed (modules include it).
 
 #include <ATen/core/Tensor.h>

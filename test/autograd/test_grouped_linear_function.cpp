@@ -20,9 +20,10 @@ TEST_CASE("GroupedLinearFunction computes only the gradients that are needed", "
   const torch::Tensor x = torch::randn({7, 5}, f64).requires_grad_(input_grad);
   const std::vector<int64_t> splits = {3, 0, 4};
   auto config = c10::make_intrusive<GroupedLinearConfig>();
-  config->plan = torchmoe::autograd::plan_layers("test", x, {torchmoe::autograd::GemmShape{2, 5, 3}},
-                                                 splits, torchmoe::GemmBackend::kAuto)
-                     .front();
+  config->plan =
+      torchmoe::autograd::plan_layers("test", x, {torchmoe::autograd::GemmShape{2, 5, 3}}, splits,
+                                      torchmoe::GemmBackend::kAuto)
+          .front();
   std::vector<torch::Tensor> w, b;
   for (int g = 0; g < 3; ++g) {
     w.push_back(torch::randn({2, 5}, f64).requires_grad_(weight_grad));
@@ -47,12 +48,13 @@ TEST_CASE("GroupedLinearFunction computes only the gradients that are needed", "
 TEST_CASE("GroupedLinearFunction validates its layout arguments", "[autograd][errors]") {
   const torch::Tensor x = torch::randn({2, 3});
   auto config = c10::make_intrusive<GroupedLinearConfig>();
-  config->plan = torchmoe::autograd::plan_layers("test", x, {torchmoe::autograd::GemmShape{2, 3, 2}},
-                                                 std::vector<int64_t>{1, 1},
-                                                 torchmoe::GemmBackend::kAuto)
-                     .front();
+  config->plan =
+      torchmoe::autograd::plan_layers("test", x, {torchmoe::autograd::GemmShape{2, 3, 2}},
+                                      std::vector<int64_t>{1, 1}, torchmoe::GemmBackend::kAuto)
+          .front();
   config->grouped_weight = true;
   std::vector<torch::Tensor> w = {torch::randn({2, 3}), torch::randn({2, 3})};
-  REQUIRE_THROWS_WITH(GroupedLinearFunction::apply(x, std::nullopt, at::TensorList(w), at::TensorList(), config),
-                      Contains("weights must be one 3-D tensor when grouped, got 2 tensor(s)"));
+  REQUIRE_THROWS_WITH(
+      GroupedLinearFunction::apply(x, std::nullopt, at::TensorList(w), at::TensorList(), config),
+      Contains("weights must be one 3-D tensor when grouped, got 2 tensor(s)"));
 }

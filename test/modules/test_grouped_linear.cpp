@@ -149,10 +149,9 @@ TEST_CASE("GroupedLinear rejects bad input with clear errors",
                         Contains("m_splits[1] must be non-negative, got -1"));
   }
   SECTION("splits that do not sum to the rows") {
-    REQUIRE_THROWS_WITH(
-        m(x, std::vector<int64_t>{3, 3, 3}),
-        Contains("GroupedLinear: m_splits must sum to the number of rows (10)") &&
-            Contains("sum 9"));
+    REQUIRE_THROWS_WITH(m(x, std::vector<int64_t>{3, 3, 3}),
+                        Contains("GroupedLinear: m_splits must sum to the number of rows (10)") &&
+                            Contains("sum 9"));
   }
   SECTION("non-integer split tensor") {
     REQUIRE_THROWS_WITH(m(x, torch::tensor({3.0, 3.0, 4.0})),
@@ -406,8 +405,8 @@ TEST_CASE("GroupedLinear follows ->to(dtype) as torch::nn::Linear does",
   CHECK(y.scalar_type() == torch::kFloat64);
   const torch::Tensor dy = torch::randn({5, 3}, torch::kFloat64);
   y.backward(dy);
-  const Reference ref = reference_grouped_linear(x, splits, m->expert_weights(),
-                                                 m->expert_biases(), dy);
+  const Reference ref =
+      reference_grouped_linear(x, splits, m->expert_weights(), m->expert_biases(), dy);
   check_close(y, ref.output, tolerance_for(torch::kFloat64), "output");
   check_close(x.grad(), ref.grad_input, tolerance_for(torch::kFloat64), "grad_input");
   if (fuse) {
@@ -436,9 +435,8 @@ TEST_CASE("GroupedLinear backward refuses weights modified in place after forwar
     torch::NoGradGuard no_grad;
     m->expert_weights()[1].mul_(2);  // an optimizer step between forward and backward
   }
-  REQUIRE_THROWS_WITH(y.sum().backward(),
-                      Contains("GroupedLinear backward: weight ") &&
-                          Contains("was modified in place after the forward"));
+  REQUIRE_THROWS_WITH(y.sum().backward(), Contains("GroupedLinear backward: weight ") &&
+                                              Contains("was modified in place after the forward"));
 }
 
 TEST_CASE("GroupedLinear without a gradient to compute runs no autograd node",

@@ -8,8 +8,8 @@
 
 using namespace torchmoe::test;
 using Catch::Matchers::Contains;
-using torchmoe::GroupedMLP;
 using torchmoe::GluActivation;
+using torchmoe::GroupedMLP;
 using torchmoe::GroupedMLPOptions;
 
 namespace {
@@ -28,8 +28,7 @@ std::string describe(const MlpCase& c) {
   std::ostringstream s;
   s << "dtype=" << c.dtype << " device=" << c.device << " hidden=" << c.hidden << " bias=" << c.bias
     << " scale_bias=" << c.scale_bias << " fuse=" << c.fuse << " delay=" << c.delay
-    << " single=" << c.single
-    << " clamped=" << (c.activation == GluActivation::kClampedSwiGLU)
+    << " single=" << c.single << " clamped=" << (c.activation == GluActivation::kClampedSwiGLU)
     << " interleave=" << c.interleave.value_or(0);
   return s.str();
 }
@@ -93,12 +92,12 @@ void run_mlp_case(const MlpCase& c) {
   torch::manual_seed(23);
   const int64_t experts = 4, ffn = c.hidden;
   GroupedMLPOptions options_mlp = GroupedMLPOptions(experts, c.hidden, ffn)
-                                     .scale_bias(c.scale_bias)
-                                     .activation(c.activation)
-                                     .glu_interleave_size(c.interleave)
-                                     .recompute_activation(c.recompute)
-                                     .params_dtype(c.dtype)
-                                     .device(c.device);
+                                      .scale_bias(c.scale_bias)
+                                      .activation(c.activation)
+                                      .glu_interleave_size(c.interleave)
+                                      .recompute_activation(c.recompute)
+                                      .params_dtype(c.dtype)
+                                      .device(c.device);
   options_mlp.linear()
       .bias(c.bias)
       .fuse_wgrad_accumulation(c.fuse)

@@ -50,8 +50,8 @@ Reference reference_moe(MoELayer& moe, const torch::Tensor& x_in, const torch::T
     const torch::Tensor p = (probs * hit.to(torch::kFloat64)).sum(1).index_select(0, rows);
     out = out.index_add(0, rows, torch::linear(h, w2[e]) * p.unsqueeze(1));
   }
-  const torch::Tensor aux =
-      o.router().aux_loss_coeff() * e_count / (double(k) * tokens * tokens) * (scores.sum(0) * counts).sum();
+  const torch::Tensor aux = o.router().aux_loss_coeff() * e_count / (double(k) * tokens * tokens) *
+                            (scores.sum(0) * counts).sum();
   ((out * dy.to(torch::kCPU, torch::kFloat64).reshape(out.sizes())).sum() + aux).backward();
 
   Reference ref;
@@ -144,8 +144,7 @@ TEST_CASE("MoELayer errors", "[modules][moe]") {
 
 TEST_CASE("MoELayer options: one aux-loss default, the router's", "[modules][moe]") {
   const MoELayerOptions options(8, 16, 4, 2);
-  CHECK(options.router().aux_loss_coeff() ==
-        torchmoe::TopKRouterOptions(8, 4, 2).aux_loss_coeff());
+  CHECK(options.router().aux_loss_coeff() == torchmoe::TopKRouterOptions(8, 4, 2).aux_loss_coeff());
   CHECK_FALSE(options.experts().linear().bias());
 }
 

@@ -131,9 +131,9 @@ TEST_CASE("planning on CUDA: device splits stay, host splits go up once", "[ops]
   const torch::Tensor x = torch::randn({5, 64}, cuda.dtype(torch::kBFloat16));
   const torch::Tensor sizes = torch::tensor({2, 3}, cuda.dtype(torch::kInt32));
   // fc1 fits the sm90 kernel, fc2 (60 features) does not: both share one host copy.
-  const std::vector<ops::GemmPlan> mixed = ops::plan_grouped_gemms(
-      "test", x, {ops::GemmShape{64, 64, 2}, ops::GemmShape{60, 64, 2}}, torchmoe::SplitSizes(sizes),
-      torchmoe::GemmBackend::kAuto);
+  const std::vector<ops::GemmPlan> mixed =
+      ops::plan_grouped_gemms("test", x, {ops::GemmShape{64, 64, 2}, ops::GemmShape{60, 64, 2}},
+                              torchmoe::SplitSizes(sizes), torchmoe::GemmBackend::kAuto);
   CHECK(mixed[0].backend == ops::Backend::kSm90);
   CHECK(mixed[1].backend == ops::Backend::kCublasLt);
   CHECK(mixed[0].m_splits.device().data_ptr() == sizes.data_ptr());  // not copied
@@ -168,10 +168,9 @@ TEST_CASE("grouped GEMM ops reject bad operands", "[ops][errors]") {
   const std::vector<torch::Tensor> w_shape = {w[0], torch::randn({4, 5})};
   REQUIRE_THROWS_WITH(ops::grouped_linear_forward(plan, x, w_shape, {}),
                       Contains("weights[1] must have shape [4, 6], got [4, 5]"));
-  REQUIRE_THROWS_WITH(
-      ops::grouped_linear_forward(plan, x, ops::GroupedTensors::stacked(torch::randn({2, 4, 5})),
-                                  {}),
-      Contains("weights[0] must have shape [2, 4, 6], got [2, 4, 5]"));
+  REQUIRE_THROWS_WITH(ops::grouped_linear_forward(
+                          plan, x, ops::GroupedTensors::stacked(torch::randn({2, 4, 5})), {}),
+                      Contains("weights[0] must have shape [2, 4, 6], got [2, 4, 5]"));
   const std::vector<torch::Tensor> one_bias = {torch::zeros({4})};
   REQUIRE_THROWS_WITH(ops::grouped_linear_forward(plan, x, w, one_bias),
                       Contains("biases must hold one tensor per group (2), got 1"));
@@ -204,10 +203,10 @@ TEST_CASE("grouped GEMM CPU forward and dgrad vs float64", "[ops]") {
   const bool stacked = GENERATE(false, true);
   INFO("stacked=" << stacked);
   const torch::Tensor w_all = torch::stack(w), b_all = torch::stack(b);
-  const ops::GroupedTensors weights = stacked ? ops::GroupedTensors::stacked(w_all)
-                                              : ops::GroupedTensors(w);
-  const ops::GroupedTensors biases = stacked ? ops::GroupedTensors::stacked(b_all)
-                                             : ops::GroupedTensors(b);
+  const ops::GroupedTensors weights =
+      stacked ? ops::GroupedTensors::stacked(w_all) : ops::GroupedTensors(w);
+  const ops::GroupedTensors biases =
+      stacked ? ops::GroupedTensors::stacked(b_all) : ops::GroupedTensors(b);
   const torch::Tensor y = ops::grouped_linear_forward(plan, x, weights, biases);
   const torch::Tensor dx = ops::grouped_linear_dgrad(plan, dy, weights);
   int64_t offset = 0;

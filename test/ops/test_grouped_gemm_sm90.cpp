@@ -208,16 +208,16 @@ TEST_CASE("sm90 grouped GEMM runs on a thread that has made no CUDA call", "[ops
   CHECK(torch::equal(y, expected));
 }
 
-TEST_CASE("sm90 grouped GEMM rejects splits and shapes it cannot use", "[ops][cuda][sm90][errors]") {
+TEST_CASE("sm90 grouped GEMM rejects splits and shapes it cannot use",
+          "[ops][cuda][sm90][errors]") {
   TORCHMOE_REQUIRE_SM90();
   const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
   const torch::Tensor x = torch::randn({8, 64}, cuda);
   using Catch::Matchers::Contains;
-  REQUIRE_THROWS_WITH(
-      ops::plan_grouped_gemms("test", x, {ops::GemmShape{64, 64, 2}},
-                              torchmoe::SplitSizes(torch::tensor({4, 2, 2}).to(torch::kCUDA)),
-                              kSm90),
-      Contains("test: m_splits must have num_gemms=2 entries, got 3"));
+  REQUIRE_THROWS_WITH(ops::plan_grouped_gemms(
+                          "test", x, {ops::GemmShape{64, 64, 2}},
+                          torchmoe::SplitSizes(torch::tensor({4, 2, 2}).to(torch::kCUDA)), kSm90),
+                      Contains("test: m_splits must have num_gemms=2 entries, got 3"));
   REQUIRE_THROWS_WITH(sm90_plan(x, 64, 64, std::vector<int64_t>{4, 2}),
                       Contains("test: m_splits must sum to the number of rows (8)"));
   REQUIRE_THROWS_AS(sm90_plan(torch::randn({8, 60}, cuda), 64, 60, std::vector<int64_t>{4, 4}),

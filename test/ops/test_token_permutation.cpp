@@ -169,8 +169,8 @@ TEST_CASE("permutation errors", "[ops][permutation]") {
 // allowed (zero gradient). Checked on both devices; the CUDA kernels read no uninitialised index.
 void check_row_map_contract(const torch::Device& device, bool weighted) {
   INFO("device=" << device << " weighted=" << weighted);
-  const auto f64 = torch::TensorOptions().device(device).dtype(
-      device.is_cuda() ? torch::kFloat32 : torch::kFloat64);
+  const auto f64 = torch::TensorOptions().device(device).dtype(device.is_cuda() ? torch::kFloat32
+                                                                                : torch::kFloat64);
   const auto i64 = torch::TensorOptions().device(device).dtype(torch::kLong);
   const torch::Tensor two_rows = torch::randn({2, 8}, f64);
   CHECK_THROWS_WITH(F::unpermute_tokens(two_rows, torch::tensor({0, 5}, i64).view({2, 1})),
