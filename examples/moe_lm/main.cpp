@@ -2,17 +2,15 @@
 // torchmoe's MoELayer, then optionally samples text from it. Run with --help for the flags.
 //
 // Training: AdamW with linear warmup and cosine decay, global gradient-norm clipping, gradient
-// accumulation over micro-batches. On CUDA the model computes in bf16 with fp32 master weights:
-// the expert weights' gradients go straight into fp32 main-grad buffers (GroupedLinear's fused
-// accumulation), the other parameters' bf16 gradients are added into fp32 buffers after each
-// micro-batch, and AdamW updates fp32 masters that are copied back into the bf16 parameters.
+// accumulation over micro-batches; on CUDA in bf16 with fp32 master weights (trainer.h).
+//
+// This file holds the run loop, checkpoints, progress lines and the CSV, generation and
+// --profile-moe; flags.h the flags, data.h the corpus and its batches, trainer.h the optimizer.
 
 #include <ATen/ATen.h>
 #include <fmt/core.h>
 #include <fmt/os.h>
 #include <torch/cuda.h>
-#include <torch/nn/utils/clip_grad.h>
-#include <torch/optim/adamw.h>
 #include <torch/serialize.h>
 
 #include <algorithm>
@@ -23,22 +21,21 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <functional>
-#include <map>
 #include <memory>
 #include <optional>
-#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <string>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include <fcntl.h>
 #include <unistd.h>
 
+#include "data.h"
+#include "flags.h"
 #include "model.h"
+#include "trainer.h"
 
 namespace fs = std::filesystem;
 
@@ -69,405 +66,7 @@ void print_error(const std::string& message) {
   if (!any) fmt::print(stderr, "moe_lm: unknown error\n");
 }
 
-// ---- flags -----------------------------------------------------------------------------------
-
-struct Flags {
-  ModelConfig model;
-  std::string data = "/usr/share/common-licenses";
-  std::string device = "auto";
-  std::string dtype = "auto";
-  int64_t steps = 300;
-  int64_t stop_at = 0;
-  int64_t batch = 16;
-  int64_t accum = 1;
-  double lr = 3e-3;
-  double min_lr_ratio = 0.1;
-  int64_t warmup = 30;
-  double weight_decay = 0.1;
-  double clip = 1.0;
-  bool expert_bias = false;
-  uint64_t seed = 1234;
-  int64_t log_every = 10;
-  int64_t eval_every = 100;
-  int64_t eval_batches = 8;
-  std::string csv;
-  std::string save;
-  int64_t save_every = 0;
-  std::string resume;
-  int64_t generate = 0;
-  std::string prompt = "The ";
-  double temperature = 0.8;
-  int64_t profile_moe = 0;
-};
-
-struct Flag {
-  const char* name;
-  const char* value;  // placeholder for the help text; nullptr for a switch
-  const char* help;
-  std::function<void(const std::string&)> set;
-};
-
-// A flag's value as an integer (int64_t) or a real number (double), at least `min`. The messages
-// say "value": parse_flags puts the flag's name in front.
-template <typename T>
-T parse_number(const std::string& text, T min) {
-  constexpr bool kInteger = std::is_integral_v<T>;
-  size_t used = 0;
-  T v{};
-  try {
-    if constexpr (kInteger) {
-      v = std::stoll(text, &used);
-    } else {
-      v = std::stod(text, &used);
-    }
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != text.size() || text.empty() || !std::isfinite(static_cast<double>(v))) {
-    throw std::invalid_argument(
-        fmt::format("value needs {}, got '{}'", kInteger ? "an integer" : "a number", text));
-  }
-  if (v < min) throw std::invalid_argument(fmt::format("value must be >= {}, got {}", min, text));
-  return v;
-}
-
-std::vector<Flag> flag_table(Flags& f) {
-  auto integer = [](int64_t& out, int64_t min) {
-    return [&out, min](const std::string& v) { out = parse_number(v, min); };
-  };
-  auto number = [](double& out, double min) {
-    return [&out, min](const std::string& v) { out = parse_number(v, min); };
-  };
-  auto text = [](std::string& out) { return [&out](const std::string& v) { out = v; }; };
-  return {
-      {"--data", "PATH",
-       "text file, or a directory whose files are concatenated (default "
-       "/usr/share/common-licenses)",
-       text(f.data)},
-      {"--device", "auto|cpu|cuda", "where to train (default auto: cuda when available)",
-       text(f.device)},
-      {"--dtype", "auto|fp32|bf16",
-       "compute dtype (default auto: bf16 on cuda, fp32 on cpu); masters are fp32", text(f.dtype)},
-      {"--steps", "N", "optimizer steps to train to (default 300)", integer(f.steps, 0)},
-      {"--stop-at", "N",
-       "end this run after step N (saving with --save); the schedule still spans --steps",
-       integer(f.stop_at, 1)},
-      {"--batch", "N", "sequences per micro-batch (default 16)", integer(f.batch, 1)},
-      {"--accum", "N", "micro-batches per optimizer step (default 1)", integer(f.accum, 1)},
-      {"--seq", "N", "sequence length in bytes (default 128)", integer(f.model.seq, 2)},
-      {"--layers", "N", "transformer blocks (default 4)", integer(f.model.layers, 1)},
-      {"--hidden", "N", "model width (default 128)", integer(f.model.hidden, 1)},
-      {"--heads", "N", "attention heads, dividing --hidden (default 4)", integer(f.model.heads, 1)},
-      {"--experts", "N", "experts per MoE layer (default 8)", integer(f.model.experts, 1)},
-      {"--topk", "N", "experts per token (default 2)", integer(f.model.topk, 1)},
-      {"--ffn", "N", "expert hidden width (default 256)", integer(f.model.ffn, 1)},
-      {"--aux-coeff", "X", "load-balancing loss coefficient (default 0.01)",
-       number(f.model.aux_loss_coeff, 0)},
-      {"--z-coeff", "X", "router z-loss coefficient (default 0.001)",
-       number(f.model.z_loss_coeff, 0)},
-      {"--expert-bias", nullptr,
-       "aux-loss-free balancing: update each router's expert bias every step",
-       [&f](const std::string&) { f.expert_bias = true; }},
-      {"--lr", "X", "peak learning rate (default 3e-3)", number(f.lr, 0)},
-      {"--min-lr-ratio", "X", "final learning rate as a fraction of --lr (default 0.1)",
-       number(f.min_lr_ratio, 0)},
-      {"--warmup", "N", "linear warmup steps (default 30)", integer(f.warmup, 0)},
-      {"--weight-decay", "X", "AdamW weight decay on matrices (default 0.1)",
-       number(f.weight_decay, 0)},
-      {"--clip", "X", "global gradient-norm clip, 0 = off (default 1.0)", number(f.clip, 0)},
-      {"--seed", "N", "seed for initialisation, batches and sampling (default 1234)",
-       [&f](const std::string& v) { f.seed = static_cast<uint64_t>(parse_number<int64_t>(v, 0)); }},
-      {"--log-every", "N", "progress line every N steps (default 10)", integer(f.log_every, 1)},
-      {"--eval-every", "N", "validation every N steps, 0 = only at the end (default 100)",
-       integer(f.eval_every, 0)},
-      {"--eval-batches", "N", "validation micro-batches (default 8)", integer(f.eval_batches, 1)},
-      {"--csv", "PATH",
-       "write one CSV row per step: step, loss, aux_loss, lr, grad_norm, tokens_per_s and "
-       "ms_per_step (this step), avg_tokens_per_s and avg_ms_per_step (running averages over this "
-       "run's steps after its first), val_loss and val_ppl (on validation steps), load_min and "
-       "load_max (expert load / uniform share); a token is a byte, losses are in nats/byte",
-       text(f.csv)},
-      {"--save", "PATH", "save a checkpoint at the end (and every --save-every steps)",
-       text(f.save)},
-      {"--save-every", "N", "with --save: also save every N steps (default 0 = end only)",
-       integer(f.save_every, 0)},
-      {"--resume", "PATH", "continue from a checkpoint (its model shape overrides the shape flags)",
-       text(f.resume)},
-      {"--generate", "N", "with --resume: print N sampled bytes after --prompt and exit",
-       integer(f.generate, 1)},
-      {"--prompt", "TEXT", "generation prompt (default \"The \")", text(f.prompt)},
-      {"--temperature", "X", "sampling temperature, 0 = greedy (default 0.8)",
-       number(f.temperature, 0)},
-      {"--profile-moe", "N",
-       "after training: time N MoE-layer forward+backward passes alone and report their share of a "
-       "step",
-       integer(f.profile_moe, 1)},
-  };
-}
-
-void print_help(const std::vector<Flag>& table) {
-  fmt::print(
-      "usage: moe_lm [flags]\n\nTrains a byte-level MoE transformer LM with torchmoe from a C++ "
-      "loop.\n\nflags:\n");
-  // Help texts are wrapped to 100 columns, continuation lines indented under the first.
-  constexpr size_t kIndent = 29, kWidth = 100;
-  auto print_flag = [&](const std::string& left, const std::string& help) {
-    std::istringstream words(help);
-    std::string word, line;
-    bool first = true;
-    auto flush_line = [&] {
-      fmt::print("  {:<26} {}\n", first ? left : "", line);
-      first = false;
-      line.clear();
-    };
-    while (words >> word) {
-      if (!line.empty() && kIndent + line.size() + 1 + word.size() > kWidth) flush_line();
-      line += (line.empty() ? "" : " ") + word;
-    }
-    flush_line();
-  };
-  for (const Flag& f : table)
-    print_flag(std::string(f.name) + (f.value ? std::string(" ") + f.value : ""), f.help);
-  print_flag("--help", "this text");
-}
-
-// Returns nullopt after --help; throws std::invalid_argument for bad flags.
-std::optional<Flags> parse_flags(int argc, char** argv) {
-  Flags f;
-  const std::vector<Flag> table = flag_table(f);
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "--help" || arg == "-h") {
-      print_help(table);
-      return std::nullopt;
-    }
-    const auto it =
-        std::find_if(table.begin(), table.end(), [&](const Flag& fl) { return arg == fl.name; });
-    if (it == table.end()) throw std::invalid_argument("unknown flag '" + arg + "' (see --help)");
-    if (!it->value) {
-      it->set("");
-      continue;
-    }
-    if (i + 1 >= argc) throw std::invalid_argument(arg + " needs a value " + it->value);
-    try {
-      it->set(argv[++i]);
-    } catch (const std::invalid_argument& e) {
-      throw std::invalid_argument(arg + ": " + e.what());
-    }
-  }
-  const ModelConfig& m = f.model;
-  if (m.hidden % m.heads)
-    throw std::invalid_argument(
-        fmt::format("--heads {} must divide --hidden {}", m.heads, m.hidden));
-  if (m.topk > m.experts)
-    throw std::invalid_argument(
-        fmt::format("--topk {} must be at most --experts {}", m.topk, m.experts));
-  if (f.device != "auto" && f.device != "cpu" && f.device != "cuda")
-    throw std::invalid_argument("--device must be auto, cpu or cuda, got '" + f.device + "'");
-  if (f.dtype != "auto" && f.dtype != "fp32" && f.dtype != "bf16")
-    throw std::invalid_argument("--dtype must be auto, fp32 or bf16, got '" + f.dtype + "'");
-  if (f.generate && f.resume.empty())
-    throw std::invalid_argument("--generate needs --resume CHECKPOINT");
-  if (f.save_every && f.save.empty()) throw std::invalid_argument("--save-every needs --save PATH");
-  return f;
-}
-
-// ---- data ------------------------------------------------------------------------------------
-
-struct Corpus {
-  torch::Tensor train, valid;  // int64 bytes, on the CPU
-};
-
-Corpus load_corpus(const std::string& path, int64_t seq) {
-  std::vector<fs::path> files;
-  std::error_code ec;
-  if (fs::is_directory(path, ec)) {
-    std::set<fs::path> seen;  // a directory may hold links to the same text
-    for (const auto& entry : fs::directory_iterator(path)) {
-      if (!entry.is_regular_file()) continue;
-      if (seen.insert(fs::canonical(entry.path())).second) files.push_back(entry.path());
-    }
-    std::sort(files.begin(), files.end());
-  } else if (fs::is_regular_file(path, ec)) {
-    files.push_back(path);
-  } else {
-    throw std::runtime_error("data file or directory '" + path + "' does not exist");
-  }
-  std::string bytes;
-  for (const fs::path& file : files) {
-    std::ifstream in(file, std::ios::binary);
-    if (!in) throw std::runtime_error("cannot read '" + file.string() + "'");
-    bytes.append(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  }
-  const auto size = static_cast<int64_t>(bytes.size());
-  const int64_t valid_size = size / 10;
-  if (size < 20 * (seq + 1)) {  // validation (a tenth) must hold two windows
-    throw std::runtime_error(fmt::format("'{}' has {} bytes; --seq {} needs at least {}", path,
-                                         size, seq, 20 * (seq + 1)));
-  }
-  const torch::Tensor all = torch::from_blob(bytes.data(), {size}, torch::kUInt8).to(torch::kLong);
-  return {all.narrow(0, 0, size - valid_size).clone(),
-          all.narrow(0, size - valid_size, valid_size).clone()};
-}
-
-struct Batch {
-  torch::Tensor input, target;  // [B, S] int64
-};
-
-// Windows starting at `starts`: input bytes [s, s + S), targets shifted by one.
-Batch windows(const torch::Tensor& text, const torch::Tensor& starts, int64_t seq,
-              const torch::Device& device) {
-  const torch::Tensor idx = starts.unsqueeze(1) + torch::arange(seq + 1).unsqueeze(0);
-  const torch::Tensor w = text.index_select(0, idx.reshape(-1)).view({starts.size(0), seq + 1});
-  return {w.narrow(1, 0, seq).to(device), w.narrow(1, 1, seq).to(device)};
-}
-
-// The batch of (step, micro) depends on the seed and those only, so a resumed run sees the same
-// data.
-Batch train_batch(const Corpus& c, const Flags& f, int64_t step, int64_t micro,
-                  const torch::Device& device) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(
-      f.seed * 1000003ULL + static_cast<uint64_t>(step) * 1009ULL + static_cast<uint64_t>(micro));
-  const torch::Tensor starts =
-      torch::randint(c.train.size(0) - f.model.seq - 1, {f.batch}, gen, torch::kLong);
-  return windows(c.train, starts, f.model.seq, device);
-}
-
-// ---- mixed-precision trainer -----------------------------------------------------------------
-
-struct Slot {
-  torch::Tensor param;      // what the model computes with (bf16 or fp32)
-  torch::Tensor master;     // fp32 copy AdamW updates (the parameter itself when fp32)
-  torch::Tensor main_grad;  // fp32 gradient sum over micro-batches
-  bool fused = false;       // GroupedLinear writes main_grad itself
-};
-
-class Trainer {
- public:
-  Trainer(MoETransformer& model, const Flags& f) : model_(model), flags_(f) {
-    std::map<std::string, size_t> by_name;
-    std::vector<torch::Tensor> decay, no_decay;
-    for (const auto& p : model->named_parameters()) {
-      Slot s;
-      s.param = p.value();
-      s.master = p.value().scalar_type() == torch::kFloat32
-                     ? p.value().detach()
-                     : p.value().detach().to(torch::kFloat32).clone();
-      s.main_grad = torch::zeros_like(s.master);
-      by_name[p.key()] = slots_.size();
-      (s.param.dim() >= 2 ? decay : no_decay).push_back(s.master);
-      slots_.push_back(std::move(s));
-    }
-    // Hand the expert weights' main-grad buffers to their GroupedLinear layers.
-    for (const auto& item : model->named_modules()) {
-      auto layer = std::dynamic_pointer_cast<torchmoe::GroupedLinearImpl>(item.value());
-      if (!layer) continue;
-      std::vector<std::string> names;
-      if (layer->options.single_grouped_weight()) {
-        names.push_back("weight");
-      } else {
-        for (int64_t g = 0; g < layer->options.num_gemms(); ++g)
-          names.push_back("weight" + std::to_string(g));
-      }
-      std::vector<torch::Tensor> buffers;
-      for (const std::string& name : names) {
-        Slot& s = slots_.at(by_name.at(item.key() + "." + name));
-        s.fused = true;
-        buffers.push_back(s.main_grad);
-      }
-      layer->set_main_grads(buffers);
-    }
-    std::vector<torch::optim::OptimizerParamGroup> groups;
-    groups.emplace_back(
-        decay,
-        std::make_unique<torch::optim::AdamWOptions>(
-            torch::optim::AdamWOptions(f.lr).betas({0.9, 0.95}).weight_decay(f.weight_decay)));
-    groups.emplace_back(no_decay,
-                        std::make_unique<torch::optim::AdamWOptions>(
-                            torch::optim::AdamWOptions(f.lr).betas({0.9, 0.95}).weight_decay(0.0)));
-    optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(groups));
-  }
-
-  // After each micro-batch's backward: move the non-fused gradients into the fp32 sums.
-  void accumulate() {
-    torch::NoGradGuard no_grad;
-    for (Slot& s : slots_) {
-      if (s.fused || !s.param.grad().defined()) continue;
-      s.main_grad.add_(s.param.grad());
-      s.param.mutable_grad().reset();
-    }
-  }
-
-  // Clips, steps AdamW on the masters, copies them into the parameters, clears the sums.
-  // Returns the gradient norm before clipping.
-  double step(double lr) {
-    torch::NoGradGuard no_grad;
-    std::vector<torch::Tensor> masters;
-    for (Slot& s : slots_) {
-      s.master.mutable_grad() = s.main_grad;
-      masters.push_back(s.master);
-    }
-    const double norm = flags_.clip > 0 ? torch::nn::utils::clip_grad_norm_(masters, flags_.clip)
-                                        : torch::nn::utils::clip_grad_norm_(masters, INFINITY);
-    for (auto& group : optimizer_->param_groups()) group.options().set_lr(lr);
-    optimizer_->step();
-    for (Slot& s : slots_) {
-      if (!s.master.is_same(s.param)) s.param.copy_(s.master);
-      s.master.mutable_grad().reset();
-      s.main_grad.zero_();
-    }
-    return norm;
-  }
-
-  // The fp32 masters stand for the parameters (which are their casts), so a checkpoint loads
-  // into any device and compute dtype. Buffers (router expert bias and load) go as they are.
-  void save(torch::serialize::OutputArchive& archive) const {
-    torch::serialize::OutputArchive masters, buffers, optimizer;
-    for (size_t i = 0; i < slots_.size(); ++i) masters.write(std::to_string(i), slots_[i].master);
-    const auto model_buffers = model_->buffers();
-    for (size_t i = 0; i < model_buffers.size(); ++i)
-      buffers.write(std::to_string(i), model_buffers[i]);
-    optimizer_->save(optimizer);
-    archive.write("masters", masters);
-    archive.write("buffers", buffers);
-    archive.write("optimizer", optimizer);
-  }
-
-  void load(torch::serialize::InputArchive& archive) {
-    torch::serialize::InputArchive masters, buffers, optimizer;
-    archive.read("masters", masters);
-    archive.read("buffers", buffers);
-    archive.read("optimizer", optimizer);
-    torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < slots_.size(); ++i) {
-      torch::Tensor saved;
-      masters.read(std::to_string(i), saved);
-      slots_[i].master.copy_(saved);
-      slots_[i].param.copy_(slots_[i].master);
-    }
-    auto model_buffers = model_->buffers();
-    for (size_t i = 0; i < model_buffers.size(); ++i) {
-      torch::Tensor saved;
-      buffers.read(std::to_string(i), saved);
-      model_buffers[i].copy_(saved);
-    }
-    optimizer_->load(optimizer);
-  }
-
- private:
-  MoETransformer& model_;
-  const Flags& flags_;
-  std::vector<Slot> slots_;
-  std::unique_ptr<torch::optim::AdamW> optimizer_;
-};
-
-double learning_rate(const Flags& f, int64_t step) {
-  if (step < f.warmup) return f.lr * static_cast<double>(step + 1) / static_cast<double>(f.warmup);
-  const double span = std::max<int64_t>(1, f.steps - f.warmup);
-  const double progress = std::min(1.0, static_cast<double>(step - f.warmup) / span);
-  const double min_lr = f.lr * f.min_lr_ratio;
-  return min_lr + 0.5 * (f.lr - min_lr) * (1.0 + std::cos(M_PI * progress));
-}
+// ---- training --------------------------------------------------------------------------------
 
 torch::Tensor lm_loss(const ModelOutput& out, const torch::Tensor& target) {
   return at::cross_entropy_loss(out.logits.reshape({-1, out.logits.size(-1)}), target.reshape(-1));
@@ -620,8 +219,7 @@ void profile_moe(MoETransformer& model, const Flags& f, const torch::Device& dev
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
       static_cast<double>(f.profile_moe);
   const double share = 100.0 * ms * static_cast<double>(f.model.layers * f.accum) / step_ms;
-  say(
-      "moe profile: one MoE layer fwd+bwd {:.3f} ms x {} layers x {} micro-batches = {:.1f}% of a "
+  say("moe profile: one MoE layer fwd+bwd {:.3f} ms x {} layers x {} micro-batches = {:.1f}% of a "
       "{:.1f} ms step\n",
       ms, f.model.layers, f.accum, share, step_ms);
   // The profiling passes wrote into the main-grad buffers and .grad; nothing is trained after this.

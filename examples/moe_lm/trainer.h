@@ -1,0 +1,55 @@
+#pragma once
+// moe_lm's mixed-precision trainer and its learning-rate schedule.
+//
+// On CUDA the model computes in bf16 with fp32 master weights: the expert weights' gradients go
+// straight into fp32 main-grad buffers (GroupedLinear's fused accumulation), the other parameters'
+// bf16 gradients are added into fp32 buffers after each micro-batch, and AdamW updates fp32
+// masters that are copied back into the bf16 parameters.
+
+#include <torch/optim/adamw.h>
+#include <torch/serialize/archive.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "flags.h"
+#include "model.h"
+
+namespace moe_lm {
+
+struct Slot {
+  torch::Tensor param;      // what the model computes with (bf16 or fp32)
+  torch::Tensor master;     // fp32 copy AdamW updates (the parameter itself when fp32)
+  torch::Tensor main_grad;  // fp32 gradient sum over micro-batches
+  bool fused = false;       // GroupedLinear writes main_grad itself
+};
+
+class Trainer {
+ public:
+  Trainer(MoETransformer& model, const Flags& f);
+
+  // After each micro-batch's backward: move the non-fused gradients into the fp32 sums.
+  void accumulate();
+
+  // Clips, steps AdamW on the masters, copies them into the parameters, clears the sums.
+  // Returns the gradient norm before clipping.
+  double step(double lr);
+
+  // The fp32 masters stand for the parameters (which are their casts), so a checkpoint loads
+  // into any device and compute dtype. Buffers (router expert bias and load) go as they are.
+  void save(torch::serialize::OutputArchive& archive) const;
+  void load(torch::serialize::InputArchive& archive);
+
+ private:
+  MoETransformer& model_;
+  const Flags& flags_;
+  std::vector<Slot> slots_;
+  std::unique_ptr<torch::optim::AdamW> optimizer_;
+};
+
+// The learning rate of optimizer step `step` (from 0): linear warmup over --warmup steps, then
+// cosine decay to --min-lr-ratio · --lr at --steps.
+double learning_rate(const Flags& f, int64_t step);
+
+}  // namespace moe_lm
