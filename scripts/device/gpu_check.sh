@@ -6,7 +6,8 @@
 # With no arguments it does tests, example and bench.
 #   tests     ctest, every case (CUDA included); CTEST_ARGS narrows it (e.g. "-R sm90")
 #   sanitize  compute-sanitizer memcheck on the sm90 GEMM and token-permutation CUDA cases,
-#             racecheck on the sm90 small cases (every kernel path)
+#             racecheck on the sm90 small cases (every kernel path); SANITIZE_ONLY=memcheck or
+#             racecheck runs one tool
 #   example   the example LM at docs/performance.md's config
 #   bench     the benchmark programs; BENCHES narrows them (e.g. "grouped_linear glu"),
 #             BENCH_SHAPES the shapes (e.g. "qwen3-30b-a3b,olmoe")
@@ -39,6 +40,7 @@ if [[ " $steps " == *" sanitize "* ]]; then
   for run in "memcheck|[sm90]" "memcheck|[permutation][cuda]" "racecheck|[sm90-small]" \
     "racecheck|*clamps device splits*"; do
     tool=${run%%|*} filter=${run#*|} n=$((n + 1))
+    [ -n "${SANITIZE_ONLY:-}" ] && [ "$tool" != "$SANITIZE_ONLY" ] && continue
     echo "compute-sanitizer --tool $tool on $filter:"
     timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool "$tool" --error-exitcode 9 \
       build-gpu/test/torchmoe_tests "$filter" > "$out/sanitize$n.log" 2>&1
