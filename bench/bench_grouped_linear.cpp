@@ -74,29 +74,39 @@ ops::GemmPlan plan_for(const torch::Tensor& x, int64_t n, int64_t k,
       .front();
 }
 
-// Host time of one call of `fn`: the median over calls each timed alone, each made while the GPU
-// is busy with a short spin kernel queued just before it, so the launch queue is short and the
-// GPU is not idle. (Timing 200 calls in a row measured 6.5-15.9 us for the same code: each call
+// Host time of one call of each of `fns`: the median over calls each timed alone, each made while
+// the GPU is busy with a short spin kernel queued just before it, so the launch queue is short and
+// the GPU is not idle. (Timing 200 calls in a row measured 6.5-15.9 us for the same code: each call
 // queues ~0.8 ms of GPU work, so the queue can fill and the host then waits; calls made right after
-// a device synchronisation measured 11-33 us, launches into an idle GPU.) The result is released
-// after the clock stops: in training a forward's output lives on into backward.
-double host_us(const std::function<torch::Tensor()>& fn) {
+// a device synchronisation measured 11-33 us, launches into an idle GPU.) The functions take turns
+// call by call, so that they share the host's conditions (one function timed alone measured 2x
+// apart in runs minutes apart), and each result is released after the clock stops: in training a
+// forward's output lives on into backward.
+std::vector<double> host_us(const std::vector<std::function<torch::Tensor()>>& fns) {
   constexpr int kCalls = 200;
   constexpr int64_t kSpinCycles = 400000;  // ~0.2 ms at the H100's clock: outlasts any call
-  for (int i = 0; i < 10; ++i) fn();
-  std::vector<double> times;
+  for (int i = 0; i < 10; ++i) {
+    for (const auto& fn : fns) fn();
+  }
+  std::vector<std::vector<double>> times(fns.size());
   for (int i = 0; i < kCalls; ++i) {
-    torch::cuda::synchronize();
-    at::cuda::sleep(kSpinCycles);
-    const auto start = std::chrono::steady_clock::now();
-    torch::Tensor result = fn();
-    times.push_back(
-        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
-            .count());
+    for (size_t f = 0; f < fns.size(); ++f) {
+      torch::cuda::synchronize();
+      at::cuda::sleep(kSpinCycles);
+      const auto start = std::chrono::steady_clock::now();
+      torch::Tensor result = fns[f]();
+      times[f].push_back(
+          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
+              .count());
+    }
   }
   torch::cuda::synchronize();
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+  std::vector<double> medians;
+  for (std::vector<double>& t : times) {
+    std::sort(t.begin(), t.end());
+    medians.push_back(t[t.size() / 2]);
+  }
+  return medians;
 }
 
 // Host time per forward with device splits, by phase: the output's allocation, planning, the op
@@ -116,29 +126,27 @@ HostTimes host_times(const torchmoe::bench::Shape& shape, const torch::Tensor& x
                      .params_dtype(torch::kBFloat16)
                      .device(torch::kCUDA);
   const torch::Tensor input = x.detach().requires_grad_(true);  // the module's autograd cost
-  HostTimes t;
-  t.shape = shape.name;
-  t.alloc = host_us([&] { return torch::empty({x.size(0), n}, x.options()); });
   const ops::GemmPlan plan = plan_for(x, n, k, splits, torchmoe::GemmBackend::kAuto);
-  t.plan = host_us([&] {
-    plan_for(x, n, k, splits, torchmoe::GemmBackend::kAuto);
-    return torch::Tensor();
-  });
   const ops::GroupedTensors stacked = ops::GroupedTensors::stacked(stacked_weights);
-  t.op_stacked = host_us([&] { return ops::grouped_linear_forward(plan, x, stacked, {}); });
-  {
-    torchmoe::GroupedLinear layer(options);
-    const std::vector<torch::Tensor> weights = layer->expert_weights();
-    t.op_separate = host_us([&] { return ops::grouped_linear_forward(plan, x, weights, {}); });
-    t.module_no_grad = host_us([&] {
-      const torch::NoGradGuard no_grad;
-      return layer(x, splits);
-    });
-    t.module = host_us([&] { return layer(input, splits); });
-  }
+  torchmoe::GroupedLinear layer(options);
+  const std::vector<torch::Tensor> weights = layer->expert_weights();
   torchmoe::GroupedLinear single(options.single_grouped_weight(true));
-  t.module_single = host_us([&] { return single(input, splits); });
-  return t;
+  const std::vector<double> us = host_us({
+      [&] { return torch::empty({x.size(0), n}, x.options()); },
+      [&] {
+        plan_for(x, n, k, splits, torchmoe::GemmBackend::kAuto);
+        return torch::Tensor();
+      },
+      [&] { return ops::grouped_linear_forward(plan, x, stacked, {}); },
+      [&] { return ops::grouped_linear_forward(plan, x, weights, {}); },
+      [&] {
+        const torch::NoGradGuard no_grad;
+        return layer(x, splits);
+      },
+      [&] { return layer(input, splits); },
+      [&] { return single(input, splits); },
+  });
+  return {shape.name, us[0], us[1], us[2], us[3], us[4], us[5], us[6]};
 }
 
 }  // namespace
