@@ -7,3 +7,4 @@
 #include "torchmoe/modules/moe_layer.h"
 #include "torchmoe/modules/router.h"
 #include "torchmoe/modules/token_permutation.h"
+#include "torchmoe/optim/fused_adamw.h"

@@ -112,7 +112,9 @@ void dispatch_type(ScalarType type, Fn&& fn) {
   }
 }
 
-inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+__host__ __device__ inline bool aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
 
 // Every pointer that is set starts on a 16-byte boundary (null ones are optional operands).
 inline bool aligned16(std::initializer_list<const void*> pointers) {

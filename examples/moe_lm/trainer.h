@@ -3,11 +3,11 @@
 //
 // On CUDA the model computes in bf16 with fp32 master weights: the expert weights' gradients go
 // straight into fp32 main-grad buffers (GroupedLinear's fused accumulation), the other parameters'
-// bf16 gradients are added into fp32 buffers after each micro-batch, and AdamW updates fp32
-// masters that are copied back into the bf16 parameters.
+// bf16 gradients are added into fp32 buffers after each micro-batch, and torchmoe's FusedAdamW
+// clips and updates the fp32 masters and writes the bf16 parameters in the same pass.
 
-#include <torch/optim/adamw.h>
 #include <torch/serialize/archive.h>
+#include <torchmoe/optim/fused_adamw.h>
 
 #include <cstdint>
 #include <memory>
@@ -21,7 +21,7 @@ namespace moe_lm {
 struct Slot {
   torch::Tensor param;      // what the model computes with (bf16 or fp32)
   torch::Tensor master;     // fp32 copy AdamW updates (the parameter itself when fp32)
-  torch::Tensor main_grad;  // fp32 gradient sum over micro-batches
+  torch::Tensor main_grad;  // fp32 gradient sum over micro-batches (a view of one flat buffer)
   bool fused = false;       // GroupedLinear writes main_grad itself
 };
 
@@ -32,8 +32,8 @@ class Trainer {
   // After each micro-batch's backward: move the non-fused gradients into the fp32 sums.
   void accumulate();
 
-  // Clips, steps AdamW on the masters, copies them into the parameters, clears the sums.
-  // Returns the gradient norm before clipping.
+  // Clips, steps AdamW on the masters (which writes the parameters), clears the sums. Returns the
+  // gradient norm before clipping.
   double step(double lr);
 
   // The fp32 masters stand for the parameters (which are their casts), so a checkpoint loads
@@ -45,7 +45,8 @@ class Trainer {
   MoETransformer& model_;
   const Flags& flags_;
   std::vector<Slot> slots_;
-  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  torch::Tensor main_grads_;  // every slot's main_grad, so that clearing them is one fill
+  std::unique_ptr<torchmoe::optim::FusedAdamW> optimizer_;
 };
 
 // The learning rate of optimizer step `step` (from 0): linear warmup over --warmup steps, then

@@ -5,7 +5,7 @@
 #   device run: bash scripts/device/gpu_check.sh [tests] [sanitize] [example] [bench]
 # With no arguments it does tests, example and bench.
 #   tests     ctest, every case (CUDA included); CTEST_ARGS narrows it (e.g. "-R sm90")
-#   sanitize  compute-sanitizer memcheck on the sm90 GEMM and token-permutation CUDA cases,
+#   sanitize  compute-sanitizer memcheck on the sm90 GEMM, token-permutation and optimizer CUDA cases,
 #             racecheck on the sm90 small cases (every kernel path); SANITIZE_ONLY=memcheck or
 #             racecheck runs one tool
 #   example   the example LM at docs/performance.md's config
@@ -37,7 +37,8 @@ fi
 if [[ " $steps " == *" sanitize "* ]]; then
   # racecheck is slow: it runs the hidden small-case test (no 160k-row case).
   n=0
-  for run in "memcheck|[sm90]" "memcheck|[permutation][cuda]" "racecheck|[sm90-small]" \
+  for run in "memcheck|[sm90]" "memcheck|[permutation][cuda]" "memcheck|[optim][cuda]" \
+    "racecheck|[sm90-small]" \
     "racecheck|*clamps device splits*"; do
     tool=${run%%|*} filter=${run#*|} n=$((n + 1))
     [ -n "${SANITIZE_ONLY:-}" ] && [ "$tool" != "$SANITIZE_ONLY" ] && continue
@@ -58,7 +59,7 @@ if [[ " $steps " == *" example "* ]]; then
 fi
 
 if [[ " $steps " == *" bench "* ]]; then
-  for bench in ${BENCHES:-grouped_linear glu grouped_mlp moe_layer}; do
+  for bench in ${BENCHES:-grouped_linear glu grouped_mlp moe_layer optimizer}; do
     build-gpu/bench/bench_$bench --json "$out/bench_$bench.json" \
       ${BENCH_SHAPES:+--shapes $BENCH_SHAPES}
     echo "bench_$bench rc=$?"

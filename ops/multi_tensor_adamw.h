@@ -1,0 +1,43 @@
+#pragma once
+// Multi-tensor AdamW and global gradient norm: the ops behind torchmoe::optim::FusedAdamW.
+// CPU: per-tensor ATen ops in torch::optim::AdamW's order (any floating dtype; the reference).
+// CUDA: kernels/multi_tensor_adamw.cu, fp32 state, a few launches for all tensors, no host sync.
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace torchmoe::ops {
+
+// One step's hyperparameters, shared by the tensors of one call.
+struct AdamWHyperparameters {
+  double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
+  int64_t step = 1;  // the step this update makes (1 for the first): bias corrections 1 − β^step
+};
+
+// Parallel lists, one entry per parameter. params, exp_avgs and exp_avg_sqs are updated in place;
+// models[i], when defined, receives params[i] rounded to its dtype (the 16-bit compute copy of an
+// fp32 master weight). On CUDA every tensor is contiguous, params/grads/state are float32, models
+// float32/float16/bfloat16.
+struct AdamWTensors {
+  std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, models;
+};
+
+// One AdamW step (decoupled weight decay) on every tensor. grad_scale: undefined, or a 0-d float32
+// tensor on the tensors' device that every gradient is multiplied by as it is read (the clip
+// coefficient from grad_norm).
+void adamw_step(const AdamWTensors& tensors, const AdamWHyperparameters& hyper,
+                const at::Tensor& grad_scale);
+
+struct GradNorm {
+  at::Tensor norm;         // 0-d float32: the L2 norm of all gradients together
+  at::Tensor coefficient;  // 0-d float32: min(1, max_norm / (norm + 1e-6))
+};
+
+// The global L2 norm of `grads` (all on one device) and the clip coefficient for max_norm, as
+// torch::nn::utils::clip_grad_norm_ computes them, without modifying the gradients and without a
+// host sync. CUDA: fp32 sums per 16K-element chunk, added in a fixed order (deterministic).
+GradNorm grad_norm(at::TensorList grads, double max_norm);
+
+}  // namespace torchmoe::ops

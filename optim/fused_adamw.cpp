@@ -1,0 +1,126 @@
+#include "torchmoe/optim/fused_adamw.h"
+
+#include <torch/optim/serialize.h>
+
+#include <map>
+#include <memory>
+#include <utility>
+
+#include "torchmoe/ops/multi_tensor_adamw.h"
+
+namespace torchmoe::optim {
+namespace {
+
+constexpr const char* kName = "FusedAdamW";
+
+void check_options(const FusedAdamWOptions& o) {
+  TORCH_CHECK(o.lr() >= 0, kName, ": lr must be >= 0, got ", o.lr());
+  TORCH_CHECK(o.eps() >= 0, kName, ": eps must be >= 0, got ", o.eps());
+  const auto [beta1, beta2] = o.betas();
+  TORCH_CHECK(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1, kName,
+              ": betas must be in [0, 1), got (", beta1, ", ", beta2, ")");
+  TORCH_CHECK(o.weight_decay() >= 0, kName, ": weight_decay must be >= 0, got ",
+              o.weight_decay());
+  TORCH_CHECK_NOT_IMPLEMENTED(!o.amsgrad(), kName, ": amsgrad is not supported");
+}
+
+}  // namespace
+
+FusedAdamW::FusedAdamW(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                       FusedAdamWOptions defaults)
+    : Optimizer(param_groups, std::make_unique<FusedAdamWOptions>(defaults)) {
+  check_options(defaults);
+  for (const auto& group : param_groups_) {
+    check_options(static_cast<const FusedAdamWOptions&>(group.options()));
+  }
+}
+
+FusedAdamW::FusedAdamW(std::vector<torch::Tensor> params, FusedAdamWOptions defaults)
+    : FusedAdamW({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
+
+void FusedAdamW::set_model_copy(const torch::Tensor& param, const torch::Tensor& model) {
+  bool known = false;
+  for (const auto& group : param_groups_) {
+    for (const torch::Tensor& p : group.params()) known |= p.is_same(param);
+  }
+  TORCH_CHECK(known, kName, "::set_model_copy: param is not one of the optimizer's parameters");
+  TORCH_CHECK(model.defined() && model.sizes() == param.sizes() &&
+                  model.device() == param.device() && torch::isFloatingType(model.scalar_type()),
+              kName, "::set_model_copy: model must be a floating tensor of shape ", param.sizes(),
+              " on ", param.device(), ", got ",
+              model.defined() ? model.sizes() : torch::IntArrayRef{}, " on ",
+              model.defined() ? model.device() : param.device());
+  model_copies_[param.unsafeGetTensorImpl()] = model;
+}
+
+torch::Tensor FusedAdamW::clip_grad_norm(double max_norm) {
+  std::vector<torch::Tensor> grads;
+  for (const auto& group : param_groups_) {
+    for (const torch::Tensor& p : group.params()) {
+      if (p.grad().defined()) grads.push_back(p.grad());
+    }
+  }
+  TORCH_CHECK(!grads.empty(), kName, "::clip_grad_norm: no parameter has a gradient");
+  const ops::GradNorm norm = ops::grad_norm(grads, max_norm);
+  grad_scale_ = norm.coefficient;
+  return norm.norm;
+}
+
+torch::Tensor FusedAdamW::step(LossClosure closure) {
+  const torch::NoGradGuard no_grad;
+  torch::Tensor loss;
+  if (closure != nullptr) {
+    const at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  for (auto& group : param_groups_) {
+    const auto& options = static_cast<const FusedAdamWOptions&>(group.options());
+    check_options(options);
+    // Parameters that missed steps (no gradient then) have their own step counts, as in
+    // torch::optim::AdamW: one call per distinct count (one in the usual case).
+    std::map<int64_t, ops::AdamWTensors> by_step;
+    for (const torch::Tensor& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      TORCH_CHECK(!p.grad().is_sparse(), kName, ": sparse gradients are not supported");
+      auto& slot = state_[p.unsafeGetTensorImpl()];
+      if (!slot) {
+        auto fresh = std::make_unique<torch::optim::AdamWParamState>();
+        fresh->step(0);
+        fresh->exp_avg(torch::zeros_like(p, at::MemoryFormat::Contiguous));
+        fresh->exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Contiguous));
+        slot = std::move(fresh);
+      }
+      auto& state = static_cast<torch::optim::AdamWParamState&>(*slot);
+      state.step(state.step() + 1);
+      ops::AdamWTensors& t = by_step[state.step()];
+      t.params.push_back(p);
+      t.grads.push_back(p.grad());
+      t.exp_avgs.push_back(state.exp_avg());
+      t.exp_avg_sqs.push_back(state.exp_avg_sq());
+      const auto model = model_copies_.find(p.unsafeGetTensorImpl());
+      t.models.push_back(model != model_copies_.end() ? model->second : torch::Tensor());
+    }
+    for (const auto& [step, tensors] : by_step) {
+      ops::AdamWHyperparameters h;
+      h.lr = options.lr();
+      h.beta1 = std::get<0>(options.betas());
+      h.beta2 = std::get<1>(options.betas());
+      h.eps = options.eps();
+      h.weight_decay = options.weight_decay();
+      h.step = step;
+      ops::adamw_step(tensors, h, grad_scale_);
+    }
+  }
+  grad_scale_ = torch::Tensor();  // a clip applies to one step
+  return loss;
+}
+
+void FusedAdamW::save(torch::serialize::OutputArchive& archive) const {
+  torch::optim::serialize<torch::optim::AdamWParamState, FusedAdamWOptions>(archive, *this);
+}
+
+void FusedAdamW::load(torch::serialize::InputArchive& archive) {
+  torch::optim::serialize<torch::optim::AdamWParamState, FusedAdamWOptions>(archive, *this);
+}
+
+}  // namespace torchmoe::optim

@@ -1,0 +1,64 @@
+#pragma once
+// FusedAdamW: torch::optim::AdamW for C++ training loops, with the update of every parameter in a
+// few multi-tensor launches on CUDA (LibTorch's C++ optimizers step one tensor at a time, several
+// kernels each), fp32 master weights that write their 16-bit compute copies in the same pass, and a
+// fused global gradient norm for clipping. Options, state and checkpoints are torch::optim::AdamW's,
+// so either optimizer loads the other's.
+
+#include <torch/optim/adamw.h>
+#include <torch/optim/optimizer.h>
+#include <torch/serialize/archive.h>
+#include <torch/types.h>
+
+#include <unordered_map>
+#include <vector>
+
+namespace torchmoe::optim {
+
+/// torch::optim::AdamW's options (lr, betas, eps, weight_decay; amsgrad is not supported).
+using FusedAdamWOptions = torch::optim::AdamWOptions;
+
+/// AdamW (decoupled weight decay) over parameter groups, as torch::optim::AdamW. On CUDA the
+/// parameters, their gradients and the state are float32 (master weights; the gradients e.g.
+/// GroupedLinear's fused main-grad buffers) and every group takes one pass over them; on the CPU
+/// any floating dtype, one tensor at a time (the reference).
+///
+/// Example:
+/// ```
+/// // masters: fp32 leaves whose .grad hold the fp32 gradient sums; params16: the bf16 copies the
+/// // model computes with.
+/// torchmoe::optim::FusedAdamW adamw({torch::optim::OptimizerParamGroup(masters)},
+///                                   torchmoe::optim::FusedAdamWOptions(3e-4).weight_decay(0.1));
+/// for (size_t i = 0; i < masters.size(); ++i) adamw.set_model_copy(masters[i], params16[i]);
+/// // per step, after backward:
+/// torch::Tensor norm = adamw.clip_grad_norm(1.0);  // no host sync
+/// adamw.step();                                    // masters and bf16 copies updated
+/// ```
+class FusedAdamW : public torch::optim::Optimizer {
+ public:
+  explicit FusedAdamW(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                      FusedAdamWOptions defaults = {});
+  explicit FusedAdamW(std::vector<torch::Tensor> params, FusedAdamWOptions defaults = {});
+
+  /// After every step, `model` (same shape and device, a floating dtype) receives `param`'s new
+  /// value rounded to its dtype, in the same pass: the compute copy of an fp32 master weight.
+  /// `param` must be one of the optimizer's parameters.
+  void set_model_copy(const torch::Tensor& param, const torch::Tensor& model);
+
+  /// The L2 norm of all parameters' gradients together, and the next step() multiplies every
+  /// gradient by min(1, max_norm / (norm + 1e-6)) as it reads them: the effect of
+  /// torch::nn::utils::clip_grad_norm_ without its pass over the gradients, which are left as they
+  /// are. Returns the norm before clipping, a 0-d float32 tensor on the parameters' device (no
+  /// host sync). max_norm = infinity measures only.
+  torch::Tensor clip_grad_norm(double max_norm);
+
+  torch::Tensor step(LossClosure closure = nullptr) override;
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
+ private:
+  std::unordered_map<const void*, torch::Tensor> model_copies_;  // by the parameter's TensorImpl
+  torch::Tensor grad_scale_;  // set by clip_grad_norm, used by the next step
+};
+
+}  // namespace torchmoe::optim
