@@ -115,8 +115,8 @@ std::vector<Flag> flag_table(Flags& f) {
       {"--temperature", "X", "sampling temperature, 0 = greedy (default 0.8)",
        number(f.temperature, 0)},
       {"--profile-moe", "N",
-       "after training: time N MoE-layer forward+backward passes alone and report their share of a "
-       "step",
+       "after training: time N MoE-layer forward+backward passes alone, and N optimizer steps, "
+       "and report their shares of a step",
        integer(f.profile_moe, 1)},
   };
 }

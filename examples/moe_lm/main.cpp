@@ -200,29 +200,39 @@ void generate(MoETransformer& model, const Flags& f, const torch::Device& device
 
 // Times forward+backward of one MoE layer alone at the training shape (unit-RMS random input)
 // and reports layers · that time as a share of the measured step time.
-void profile_moe(MoETransformer& model, const Flags& f, const torch::Device& device,
-                 const torch::Dtype dtype, double step_ms) {
+// Times `n` calls of fn (after 3 untimed ones), synchronising the device around them; ms per call.
+template <typename Fn>
+double time_ms(int64_t n, const torch::Device& device, Fn&& fn) {
+  for (int i = 0; i < 3; ++i) fn();
+  if (device.is_cuda()) torch::cuda::synchronize();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < n; ++i) fn();
+  if (device.is_cuda()) torch::cuda::synchronize();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
+         static_cast<double>(n);
+}
+
+void profile_moe(MoETransformer& model, Trainer& trainer, const Flags& f,
+                 const torch::Device& device, const torch::Dtype dtype, double step_ms) {
   torchmoe::MoELayer moe = model->moe_layers().at(0);
   const torch::Tensor x = torch::randn({f.batch * f.model.seq, f.model.hidden},
                                        torch::TensorOptions(dtype).device(device))
                               .requires_grad_(true);
-  auto run = [&] {
+  const double ms = time_ms(f.profile_moe, device, [&] {
     const torchmoe::MoEOutput out = moe(x);
     (out.output.to(torch::kFloat32).square().mean() + out.aux_loss).backward();
-  };
-  for (int i = 0; i < 3; ++i) run();
-  if (device.is_cuda()) torch::cuda::synchronize();
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int64_t i = 0; i < f.profile_moe; ++i) run();
-  if (device.is_cuda()) torch::cuda::synchronize();
-  const double ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
-      static_cast<double>(f.profile_moe);
+  });
   const double share = 100.0 * ms * static_cast<double>(f.model.layers * f.accum) / step_ms;
   say("moe profile: one MoE layer fwd+bwd {:.3f} ms x {} layers x {} micro-batches = {:.1f}% of a "
       "{:.1f} ms step\n",
       ms, f.model.layers, f.accum, share, step_ms);
-  // The profiling passes wrote into the main-grad buffers and .grad; nothing is trained after this.
+  // The optimizer step: gradient norm, clip, AdamW on the masters and their bf16 copies, and the
+  // clearing of the gradient sums (with its host read of the norm).
+  const double step_only = time_ms(f.profile_moe, device, [&] { trainer.step(0.0); });
+  say("moe profile: optimizer step {:.3f} ms = {:.1f}% of a {:.1f} ms step\n", step_only,
+      100.0 * step_only / step_ms, step_ms);
+  // The profiling passes wrote into the main-grad buffers, .grad and the optimizer state (with a
+  // learning rate of 0); nothing is trained after this.
 }
 
 // The CSV's columns (documented in --csv's help and docs/moe.md).
@@ -364,7 +374,7 @@ int run(const Flags& flags_in) {
   }
   if (f.profile_moe) {
     const double step_ms = timed_steps ? timed_ms / static_cast<double>(timed_steps) : last_ms;
-    profile_moe(model, f, device, dtype, step_ms);
+    profile_moe(model, trainer, f, device, dtype, step_ms);
   }
   return 0;
 }
