@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Trains the example LM from C++ (build/examples/moe_lm) and the same model in PyTorch Python
+# (examples/moe_lm/reference.py: eager, then torch.compile) on one GPU, with the same config, data
+# and seed, and prints tokens/s side by side and both loss curves every STEPS/10 steps.
+#   scripts/compare_python.sh [STEPS] [OUT_DIR]     (defaults: 200, build/compare)
+# Environment: TORCHMOE_BUILD_DIR (default build), PYTHON (default python3, with torch 2.11).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+steps=${1:-200}
+out=${2:-build/compare}
+build=${TORCHMOE_BUILD_DIR:-build}
+python=${PYTHON:-python3}
+mkdir -p "$out"
+# docs/performance.md's config: 8 layers, hidden 1024, 32 experts top-2, ffn 1024, seq 1024 x 8.
+config=(--layers 8 --hidden 1024 --heads 16 --experts 32 --topk 2 --ffn 1024 --seq 1024 --batch 8
+  --steps "$steps" --warmup 20 --lr 1e-3 --log-every "$steps")
+"$build/examples/moe_lm" "${config[@]}" --eval-every 0 --csv "$out/cpp.csv" | tail -2
+"$python" examples/moe_lm/reference.py "${config[@]}" --csv "$out/eager.csv" | tail -1
+"$python" examples/moe_lm/reference.py "${config[@]}" --compile --csv "$out/compile.csv" | tail -1 ||
+  echo "compare_python.sh: the torch.compile run failed (its column is left out)"
+"$python" - "$out" "$steps" <<'PY'
+import csv, sys
+out, steps = sys.argv[1], int(sys.argv[2])
+runs = {}
+for name in ("cpp", "eager", "compile"):
+    try:
+        rows = list(csv.DictReader(open(f"{out}/{name}.csv")))
+    except OSError:
+        continue
+    if len(rows) == steps:
+        runs[name] = rows
+print(f"{'':>12}" + "".join(f"{name:>12}" for name in runs))
+print(f"{'avg tok/s':>12}" + "".join(f"{float(r[-1]['avg_tokens_per_s']):>12.0f}" for r in runs.values()))
+cpp = float(runs["cpp"][-1]["avg_tokens_per_s"])
+print(f"{'C++ speedup':>12}" + "".join(f"{cpp / float(r[-1]['avg_tokens_per_s']):>12.2f}" for r in runs.values()))
+for step in range(max(1, steps // 10), steps + 1, max(1, steps // 10)):
+    print(f"{'loss @' + str(step):>12}" + "".join(f"{float(r[step - 1]['loss']):>12.4f}" for r in runs.values()))
+PY
