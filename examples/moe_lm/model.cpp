@@ -120,8 +120,9 @@ void MoETransformerImpl::reset() {
     attentions->push_back(Attention(c.hidden, c.heads, options));
     moe_norms->push_back(RMSNorm(c.hidden, options));
     // Expert weight gradients go straight into fp32 main-grad buffers (the trainer's). One
-    // [E, out, in] weight per layer rather than E: the optimizer then updates 2 tensors per MoE
-    // layer instead of 2·E (per-tensor AdamW launches dominate otherwise).
+    // [E, out, in] weight per layer rather than E: one autograd input per GroupedLinear call
+    // instead of E (LibTorch's per-input bookkeeping costs host time per expert;
+    // docs/performance.md, "Host time per forward").
     torchmoe::MoELayerOptions moe(c.hidden, c.ffn, c.experts, c.topk);
     moe.params_dtype(dtype).device(device);
     moe.router().aux_loss_coeff(c.aux_loss_coeff).z_loss_coeff(c.z_loss_coeff);
