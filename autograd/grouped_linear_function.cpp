@@ -40,6 +40,8 @@ std::vector<at::Tensor> in_layout(const at::Tensor& buffer, bool stacked) {
 // The layer's output, the same with or without autograd.
 at::Tensor forward_output(const at::Tensor& input, const at::Tensor& scales, at::TensorList weights,
                           at::TensorList biases, const GroupedLinearConfig& config) {
+  check_layout(weights, config.grouped_weight, 3, "weights");
+  check_layout(biases, config.grouped_bias, 2, "biases");
   const at::Tensor gemm_input =
       config.input_activation ? ops::glu_forward(input, scales, *config.input_activation) : input;
   return ops::grouped_linear_forward(config.plan, gemm_input,
@@ -60,8 +62,6 @@ at::Tensor GroupedLinearFunction::forward(AutogradContext* ctx, const at::Tensor
                                           at::TensorList weights, at::TensorList biases,
                                           const c10::intrusive_ptr<GroupedLinearConfig>& config) {
   TORCH_CHECK(config, "GroupedLinearFunction: config must not be null");
-  check_layout(weights, config->grouped_weight, 3, "weights");
-  check_layout(biases, config->grouped_bias, 2, "biases");
   TORCH_CHECK(!input_scales.has_value() || config->input_activation, "GroupedLinearFunction: ",
               "input_scales are the input activation's scales; config.input_activation is unset");
   const at::Tensor scales = input_scales.value_or(at::Tensor());
@@ -166,8 +166,6 @@ at::Tensor grouped_linear(const at::Tensor& input, const std::optional<at::Tenso
   if (at::GradMode::is_enabled() && needs_grad) {
     return GroupedLinearFunction::apply(input, input_scales, weights, biases, config);
   }
-  check_layout(weights, config->grouped_weight, 3, "weights");
-  check_layout(biases, config->grouped_bias, 2, "biases");
   return forward_output(input, input_scales.value_or(at::Tensor()), weights, biases, *config);
 }
 

@@ -182,19 +182,6 @@ at::Tensor GroupedTensors::operator[](size_t g) const {
   return is_stacked() ? stacked_.select(0, static_cast<int64_t>(g)) : separate_[g];
 }
 
-bool GroupedTensors::aligned16() const {
-  auto aligned = [](const at::Tensor& t) {
-    return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
-  };
-  if (is_stacked()) {
-    return aligned(stacked_) && (stacked_[0].numel() * stacked_.element_size()) % 16 == 0;
-  }
-  for (const at::Tensor& t : separate_) {
-    if (!aligned(t)) return false;
-  }
-  return true;
-}
-
 namespace detail {
 
 const void* CheckedGroups::data(size_t g) const {

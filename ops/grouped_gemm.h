@@ -48,8 +48,6 @@ class GroupedTensors {
   at::TensorList separate() const { return separate_; }
   // Group g's tensor (a view into the stacked tensor).
   at::Tensor operator[](size_t g) const;
-  // Every group's data starts on a 16-byte boundary (what TMA needs); true when empty.
-  bool aligned16() const;
 
  private:
   at::Tensor stacked_;
