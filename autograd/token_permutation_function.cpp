@@ -55,7 +55,8 @@ variable_list UnpermuteFunction::backward(AutogradContext* ctx, variable_list gr
 }
 
 PermutedTokens permute_tokens(const at::Tensor& tokens, const at::Tensor& indices,
-                              int64_t num_experts, const std::optional<at::Tensor>& probs) {
+                              int64_t num_experts, const std::optional<at::Tensor>& probs,
+                              ops::IndexTrust trust) {
   TORCH_CHECK(tokens.defined() && tokens.dim() == 2,
               "permute_tokens: tokens must be 2-D [T, H], got ",
               tokens.defined() ? tokens.sizes() : at::IntArrayRef{});
@@ -64,7 +65,7 @@ PermutedTokens permute_tokens(const at::Tensor& tokens, const at::Tensor& indice
               indices.defined() ? indices.sizes() : at::IntArrayRef{});
   TORCH_CHECK(indices.device() == tokens.device(), "permute_tokens: indices must be on ",
               tokens.device(), " like the tokens, got ", indices.device());
-  ops::RoutingMap map = ops::make_routing_map(indices, num_experts);
+  ops::RoutingMap map = ops::make_routing_map(indices, num_experts, trust);
   PermutedTokens out;
   out.tokens = PermuteFunction::apply(tokens, map.row_map, map.sorted_slots);
   if (probs.has_value() && probs->defined()) {
@@ -79,8 +80,13 @@ PermutedTokens permute_tokens(const at::Tensor& tokens, const at::Tensor& indice
   }
   out.row_map = std::move(map.row_map);
   out.sorted_slots = std::move(map.sorted_slots);
-  out.m_splits = map.m_splits.is_cuda() ? SplitSizes(std::move(map.host_splits), map.m_splits)
-                                        : SplitSizes(map.host_splits);
+  if (!map.m_splits.is_cuda()) {
+    out.m_splits = SplitSizes(map.host_splits);
+  } else if (trust == ops::IndexTrust::kDropless) {
+    out.m_splits = SplitSizes(map.m_splits);
+  } else {
+    out.m_splits = SplitSizes(std::move(map.host_splits), map.m_splits);
+  }
   return out;
 }
 

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "torchmoe/ops/token_permutation.h"
 #include "torchmoe/ops/types.h"
 
 namespace torchmoe::autograd {
@@ -38,9 +39,11 @@ class UnpermuteFunction : public torch::autograd::Function<UnpermuteFunction> {
 };
 
 // tokens [T, H]; indices [T, k] int32/int64 in [0, num_experts) or -1 (dropped); probs none or
-// [T, k]. Differentiable in tokens and probs.
+// [T, k]. Differentiable in tokens and probs. With IndexTrust::kDropless (a router's own top-k)
+// the split sizes stay on the device: m_splits has no host copy on CUDA.
 PermutedTokens permute_tokens(const at::Tensor& tokens, const at::Tensor& indices,
-                              int64_t num_experts, const std::optional<at::Tensor>& probs);
+                              int64_t num_experts, const std::optional<at::Tensor>& probs,
+                              ops::IndexTrust trust = ops::IndexTrust::kChecked);
 
 // Through a row_map the caller built: checked against the contract first (one device-to-host
 // copy on CUDA).

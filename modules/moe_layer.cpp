@@ -2,7 +2,7 @@
 
 #include <utility>
 
-#include "torchmoe/modules/token_permutation.h"
+#include "torchmoe/autograd/token_permutation_function.h"
 
 namespace torchmoe {
 namespace {
@@ -59,13 +59,18 @@ MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_f
               weight.scalar_type(), ", got ", x.scalar_type());
   const torch::Tensor tokens = x.reshape({-1, options.hidden()});
   const RouterOutput routing = router(tokens);
-  const PermutedTokens routed =
-      functional::permute_tokens(tokens, routing.indices, options.num_experts(), routing.probs);
-  // The split sizes go down on both host and device: each backend reads its copy, none is made.
+  // Without a capacity the router's top-k has no dropped slot, so the permuted row count is T·k
+  // and the split sizes can stay on the device: no host sync in the layer when the experts'
+  // GEMMs take device splits (sm90), which makes the step CUDA-graph capturable. With a capacity
+  // the dropped count decides the row count, and the routing map copies the sizes to the host.
+  const ops::IndexTrust trust =
+      options.router().capacity_factor() ? ops::IndexTrust::kChecked : ops::IndexTrust::kDropless;
+  const PermutedTokens routed = autograd::permute_tokens(
+      tokens, routing.indices, options.num_experts(), routing.probs, trust);
   const torch::Tensor y =
       experts(routed.tokens, routed.m_splits, routed.probs, is_first_microbatch);
   MoEOutput out;
-  out.output = functional::unpermute_tokens(y, routed).view(x.sizes());
+  out.output = autograd::unpermute_tokens(y, routed, std::nullopt).view(x.sizes());
   out.aux_loss = routing.aux_loss + routing.z_loss;
   out.tokens_per_expert = routing.tokens_per_expert;
   return out;

@@ -96,7 +96,7 @@ kernels::PermuteParams kernel_params(int64_t tokens, int64_t topk, int64_t rows,
 
 }  // namespace
 
-RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts) {
+RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts, IndexTrust trust) {
   constexpr const char* kOp = "torchmoe::make_routing_map";
   TORCH_CHECK(indices.defined() && indices.dim() == 2, kOp,
               ": indices must be 2-D [tokens, topk], got ",
@@ -144,6 +144,11 @@ RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts) {
     p.workspace_bytes = workspace_bytes;
     kernels::launch_routing_map(p, at::cuda::getCurrentCUDAStream().stream());
     map.m_splits = counts.narrow(0, 0, num_experts).to(at::kLong);
+    if (trust == IndexTrust::kDropless) {
+      map.row_map = map.row_map.view({tokens, topk});
+      map.num_rows = slots;
+      return map;
+    }
     host_counts = counts.to(at::kCPU).to(at::kLong);  // the one device-to-host copy
   } else {
     TORCH_CHECK_NOT_IMPLEMENTED(false, kOp, ": no backend for indices on ", indices.device());

@@ -14,13 +14,25 @@ struct RoutingMap {
   at::Tensor row_map;                // [T, k] int64: permuted row of each slot, -1 when dropped
   at::Tensor sorted_slots;           // [N] int64: slot t·k + j of each permuted row
   at::Tensor m_splits;               // [E] int64 on the indices' device: rows per expert
-  std::vector<int64_t> host_splits;  // the same on the host
+  std::vector<int64_t> host_splits;  // the same on the host (not on CUDA with kDropless)
   int64_t num_rows = 0;              // N = Σ m_splits
 };
 
+// What make_routing_map may assume about its indices.
+enum class IndexTrust {
+  // Any caller's indices: checked to be in [0, E) or -1. On CUDA the split sizes are copied to
+  // the host (one sync), which is also how N is known.
+  kChecked,
+  // A router's own top-k, with no capacity: every index is in [0, E), so N = T·k without looking.
+  // On CUDA nothing is copied to the host (CUDA-graph safe) and host_splits stays empty; an index
+  // outside [0, E) is not detected. Only for indices torchmoe made itself.
+  kDropless,
+};
+
 // indices [T, k] int32/int64 with values in [0, E) or -1 (dropped). Rows are grouped by expert,
-// in slot order within an expert. On CUDA: one device-to-host copy (the split sizes).
-RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts);
+// in slot order within an expert.
+RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts,
+                            IndexTrust trust = IndexTrust::kChecked);
 
 // tokens [T, H] -> [N, H]: row r = tokens[sorted_slots[r] / topk] (· probs.flat[sorted_slots[r]]
 // when given, probs [T, topk]); zeros where sorted_slots[r] is -1.

@@ -52,7 +52,9 @@ struct PermutedTokens {
   at::Tensor row_map;
   // [N] int64: the slot t·k + j of each permuted row (row_map's inverse).
   at::Tensor sorted_slots;
-  // Rows per expert, on the host and (for CUDA tokens) on the device.
+  // Rows per expert: on the host, and for CUDA tokens on the device too. MoELayer's dropless
+  // routing keeps them on the device only (no host sync; GEMM backends that loop over groups on
+  // the host copy them when planning).
   SplitSizes m_splits{std::vector<int64_t>{}};
 };
 

@@ -118,6 +118,15 @@ std::vector<Flag> flag_table(Flags& f) {
        "after training: time N MoE-layer forward+backward passes alone, and N optimizer steps, "
        "and report their shares of a step",
        integer(f.profile_moe, 1)},
+      {"--cuda-graph", nullptr,
+       "capture each micro-batch's forward and backward as a CUDA graph after 3 eager steps and "
+       "replay it (CUDA with sm_90 grouped GEMMs)",
+       [&f](const std::string&) { f.cuda_graph = true; }},
+      {"--trace", "PATH",
+       "write a Kineto (chrome://tracing JSON) trace of --trace-steps steps from the 10th of this "
+       "run; scripts/trace_summary.py sums its GPU time by part",
+       text(f.trace)},
+      {"--trace-steps", "N", "steps --trace records (default 5)", integer(f.trace_steps, 1)},
   };
 }
 
@@ -186,6 +195,8 @@ std::optional<Flags> parse_flags(int argc, char** argv) {
   if (f.generate && f.resume.empty())
     throw std::invalid_argument("--generate needs --resume CHECKPOINT");
   if (f.save_every && f.save.empty()) throw std::invalid_argument("--save-every needs --save PATH");
+  if (f.cuda_graph && f.device == "cpu")
+    throw std::invalid_argument("--cuda-graph needs --device cuda (or auto with a GPU)");
   return f;
 }
 

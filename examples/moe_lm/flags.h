@@ -37,6 +37,9 @@ struct Flags {
   std::string prompt = "The ";
   double temperature = 0.8;
   int64_t profile_moe = 0;
+  bool cuda_graph = false;
+  std::string trace;
+  int64_t trace_steps = 5;
 };
 
 // Returns nullopt after --help; throws std::invalid_argument for bad flags.

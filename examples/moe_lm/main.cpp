@@ -8,8 +8,10 @@
 // --profile-moe; flags.h the flags, data.h the corpus and its batches, trainer.h the optimizer.
 
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <fmt/core.h>
 #include <fmt/os.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/cuda.h>
 #include <torch/serialize.h>
 
@@ -23,6 +25,7 @@
 #include <fstream>
 #include <memory>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -35,6 +38,7 @@
 #include "data.h"
 #include "flags.h"
 #include "model.h"
+#include "step.h"
 #include "trainer.h"
 
 namespace fs = std::filesystem;
@@ -67,10 +71,6 @@ void print_error(const std::string& message) {
 }
 
 // ---- training --------------------------------------------------------------------------------
-
-torch::Tensor lm_loss(const ModelOutput& out, const torch::Tensor& target) {
-  return at::cross_entropy_loss(out.logits.reshape({-1, out.logits.size(-1)}), target.reshape(-1));
-}
 
 double evaluate(MoETransformer& model, const Corpus& c, const Flags& f,
                 const torch::Device& device) {
@@ -158,11 +158,10 @@ std::string format_eta(double seconds) {
   return fmt::format("{}:{:02d}:{:02d}", s / 3600, (s / 60) % 60, s % 60);
 }
 
-// Expert load of each layer relative to uniform (T·k/E); the min and max over layers. One copy to
-// the host for all layers.
-std::pair<double, double> load_range(const ModelOutput& out) {
-  const torch::Tensor counts =
-      torch::stack(out.tokens_per_expert).to(torch::kCPU, torch::kFloat64);  // [layers, E]
+// Expert load of each layer relative to uniform (T·k/E) from counts [layers, E]; the min and max
+// over layers. One copy to the host for all layers.
+std::pair<double, double> load_range(const torch::Tensor& loads) {
+  const torch::Tensor counts = loads.to(torch::kCPU, torch::kFloat64);
   const torch::Tensor mean = counts.mean(1, true);
   const torch::Tensor used = (mean > 0).squeeze(1);
   if (!used.any().item<bool>()) return {0.0, 0.0};
@@ -261,6 +260,14 @@ int run(const Flags& flags_in) {
     if (!f.save.empty()) check_can_create("--save", f.save, f.save + ".tmp");
     if (!f.csv.empty()) check_can_create("--csv", f.csv, f.csv);
   }
+  if (f.cuda_graph && !cuda)
+    throw std::runtime_error("--cuda-graph needs CUDA, but no CUDA device is available");
+  if (!f.generate && !f.trace.empty()) check_can_create("--trace", f.trace, f.trace);
+  // A captured stream cannot be the legacy default one, and every step must be ordered with the
+  // captured work, so with --cuda-graph the whole run, from the model's creation on, uses one
+  // side stream.
+  std::optional<c10::cuda::CUDAStreamGuard> side_stream;
+  if (f.cuda_graph) side_stream.emplace(c10::cuda::getStreamFromPool());
   const torch::Device device = cuda ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU);
   const torch::Dtype dtype =
       f.dtype == "bf16" || (f.dtype == "auto" && cuda) ? torch::kBFloat16 : torch::kFloat32;
@@ -310,25 +317,40 @@ int run(const Flags& flags_in) {
     if (!append) csv->print("{}\n", kCsvHeader);
   }
 
+  MicroBatchRunner runner(model, trainer, f, f.cuda_graph);
+  if (f.cuda_graph)
+    say("cuda graph: steps from {} replay one captured micro-batch\n",
+        start_step + MicroBatchRunner::kEagerSteps + 1);
   const int64_t tokens_per_step = f.batch * f.accum * m.seq;
   double timed_ms = 0;
   int64_t timed_steps = 0;
   double last_ms = 0;
   const int64_t end_step = f.stop_at ? std::min(f.stop_at, f.steps) : f.steps;
+  // --trace records steps [trace_begin, trace_end): from the run's 10th, or as late as fits.
+  const int64_t trace_begin =
+      std::max(start_step, std::min(start_step + 9, end_step - f.trace_steps));
+  const int64_t trace_end = std::min(end_step, trace_begin + f.trace_steps);
+  namespace profiler = torch::autograd::profiler;
+  const profiler::ProfilerConfig trace_config(torch::profiler::impl::ProfilerState::KINETO);
+  std::set<torch::profiler::impl::ActivityType> trace_activities{
+      torch::profiler::impl::ActivityType::CPU};
+  if (cuda) trace_activities.insert(torch::profiler::impl::ActivityType::CUDA);
   for (int64_t step = start_step; step < end_step; ++step) {
+    if (!f.trace.empty() && step == trace_begin) {
+      profiler::prepareProfiler(trace_config, trace_activities);
+      profiler::enableProfiler(trace_config, trace_activities);
+    }
     const auto t0 = std::chrono::steady_clock::now();
     const double lr = learning_rate(f, step);
-    double loss_sum = 0, aux_sum = 0;
-    std::pair<double, double> load{0, 0};
+    // The losses and the first micro-batch's loads stay on the device until the step's one
+    // host read (the gradient norm in trainer.step) has waited for the GPU anyway.
+    torch::Tensor loss_sum, aux_sum, loads;
     for (int64_t micro = 0; micro < f.accum; ++micro) {
       const Batch batch = train_batch(corpus, f, step, micro, device);
-      const ModelOutput out = model(batch.input);
-      const torch::Tensor loss = lm_loss(out, batch.target);
-      ((loss + out.aux_loss) / static_cast<double>(f.accum)).backward();
-      trainer.accumulate();
-      loss_sum += loss.item<double>();
-      aux_sum += out.aux_loss.item<double>();
-      if (micro == 0) load = load_range(out);
+      const MicroBatchResult r = runner.run(batch, step - start_step, micro);
+      loss_sum = micro == 0 ? r.loss.clone() : loss_sum + r.loss;
+      aux_sum = micro == 0 ? r.aux_loss.clone() : aux_sum + r.aux_loss;
+      if (micro == 0) loads = torch::stack(r.tokens_per_expert);  // [layers, E]
     }
     const double grad_norm = trainer.step(lr);
     if (f.expert_bias) {
@@ -344,8 +366,13 @@ int run(const Flags& flags_in) {
     // Running average over this run's steps after its first (which includes one-time setup);
     // on the first step, that step's time.
     const double avg_ms = timed_steps ? timed_ms / static_cast<double>(timed_steps) : last_ms;
-    const double loss = loss_sum / static_cast<double>(f.accum),
-                 aux = aux_sum / static_cast<double>(f.accum);
+    const double loss = loss_sum.item<double>() / static_cast<double>(f.accum),
+                 aux = aux_sum.item<double>() / static_cast<double>(f.accum);
+    const std::pair<double, double> load = load_range(loads);
+    if (!f.trace.empty() && step + 1 == trace_end) {
+      profiler::disableProfiler()->save(f.trace);
+      say("  trace of steps {}-{} written to {}\n", trace_begin + 1, trace_end, f.trace);
+    }
     const bool last = step + 1 == end_step;
     std::optional<double> val;
     if ((f.eval_every && (step + 1) % f.eval_every == 0) || last)

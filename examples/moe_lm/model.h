@@ -15,6 +15,7 @@
 #include <torchmoe/torchmoe.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace moe_lm {
@@ -39,7 +40,7 @@ class RMSNormImpl : public torch::nn::Cloneable<RMSNormImpl> {
  public:
   RMSNormImpl(int64_t hidden, torch::TensorOptions options);
   void reset() override;
-  torch::Tensor forward(const torch::Tensor& x);  // normalised in fp32, returned in x's dtype
+  torch::Tensor forward(const torch::Tensor& x);  // statistics in fp32, returned in x's dtype
 
   int64_t hidden;
   torch::TensorOptions options;
@@ -71,8 +72,10 @@ class MoETransformerImpl : public torch::nn::Cloneable<MoETransformerImpl> {
   MoETransformerImpl(ModelConfig config, torch::TensorOptions options);
   void reset() override;
 
-  /// tokens [B, S] int64 with S <= config.seq.
-  ModelOutput forward(const torch::Tensor& tokens);
+  /// tokens [B, S] int64 with S <= config.seq. is_first_microbatch: true makes the experts'
+  /// fused weight gradients overwrite their fp32 sums instead of adding (GroupedLinear's).
+  ModelOutput forward(const torch::Tensor& tokens,
+                      std::optional<bool> is_first_microbatch = std::nullopt);
 
   /// The MoE layers, in order (for main-grad buffers, expert-bias updates, loads).
   std::vector<torchmoe::MoELayer> moe_layers() const;

@@ -53,8 +53,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden))
 
     def forward(self, x):
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + 1e-6) * self.weight).to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), 1e-6)
 
 
 class MoE(nn.Module):

@@ -18,7 +18,8 @@ Trainer::Trainer(MoETransformer& model, const Flags& f) : model_(model), flags_(
   const auto named = model->named_parameters();
   int64_t total = 0;
   for (const auto& p : named) total += (p.value().numel() + kAlign - 1) / kAlign * kAlign;
-  main_grads_ = torch::zeros({total}, named[0].value().options().dtype(torch::kFloat32));
+  const torch::Tensor main_grads =
+      torch::zeros({total}, named[0].value().options().dtype(torch::kFloat32));
   std::map<std::string, size_t> by_name;
   std::vector<torch::Tensor> decay, no_decay;
   int64_t offset = 0;
@@ -28,7 +29,7 @@ Trainer::Trainer(MoETransformer& model, const Flags& f) : model_(model), flags_(
     s.master = p.value().scalar_type() == torch::kFloat32
                    ? p.value().detach()
                    : p.value().detach().to(torch::kFloat32).clone();
-    s.main_grad = main_grads_.narrow(0, offset, s.master.numel()).view(s.master.sizes());
+    s.main_grad = main_grads.narrow(0, offset, s.master.numel()).view(s.master.sizes());
     offset += (s.master.numel() + kAlign - 1) / kAlign * kAlign;
     by_name[p.key()] = slots_.size();
     (s.param.dim() >= 2 ? decay : no_decay).push_back(s.master);
@@ -55,9 +56,9 @@ Trainer::Trainer(MoETransformer& model, const Flags& f) : model_(model), flags_(
   }
   using torchmoe::optim::FusedAdamWOptions;
   std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(decay, std::make_unique<FusedAdamWOptions>(
-                                 FusedAdamWOptions(f.lr).betas({0.9, 0.95}).weight_decay(
-                                     f.weight_decay)));
+  groups.emplace_back(decay,
+                      std::make_unique<FusedAdamWOptions>(
+                          FusedAdamWOptions(f.lr).betas({0.9, 0.95}).weight_decay(f.weight_decay)));
   groups.emplace_back(no_decay, std::make_unique<FusedAdamWOptions>(
                                     FusedAdamWOptions(f.lr).betas({0.9, 0.95}).weight_decay(0.0)));
   optimizer_ = std::make_unique<torchmoe::optim::FusedAdamW>(std::move(groups));
@@ -66,11 +67,19 @@ Trainer::Trainer(MoETransformer& model, const Flags& f) : model_(model), flags_(
   }
 }
 
-void Trainer::accumulate() {
+void Trainer::accumulate(bool first_microbatch) {
   torch::NoGradGuard no_grad;
   for (Slot& s : slots_) {
-    if (s.fused || !s.param.grad().defined()) continue;
-    s.main_grad.add_(s.param.grad());
+    if (s.fused) continue;
+    if (!s.param.grad().defined()) {
+      if (first_microbatch) s.main_grad.zero_();
+      continue;
+    }
+    if (first_microbatch) {
+      s.main_grad.copy_(s.param.grad());
+    } else {
+      s.main_grad.add_(s.param.grad());
+    }
     s.param.mutable_grad().reset();
   }
 }
@@ -82,7 +91,6 @@ double Trainer::step(double lr) {
   for (auto& group : optimizer_->param_groups()) group.options().set_lr(lr);
   optimizer_->step();
   for (Slot& s : slots_) s.master.mutable_grad().reset();
-  main_grads_.zero_();
   return norm.item<double>();
 }
 

@@ -29,11 +29,13 @@ class Trainer {
  public:
   Trainer(MoETransformer& model, const Flags& f);
 
-  // After each micro-batch's backward: move the non-fused gradients into the fp32 sums.
-  void accumulate();
+  // After each micro-batch's backward: move the non-fused gradients into the fp32 sums, which the
+  // first micro-batch of a step overwrites (the experts' fused sums follow the model's
+  // is_first_microbatch), so nothing clears them between steps.
+  void accumulate(bool first_microbatch);
 
-  // Clips, steps AdamW on the masters (which writes the parameters), clears the sums. Returns the
-  // gradient norm before clipping.
+  // Clips and steps AdamW on the masters (which writes the parameters). Returns the gradient norm
+  // before clipping.
   double step(double lr);
 
   // The fp32 masters stand for the parameters (which are their casts), so a checkpoint loads
@@ -45,7 +47,6 @@ class Trainer {
   MoETransformer& model_;
   const Flags& flags_;
   std::vector<Slot> slots_;
-  torch::Tensor main_grads_;  // every slot's main_grad, so that clearing them is one fill
   std::unique_ptr<torchmoe::optim::FusedAdamW> optimizer_;
 };
 

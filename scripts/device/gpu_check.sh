@@ -8,7 +8,9 @@
 #   sanitize  compute-sanitizer memcheck on the sm90 GEMM, token-permutation and optimizer CUDA cases,
 #             racecheck on the sm90 small cases (every kernel path); SANITIZE_ONLY=memcheck or
 #             racecheck runs one tool
-#   example   the example LM at docs/performance.md's config
+#   example   the example LM at docs/performance.md's config, eager and with --cuda-graph, each with
+#             a trace of 5 steps summed by part (scripts/trace_summary.py)
+#   compare   scripts/compare_python.sh: the example next to the same model in PyTorch Python
 #   bench     the benchmark programs; BENCHES narrows them (e.g. "grouped_linear glu"),
 #             BENCH_SHAPES the shapes (e.g. "qwen3-30b-a3b,olmoe")
 # Logs and JSON go to $OUT (the device tool returns at most 8 files); tables go to stdout.
@@ -52,10 +54,22 @@ fi
 if [[ " $steps " == *" example "* ]]; then
   # docs/performance.md's MoE LM config: 8 layers, hidden 1024, 32 experts top-2, ffn 1024,
   # seq 1024, 8 sequences per step.
-  build-gpu/examples/moe_lm --layers 8 --hidden 1024 --heads 16 --experts 32 --topk 2 --ffn 1024 \
-    --seq 1024 --batch 8 --steps 200 --warmup 20 --lr 1e-3 --log-every 20 --eval-every 100 \
-    --csv "$out/moe_lm.csv" --profile-moe 20 > "$out/example.log" 2>&1
-  echo "example rc=$?"; tail -8 "$out/example.log"
+  for mode in eager graph; do
+    extra=(--profile-moe 20)
+    [ "$mode" = graph ] && extra=(--cuda-graph)
+    build-gpu/examples/moe_lm --layers 8 --hidden 1024 --heads 16 --experts 32 --topk 2 \
+      --ffn 1024 --seq 1024 --batch 8 --steps 200 --warmup 20 --lr 1e-3 --log-every 20 \
+      --eval-every 100 --csv "$out/moe_lm_$mode.csv" --trace "$out/trace_$mode.json" \
+      "${extra[@]}" > "$out/example_$mode.log" 2>&1
+    echo "example ($mode) rc=$?"; tail -6 "$out/example_$mode.log"
+    python3 scripts/trace_summary.py "$out/trace_$mode.json" --steps 5 --top "${TRACE_TOP:-0}" \
+      --json "$out/trace_summary_$mode.json"
+    rm -f "$out/trace_$mode.json"  # tens of MB; the summary is what is kept
+  done
+fi
+
+if [[ " $steps " == *" compare "* ]]; then
+  TORCHMOE_BUILD_DIR=build-gpu scripts/compare_python.sh 200 "$out/compare" 2>&1 | tail -20
 fi
 
 if [[ " $steps " == *" bench "* ]]; then

@@ -1,12 +1,14 @@
-// GroupedLinear and GroupedMLP with device split sizes inside a CUDA graph: forward + backward is
-// captured once and replayed with new input data and new split contents in the same buffers; each
-// replay must match an eager step on the same buffers bit for bit (the same kernels run), and the
-// capacity padding rows of the output (past the split sum) must keep their sentinel.
+// GroupedLinear and GroupedMLP with device split sizes, and a whole MoELayer, inside a CUDA graph:
+// forward + backward is captured once and replayed with new input data (and new split contents,
+// or a new routing) in the same buffers; each replay must match an eager step on the same buffers
+// bit for bit (the same kernels run), and the capacity padding rows of the output (past the split
+// sum) must keep their sentinel.
 
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torchmoe/modules/grouped_linear.h>
 #include <torchmoe/modules/grouped_mlp.h>
+#include <torchmoe/modules/moe_layer.h>
 
 #include <functional>
 #include <numeric>
@@ -144,5 +146,36 @@ TEST_CASE("GroupedMLP with device splits replays in a CUDA graph",
   };
   s.leaves = {x, probs};
   s.params = mlp->parameters();
+  check_graph_matches_eager(s, refill);
+}
+
+TEST_CASE("MoELayer replays in a CUDA graph: routing, permutation and experts without a host sync",
+          "[modules][moe][cuda][graph]") {
+  TORCHMOE_REQUIRE_SM90();  // device splits need the sm90 kernel
+  torch::manual_seed(23);
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+  torchmoe::MoELayerOptions options(/*hidden=*/128, /*ffn_hidden=*/192, /*num_experts=*/6,
+                                    /*topk=*/2);
+  options.params_dtype(torch::kBFloat16).device(torch::kCUDA);
+  options.router().aux_loss_coeff(1e-2).z_loss_coeff(1e-3);  // the routers' losses are captured too
+  torchmoe::MoELayer moe(options);
+  // Every row is a token: the whole output is checked (no padding rows).
+  const torch::Tensor x = torch::zeros({kRows, 128}, cuda).requires_grad_();
+  const torch::Tensor dy = torch::zeros({kRows, 128}, cuda);
+  auto refill = [&](int trial) {
+    const torch::NoGradGuard no_grad;
+    // A new draw each trial routes differently: new split sizes inside the graph.
+    x.detach().copy_(torch::randn({kRows, 128}, cuda) * (trial + 1));
+    dy.copy_(torch::randn({kRows, 128}, cuda));
+    return kRows;
+  };
+  GraphStep s;
+  s.step = [&] {
+    const torchmoe::MoEOutput out = moe(x);
+    torch::autograd::backward({out.output, out.aux_loss}, {dy, torch::ones_like(out.aux_loss)});
+    return out.output;
+  };
+  s.leaves = {x};
+  s.params = moe->parameters();
   check_graph_matches_eager(s, refill);
 }

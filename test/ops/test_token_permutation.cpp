@@ -269,3 +269,26 @@ TEST_CASE("permutation on CUDA matches the CPU reference", "[ops][permutation][c
     check_close(dp, cpu_dp, {tol.rtol, tol.atol * hidden}, "grad probs");
   }
 }
+
+TEST_CASE(
+    "the dropless routing map keeps the split sizes on the device and matches the checked one",
+    "[ops][permutation][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const int64_t topk = GENERATE(1, 2, 8);
+  const int64_t experts = GENERATE(4, 128);
+  // all: every expert eligible; one: everything to expert 0 (the others empty).
+  const int64_t allowed = GENERATE(-1, 1);
+  INFO("topk=" << topk << " experts=" << experts << " allowed=" << allowed);
+  const int64_t tokens = 515;
+  const torch::Tensor indices =
+      random_indices(tokens, topk, experts, 7 + topk, allowed).to(torch::kCUDA);
+  using torchmoe::ops::IndexTrust;
+  const auto checked = torchmoe::ops::make_routing_map(indices, experts, IndexTrust::kChecked);
+  const auto dropless = torchmoe::ops::make_routing_map(indices, experts, IndexTrust::kDropless);
+  CHECK(dropless.host_splits.empty());  // nothing was copied to the host
+  CHECK(dropless.num_rows == tokens * topk);
+  CHECK(dropless.m_splits.is_cuda());
+  CHECK(torch::equal(dropless.m_splits, checked.m_splits));
+  CHECK(torch::equal(dropless.row_map, checked.row_map));
+  CHECK(torch::equal(dropless.sorted_slots, checked.sorted_slots));
+}

@@ -1,0 +1,75 @@
+// A micro-batch's forward, backward and gradient move, eager or replayed from a CUDA graph.
+
+#include "step.h"
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+#include <fmt/core.h>
+
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace moe_lm {
+
+torch::Tensor lm_loss(const ModelOutput& out, const torch::Tensor& target) {
+  return at::cross_entropy_loss(out.logits.reshape({-1, out.logits.size(-1)}), target.reshape(-1));
+}
+
+MicroBatchRunner::MicroBatchRunner(MoETransformer& model, Trainer& trainer, const Flags& f,
+                                   bool cuda_graph)
+    : model_(model), trainer_(trainer), flags_(f), cuda_graph_(cuda_graph) {
+  // Capture needs a stream of its own: the legacy default stream cannot be captured.
+  if (cuda_graph_ && c10::cuda::getCurrentCUDAStream() == c10::cuda::getDefaultCUDAStream())
+    throw std::logic_error("--cuda-graph: the training loop must run on a side stream");
+}
+
+MicroBatchResult MicroBatchRunner::forward_backward(const torch::Tensor& input,
+                                                    const torch::Tensor& target, bool first) {
+  const ModelOutput out = model_(input, first);
+  const torch::Tensor loss = lm_loss(out, target);
+  ((loss + out.aux_loss) / static_cast<double>(flags_.accum)).backward();
+  trainer_.accumulate(first);
+  return {loss.detach(), out.aux_loss.detach(), out.tokens_per_expert};
+}
+
+MicroBatchResult MicroBatchRunner::run(const Batch& batch, int64_t step, int64_t micro) {
+  const bool first = micro == 0;
+  if (!cuda_graph_ || step < kEagerSteps) return forward_backward(batch.input, batch.target, first);
+  const int index = first ? 0 : 1;
+  if (!input_.defined()) {
+    input_ = torch::empty_like(batch.input);
+    target_ = torch::empty_like(batch.target);
+  }
+  input_.copy_(batch.input);
+  target_.copy_(batch.target);
+  if (!graphs_[index]) {
+    auto graph = std::make_unique<at::cuda::CUDAGraph>();
+    try {
+      // The second graph allocates from the first one's pool: they never run at the same time,
+      // and their outputs stay referenced (graph_results_), so neither overwrites the other's.
+      if (graphs_[0]) {
+        graph->capture_begin(graphs_[0]->pool());
+      } else {
+        graph->capture_begin();
+      }
+      graph_results_[index] = forward_backward(input_, target_, first);
+      graph->capture_end();
+    } catch (const std::exception& e) {
+      std::string message = e.what();
+      if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e))
+        message = c10_error->what_without_backtrace();
+      throw std::runtime_error(fmt::format(
+          "--cuda-graph: capturing the training step failed (it must not synchronise with the "
+          "host: MoELayer keeps its split sizes on the device only with sm_90 grouped GEMMs, "
+          "TORCHMOE_GROUPED_GEMM_BACKEND=auto|sm90): {}",
+          message));
+    }
+    graphs_[index] = std::move(graph);
+  }
+  // Capturing recorded the work without running it; every micro-batch from here is a replay.
+  graphs_[index]->replay();
+  return graph_results_[index];
+}
+
+}  // namespace moe_lm
