@@ -2,6 +2,8 @@
 
 #include <torch/nn/init.h>
 
+#include "torchmoe/autograd/router_function.h"
+
 #include <cmath>
 #include <utility>
 
@@ -85,10 +87,11 @@ RouterOutput TopKRouterImpl::forward(const torch::Tensor& x) {
   TORCH_CHECK(torch::isFloatingType(x.scalar_type()), kModule,
               ": x must have a floating dtype, got ", x.scalar_type());
   const int64_t experts = o.num_experts(), topk = o.topk();
-  // fp32 routing whatever the parameters' dtype (fp64 input stays fp64).
-  const auto compute = torch::promote_types(x.scalar_type(), torch::kFloat32);
+  // fp32 routing whatever the parameters' dtype (fp64 stays fp64); 16-bit operands are not cast
+  // for it (ops/router.h).
   const torch::Tensor logits =
-      torch::matmul(x.reshape({-1, o.hidden()}).to(compute), weight.to(compute).t());
+      autograd::RouterLogitsFunction::apply(x.reshape({-1, o.hidden()}).contiguous(), weight);
+  const auto compute = logits.scalar_type();
   const int64_t tokens = logits.size(0);
   const torch::Tensor scores = o.score_function() == RouterScore::kSoftmax
                                    ? torch::softmax(logits, -1)
