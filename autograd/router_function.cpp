@@ -1,7 +1,5 @@
 #include "torchmoe/autograd/router_function.h"
 
-#include "torchmoe/ops/router.h"
-
 namespace torchmoe::autograd {
 
 using torch::autograd::AutogradContext;
@@ -19,6 +17,48 @@ variable_list RouterLogitsFunction::backward(AutogradContext* ctx, variable_list
       ops::router_logits_backward(grad_outputs[0].contiguous(), saved[0], saved[1],
                                   ctx->needs_input_grad(0), ctx->needs_input_grad(1));
   return {grads.grad_x, grads.grad_weight};
+}
+
+namespace {
+
+ops::RouterScoring scoring_of(AutogradContext* ctx) {
+  ops::RouterScoring scoring;
+  scoring.topk = ctx->saved_data["topk"].toInt();
+  scoring.sigmoid = ctx->saved_data["sigmoid"].toBool();
+  scoring.normalize = ctx->saved_data["normalize"].toBool();
+  scoring.aux = ctx->saved_data["aux"].toBool();
+  return scoring;
+}
+
+}  // namespace
+
+variable_list RouterTopKFunction::forward(AutogradContext* ctx, const at::Tensor& logits,
+                                          const std::optional<at::Tensor>& expert_bias,
+                                          int64_t topk, bool sigmoid, bool normalize, bool aux) {
+  ops::RouterScoring scoring;
+  scoring.topk = topk;
+  scoring.sigmoid = sigmoid;
+  scoring.normalize = normalize;
+  scoring.aux = aux;
+  ops::RouterTopK out = ops::router_topk(logits, expert_bias.value_or(at::Tensor()), scoring);
+  ctx->saved_data["topk"] = topk;
+  ctx->saved_data["sigmoid"] = sigmoid;
+  ctx->saved_data["normalize"] = normalize;
+  ctx->saved_data["aux"] = aux;
+  ctx->save_for_backward({logits, out.indices, out.probs});
+  ctx->mark_non_differentiable({out.indices, out.counts});
+  // Unused outputs (no aux or z loss) get no gradient rather than a tensor of zeros.
+  ctx->set_materialize_grads(false);
+  return {out.indices, out.probs, out.aux, out.lse, out.counts};
+}
+
+variable_list RouterTopKFunction::backward(AutogradContext* ctx, variable_list grad_outputs) {
+  const variable_list saved = ctx->get_saved_variables();
+  auto contiguous = [](const at::Tensor& t) { return t.defined() ? t.contiguous() : t; };
+  const at::Tensor grad_logits = ops::router_topk_backward(
+      saved[0], saved[1], saved[2], contiguous(grad_outputs[1]), contiguous(grad_outputs[2]),
+      contiguous(grad_outputs[3]), scoring_of(ctx));
+  return {grad_logits, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
 }
 
 }  // namespace torchmoe::autograd

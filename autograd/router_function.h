@@ -5,6 +5,11 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <cstdint>
+#include <optional>
+
+#include "torchmoe/ops/router.h"
+
 namespace torchmoe::autograd {
 
 class RouterLogitsFunction : public torch::autograd::Function<RouterLogitsFunction> {
@@ -12,6 +17,20 @@ class RouterLogitsFunction : public torch::autograd::Function<RouterLogitsFuncti
   // x [T, H], weight [E, H] -> logits [T, E] fp32 (fp64 when either is fp64).
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             const at::Tensor& weight);
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs);
+};
+
+// Scoring and top-k (ops::router_topk): logits [T, E] and an optional expert_bias [E] (no
+// gradient) -> {indices, probs, aux, lse, counts}; differentiable in logits through probs, aux and
+// lse.
+class RouterTopKFunction : public torch::autograd::Function<RouterTopKFunction> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& logits,
+                                                const std::optional<at::Tensor>& expert_bias,
+                                                int64_t topk, bool sigmoid, bool normalize,
+                                                bool aux);
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs);
 };

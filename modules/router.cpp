@@ -93,37 +93,26 @@ RouterOutput TopKRouterImpl::forward(const torch::Tensor& x) {
       autograd::RouterLogitsFunction::apply(x.reshape({-1, o.hidden()}).contiguous(), weight);
   const auto compute = logits.scalar_type();
   const int64_t tokens = logits.size(0);
-  const torch::Tensor scores = o.score_function() == RouterScore::kSoftmax
-                                   ? torch::softmax(logits, -1)
-                                   : torch::sigmoid(logits);
+  const bool want_aux = o.aux_loss_coeff() > 0 && tokens > 0;
+  const torch::autograd::variable_list scored = autograd::RouterTopKFunction::apply(
+      logits, expert_bias.defined() ? std::optional(expert_bias) : std::nullopt, topk,
+      o.score_function() == RouterScore::kSigmoid, o.normalize_topk() && topk > 1, want_aux);
 
   RouterOutput out;
-  {
-    const torch::NoGradGuard no_grad;
-    const torch::Tensor choice = expert_bias.defined() ? scores + expert_bias : scores;
-    out.indices = std::get<1>(choice.topk(topk, -1));
-  }
-  out.probs = scores.gather(1, out.indices);
-  if (o.normalize_topk() && topk > 1) {
-    out.probs = out.probs / (out.probs.sum(-1, true) + 1e-20);
-  }
-  out.tokens_per_expert =
-      torch::zeros({experts}, out.indices.options())
-          .scatter_add(0, out.indices.reshape(-1), torch::ones_like(out.indices.reshape(-1)));
-
+  out.indices = scored[0];
+  out.probs = scored[1];
+  out.tokens_per_expert = scored[4];
   const auto scalar = torch::TensorOptions(compute).device(x.device());
   out.aux_loss = torch::zeros({}, scalar);
-  if (o.aux_loss_coeff() > 0 && tokens > 0) {
-    const torch::Tensor s = o.score_function() == RouterScore::kSoftmax
-                                ? scores
-                                : scores / (scores.sum(-1, true) + 1e-20);
+  if (want_aux) {
+    // scored[2]: each token's scores (sigmoid: over their row sum).
     const double scale = o.aux_loss_coeff() * experts /
                          (static_cast<double>(topk) * static_cast<double>(tokens) * tokens);
-    out.aux_loss = (s.sum(0) * out.tokens_per_expert.to(compute)).sum() * scale;
+    out.aux_loss = (scored[2].sum(0) * out.tokens_per_expert.to(compute)).sum() * scale;
   }
   out.z_loss = torch::zeros({}, scalar);
   if (o.z_loss_coeff() > 0 && tokens > 0) {
-    out.z_loss = torch::logsumexp(logits, -1).square().mean() * o.z_loss_coeff();
+    out.z_loss = scored[3].square().mean() * o.z_loss_coeff();  // scored[3]: logsumexp per token
   }
 
   if (o.capacity_factor() && tokens > 0) {

@@ -1,6 +1,10 @@
 #include "torchmoe/ops/router.h"
 
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "torchmoe/kernels/router.h"
 
 namespace torchmoe::ops {
 namespace {
@@ -17,6 +21,42 @@ at::ScalarType logits_type(const at::Tensor& x, const at::Tensor& weight) {
 bool tensor_core_path(const at::Tensor& x, const at::Tensor& weight) {
   return x.is_cuda() && x.scalar_type() == weight.scalar_type() &&
          (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf);
+}
+
+constexpr const char* kTopKOp = "torchmoe::ops::router_topk";
+constexpr double kNormEps = 1e-20;  // the kernel's: / (Σ + 1e-20)
+
+enum class TopKBackend {
+  kAten,  // ATen ops: any device, fp32/fp64, any expert count
+  kCuda,  // kernels/router.cu: fp32 logits, E <= kRouterMaxExperts
+};
+
+TopKBackend select_topk_backend(const at::Tensor& logits) {
+  if (logits.is_cuda() && logits.scalar_type() == at::kFloat &&
+      logits.size(1) <= kernels::kRouterMaxExperts) {
+    return TopKBackend::kCuda;
+  }
+  return TopKBackend::kAten;
+}
+
+at::Tensor aten_scores(const at::Tensor& logits, const RouterScoring& scoring) {
+  return scoring.sigmoid ? at::sigmoid(logits) : at::softmax(logits, 1);
+}
+
+kernels::RouterParams kernel_params(const at::Tensor& logits, const RouterScoring& scoring) {
+  kernels::RouterParams p;
+  p.tokens = logits.size(0);
+  p.experts = logits.size(1);
+  p.topk = scoring.topk;
+  p.sigmoid = scoring.sigmoid;
+  p.normalize = scoring.normalize;
+  p.logits = logits.const_data_ptr<float>();
+  return p;
+}
+
+// A defined gradient that is not all-absent (an empty aux stands for "not asked for").
+const float* optional_data(const at::Tensor& t) {
+  return t.defined() && t.numel() > 0 ? t.const_data_ptr<float>() : nullptr;
 }
 
 }  // namespace
@@ -62,6 +102,108 @@ RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at
   if (need_grad_x) grads.grad_x = at::mm(g, weight.to(compute)).to(x.scalar_type());
   if (need_grad_weight) grads.grad_weight = at::mm(g.t(), x.to(compute)).to(weight.scalar_type());
   return grads;
+}
+
+RouterTopK router_topk(const at::Tensor& logits, const at::Tensor& expert_bias,
+                       const RouterScoring& scoring) {
+  TORCH_CHECK(logits.defined() && logits.dim() == 2 && logits.size(1) > 0, kTopKOp,
+              ": logits must be 2-D [tokens, experts > 0], got ",
+              logits.defined() ? logits.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kDouble, kTopKOp,
+              ": logits must be float32 or float64, got ", logits.scalar_type());
+  TORCH_CHECK(logits.is_contiguous(), kTopKOp, ": logits must be contiguous");
+  const int64_t tokens = logits.size(0), experts = logits.size(1);
+  TORCH_CHECK(scoring.topk >= 1 && scoring.topk <= experts, kTopKOp, ": topk must be in [1, ",
+              experts, "], got ", scoring.topk);
+  TORCH_CHECK(!expert_bias.defined() ||
+                  (expert_bias.dim() == 1 && expert_bias.size(0) == experts &&
+                   expert_bias.scalar_type() == at::kFloat &&
+                   expert_bias.device() == logits.device() && expert_bias.is_contiguous()),
+              kTopKOp, ": expert_bias must be a contiguous float32 [", experts, "] tensor on ",
+              logits.device());
+  RouterTopK out;
+  if (select_topk_backend(logits) == TopKBackend::kCuda) {
+    const c10::cuda::CUDAGuard guard(logits.device());
+    const at::TensorOptions options = logits.options();
+    out.indices = at::empty({tokens, scoring.topk}, options.dtype(at::kLong));
+    out.probs = at::empty({tokens, scoring.topk}, options);
+    out.aux = at::empty({tokens, scoring.aux ? experts : 0}, options);
+    out.lse = at::empty({tokens}, options);
+    out.counts = at::zeros({experts}, options.dtype(at::kLong));
+    kernels::RouterParams p = kernel_params(logits, scoring);
+    p.expert_bias = expert_bias.defined() ? expert_bias.const_data_ptr<float>() : nullptr;
+    p.indices = out.indices.data_ptr<int64_t>();
+    p.probs = out.probs.data_ptr<float>();
+    p.aux = scoring.aux ? out.aux.data_ptr<float>() : nullptr;
+    p.lse = out.lse.data_ptr<float>();
+    p.counts = out.counts.data_ptr<int64_t>();
+    kernels::launch_router_forward(p, at::cuda::getCurrentCUDAStream().stream());
+    return out;
+  }
+  const at::Tensor scores = aten_scores(logits, scoring);
+  const at::Tensor choice = expert_bias.defined() ? scores + expert_bias : scores;
+  out.indices = std::get<1>(choice.topk(scoring.topk, 1));
+  out.probs = scores.gather(1, out.indices);
+  if (scoring.normalize) out.probs = out.probs / (out.probs.sum(1, true) + kNormEps);
+  out.aux = !scoring.aux      ? at::empty({tokens, 0}, logits.options())
+            : scoring.sigmoid ? scores / (scores.sum(1, true) + kNormEps)
+                              : scores;
+  out.lse = at::logsumexp(logits, 1);
+  out.counts = at::zeros({experts}, logits.options().dtype(at::kLong))
+                   .scatter_add(0, out.indices.reshape(-1), at::ones_like(out.indices.reshape(-1)));
+  return out;
+}
+
+at::Tensor router_topk_backward(const at::Tensor& logits, const at::Tensor& indices,
+                                const at::Tensor& probs, const at::Tensor& grad_probs,
+                                const at::Tensor& grad_aux, const at::Tensor& grad_lse,
+                                const RouterScoring& scoring) {
+  const int64_t tokens = logits.size(0), experts = logits.size(1);
+  auto check_grad = [&](const at::Tensor& g, at::IntArrayRef shape, const char* name) {
+    TORCH_CHECK(
+        !g.defined() || g.numel() == 0 ||
+            (g.sizes() == shape && g.is_contiguous() && g.scalar_type() == logits.scalar_type()),
+        kTopKOp, ": ", name, " must be a contiguous ", logits.scalar_type(), " ", shape, " tensor");
+  };
+  check_grad(grad_probs, {tokens, scoring.topk}, "grad_probs");
+  check_grad(grad_aux, {tokens, experts}, "grad_aux");
+  check_grad(grad_lse, {tokens}, "grad_lse");
+  if (select_topk_backend(logits) == TopKBackend::kCuda) {
+    const c10::cuda::CUDAGuard guard(logits.device());
+    at::Tensor grad_logits = at::empty_like(logits);
+    kernels::RouterParams p = kernel_params(logits, scoring);
+    p.saved_indices = indices.const_data_ptr<int64_t>();
+    p.saved_probs = probs.const_data_ptr<float>();
+    p.grad_probs = optional_data(grad_probs);
+    p.grad_aux = scoring.aux ? optional_data(grad_aux) : nullptr;
+    p.grad_lse = optional_data(grad_lse);
+    p.grad_logits = grad_logits.data_ptr<float>();
+    kernels::launch_router_backward(p, at::cuda::getCurrentCUDAStream().stream());
+    return grad_logits;
+  }
+  const at::Tensor s = aten_scores(logits, scoring);
+  at::Tensor ds = at::zeros_like(s);
+  if (scoring.aux && grad_aux.defined() && grad_aux.numel() > 0) {
+    if (scoring.sigmoid) {
+      const at::Tensor sum = s.sum(1, true) + kNormEps;
+      ds = ds + (grad_aux - (grad_aux * (s / sum)).sum(1, true)) / sum;
+    } else {
+      ds = ds + grad_aux;
+    }
+  }
+  if (grad_probs.defined() && grad_probs.numel() > 0) {
+    at::Tensor g = grad_probs;
+    if (scoring.normalize) {
+      const at::Tensor chosen_sum = s.gather(1, indices).sum(1, true) + kNormEps;
+      g = (grad_probs - (grad_probs * probs).sum(1, true)) / chosen_sum;
+    }
+    ds = ds.scatter_add(1, indices, g);
+  }
+  at::Tensor grad_logits = scoring.sigmoid ? ds * s * (1 - s) : s * (ds - (s * ds).sum(1, true));
+  if (grad_lse.defined() && grad_lse.numel() > 0) {
+    grad_logits = grad_logits + grad_lse.unsqueeze(1) * at::softmax(logits, 1);
+  }
+  return grad_logits;
 }
 
 }  // namespace torchmoe::ops

@@ -1,5 +1,6 @@
 #pragma once
-// The router's logits, logits = x · Wᵀ in fp32 (fp64 for fp64 input), and their gradients.
+// The router's ops: its logits, logits = x · Wᵀ in fp32 (fp64 for fp64 input), and their
+// gradients; then scoring and top-k selection with the inputs of its losses, and their gradient.
 //
 // A router is a tiny GEMM ([T, H] × [H, E], E ≤ a few hundred) whose logits must be fp32 for the
 // softmax and top-k. Casting 16-bit x and W to fp32 first costs a copy of x and runs the GEMM on
@@ -35,5 +36,34 @@ struct RouterLogitsGrads {
 RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at::Tensor& x,
                                          const at::Tensor& weight, bool need_grad_x,
                                          bool need_grad_weight);
+
+// Scoring and top-k from the logits (the formulas: kernels/router.h): one kernel each way on CUDA
+// for fp32 logits and E <= 1024 experts, else ATen ops (the CPU reference, fp64 logits, more
+// experts).
+struct RouterScoring {
+  int64_t topk = 1;
+  bool sigmoid = false;    // sigmoid scores, else softmax
+  bool normalize = false;  // probs divided by their sum over the k choices
+  bool aux = false;        // also return the aux loss's per-token scores
+};
+
+struct RouterTopK {
+  at::Tensor indices;  // [T, k] int64, descending score (+ bias)
+  at::Tensor probs;    // [T, k] in the logits' dtype
+  at::Tensor aux;      // [T, E] (softmax scores, or sigmoid scores over their row sum); [T, 0]
+                       // when not asked for
+  at::Tensor lse;      // [T] logsumexp of each row of logits
+  at::Tensor counts;   // [E] int64 tokens choosing each expert
+};
+
+// logits [T, E] fp32 or fp64; expert_bias undefined or [E] fp32 (shifts the choice, not probs).
+RouterTopK router_topk(const at::Tensor& logits, const at::Tensor& expert_bias,
+                       const RouterScoring& scoring);
+
+// grad_logits [T, E] from the gradients of probs, aux and lse (each undefined when none).
+at::Tensor router_topk_backward(const at::Tensor& logits, const at::Tensor& indices,
+                                const at::Tensor& probs, const at::Tensor& grad_probs,
+                                const at::Tensor& grad_aux, const at::Tensor& grad_lse,
+                                const RouterScoring& scoring);
 
 }  // namespace torchmoe::ops

@@ -5,9 +5,10 @@
 #   device run: bash scripts/device/gpu_check.sh [tests] [sanitize] [example] [bench]
 # With no arguments it does tests, example and bench.
 #   tests     ctest, every case (CUDA included); CTEST_ARGS narrows it (e.g. "-R sm90")
-#   sanitize  compute-sanitizer memcheck on the sm90 GEMM, token-permutation and optimizer CUDA cases,
-#             racecheck on the sm90 small cases (every kernel path); SANITIZE_ONLY=memcheck or
-#             racecheck runs one tool
+#   sanitize  compute-sanitizer memcheck on the sm90 GEMM, token-permutation, optimizer, router and
+#             CUDA-graph cases, racecheck on the sm90 small cases (every kernel path);
+#             SANITIZE_ONLY=memcheck or racecheck runs one tool, SANITIZE_RUNS="tool|filter ..."
+#             replaces the list
 #   example   the example LM at docs/performance.md's config, eager and with --cuda-graph, each with
 #             a trace of 5 steps summed by part (scripts/trace_summary.py)
 #   compare   scripts/compare_python.sh: the example next to the same model in PyTorch Python
@@ -39,9 +40,11 @@ fi
 if [[ " $steps " == *" sanitize "* ]]; then
   # racecheck is slow: it runs the hidden small-case test (no 160k-row case).
   n=0
-  for run in "memcheck|[sm90]" "memcheck|[permutation][cuda]" "memcheck|[optim][cuda]" \
-    "racecheck|[sm90-small]" \
-    "racecheck|*clamps device splits*"; do
+  # shellcheck disable=SC2206
+  runs=(${SANITIZE_RUNS:-"memcheck|[sm90]" "memcheck|[permutation][cuda]" "memcheck|[optim][cuda]"
+    "memcheck|[router][cuda]" "memcheck|[graph]" "racecheck|[sm90-small]"
+    "racecheck|*clamps device splits*"})
+  for run in "${runs[@]}"; do
     tool=${run%%|*} filter=${run#*|} n=$((n + 1))
     [ -n "${SANITIZE_ONLY:-}" ] && [ "$tool" != "$SANITIZE_ONLY" ] && continue
     echo "compute-sanitizer --tool $tool on $filter:"

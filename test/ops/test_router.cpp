@@ -91,3 +91,53 @@ TEST_CASE("router logits: the cast path (CPU, mixed dtypes) and errors", "[ops][
                                                           c.weight, true, true),
                     Contains("grad_logits must be [tokens=17, experts=6]"));
 }
+
+TEST_CASE("router top-k: the CUDA kernel matches the ATen path", "[ops][router][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const bool sigmoid = GENERATE(false, true);
+  const bool normalize = GENERATE(false, true);
+  const bool bias = GENERATE(false, true);
+  const int64_t topk = GENERATE(1, 2, 8);
+  // 8 and 100: rows shorter than a warp and not a multiple of one; 1024 the kernel's limit; 2000
+  // takes the ATen path on CUDA too.
+  const int64_t experts = GENERATE(8, 100, 1024, 2000);
+  INFO("sigmoid=" << sigmoid << " normalize=" << normalize << " bias=" << bias << " topk=" << topk
+                  << " experts=" << experts);
+  torch::manual_seed(43);
+  const int64_t tokens = 333;
+  const torch::Tensor logits = torch::randn({tokens, experts}) * 2;
+  const torch::Tensor expert_bias = bias ? torch::randn({experts}) * 0.1 : torch::Tensor();
+  torchmoe::ops::RouterScoring scoring;
+  scoring.topk = topk;
+  scoring.sigmoid = sigmoid;
+  scoring.normalize = normalize;
+  scoring.aux = true;
+  const auto cpu = torchmoe::ops::router_topk(logits, expert_bias, scoring);
+  const auto cuda = torchmoe::ops::router_topk(
+      logits.cuda(), bias ? expert_bias.cuda() : torch::Tensor(), scoring);
+  // Continuous random logits: no near-ties at the k-th choice, so the choices agree exactly.
+  CHECK(torch::equal(cuda.indices.cpu(), cpu.indices));
+  CHECK(torch::equal(cuda.counts.cpu(), cpu.counts));
+  check_close(cuda.probs, cpu.probs, {1e-5, 1e-7}, "probs");
+  check_close(cuda.aux, cpu.aux, {1e-5, 1e-9}, "aux");
+  check_close(cuda.lse, cpu.lse, {1e-6, 1e-6}, "lse");
+
+  const torch::Tensor grad_probs = torch::randn({tokens, topk});
+  const torch::Tensor grad_aux = torch::randn({tokens, experts}) * 1e-2;
+  const torch::Tensor grad_lse = torch::randn({tokens});
+  for (int absent = 0; absent < 4; ++absent) {  // all gradients, then each one left out
+    INFO("absent gradient " << absent);
+    auto pick = [&](int which, const torch::Tensor& g) {
+      return absent == which ? torch::Tensor() : g;
+    };
+    const torch::Tensor expected =
+        torchmoe::ops::router_topk_backward(logits, cpu.indices, cpu.probs, pick(1, grad_probs),
+                                            pick(2, grad_aux), pick(3, grad_lse), scoring);
+    const torch::Tensor actual = torchmoe::ops::router_topk_backward(
+        logits.cuda(), cuda.indices, cuda.probs,
+        pick(1, grad_probs).defined() ? grad_probs.cuda() : torch::Tensor(),
+        pick(2, grad_aux).defined() ? grad_aux.cuda() : torch::Tensor(),
+        pick(3, grad_lse).defined() ? grad_lse.cuda() : torch::Tensor(), scoring);
+    check_close(actual, expected, {1e-4, 1e-6}, "grad logits");
+  }
+}

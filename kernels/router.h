@@ -1,0 +1,55 @@
+#pragma once
+// The top-k router's scoring in one pass per direction, from its fp32 logits.
+//
+// Kernel layer: raw pointers, sizes and a stream. Validation, allocation and dispatch:
+// ops/router.cpp. Per token t (row of logits [T, E]):
+//
+//   lse[t]         = log Σ_e exp(logits[t, e])                       (the z-loss's input)
+//   s[t, e]        = softmax(logits[t])_e, or sigmoid(logits[t, e])
+//   indices[t, :]  = the k experts of highest s[t, e] + bias[e], in descending order (ties: the
+//                    lower expert first)
+//   probs[t, j]    = s[t, indices[t, j]], divided by Σ_j of them (+1e-20) when normalized
+//   aux[t, e]      = s[t, e], or for sigmoid s[t, e] / (Σ_e s[t, e] + 1e-20)   (optional)
+//   counts[e]     += number of tokens choosing e                     (int64, zeroed by the caller)
+//
+// The backward takes the gradients of probs, aux and lse (each optional) and writes
+// grad_logits [T, E]. One warp per token, the row kept in shared memory: E ≤ kMaxExperts.
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace torchmoe::kernels {
+
+constexpr int64_t kRouterMaxExperts = 1024;
+
+struct RouterParams {
+  int64_t tokens = 0;   // T
+  int64_t experts = 0;  // E ≤ kRouterMaxExperts
+  int64_t topk = 0;     // k ≤ E
+  bool sigmoid = false;
+  bool normalize = false;
+  const float* logits = nullptr;       // [T, E]
+  const float* expert_bias = nullptr;  // [E] or null (selection only)
+
+  // forward outputs
+  int64_t* indices = nullptr;  // [T, k]
+  float* probs = nullptr;      // [T, k]
+  float* aux = nullptr;        // [T, E] or null
+  float* lse = nullptr;        // [T]
+  int64_t* counts = nullptr;   // [E]
+
+  // backward: the forward's indices and probs, the output gradients (each may be null), and
+  // grad_logits [T, E] (written)
+  const int64_t* saved_indices = nullptr;  // [T, k]
+  const float* saved_probs = nullptr;      // [T, k]
+  const float* grad_probs = nullptr;       // [T, k]
+  const float* grad_aux = nullptr;         // [T, E]
+  const float* grad_lse = nullptr;         // [T]
+  float* grad_logits = nullptr;
+};
+
+void launch_router_forward(const RouterParams& params, cudaStream_t stream);
+void launch_router_backward(const RouterParams& params, cudaStream_t stream);
+
+}  // namespace torchmoe::kernels
