@@ -19,6 +19,7 @@ CATEGORIES = [
     ("expert GEMMs (torchmoe sm90)", r"grouped_gemm_sm90"),
     ("expert wgrad column sums", r"grouped_column_sum"),
     ("scaled SwiGLU", r"glu_(forward|backward)_kernel"),
+    ("router (torchmoe)", r"router_(forward|backward)_kernel"),
     ("token permutation", r"routing_keys|row_map_kernel|permute_kernel|unpermute|RadixSort|Onesweep"),
     ("optimizer (FusedAdamW, norm)", r"adamw_kernel|sum_of_squares|finish_norm"),
     ("attention (SDPA)", r"flash|fmha|attention"),
