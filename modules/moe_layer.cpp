@@ -2,12 +2,32 @@
 
 #include <utility>
 
+#include "torchmoe/autograd/expert_parallel_function.h"
 #include "torchmoe/modules/token_permutation.h"
 
 namespace torchmoe {
 namespace {
 
 constexpr const char* kModule = "MoELayer";
+
+// With expert parallelism the router's losses are over the group's batch unless the router has a
+// group of its own.
+TopKRouterOptions local_router_options(const MoELayerOptions& options) {
+  TopKRouterOptions router = options.router();
+  if (options.expert_parallel() && !router.process_group()) {
+    router.process_group(*options.expert_parallel());
+  }
+  return router;
+}
+
+// This rank's shard: E / ep experts with expert parallelism.
+GroupedMLPOptions local_expert_options(const MoELayerOptions& options) {
+  GroupedMLPOptions experts = options.experts();
+  if (options.expert_parallel()) {
+    experts.num_experts(experts.num_experts() / options.expert_parallel()->group()->getSize());
+  }
+  return experts;
+}
 
 }  // namespace
 
@@ -39,15 +59,26 @@ void MoELayerImpl::reset() {
               ": the router and the experts must agree on hidden and num_experts, got router (",
               r.hidden(), ", ", r.num_experts(), ") and experts (", e.hidden(), ", ",
               e.num_experts(), ")");
-  router = register_module("router", TopKRouter(r));
-  experts = register_module("experts", GroupedMLP(e));
+  if (options.expert_parallel()) {
+    TORCH_CHECK(options.expert_parallel()->group(), kModule,
+                ": expert_parallel must hold a process group, got a null one");
+    const int64_t ep = options.expert_parallel()->group()->getSize();
+    TORCH_CHECK(r.num_experts() % ep == 0, kModule,
+                ": num_experts must be divisible by the expert-parallel size ", ep, ", got ",
+                r.num_experts());
+  }
+  router = register_module("router", TopKRouter(local_router_options(options)));
+  experts = register_module("experts", GroupedMLP(local_expert_options(options)));
 }
 
 void MoELayerImpl::pretty_print(std::ostream& stream) const {
   stream << "torchmoe::MoELayer(hidden=" << options.hidden()
          << ", ffn_hidden=" << options.experts().ffn_hidden()
-         << ", num_experts=" << options.num_experts() << ", topk=" << options.router().topk()
-         << ")";
+         << ", num_experts=" << options.num_experts() << ", topk=" << options.router().topk();
+  if (options.expert_parallel()) {
+    stream << ", expert_parallel=" << options.expert_parallel()->group()->getSize();
+  }
+  stream << ")";
 }
 
 MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_first_microbatch) {
@@ -63,12 +94,35 @@ MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_f
       functional::permute_tokens(tokens, routing.indices, options.num_experts(), routing.probs);
   // The split sizes go down on both host and device: each backend reads its copy, none is made.
   const torch::Tensor y =
-      experts(routed.tokens, routed.m_splits, routed.probs, is_first_microbatch);
+      options.expert_parallel()
+          ? run_experts_parallel(routed, is_first_microbatch)
+          : experts(routed.tokens, routed.m_splits, routed.probs, is_first_microbatch);
   MoEOutput out;
   out.output = functional::unpermute_tokens(y, routed).view(x.sizes());
   out.aux_loss = routing.aux_loss + routing.z_loss;
   out.tokens_per_expert = routing.tokens_per_expert;
   return out;
+}
+
+torch::Tensor MoELayerImpl::run_experts_parallel(const PermutedTokens& routed,
+                                                 std::optional<bool> is_first_microbatch) {
+  const ProcessGroupOptions& group = *options.expert_parallel();
+  // Rows per global expert on the data's device (a CUDA permutation left them there).
+  const torch::Tensor rows_per_expert =
+      routed.m_splits.has_device()
+          ? routed.m_splits.device()
+          : torch::tensor(routed.m_splits.host(), torch::kLong).to(routed.tokens.device());
+  // Experts are contiguous per rank, so rows grouped by expert are grouped by destination rank.
+  const ops::ExpertParallelSplits splits = autograd::exchange_split_sizes(rows_per_expert, group);
+  const torch::Tensor rows =
+      autograd::all_to_all_rows(routed.tokens, splits.send, splits.recv, group);
+  const torch::Tensor probs =
+      autograd::all_to_all_rows(routed.probs, splits.send, splits.recv, group);
+  const PermutedTokens local = autograd::permute_received(rows, probs, splits.recv_per_expert,
+                                                          experts->options.num_experts());
+  const torch::Tensor y = experts(local.tokens, local.m_splits, local.probs, is_first_microbatch);
+  return autograd::all_to_all_rows(functional::unpermute_tokens(y, local), splits.recv, splits.send,
+                                   group);
 }
 
 void MoELayerImpl::backward_dw() { experts->backward_dw(); }

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <utility>
 
+#include "torchmoe/autograd/expert_parallel_function.h"
+
 namespace torchmoe {
 namespace {
 
@@ -108,19 +110,34 @@ RouterOutput TopKRouterImpl::forward(const torch::Tensor& x) {
       torch::zeros({experts}, out.indices.options())
           .scatter_add(0, out.indices.reshape(-1), torch::ones_like(out.indices.reshape(-1)));
 
+  // With a group, the losses average over the group's tokens: the counts and the token count are
+  // summed in one all-reduce, and the count stays on the device (no host sync).
+  torch::Tensor group_tokens;
+  if (o.process_group()) {
+    torch::Tensor counts =
+        torch::cat({out.tokens_per_expert, torch::full({1}, tokens, out.indices.options())});
+    autograd::all_reduce_sum_(counts, *o.process_group());
+    out.tokens_per_expert = counts.narrow(0, 0, experts);
+    group_tokens = counts.narrow(0, experts, 1).squeeze(0).to(compute);
+  }
+
   const auto scalar = torch::TensorOptions(compute).device(x.device());
   out.aux_loss = torch::zeros({}, scalar);
   if (o.aux_loss_coeff() > 0 && tokens > 0) {
     const torch::Tensor s = o.score_function() == RouterScore::kSoftmax
                                 ? scores
                                 : scores / (scores.sum(-1, true) + 1e-20);
-    const double scale = o.aux_loss_coeff() * experts /
-                         (static_cast<double>(topk) * static_cast<double>(tokens) * tokens);
-    out.aux_loss = (s.sum(0) * out.tokens_per_expert.to(compute)).sum() * scale;
+    const torch::Tensor weighted = (s.sum(0) * out.tokens_per_expert.to(compute)).sum();
+    const double coeff = o.aux_loss_coeff() * experts;
+    out.aux_loss = group_tokens.defined()
+                       ? weighted * (coeff / topk) / group_tokens.square()
+                       : weighted * (coeff / (static_cast<double>(topk) * tokens * tokens));
   }
   out.z_loss = torch::zeros({}, scalar);
   if (o.z_loss_coeff() > 0 && tokens > 0) {
-    out.z_loss = torch::logsumexp(logits, -1).square().mean() * o.z_loss_coeff();
+    const torch::Tensor z = torch::logsumexp(logits, -1).square();
+    out.z_loss = group_tokens.defined() ? z.sum() * o.z_loss_coeff() / group_tokens
+                                        : z.mean() * o.z_loss_coeff();
   }
 
   if (o.capacity_factor() && tokens > 0) {
