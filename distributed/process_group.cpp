@@ -53,7 +53,10 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(c10::Device device,
   const std::string master = env_string("MASTER_ADDR");
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<uint16_t>(env_int("MASTER_PORT", 1, 65535));
-  store_options.isServer = rank == 0;
+  // Under torchrun the agent already serves a store on MASTER_PORT and says so; rank 0 then joins
+  // it as a client, as Python's init_process_group does.
+  const char* agent_store = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  store_options.isServer = rank == 0 && !(agent_store && std::string(agent_store) == "True");
   store_options.numWorkers = static_cast<size_t>(world);
   store_options.waitWorkers = true;
   store_options.timeout = timeout;

@@ -1,7 +1,8 @@
 // MoELayer with expert parallelism over Gloo, run as 2 and 4 processes (ctest: ep_n2, ep_n4):
 // each rank's output and gradients equal the single-process MoELayer's on the same global batch
 // in float64 (the router's gradient and the aux loss summed over the ranks); uneven batches, a
-// rank without tokens, an expert and a whole rank that receive none; argument errors.
+// rank without tokens, an expert and a whole rank that receive none; argument errors, and
+// init_process_group's errors for a bad environment.
 
 #include <torchmoe/torchmoe.h>
 
@@ -125,6 +126,22 @@ TEST_CASE("MoELayer expert parallel: argument errors", "[ep]") {
   REQUIRE_THROWS_WITH(MoELayer(options),
                       Contains("num_experts must be divisible by the expert-parallel size"));
   MoELayerOptions null_group(8, 8, 2 * ep, 1);
-  null_group.expert_parallel(torchmoe::ProcessGroupOptions(nullptr));
+  null_group.expert_parallel(c10::intrusive_ptr<c10d::ProcessGroup>());
   REQUIRE_THROWS_WITH(MoELayer(null_group), Contains("must hold a process group"));
+}
+
+TEST_CASE("init_process_group: a bad environment is an error naming the variable", "[ep]") {
+  test_group();  // made from the good environment first
+  const std::string world = std::getenv("WORLD_SIZE");
+  setenv("WORLD_SIZE", "two", 1);
+  REQUIRE_THROWS_WITH(torchmoe::distributed::init_process_group(torch::kCPU),
+                      Contains("WORLD_SIZE must be an integer in [1, ") && Contains("got 'two'"));
+  setenv("WORLD_SIZE", world.c_str(), 1);
+  const std::string master = std::getenv("MASTER_ADDR");
+  unsetenv("MASTER_ADDR");
+  REQUIRE_THROWS_WITH(torchmoe::distributed::init_process_group(torch::kCPU),
+                      Contains("environment variable MASTER_ADDR must be set"));
+  setenv("MASTER_ADDR", master.c_str(), 1);
+  REQUIRE_THROWS_WITH(torchmoe::distributed::init_process_group(torch::Device("meta")),
+                      Contains("device must be CPU (Gloo) or CUDA (NCCL and Gloo), got meta"));
 }
