@@ -56,6 +56,31 @@ PermutedTokens permute_received(const at::Tensor& rows, const at::Tensor& probs,
   return out;
 }
 
+PermutedTokens permute_to_capacity(const at::Tensor& tokens, const at::Tensor& indices,
+                                   const at::Tensor& probs, int64_t num_experts, int64_t capacity) {
+  constexpr const char* kOp = "permute_to_capacity";
+  TORCH_CHECK(tokens.dim() == 2 && indices.dim() == 2 && indices.size(0) == tokens.size(0), kOp,
+              ": tokens must be [T, H] and indices [T, topk], got ", tokens.sizes(), " and ",
+              indices.sizes());
+  TORCH_CHECK(probs.sizes() == indices.sizes(), kOp, ": probs must have the indices' shape ",
+              indices.sizes(), ", got ", probs.sizes());
+  ops::CapacityMap map = ops::make_capacity_map(indices, num_experts, capacity);
+  PermutedTokens out;
+  out.tokens = PermuteFunction::apply(tokens, map.row_map, map.sorted_slots);
+  const at::Tensor padding = map.sorted_slots < 0;
+  out.probs =
+      probs.reshape(-1).index_select(0, map.sorted_slots.clamp_min(0)).masked_fill(padding, 0);
+  out.row_map = std::move(map.row_map);
+  out.sorted_slots = std::move(map.sorted_slots);
+  std::vector<int64_t> splits(num_experts, capacity);
+  out.m_splits =
+      tokens.is_cuda()
+          ? SplitSizes(splits, at::full({num_experts}, capacity,
+                                        at::TensorOptions(at::kLong).device(tokens.device())))
+          : SplitSizes(splits);
+  return out;
+}
+
 ops::ExpertParallelSplits exchange_split_sizes(const at::Tensor& rows_per_expert,
                                                const ProcessGroupOptions& group) {
   return ops::exchange_split_sizes(rows_per_expert, group);

@@ -41,6 +41,13 @@ at::Tensor all_to_all_rows(const at::Tensor& rows, c10::IntArrayRef send_splits,
 PermutedTokens permute_received(const at::Tensor& rows, const at::Tensor& probs,
                                 c10::IntArrayRef recv_per_expert, int64_t num_local_experts);
 
+// Capacity mode: tokens [T, H] -> [E·capacity, H], expert e's rows at [e·capacity, (e+1)·capacity),
+// zero rows (probability 0) where an expert has fewer; slots beyond capacity are dropped (see
+// ops::make_capacity_map). No host sync. Differentiable in tokens and probs ([T, k]); unpermute
+// the experts' output with unpermute_tokens(y, returned) (padding rows are ignored).
+PermutedTokens permute_to_capacity(const at::Tensor& tokens, const at::Tensor& indices,
+                                   const at::Tensor& probs, int64_t num_experts, int64_t capacity);
+
 // No gradient (counts). See ops/expert_parallel.h.
 ops::ExpertParallelSplits exchange_split_sizes(const at::Tensor& rows_per_expert,
                                                const ProcessGroupOptions& group);

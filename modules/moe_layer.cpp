@@ -67,6 +67,12 @@ void MoELayerImpl::reset() {
                 ": num_experts must be divisible by the expert-parallel size ", ep, ", got ",
                 r.num_experts());
   }
+  if (options.pad_to_capacity()) {
+    TORCH_CHECK_NOT_IMPLEMENTED(options.expert_parallel(), kModule,
+                                ": pad_to_capacity is implemented for expert_parallel only");
+    TORCH_CHECK(r.capacity_factor(), kModule,
+                ": pad_to_capacity needs router().capacity_factor, got none");
+  }
   router = register_module("router", TopKRouter(local_router_options(options)));
   experts = register_module("experts", GroupedMLP(local_expert_options(options)));
 }
@@ -90,15 +96,19 @@ MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_f
               weight.scalar_type(), ", got ", x.scalar_type());
   const torch::Tensor tokens = x.reshape({-1, options.hidden()});
   const RouterOutput routing = router(tokens);
-  const PermutedTokens routed =
-      functional::permute_tokens(tokens, routing.indices, options.num_experts(), routing.probs);
-  // The split sizes go down on both host and device: each backend reads its copy, none is made.
-  const torch::Tensor y =
-      options.expert_parallel()
-          ? run_experts_parallel(routed, is_first_microbatch)
-          : experts(routed.tokens, routed.m_splits, routed.probs, is_first_microbatch);
   MoEOutput out;
-  out.output = functional::unpermute_tokens(y, routed).view(x.sizes());
+  if (options.pad_to_capacity()) {
+    out.output = run_padded(tokens, routing, is_first_microbatch).view(x.sizes());
+  } else {
+    const PermutedTokens routed =
+        functional::permute_tokens(tokens, routing.indices, options.num_experts(), routing.probs);
+    // The split sizes go down on both host and device: each backend reads its copy, none is made.
+    const torch::Tensor y =
+        options.expert_parallel()
+            ? run_experts_parallel(routed, is_first_microbatch)
+            : experts(routed.tokens, routed.m_splits, routed.probs, is_first_microbatch);
+    out.output = functional::unpermute_tokens(y, routed).view(x.sizes());
+  }
   out.aux_loss = routing.aux_loss + routing.z_loss;
   out.tokens_per_expert = routing.tokens_per_expert;
   return out;
@@ -123,6 +133,40 @@ torch::Tensor MoELayerImpl::run_experts_parallel(const PermutedTokens& routed,
   const torch::Tensor y = experts(local.tokens, local.m_splits, local.probs, is_first_microbatch);
   return autograd::all_to_all_rows(functional::unpermute_tokens(y, local), splits.recv, splits.send,
                                    group);
+}
+
+torch::Tensor MoELayerImpl::run_padded(const torch::Tensor& tokens, const RouterOutput& routing,
+                                       std::optional<bool> is_first_microbatch) {
+  const ProcessGroupOptions& group = *options.expert_parallel();
+  const int64_t ep = group.group()->getSize(), all = options.num_experts(), local = all / ep;
+  const int64_t capacity = expert_capacity(tokens.size(0), options.router());
+  const PermutedTokens padded =
+      autograd::permute_to_capacity(tokens, routing.indices, routing.probs, all, capacity);
+  // local·capacity rows to and from every rank: sizes every rank knows, nothing to exchange.
+  const std::vector<int64_t> splits(ep, local * capacity);
+  // [first, second, capacity, width] -> [second, first, capacity, width]: the received blocks
+  // (by source rank, then local expert) grouped by local expert, and back.
+  const auto swap_blocks = [capacity](const torch::Tensor& t, int64_t first, int64_t second) {
+    const int64_t width = t.size(1);
+    return t.view({first, second, capacity, width})
+        .transpose(0, 1)
+        .reshape({first * second * capacity, width});
+  };
+  const torch::Tensor rows =
+      swap_blocks(autograd::all_to_all_rows(padded.tokens, splits, splits, group), ep, local);
+  const torch::Tensor probs = swap_blocks(
+      autograd::all_to_all_rows(padded.probs.unsqueeze(1), splits, splits, group), ep, local);
+  std::vector<int64_t> rows_per_expert(local, ep * capacity);
+  const SplitSizes m_splits =
+      tokens.is_cuda()
+          ? SplitSizes(rows_per_expert,
+                       torch::full({local}, ep * capacity,
+                                   torch::TensorOptions(torch::kLong).device(tokens.device())))
+          : SplitSizes(rows_per_expert);
+  const torch::Tensor y = experts(rows, m_splits, probs.view(-1), is_first_microbatch);
+  const torch::Tensor back =
+      autograd::all_to_all_rows(swap_blocks(y, local, ep), splits, splits, group);
+  return functional::unpermute_tokens(back, padded);
 }
 
 void MoELayerImpl::backward_dw() { experts->backward_dw(); }

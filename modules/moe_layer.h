@@ -66,6 +66,12 @@ struct MoELayerOptions {
   /// parameter), and the router's losses are over the group's batch (router().process_group,
   /// when not set otherwise). Every rank of the group must call forward and backward together.
   TORCH_ARG(std::optional<ProcessGroupOptions>, expert_parallel) = std::nullopt;
+  /// Capacity mode of expert parallelism (Megatron's pad-to-capacity): each rank sends every
+  /// expert exactly expert_capacity(T, router()) rows, padded with zero rows, so the all-to-alls
+  /// have fixed sizes, no split sizes are exchanged and the layer makes no host sync (CUDA-graph
+  /// capturable). Needs expert_parallel and router().capacity_factor, and the same token count T
+  /// on every rank.
+  TORCH_ARG(bool, pad_to_capacity) = false;
 };
 
 struct MoEOutput {
@@ -103,6 +109,9 @@ class MoELayerImpl : public torch::nn::Cloneable<MoELayerImpl> {
   // the experts of all ranks.
   torch::Tensor run_experts_parallel(const PermutedTokens& routed,
                                      std::optional<bool> is_first_microbatch);
+  // tokens [T, hidden] and their routing -> the layer's output [T, hidden], in capacity mode.
+  torch::Tensor run_padded(const torch::Tensor& tokens, const RouterOutput& routing,
+                           std::optional<bool> is_first_microbatch);
 };
 
 TORCH_MODULE(MoELayer);

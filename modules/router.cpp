@@ -28,6 +28,12 @@ torch::Tensor capacity_mask(const torch::Tensor& indices, const torch::Tensor& p
 
 }  // namespace
 
+int64_t expert_capacity(int64_t tokens, const TopKRouterOptions& options) {
+  TORCH_CHECK(options.capacity_factor(), "expert_capacity: options must have a capacity_factor");
+  return static_cast<int64_t>(std::ceil(static_cast<double>(tokens * options.topk()) /
+                                        options.num_experts() * *options.capacity_factor()));
+}
+
 TopKRouterOptions::TopKRouterOptions(int64_t hidden, int64_t num_experts, int64_t topk)
     : hidden_(hidden), num_experts_(num_experts), topk_(topk) {}
 
@@ -141,9 +147,8 @@ RouterOutput TopKRouterImpl::forward(const torch::Tensor& x) {
   }
 
   if (o.capacity_factor() && tokens > 0) {
-    const auto capacity = static_cast<int64_t>(
-        std::ceil(static_cast<double>(tokens * topk) / experts * *o.capacity_factor()));
-    const torch::Tensor kept = capacity_mask(out.indices, out.probs, experts, capacity);
+    const torch::Tensor kept =
+        capacity_mask(out.indices, out.probs, experts, expert_capacity(tokens, o));
     out.indices = torch::where(kept, out.indices, -1);
     out.probs = out.probs * kept;
   }

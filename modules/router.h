@@ -69,6 +69,10 @@ struct TopKRouterOptions {
   TORCH_ARG(torch::Device, device) = torch::kCPU;
 };
 
+/// The most tokens an expert keeps out of `tokens` under options.capacity_factor():
+/// ceil(tokens·topk / num_experts · capacity_factor). Requires a capacity_factor.
+int64_t expert_capacity(int64_t tokens, const TopKRouterOptions& options);
+
 /// What the router returns for T tokens.
 struct RouterOutput {
   torch::Tensor indices;  // [T, k] int64, -1 where dropped by capacity

@@ -120,6 +120,27 @@ RoutingMap received_routing_map(c10::IntArrayRef recv_per_expert, int64_t num_lo
   return map;
 }
 
+CapacityMap make_capacity_map(const at::Tensor& indices, int64_t num_experts, int64_t capacity) {
+  constexpr const char* kOp = "make_capacity_map";
+  TORCH_CHECK(indices.defined() && indices.dim() == 2, kOp, ": indices must be 2-D [T, topk], got ",
+              indices.defined() ? indices.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(num_experts > 0 && capacity >= 0, kOp,
+              ": num_experts must be positive and capacity >= 0, got ", num_experts, " and ",
+              capacity);
+  const at::Tensor flat = indices.reshape(-1).to(at::kLong);
+  const at::Tensor valid = flat >= 0;
+  const at::Tensor expert = flat.clamp_min(0).unsqueeze(1);
+  // position[s]: how many earlier slots chose the same expert.
+  const at::Tensor chosen = at::zeros({flat.size(0), num_experts}, flat.options())
+                                .scatter_(1, expert, valid.unsqueeze(1).to(at::kLong));
+  const at::Tensor position = chosen.cumsum(0).gather(1, expert).squeeze(1) - 1;
+  const at::Tensor keep = valid & (position < capacity);
+  CapacityMap map;
+  map.row_map = at::where(keep, expert.squeeze(1) * capacity + position, -1).view(indices.sizes());
+  map.sorted_slots = slots_of_rows(map.row_map, num_experts * capacity);
+  return map;
+}
+
 at::Tensor all_to_all_rows(const at::Tensor& rows, c10::IntArrayRef send_splits,
                            c10::IntArrayRef recv_splits, const ProcessGroupOptions& group) {
   constexpr const char* kOp = "all_to_all_rows";

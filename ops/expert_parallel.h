@@ -36,6 +36,17 @@ ExpertParallelSplits exchange_split_sizes(const at::Tensor& rows_per_expert,
 RoutingMap received_routing_map(c10::IntArrayRef recv_per_expert, int64_t num_local_experts,
                                 at::Device device);
 
+// The fixed-size layout of capacity mode: each expert's rows padded to `capacity`.
+struct CapacityMap {
+  at::Tensor row_map;       // [T, k] int64: padded row e·capacity + position; -1 where dropped
+  at::Tensor sorted_slots;  // [E·capacity] int64: the slot of each padded row, -1 for padding
+};
+
+// indices [T, k] in [0, E) or -1 (dropped). A slot's position within its expert follows slot order
+// (as in permute_tokens); slots past `capacity` are dropped too. Computed on the device from a
+// cumulative sum over a [T·k, E] one-hot map: no host sync, so it can be captured in a CUDA graph.
+CapacityMap make_capacity_map(const at::Tensor& indices, int64_t num_experts, int64_t capacity);
+
 // rows [N, ...] (N = Σ send_splits, contiguous blocks in rank order) -> [Σ recv_splits, ...]: the
 // send_splits[r] rows of block r go to rank r; the blocks received arrive in rank order.
 at::Tensor all_to_all_rows(const at::Tensor& rows, c10::IntArrayRef send_splits,
