@@ -14,6 +14,7 @@
 #include "distributed/ep_test_utils.h"
 #include "test_utils.h"
 #include "torchmoe/autograd/expert_parallel_function.h"
+#include "torchmoe/modules/token_permutation.h"
 #include "torchmoe/ops/expert_parallel.h"
 
 using namespace torchmoe::test;
@@ -81,6 +82,27 @@ TEST_CASE("permute_received groups the received chunks by local expert", "[ep]")
                                            torch::zeros({4}, torch::kFloat64), chunks, 2);
   REQUIRE(torch::equal(regrouped.sorted_slots, torch::tensor({0, 1, 3, 2}, torch::kLong)));
   REQUIRE(regrouped.m_splits.host().vec() == std::vector<int64_t>{3, 1});
+}
+
+TEST_CASE("permute_to_capacity pads each expert to capacity and drops the slots past it", "[ep]") {
+  // 4 tokens, top-2, 3 experts, capacity 2: expert 1 is chosen by 3 slots, so its last is dropped;
+  // slot (3, 1) was dropped by the router already.
+  const torch::Tensor indices = torch::tensor({0, 1, 1, 2, 1, 0, 2, -1}, torch::kLong).view({4, 2});
+  const torch::Tensor tokens = torch::arange(4, torch::kFloat64).unsqueeze(1).requires_grad_(true);
+  const torch::Tensor probs = (torch::arange(8, torch::kFloat64) / 10).view({4, 2});
+  const torchmoe::PermutedTokens padded =
+      torchmoe::autograd::permute_to_capacity(tokens, indices, probs, 3, 2);
+  REQUIRE(torch::equal(padded.row_map,
+                       torch::tensor({0, 2, 3, 4, -1, 1, 5, -1}, torch::kLong).view({4, 2})));
+  REQUIRE(torch::equal(padded.tokens.squeeze(1),
+                       torch::tensor({0., 2., 0., 1., 1., 3.}, torch::kFloat64)));
+  REQUIRE(torch::equal(padded.probs, torch::tensor({0., .5, .1, .2, .3, .6}, torch::kFloat64)));
+  REQUIRE(padded.m_splits.host().vec() == std::vector<int64_t>{2, 2, 2});
+  // Back through the padded layout: each token gets the sum of its kept rows.
+  const torch::Tensor back = torchmoe::functional::unpermute_tokens(padded.tokens, padded);
+  REQUIRE(torch::equal(back.squeeze(1), torch::tensor({0., 2., 2., 3.}, torch::kFloat64)));
+  back.sum().backward();
+  REQUIRE(torch::equal(tokens.grad().squeeze(1), torch::tensor({2., 2., 1., 1.}, torch::kFloat64)));
 }
 
 TEST_CASE("expert-parallel ops: argument errors", "[ep]") {

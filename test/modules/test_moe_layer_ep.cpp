@@ -23,6 +23,8 @@ struct EpCase {
   std::vector<int64_t> tokens_per_rank;
   // Experts no token may choose (expert bias -100 in both layers).
   std::vector<int64_t> blocked_experts;
+  // Capacity mode, with a capacity factor that drops nothing (equal tokens per rank).
+  bool pad_to_capacity = false;
 };
 
 torch::Tensor group_sum(const torch::Tensor& t) {
@@ -44,6 +46,10 @@ void check_against_single_process(const EpCase& c) {
   MoELayerOptions options(hidden, ffn, experts, c.topk);
   options.params_dtype(torch::kFloat64);
   options.router().aux_loss_coeff(1e-2).z_loss_coeff(1e-3).expert_bias(true);
+  if (c.pad_to_capacity) {
+    // Capacity T·k/E·E/k = T: every expert can keep every token, so nothing is dropped.
+    options.router().capacity_factor(static_cast<double>(experts) / c.topk);
+  }
   MoELayer single(options);
   block_experts(single, c.blocked_experts);
   const int64_t total =
@@ -56,7 +62,7 @@ void check_against_single_process(const EpCase& c) {
   ((ref.output * dy_global).sum() + ref.aux_loss).backward();
 
   MoELayerOptions ep_options = options;
-  ep_options.expert_parallel(test_group());
+  ep_options.expert_parallel(test_group()).pad_to_capacity(c.pad_to_capacity);
   MoELayer layer(ep_options);
   REQUIRE(layer->experts->options.num_experts() == c.experts_per_rank);
   const int64_t first = rank * c.experts_per_rank;
@@ -119,6 +125,48 @@ TEST_CASE("MoELayer expert parallel: a rank without tokens, an expert and a rank
   check_against_single_process({per_rank, /*topk=*/2, tokens, blocked});
 }
 
+TEST_CASE("MoELayer expert parallel in capacity mode equals the single-process layer", "[ep]") {
+  const std::vector<int64_t> tokens(test_world(), 11);
+  check_against_single_process({/*experts_per_rank=*/2, /*topk=*/2, tokens, {}, true});
+  std::vector<int64_t> blocked = {0, 3};  // an expert, and half a rank's shard, receive nothing
+  check_against_single_process({/*experts_per_rank=*/2, /*topk=*/2, tokens, blocked, true});
+}
+
+TEST_CASE("MoELayer capacity mode drops what the dropless exchange drops", "[ep]") {
+  const int64_t ep = test_world(), hidden = 12, experts = 2 * ep, topk = 2;
+  torch::manual_seed(31);
+  MoELayerOptions options(hidden, 20, experts, topk);
+  options.params_dtype(torch::kFloat64).expert_parallel(test_group());
+  options.router().capacity_factor(0.75);
+  // E experts keep at most E·C of the T·k = 26 slots: some are dropped on every rank.
+  REQUIRE(experts * torchmoe::expert_capacity(13, options.router()) < 13 * topk);
+  MoELayer dropless(options);
+  MoELayerOptions padded_options = options;
+  padded_options.pad_to_capacity(true);
+  MoELayer padded(padded_options);
+  {
+    const torch::NoGradGuard no_grad;
+    for (const auto& item : dropless->named_parameters()) {
+      padded->named_parameters()[item.key()].copy_(item.value());
+    }
+  }
+  // Rank-dependent tokens; the same count on every rank, as capacity mode needs.
+  torch::manual_seed(100 + test_rank());
+  const torch::Tensor x = torch::randn({13, hidden}, torch::kFloat64);
+  const torch::Tensor dy = torch::randn({13, hidden}, torch::kFloat64);
+  const torch::Tensor x1 = x.clone().requires_grad_(true), x2 = x.clone().requires_grad_(true);
+  const torchmoe::MoEOutput a = dropless(x1), b = padded(x2);
+  ((a.output * dy).sum() + a.aux_loss).backward();
+  ((b.output * dy).sum() + b.aux_loss).backward();
+  const Tolerance tol = tolerance_for(torch::kFloat64);
+  check_close(b.output, a.output, tol, "output");
+  check_close(x2.grad(), x1.grad(), tol, "grad x");
+  for (const auto& item : dropless->named_parameters()) {
+    check_close(padded->named_parameters()[item.key()].grad(), item.value().grad(), tol,
+                "grad " + item.key());
+  }
+}
+
 TEST_CASE("MoELayer expert parallel: argument errors", "[ep]") {
   const int64_t ep = test_world();
   MoELayerOptions options(8, 8, 2 * ep + 1, 1);
@@ -128,6 +176,13 @@ TEST_CASE("MoELayer expert parallel: argument errors", "[ep]") {
   MoELayerOptions null_group(8, 8, 2 * ep, 1);
   null_group.expert_parallel(c10::intrusive_ptr<c10d::ProcessGroup>());
   REQUIRE_THROWS_WITH(MoELayer(null_group), Contains("must hold a process group"));
+  MoELayerOptions no_capacity(8, 8, 2 * ep, 1);
+  no_capacity.expert_parallel(test_group()).pad_to_capacity(true);
+  REQUIRE_THROWS_WITH(MoELayer(no_capacity),
+                      Contains("pad_to_capacity needs router().capacity_factor"));
+  MoELayerOptions no_ep(8, 8, 2 * ep, 1);
+  no_ep.pad_to_capacity(true).router().capacity_factor(1.0);
+  REQUIRE_THROWS_AS(MoELayer(no_ep), c10::NotImplementedError);
 }
 
 TEST_CASE("init_process_group: a bad environment is an error naming the variable", "[ep]") {
