@@ -2,12 +2,33 @@
 
 #include <utility>
 
+#include "torchmoe/autograd/expert_parallel_function.h"
 #include "torchmoe/autograd/token_permutation_function.h"
+#include "torchmoe/modules/token_permutation.h"
 
 namespace torchmoe {
 namespace {
 
 constexpr const char* kModule = "MoELayer";
+
+// With expert parallelism the router's losses are over the group's batch unless the router has a
+// group of its own.
+TopKRouterOptions local_router_options(const MoELayerOptions& options) {
+  TopKRouterOptions router = options.router();
+  if (options.expert_parallel() && !router.process_group()) {
+    router.process_group(*options.expert_parallel());
+  }
+  return router;
+}
+
+// This rank's shard: E / ep experts with expert parallelism.
+GroupedMLPOptions local_expert_options(const MoELayerOptions& options) {
+  GroupedMLPOptions experts = options.experts();
+  if (options.expert_parallel()) {
+    experts.num_experts(experts.num_experts() / options.expert_parallel()->group()->getSize());
+  }
+  return experts;
+}
 
 }  // namespace
 
@@ -39,15 +60,32 @@ void MoELayerImpl::reset() {
               ": the router and the experts must agree on hidden and num_experts, got router (",
               r.hidden(), ", ", r.num_experts(), ") and experts (", e.hidden(), ", ",
               e.num_experts(), ")");
-  router = register_module("router", TopKRouter(r));
-  experts = register_module("experts", GroupedMLP(e));
+  if (options.expert_parallel()) {
+    TORCH_CHECK(options.expert_parallel()->group(), kModule,
+                ": expert_parallel must hold a process group, got a null one");
+    const int64_t ep = options.expert_parallel()->group()->getSize();
+    TORCH_CHECK(r.num_experts() % ep == 0, kModule,
+                ": num_experts must be divisible by the expert-parallel size ", ep, ", got ",
+                r.num_experts());
+  }
+  if (options.pad_to_capacity()) {
+    TORCH_CHECK_NOT_IMPLEMENTED(options.expert_parallel(), kModule,
+                                ": pad_to_capacity is implemented for expert_parallel only");
+    TORCH_CHECK(r.capacity_factor(), kModule,
+                ": pad_to_capacity needs router().capacity_factor, got none");
+  }
+  router = register_module("router", TopKRouter(local_router_options(options)));
+  experts = register_module("experts", GroupedMLP(local_expert_options(options)));
 }
 
 void MoELayerImpl::pretty_print(std::ostream& stream) const {
   stream << "torchmoe::MoELayer(hidden=" << options.hidden()
          << ", ffn_hidden=" << options.experts().ffn_hidden()
-         << ", num_experts=" << options.num_experts() << ", topk=" << options.router().topk()
-         << ")";
+         << ", num_experts=" << options.num_experts() << ", topk=" << options.router().topk();
+  if (options.expert_parallel()) {
+    stream << ", expert_parallel=" << options.expert_parallel()->group()->getSize();
+  }
+  stream << ")";
 }
 
 MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_first_microbatch) {
@@ -59,21 +97,83 @@ MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_f
               weight.scalar_type(), ", got ", x.scalar_type());
   const torch::Tensor tokens = x.reshape({-1, options.hidden()});
   const RouterOutput routing = router(tokens);
-  // Without a capacity the router's top-k has no dropped slot, so the permuted row count is T·k
-  // and the split sizes can stay on the device: no host sync in the layer when the experts'
-  // GEMMs take device splits (sm90), which makes the step CUDA-graph capturable. With a capacity
-  // the dropped count decides the row count, and the routing map copies the sizes to the host.
-  const ops::IndexTrust trust =
-      options.router().capacity_factor() ? ops::IndexTrust::kChecked : ops::IndexTrust::kDropless;
-  const PermutedTokens routed = autograd::permute_tokens(
-      tokens, routing.indices, options.num_experts(), routing.probs, trust);
-  const torch::Tensor y =
-      experts(routed.tokens, routed.m_splits, routed.probs, is_first_microbatch);
   MoEOutput out;
-  out.output = autograd::unpermute_tokens(y, routed, std::nullopt).view(x.sizes());
+  if (options.pad_to_capacity()) {
+    out.output = run_padded(tokens, routing, is_first_microbatch).view(x.sizes());
+  } else {
+    // Without a capacity the router's top-k has no dropped slot, so the permuted row count is T·k
+    // and the split sizes can stay on the device: no host sync in the layer when the experts'
+    // GEMMs take device splits (sm90), which makes the step CUDA-graph capturable. With a
+    // capacity the dropped count decides the row count, and the routing map copies the sizes to
+    // the host.
+    const ops::IndexTrust trust =
+        options.router().capacity_factor() ? ops::IndexTrust::kChecked : ops::IndexTrust::kDropless;
+    const PermutedTokens routed = autograd::permute_tokens(
+        tokens, routing.indices, options.num_experts(), routing.probs, trust);
+    const torch::Tensor y =
+        options.expert_parallel()
+            ? run_experts_parallel(routed, is_first_microbatch)
+            : experts(routed.tokens, routed.m_splits, routed.probs, is_first_microbatch);
+    out.output = autograd::unpermute_tokens(y, routed, std::nullopt).view(x.sizes());
+  }
   out.aux_loss = routing.aux_loss + routing.z_loss;
   out.tokens_per_expert = routing.tokens_per_expert;
   return out;
+}
+
+torch::Tensor MoELayerImpl::run_experts_parallel(const PermutedTokens& routed,
+                                                 std::optional<bool> is_first_microbatch) {
+  const ProcessGroupOptions& group = *options.expert_parallel();
+  // Rows per global expert on the data's device (a CUDA permutation left them there).
+  const torch::Tensor rows_per_expert =
+      routed.m_splits.has_device()
+          ? routed.m_splits.device()
+          : torch::tensor(routed.m_splits.host(), torch::kLong).to(routed.tokens.device());
+  // Experts are contiguous per rank, so rows grouped by expert are grouped by destination rank.
+  const ops::ExpertParallelSplits splits = autograd::exchange_split_sizes(rows_per_expert, group);
+  const torch::Tensor rows =
+      autograd::all_to_all_rows(routed.tokens, splits.send, splits.recv, group);
+  const torch::Tensor probs =
+      autograd::all_to_all_rows(routed.probs, splits.send, splits.recv, group);
+  const PermutedTokens local = autograd::permute_received(rows, probs, splits.recv_per_expert,
+                                                          experts->options.num_experts());
+  const torch::Tensor y = experts(local.tokens, local.m_splits, local.probs, is_first_microbatch);
+  return autograd::all_to_all_rows(functional::unpermute_tokens(y, local), splits.recv, splits.send,
+                                   group);
+}
+
+torch::Tensor MoELayerImpl::run_padded(const torch::Tensor& tokens, const RouterOutput& routing,
+                                       std::optional<bool> is_first_microbatch) {
+  const ProcessGroupOptions& group = *options.expert_parallel();
+  const int64_t ep = group.group()->getSize(), all = options.num_experts(), local = all / ep;
+  const int64_t capacity = expert_capacity(tokens.size(0), options.router());
+  const PermutedTokens padded =
+      autograd::permute_to_capacity(tokens, routing.indices, routing.probs, all, capacity);
+  // local·capacity rows to and from every rank: sizes every rank knows, nothing to exchange.
+  const std::vector<int64_t> splits(ep, local * capacity);
+  // [first, second, capacity, width] -> [second, first, capacity, width]: the received blocks
+  // (by source rank, then local expert) grouped by local expert, and back.
+  const auto swap_blocks = [capacity](const torch::Tensor& t, int64_t first, int64_t second) {
+    const int64_t width = t.size(1);
+    return t.view({first, second, capacity, width})
+        .transpose(0, 1)
+        .reshape({first * second * capacity, width});
+  };
+  const torch::Tensor rows =
+      swap_blocks(autograd::all_to_all_rows(padded.tokens, splits, splits, group), ep, local);
+  const torch::Tensor probs = swap_blocks(
+      autograd::all_to_all_rows(padded.probs.unsqueeze(1), splits, splits, group), ep, local);
+  std::vector<int64_t> rows_per_expert(local, ep * capacity);
+  const SplitSizes m_splits =
+      tokens.is_cuda()
+          ? SplitSizes(rows_per_expert,
+                       torch::full({local}, ep * capacity,
+                                   torch::TensorOptions(torch::kLong).device(tokens.device())))
+          : SplitSizes(rows_per_expert);
+  const torch::Tensor y = experts(rows, m_splits, probs.view(-1), is_first_microbatch);
+  const torch::Tensor back =
+      autograd::all_to_all_rows(swap_blocks(y, local, ep), splits, splits, group);
+  return functional::unpermute_tokens(back, padded);
 }
 
 void MoELayerImpl::backward_dw() { experts->backward_dw(); }

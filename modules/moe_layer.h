@@ -8,6 +8,16 @@
 // The probabilities are applied inside the scaled activation (Megatron's memory-efficient
 // permutation), so unpermute needs no weights and no copy of the expert outputs is kept for the
 // probabilities' gradient.
+//
+// With expert_parallel set (EP over a c10d process group of ep ranks), each rank holds E/ep
+// experts (rank r: global experts [r·E/ep, (r+1)·E/ep)) and the permuted rows travel to them and
+// back between permute and unpermute:
+//
+//   permute (rows by global expert = by destination rank) -> exchange the split sizes (all-to-all,
+//   the one host sync) -> all-to-all of the rows and of their probabilities -> group by local
+//   expert -> GroupedMLP -> ungroup -> all-to-all back -> unpermute
+//
+// Backward runs the reverse exchanges. docs/moe.md, "Expert parallelism".
 
 #include <torch/arg.h>
 #include <torch/nn/cloneable.h>
@@ -19,6 +29,7 @@
 
 #include "torchmoe/modules/grouped_mlp.h"
 #include "torchmoe/modules/router.h"
+#include "torchmoe/ops/process_group.h"
 
 namespace torchmoe {
 
@@ -47,13 +58,29 @@ struct MoELayerOptions {
   int64_t num_experts() const { return router_.num_experts(); }
 
   TORCH_ARG(TopKRouterOptions, router);
+  /// num_experts here is the global E; with expert_parallel the layer builds E/ep of them.
   TORCH_ARG(GroupedMLPOptions, experts);
+  /// Expert parallelism over this group's ep ranks (E divisible by ep): this rank holds the global
+  /// experts [rank·E/ep, (rank+1)·E/ep) as experts 0..E/ep-1, the router is replicated (the same
+  /// weights on every rank: the trainer sums its gradients over the group, as for any dense
+  /// parameter), and the router's losses are over the group's batch (router().process_group,
+  /// when not set otherwise). Every rank of the group must call forward and backward together.
+  TORCH_ARG(std::optional<ProcessGroupOptions>, expert_parallel) = std::nullopt;
+  /// Capacity mode of expert parallelism (Megatron's pad-to-capacity): each rank sends every
+  /// expert exactly expert_capacity(T, router()) rows, padded with zero rows, so the all-to-alls
+  /// have fixed sizes, no split sizes are exchanged and the layer makes no host sync (CUDA-graph
+  /// capturable). Needs expert_parallel and router().capacity_factor, and the same token count T
+  /// on every rank.
+  TORCH_ARG(bool, pad_to_capacity) = false;
 };
 
 struct MoEOutput {
-  torch::Tensor output;             // x's shape and dtype
-  torch::Tensor aux_loss;           // router load-balancing loss + z-loss, scalar float32
-  torch::Tensor tokens_per_expert;  // [E] int64, before capacity dropping
+  torch::Tensor output;  // x's shape and dtype
+  // Router load-balancing loss + z-loss, scalar float32. With expert parallelism, this rank's
+  // share: the ranks' aux losses sum to the loss of the group's whole batch.
+  torch::Tensor aux_loss;
+  // [E] int64 over all E experts, before capacity dropping (with expert parallelism, the group's)
+  torch::Tensor tokens_per_expert;
 };
 
 class MoELayerImpl : public torch::nn::Cloneable<MoELayerImpl> {
@@ -74,7 +101,17 @@ class MoELayerImpl : public torch::nn::Cloneable<MoELayerImpl> {
 
   MoELayerOptions options;
   TopKRouter router{nullptr};
+  /// This rank's experts: all E, or with expert_parallel the E/ep of its shard.
   GroupedMLP experts{nullptr};
+
+ private:
+  // routed rows (grouped by global expert) -> the experts' outputs in the same rows, through
+  // the experts of all ranks.
+  torch::Tensor run_experts_parallel(const PermutedTokens& routed,
+                                     std::optional<bool> is_first_microbatch);
+  // tokens [T, hidden] and their routing -> the layer's output [T, hidden], in capacity mode.
+  torch::Tensor run_padded(const torch::Tensor& tokens, const RouterOutput& routing,
+                           std::optional<bool> is_first_microbatch);
 };
 
 TORCH_MODULE(MoELayer);

@@ -2,10 +2,11 @@
 
 #include <torch/nn/init.h>
 
-#include "torchmoe/autograd/router_function.h"
-
 #include <cmath>
 #include <utility>
+
+#include "torchmoe/autograd/expert_parallel_function.h"
+#include "torchmoe/autograd/router_function.h"
 
 namespace torchmoe {
 namespace {
@@ -27,6 +28,12 @@ torch::Tensor capacity_mask(const torch::Tensor& indices, const torch::Tensor& p
 }
 
 }  // namespace
+
+int64_t expert_capacity(int64_t tokens, const TopKRouterOptions& options) {
+  TORCH_CHECK(options.capacity_factor(), "expert_capacity: options must have a capacity_factor");
+  return static_cast<int64_t>(std::ceil(static_cast<double>(tokens * options.topk()) /
+                                        options.num_experts() * *options.capacity_factor()));
+}
 
 TopKRouterOptions::TopKRouterOptions(int64_t hidden, int64_t num_experts, int64_t topk)
     : hidden_(hidden), num_experts_(num_experts), topk_(topk) {}
@@ -102,23 +109,38 @@ RouterOutput TopKRouterImpl::forward(const torch::Tensor& x) {
   out.indices = scored[0];
   out.probs = scored[1];
   out.tokens_per_expert = scored[4];
+
+  // With a group, the losses average over the group's tokens: the counts and the token count are
+  // summed in one all-reduce, and the count stays on the device (no host sync).
+  torch::Tensor group_tokens;
+  if (o.process_group()) {
+    torch::Tensor counts =
+        torch::cat({out.tokens_per_expert, torch::full({1}, tokens, out.indices.options())});
+    autograd::all_reduce_sum_(counts, *o.process_group());
+    out.tokens_per_expert = counts.narrow(0, 0, experts);
+    group_tokens = counts.narrow(0, experts, 1).squeeze(0).to(compute);
+  }
+
   const auto scalar = torch::TensorOptions(compute).device(x.device());
   out.aux_loss = torch::zeros({}, scalar);
   if (want_aux) {
     // scored[2]: each token's scores (sigmoid: over their row sum).
-    const double scale = o.aux_loss_coeff() * experts /
-                         (static_cast<double>(topk) * static_cast<double>(tokens) * tokens);
-    out.aux_loss = (scored[2].sum(0) * out.tokens_per_expert.to(compute)).sum() * scale;
+    const torch::Tensor weighted = (scored[2].sum(0) * out.tokens_per_expert.to(compute)).sum();
+    const double coeff = o.aux_loss_coeff() * experts;
+    out.aux_loss = group_tokens.defined()
+                       ? weighted * (coeff / topk) / group_tokens.square()
+                       : weighted * (coeff / (static_cast<double>(topk) * tokens * tokens));
   }
   out.z_loss = torch::zeros({}, scalar);
   if (o.z_loss_coeff() > 0 && tokens > 0) {
-    out.z_loss = scored[3].square().mean() * o.z_loss_coeff();  // scored[3]: logsumexp per token
+    const torch::Tensor z = scored[3].square();  // scored[3]: logsumexp per token
+    out.z_loss = group_tokens.defined() ? z.sum() * o.z_loss_coeff() / group_tokens
+                                        : z.mean() * o.z_loss_coeff();
   }
 
   if (o.capacity_factor() && tokens > 0) {
-    const auto capacity = static_cast<int64_t>(
-        std::ceil(static_cast<double>(tokens * topk) / experts * *o.capacity_factor()));
-    const torch::Tensor kept = capacity_mask(out.indices, out.probs, experts, capacity);
+    const torch::Tensor kept =
+        capacity_mask(out.indices, out.probs, experts, expert_capacity(tokens, o));
     out.indices = torch::where(kept, out.indices, -1);
     out.probs = out.probs * kept;
   }

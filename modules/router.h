@@ -19,6 +19,8 @@
 #include <optional>
 #include <ostream>
 
+#include "torchmoe/ops/process_group.h"
+
 namespace torchmoe {
 
 enum class RouterScore { kSoftmax, kSigmoid };
@@ -56,18 +58,30 @@ struct TopKRouterOptions {
   /// Each expert keeps at most ceil(T·k/E · capacity_factor) tokens, those with the highest
   /// probabilities; the others' slots get index -1 and probability 0. nullopt: no dropping.
   TORCH_ARG(std::optional<double>, capacity_factor) = std::nullopt;
+  /// The tokens of all ranks of this group count as one batch (Megatron's global aux loss): the
+  /// per-expert counts and the token count are summed over the group (one all-reduce per forward,
+  /// no host sync), tokens_per_expert and the expert-bias load are the group's, and each rank's
+  /// aux and z losses are its share, so that their sum over the ranks is the loss of the whole
+  /// batch. Every rank of the group must call forward. MoELayer sets its expert-parallel group
+  /// here unless one is given. nullopt: this rank's tokens only.
+  TORCH_ARG(std::optional<ProcessGroupOptions>, process_group) = std::nullopt;
   TORCH_ARG(torch::Dtype, params_dtype) = torch::kFloat32;
   TORCH_ARG(torch::Device, device) = torch::kCPU;
 };
+
+/// The most tokens an expert keeps out of `tokens` under options.capacity_factor():
+/// ceil(tokens·topk / num_experts · capacity_factor). Requires a capacity_factor.
+int64_t expert_capacity(int64_t tokens, const TopKRouterOptions& options);
 
 /// What the router returns for T tokens.
 struct RouterOutput {
   torch::Tensor indices;  // [T, k] int64, -1 where dropped by capacity
   // probs and the losses are float32 (float64 for float64 input).
-  torch::Tensor probs;              // [T, k], 0 where dropped
-  torch::Tensor aux_loss;           // scalar, coefficient applied
-  torch::Tensor z_loss;             // scalar, coefficient applied
-  torch::Tensor tokens_per_expert;  // [E] int64: tokens choosing each expert, before dropping
+  torch::Tensor probs;     // [T, k], 0 where dropped
+  torch::Tensor aux_loss;  // scalar, coefficient applied
+  torch::Tensor z_loss;    // scalar, coefficient applied
+  // [E] int64: tokens choosing each expert, before dropping (summed over process_group's ranks)
+  torch::Tensor tokens_per_expert;
 };
 
 class TopKRouterImpl : public torch::nn::Cloneable<TopKRouterImpl> {

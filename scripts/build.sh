@@ -16,7 +16,7 @@ build_dir=${TORCHMOE_BUILD_DIR:-build}
 torch_version=2.11.0
 
 # ---- system packages ------------------------------------------------------------------------
-packages=(cmake ninja-build ccache g++ catch2 libfmt-dev)
+packages=(cmake ninja-build ccache g++ catch2 libfmt-dev libgloo-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -4,5 +4,5 @@
 # not built. Without a GPU the [cuda] cases are reported as skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/build.sh torchmoe torchmoe_tests moe_lm
+scripts/build.sh torchmoe torchmoe_tests torchmoe_ep_tests moe_lm
 exec ctest --test-dir "${TORCHMOE_BUILD_DIR:-build}" --output-on-failure -j "$(nproc)"

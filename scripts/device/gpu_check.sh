@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's script: builds with the machine's own torch, then runs the steps asked for, in
-# order. Run from the repository root with .device carried (Catch2 and fmt: the machine has no
-# package registry; docs/build.md says how to fill it):
+# order. Run from the repository root with .device carried (Catch2, fmt and gloo's headers: the
+# machine has no package registry; docs/build.md says how to fill it):
 #   device run: bash scripts/device/gpu_check.sh [tests] [sanitize] [example] [bench]
 # With no arguments it does tests, example and bench.
 #   tests     ctest, every case (CUDA included); CTEST_ARGS narrows it (e.g. "-R sm90")
@@ -24,7 +24,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 start=$SECONDS
 {
   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DCMAKE_PREFIX_PATH="$torch_cmake;$PWD/.device/catch2;$PWD/.device/fmt" &&
+    -DCMAKE_PREFIX_PATH="$torch_cmake;$PWD/.device/catch2;$PWD/.device/fmt;$PWD/.device/gloo" &&
     cmake --build build-gpu -j 16
 } > "$out/build.log" 2>&1 || { grep -B2 -A8 -E "error|FAILED" "$out/build.log" | head -60; exit 1; }
 echo "build ok ($((SECONDS - start)) s)"

@@ -1,0 +1,56 @@
+#pragma once
+// Autograd for expert parallelism: AllToAllFunction exchanges rows between the ranks of a c10d
+// process group with variable splits; its backward sends the gradients back the reverse way (the
+// same exchange with send and receive splits swapped). all_to_all_rows() applies it; the split-size
+// exchange and the all-reduce carry integer counts, which have no gradient, and pass through to
+// the ops layer so that the modules call this layer only.
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "torchmoe/ops/expert_parallel.h"
+#include "torchmoe/ops/process_group.h"
+#include "torchmoe/ops/types.h"
+
+namespace torchmoe::autograd {
+
+class AllToAllFunction : public torch::autograd::Function<AllToAllFunction> {
+ public:
+  // rows [N, ...] (N = Σ send_splits) -> [Σ recv_splits, ...], as ops::all_to_all_rows.
+  // Gradient: grad [Σ recv_splits, ...] exchanged with recv_splits as the send splits.
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& rows,
+                            const std::vector<int64_t>& send_splits,
+                            const std::vector<int64_t>& recv_splits,
+                            const ProcessGroupOptions& group);
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs);
+};
+
+// Differentiable in rows. Every rank of the group must call it (and, in backward, reach its
+// gradient) in the same order as the others: the collectives pair up by order.
+at::Tensor all_to_all_rows(const at::Tensor& rows, c10::IntArrayRef send_splits,
+                           c10::IntArrayRef recv_splits, const ProcessGroupOptions& group);
+
+// rows [N, H] and their probs [N] as an all-to-all delivered them (see
+// ops::received_routing_map) -> grouped by local expert, as permute_tokens would with top-k 1,
+// without a host sync. Differentiable in rows and probs.
+PermutedTokens permute_received(const at::Tensor& rows, const at::Tensor& probs,
+                                c10::IntArrayRef recv_per_expert, int64_t num_local_experts);
+
+// Capacity mode: tokens [T, H] -> [E·capacity, H], expert e's rows at [e·capacity, (e+1)·capacity),
+// zero rows (probability 0) where an expert has fewer; slots beyond capacity are dropped (see
+// ops::make_capacity_map). No host sync. Differentiable in tokens and probs ([T, k]); unpermute
+// the experts' output with unpermute_tokens(y, returned) (padding rows are ignored).
+PermutedTokens permute_to_capacity(const at::Tensor& tokens, const at::Tensor& indices,
+                                   const at::Tensor& probs, int64_t num_experts, int64_t capacity);
+
+// No gradient (counts). See ops/expert_parallel.h.
+ops::ExpertParallelSplits exchange_split_sizes(const at::Tensor& rows_per_expert,
+                                               const ProcessGroupOptions& group);
+void all_reduce_sum_(at::Tensor& tensor, const ProcessGroupOptions& group);
+
+}  // namespace torchmoe::autograd

@@ -1,0 +1,185 @@
+#include "torchmoe/ops/expert_parallel.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/irange.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <algorithm>
+#include <exception>
+#include <numeric>
+
+namespace torchmoe::ops {
+namespace {
+
+c10d::ProcessGroup& checked_group(const char* op, const ProcessGroupOptions& group,
+                                  const at::Tensor& data) {
+  TORCH_CHECK(group.group(), op, ": the process group must be defined, got a null group");
+  c10d::ProcessGroup& pg = *group.group();
+  const std::vector<c10::Device> devices = pg.getDeviceTypes();
+  const bool has_backend = std::any_of(devices.begin(), devices.end(), [&](const c10::Device& d) {
+    return d.type() == data.device().type();
+  });
+  TORCH_CHECK(has_backend, op, ": the process group must have a backend for the data's device ",
+              data.device(), " (Gloo for CPU, NCCL for CUDA), got one for ", devices);
+  return pg;
+}
+
+// Waits for at most the group's timeout. c10d reports a peer that exited or a collective that
+// timed out as an exception from wait(); it is rethrown with the op and this rank named, so that
+// each surviving rank stops with an error that says where it was.
+void wait(const char* op, c10d::ProcessGroup& pg, const c10::intrusive_ptr<c10d::Work>& work,
+          const ProcessGroupOptions& group) {
+  bool completed = false;
+  try {
+    completed = work->wait(group.timeout());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, op, ": the collective failed on rank ", pg.getRank(), " of ", pg.getSize(),
+                " (a peer failed, exited, or did not join within ", group.timeout().count(),
+                " ms): ", e.what());
+  }
+  TORCH_CHECK(completed, op, ": the collective was aborted on rank ", pg.getRank(), " of ",
+              pg.getSize());
+}
+
+}  // namespace
+
+ExpertParallelSplits exchange_split_sizes(const at::Tensor& rows_per_expert,
+                                          const ProcessGroupOptions& group) {
+  constexpr const char* kOp = "exchange_split_sizes";
+  TORCH_CHECK(rows_per_expert.defined() && rows_per_expert.dim() == 1, kOp,
+              ": rows_per_expert must be a 1-D tensor [num_experts], got ",
+              rows_per_expert.defined() ? rows_per_expert.sizes() : at::IntArrayRef{});
+  c10d::ProcessGroup& pg = checked_group(kOp, group, rows_per_expert);
+  const int64_t ep = pg.getSize(), experts = rows_per_expert.size(0);
+  TORCH_CHECK(experts % ep == 0, kOp, ": num_experts must be divisible by the group size ", ep,
+              ", got ", experts);
+  const int64_t local = experts / ep;
+  at::Tensor send = rows_per_expert.to(at::kLong).contiguous();
+  at::Tensor recv = at::empty_like(send);
+  std::vector<int64_t> equal_splits;  // empty: E / ep counts to and from each rank
+  c10d::AllToAllOptions options;
+  options.timeout = group.timeout();
+  wait(kOp, pg, pg.alltoall_base(recv, send, equal_splits, equal_splits, options), group);
+  // The host sync: both count vectors in one copy.
+  const at::Tensor host = at::cat({send, recv}).cpu();
+  const int64_t* counts = host.const_data_ptr<int64_t>();
+
+  ExpertParallelSplits splits;
+  splits.recv_per_expert.assign(counts + experts, counts + 2 * experts);
+  for (const int64_t r : c10::irange(ep)) {
+    splits.send.push_back(std::accumulate(counts + r * local, counts + (r + 1) * local, 0L));
+    const int64_t* from_r = splits.recv_per_expert.data() + r * local;
+    splits.recv.push_back(std::accumulate(from_r, from_r + local, 0L));
+  }
+  return splits;
+}
+
+RoutingMap received_routing_map(c10::IntArrayRef recv_per_expert, int64_t num_local_experts,
+                                at::Device device) {
+  constexpr const char* kOp = "received_routing_map";
+  TORCH_CHECK(num_local_experts > 0 && recv_per_expert.size() % num_local_experts == 0, kOp,
+              ": recv_per_expert must hold ranks x num_local_experts counts, got ",
+              recv_per_expert.size(), " for ", num_local_experts, " local experts");
+  const int64_t local = num_local_experts;
+  const auto ranks = static_cast<int64_t>(recv_per_expert.size()) / local;
+  std::vector<int64_t> chunk_start(recv_per_expert.size() + 1, 0);
+  for (const size_t c : c10::irange(recv_per_expert.size())) {
+    TORCH_CHECK(recv_per_expert[c] >= 0, kOp, ": counts must be >= 0, got ", recv_per_expert);
+    chunk_start[c + 1] = chunk_start[c] + recv_per_expert[c];
+  }
+  RoutingMap map;
+  map.num_rows = chunk_start.back();
+  map.host_splits.assign(local, 0);
+  // sorted_slots[i]: the received row that lands in grouped row i (k = 1: slot = row); row_map
+  // is its inverse.
+  at::Tensor sorted = at::empty({map.num_rows}, at::kLong);
+  at::Tensor row_map = at::empty({map.num_rows}, at::kLong);
+  int64_t* sorted_ptr = sorted.data_ptr<int64_t>();
+  int64_t* row_map_ptr = row_map.data_ptr<int64_t>();
+  int64_t grouped = 0;
+  for (const int64_t l : c10::irange(local)) {
+    for (const int64_t r : c10::irange(ranks)) {
+      const int64_t c = r * local + l;
+      for (int64_t row = chunk_start[c]; row < chunk_start[c + 1]; ++row, ++grouped) {
+        sorted_ptr[grouped] = row;
+        row_map_ptr[row] = grouped;
+      }
+      map.host_splits[l] += recv_per_expert[c];
+    }
+  }
+  at::Tensor splits = at::tensor(map.host_splits, at::kLong);
+  if (device.is_cuda()) {
+    // Pinned, so that the copies queue behind the stream's work instead of waiting for it.
+    sorted = sorted.pin_memory().to(device, /*non_blocking=*/true);
+    row_map = row_map.pin_memory().to(device, /*non_blocking=*/true);
+    splits = splits.pin_memory().to(device, /*non_blocking=*/true);
+  }
+  map.sorted_slots = std::move(sorted);
+  map.row_map = row_map.unsqueeze(1);
+  map.m_splits = std::move(splits);
+  return map;
+}
+
+CapacityMap make_capacity_map(const at::Tensor& indices, int64_t num_experts, int64_t capacity) {
+  constexpr const char* kOp = "make_capacity_map";
+  TORCH_CHECK(indices.defined() && indices.dim() == 2, kOp, ": indices must be 2-D [T, topk], got ",
+              indices.defined() ? indices.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(num_experts > 0 && capacity >= 0, kOp,
+              ": num_experts must be positive and capacity >= 0, got ", num_experts, " and ",
+              capacity);
+  const at::Tensor flat = indices.reshape(-1).to(at::kLong);
+  const at::Tensor valid = flat >= 0;
+  const at::Tensor expert = flat.clamp_min(0).unsqueeze(1);
+  // position[s]: how many earlier slots chose the same expert.
+  const at::Tensor chosen = at::zeros({flat.size(0), num_experts}, flat.options())
+                                .scatter_(1, expert, valid.unsqueeze(1).to(at::kLong));
+  const at::Tensor position = chosen.cumsum(0).gather(1, expert).squeeze(1) - 1;
+  const at::Tensor keep = valid & (position < capacity);
+  CapacityMap map;
+  map.row_map = at::where(keep, expert.squeeze(1) * capacity + position, -1).view(indices.sizes());
+  map.sorted_slots = slots_of_rows(map.row_map, num_experts * capacity);
+  return map;
+}
+
+at::Tensor all_to_all_rows(const at::Tensor& rows, c10::IntArrayRef send_splits,
+                           c10::IntArrayRef recv_splits, const ProcessGroupOptions& group) {
+  constexpr const char* kOp = "all_to_all_rows";
+  TORCH_CHECK(rows.defined() && rows.dim() >= 1, kOp, ": rows must be [N, ...], got ",
+              rows.defined() ? rows.sizes() : at::IntArrayRef{});
+  c10d::ProcessGroup& pg = checked_group(kOp, group, rows);
+  const auto ep = static_cast<size_t>(pg.getSize());
+  TORCH_CHECK(send_splits.size() == ep && recv_splits.size() == ep, kOp,
+              ": send_splits and recv_splits must have one entry per rank (", ep, "), got ",
+              send_splits.size(), " and ", recv_splits.size());
+  const auto non_negative = [](c10::IntArrayRef s) {
+    return std::all_of(s.begin(), s.end(), [](int64_t v) { return v >= 0; });
+  };
+  TORCH_CHECK(non_negative(send_splits) && non_negative(recv_splits), kOp,
+              ": split sizes must be >= 0, got send ", send_splits, " and recv ", recv_splits);
+  const int64_t sent = std::accumulate(send_splits.begin(), send_splits.end(), 0L);
+  TORCH_CHECK(sent == rows.size(0), kOp, ": send_splits must sum to rows.size(0) = ", rows.size(0),
+              ", got ", send_splits, " (sum ", sent, ")");
+  std::vector<int64_t> out_shape = rows.sizes().vec();
+  out_shape[0] = std::accumulate(recv_splits.begin(), recv_splits.end(), 0L);
+  at::Tensor input = rows.contiguous();
+  at::Tensor output = at::empty(out_shape, rows.options());
+  std::vector<int64_t> send = send_splits.vec(), recv = recv_splits.vec();
+  c10d::AllToAllOptions options;
+  options.timeout = group.timeout();
+  wait(kOp, pg, pg.alltoall_base(output, input, recv, send, options), group);
+  return output;
+}
+
+void all_reduce_sum_(at::Tensor& tensor, const ProcessGroupOptions& group) {
+  constexpr const char* kOp = "all_reduce_sum_";
+  TORCH_CHECK(tensor.defined() && tensor.is_contiguous(), kOp,
+              ": tensor must be a defined contiguous tensor");
+  c10d::ProcessGroup& pg = checked_group(kOp, group, tensor);
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp::SUM;
+  options.timeout = group.timeout();
+  wait(kOp, pg, pg.allreduce(tensors, options), group);
+}
+
+}  // namespace torchmoe::ops

@@ -1,0 +1,58 @@
+#pragma once
+// The collectives of expert parallelism (EP) on a c10d process group: the split-size exchange
+// (the one host synchronisation of a dropless EP layer), the variable-split all-to-all of rows,
+// and a sum all-reduce. Every c10d Work is waited for at most the group's timeout, and a failure
+// on any rank (a peer that exited, a timeout) is rethrown here, naming the op.
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "torchmoe/ops/process_group.h"
+#include "torchmoe/ops/token_permutation.h"
+
+namespace torchmoe::ops {
+
+struct ExpertParallelSplits {
+  std::vector<int64_t> send;  // [ep]: rows this rank sends to each rank
+  std::vector<int64_t> recv;  // [ep]: rows this rank receives from each rank
+  // [ep · L], rank-major: rows rank r sends to this rank's local expert l (L = E / ep).
+  std::vector<int64_t> recv_per_expert;
+};
+
+// rows_per_expert [E] int64 on the data's device (E = ep · L; rank r holds the global experts
+// [r·L, (r+1)·L)): the rows this rank sends to each global expert. Exchanged with an all-to-all
+// of L counts per rank, then copied to the host: on CUDA that copy is the host sync the
+// variable-size exchange needs (the receive buffer's size and c10d's split lists live there).
+ExpertParallelSplits exchange_split_sizes(const at::Tensor& rows_per_expert,
+                                          const ProcessGroupOptions& group);
+
+// The routing map that groups the rows an all-to-all delivered (blocks by source rank, each block
+// grouped by local expert: chunk (r, l) holds recv_per_expert[r·L + l] rows) by local expert,
+// sources in rank order within an expert; top-k 1. Built on the host from the exchanged counts
+// and copied to `device` without a sync.
+RoutingMap received_routing_map(c10::IntArrayRef recv_per_expert, int64_t num_local_experts,
+                                at::Device device);
+
+// The fixed-size layout of capacity mode: each expert's rows padded to `capacity`.
+struct CapacityMap {
+  at::Tensor row_map;       // [T, k] int64: padded row e·capacity + position; -1 where dropped
+  at::Tensor sorted_slots;  // [E·capacity] int64: the slot of each padded row, -1 for padding
+};
+
+// indices [T, k] in [0, E) or -1 (dropped). A slot's position within its expert follows slot order
+// (as in permute_tokens); slots past `capacity` are dropped too. Computed on the device from a
+// cumulative sum over a [T·k, E] one-hot map: no host sync, so it can be captured in a CUDA graph.
+CapacityMap make_capacity_map(const at::Tensor& indices, int64_t num_experts, int64_t capacity);
+
+// rows [N, ...] (N = Σ send_splits, contiguous blocks in rank order) -> [Σ recv_splits, ...]: the
+// send_splits[r] rows of block r go to rank r; the blocks received arrive in rank order.
+at::Tensor all_to_all_rows(const at::Tensor& rows, c10::IntArrayRef send_splits,
+                           c10::IntArrayRef recv_splits, const ProcessGroupOptions& group);
+
+// In place: tensor = Σ over the group's ranks.
+void all_reduce_sum_(at::Tensor& tensor, const ProcessGroupOptions& group);
+
+}  // namespace torchmoe::ops

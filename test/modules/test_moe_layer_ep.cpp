@@ -1,0 +1,202 @@
+// MoELayer with expert parallelism over Gloo, run as 2 and 4 processes (ctest: ep_n2, ep_n4):
+// each rank's output and gradients equal the single-process MoELayer's on the same global batch
+// in float64 (the router's gradient and the aux loss summed over the ranks); uneven batches, a
+// rank without tokens, an expert and a whole rank that receive none; argument errors, and
+// init_process_group's errors for a bad environment.
+
+#include <torchmoe/torchmoe.h>
+
+#include "distributed/ep_test_utils.h"
+#include "test_utils.h"
+#include "torchmoe/ops/expert_parallel.h"
+
+using namespace torchmoe::test;
+using Catch::Matchers::Contains;
+using torchmoe::MoELayer;
+using torchmoe::MoELayerOptions;
+
+namespace {
+
+struct EpCase {
+  int64_t experts_per_rank;
+  int64_t topk;
+  std::vector<int64_t> tokens_per_rank;
+  // Experts no token may choose (expert bias -100 in both layers).
+  std::vector<int64_t> blocked_experts;
+  // Capacity mode, with a capacity factor that drops nothing (equal tokens per rank).
+  bool pad_to_capacity = false;
+};
+
+torch::Tensor group_sum(const torch::Tensor& t) {
+  torch::Tensor sum = t.detach().clone().contiguous();
+  torchmoe::ops::all_reduce_sum_(sum, test_group());
+  return sum;
+}
+
+void block_experts(MoELayer& layer, const std::vector<int64_t>& experts) {
+  const torch::NoGradGuard no_grad;
+  for (const int64_t e : experts) layer->router->expert_bias[e] = -100.0;
+}
+
+void check_against_single_process(const EpCase& c) {
+  const int64_t ep = test_world(), rank = test_rank();
+  const int64_t hidden = 16, ffn = 24, experts = c.experts_per_rank * ep;
+  REQUIRE(static_cast<int64_t>(c.tokens_per_rank.size()) == ep);
+  torch::manual_seed(29);  // the same global batch and parameters on every rank
+  MoELayerOptions options(hidden, ffn, experts, c.topk);
+  options.params_dtype(torch::kFloat64);
+  options.router().aux_loss_coeff(1e-2).z_loss_coeff(1e-3).expert_bias(true);
+  if (c.pad_to_capacity) {
+    // Capacity T·k/E·E/k = T: every expert can keep every token, so nothing is dropped.
+    options.router().capacity_factor(static_cast<double>(experts) / c.topk);
+  }
+  MoELayer single(options);
+  block_experts(single, c.blocked_experts);
+  const int64_t total =
+      std::accumulate(c.tokens_per_rank.begin(), c.tokens_per_rank.end(), int64_t{0});
+  const torch::Tensor x_global = torch::randn({total, hidden}, torch::kFloat64);
+  const torch::Tensor dy_global = torch::randn({total, hidden}, torch::kFloat64);
+
+  const torch::Tensor xs = x_global.clone().requires_grad_(true);
+  const torchmoe::MoEOutput ref = single(xs);
+  ((ref.output * dy_global).sum() + ref.aux_loss).backward();
+
+  MoELayerOptions ep_options = options;
+  ep_options.expert_parallel(test_group()).pad_to_capacity(c.pad_to_capacity);
+  MoELayer layer(ep_options);
+  REQUIRE(layer->experts->options.num_experts() == c.experts_per_rank);
+  const int64_t first = rank * c.experts_per_rank;
+  {
+    const torch::NoGradGuard no_grad;
+    layer->router->weight.copy_(single->router->weight);
+    layer->router->expert_bias.copy_(single->router->expert_bias);
+    for (int64_t l = 0; l < c.experts_per_rank; ++l) {
+      layer->experts->fc1->expert_weights()[l].copy_(
+          single->experts->fc1->expert_weights()[first + l]);
+      layer->experts->fc2->expert_weights()[l].copy_(
+          single->experts->fc2->expert_weights()[first + l]);
+    }
+  }
+  const torch::Tensor x = rank_rows(x_global, c.tokens_per_rank, rank).clone().requires_grad_(true);
+  const torchmoe::MoEOutput out = layer(x);
+  ((out.output * rank_rows(dy_global, c.tokens_per_rank, rank)).sum() + out.aux_loss).backward();
+
+  const Tolerance tol = tolerance_for(torch::kFloat64);
+  check_close(out.output, rank_rows(ref.output, c.tokens_per_rank, rank), tol, "output");
+  check_close(x.grad(), rank_rows(xs.grad(), c.tokens_per_rank, rank), tol, "grad x");
+  check_close(group_sum(out.aux_loss), ref.aux_loss, tol, "aux loss summed over ranks");
+  REQUIRE(torch::equal(out.tokens_per_expert, ref.tokens_per_expert));
+  check_close(group_sum(layer->router->weight.grad()), single->router->weight.grad(), tol,
+              "router weight grad summed over ranks");
+  for (int64_t l = 0; l < c.experts_per_rank; ++l) {
+    INFO("local expert " << l << " = global expert " << first + l);
+    check_close(layer->experts->fc1->expert_weights()[l].grad(),
+                single->experts->fc1->expert_weights()[first + l].grad(), tol, "fc1 grad");
+    check_close(layer->experts->fc2->expert_weights()[l].grad(),
+                single->experts->fc2->expert_weights()[first + l].grad(), tol, "fc2 grad");
+  }
+}
+
+// 1, 2, ... tokens per rank: a different, uneven load on every rank.
+std::vector<int64_t> uneven_tokens(int64_t ranks, int64_t base, int64_t step) {
+  std::vector<int64_t> sizes;
+  for (int64_t r = 0; r < ranks; ++r) sizes.push_back(base + step * r);
+  return sizes;
+}
+
+}  // namespace
+
+TEST_CASE("MoELayer expert parallel equals the single-process layer: uneven batches", "[ep]") {
+  check_against_single_process(
+      {/*experts_per_rank=*/2, /*topk=*/2, uneven_tokens(test_world(), 5, 7), {}});
+  check_against_single_process(
+      {/*experts_per_rank=*/1, /*topk=*/1, uneven_tokens(test_world(), 9, 4), {}});
+}
+
+TEST_CASE("MoELayer expert parallel: a rank without tokens, an expert and a rank receiving none",
+          "[ep]") {
+  const int64_t ep = test_world(), per_rank = 3;
+  // Rank 1 has no tokens of its own, and expert 0 and all of rank 1's experts are blocked, so
+  // rank 1 receives nothing either.
+  std::vector<int64_t> tokens = uneven_tokens(ep, 6, 5);
+  tokens[1] = 0;
+  std::vector<int64_t> blocked = {0};
+  for (int64_t l = 0; l < per_rank; ++l) blocked.push_back(per_rank + l);
+  check_against_single_process({per_rank, /*topk=*/2, tokens, blocked});
+}
+
+TEST_CASE("MoELayer expert parallel in capacity mode equals the single-process layer", "[ep]") {
+  const std::vector<int64_t> tokens(test_world(), 11);
+  check_against_single_process({/*experts_per_rank=*/2, /*topk=*/2, tokens, {}, true});
+  std::vector<int64_t> blocked = {0, 3};  // an expert, and half a rank's shard, receive nothing
+  check_against_single_process({/*experts_per_rank=*/2, /*topk=*/2, tokens, blocked, true});
+}
+
+TEST_CASE("MoELayer capacity mode drops what the dropless exchange drops", "[ep]") {
+  const int64_t ep = test_world(), hidden = 12, experts = 2 * ep, topk = 2;
+  torch::manual_seed(31);
+  MoELayerOptions options(hidden, 20, experts, topk);
+  options.params_dtype(torch::kFloat64).expert_parallel(test_group());
+  options.router().capacity_factor(0.75);
+  // E experts keep at most E·C of the T·k = 26 slots: some are dropped on every rank.
+  REQUIRE(experts * torchmoe::expert_capacity(13, options.router()) < 13 * topk);
+  MoELayer dropless(options);
+  MoELayerOptions padded_options = options;
+  padded_options.pad_to_capacity(true);
+  MoELayer padded(padded_options);
+  {
+    const torch::NoGradGuard no_grad;
+    for (const auto& item : dropless->named_parameters()) {
+      padded->named_parameters()[item.key()].copy_(item.value());
+    }
+  }
+  // Rank-dependent tokens; the same count on every rank, as capacity mode needs.
+  torch::manual_seed(100 + test_rank());
+  const torch::Tensor x = torch::randn({13, hidden}, torch::kFloat64);
+  const torch::Tensor dy = torch::randn({13, hidden}, torch::kFloat64);
+  const torch::Tensor x1 = x.clone().requires_grad_(true), x2 = x.clone().requires_grad_(true);
+  const torchmoe::MoEOutput a = dropless(x1), b = padded(x2);
+  ((a.output * dy).sum() + a.aux_loss).backward();
+  ((b.output * dy).sum() + b.aux_loss).backward();
+  const Tolerance tol = tolerance_for(torch::kFloat64);
+  check_close(b.output, a.output, tol, "output");
+  check_close(x2.grad(), x1.grad(), tol, "grad x");
+  for (const auto& item : dropless->named_parameters()) {
+    check_close(padded->named_parameters()[item.key()].grad(), item.value().grad(), tol,
+                "grad " + item.key());
+  }
+}
+
+TEST_CASE("MoELayer expert parallel: argument errors", "[ep]") {
+  const int64_t ep = test_world();
+  MoELayerOptions options(8, 8, 2 * ep + 1, 1);
+  options.expert_parallel(test_group());
+  REQUIRE_THROWS_WITH(MoELayer(options),
+                      Contains("num_experts must be divisible by the expert-parallel size"));
+  MoELayerOptions null_group(8, 8, 2 * ep, 1);
+  null_group.expert_parallel(c10::intrusive_ptr<c10d::ProcessGroup>());
+  REQUIRE_THROWS_WITH(MoELayer(null_group), Contains("must hold a process group"));
+  MoELayerOptions no_capacity(8, 8, 2 * ep, 1);
+  no_capacity.expert_parallel(test_group()).pad_to_capacity(true);
+  REQUIRE_THROWS_WITH(MoELayer(no_capacity),
+                      Contains("pad_to_capacity needs router().capacity_factor"));
+  MoELayerOptions no_ep(8, 8, 2 * ep, 1);
+  no_ep.pad_to_capacity(true).router().capacity_factor(1.0);
+  REQUIRE_THROWS_AS(MoELayer(no_ep), c10::NotImplementedError);
+}
+
+TEST_CASE("init_process_group: a bad environment is an error naming the variable", "[ep]") {
+  test_group();  // made from the good environment first
+  const std::string world = std::getenv("WORLD_SIZE");
+  setenv("WORLD_SIZE", "two", 1);
+  REQUIRE_THROWS_WITH(torchmoe::distributed::init_process_group(torch::kCPU),
+                      Contains("WORLD_SIZE must be an integer in [1, ") && Contains("got 'two'"));
+  setenv("WORLD_SIZE", world.c_str(), 1);
+  const std::string master = std::getenv("MASTER_ADDR");
+  unsetenv("MASTER_ADDR");
+  REQUIRE_THROWS_WITH(torchmoe::distributed::init_process_group(torch::kCPU),
+                      Contains("environment variable MASTER_ADDR must be set"));
+  setenv("MASTER_ADDR", master.c_str(), 1);
+  REQUIRE_THROWS_WITH(torchmoe::distributed::init_process_group(torch::Device("meta")),
+                      Contains("device must be CPU (Gloo) or CUDA (NCCL and Gloo), got meta"));
+}
