@@ -51,8 +51,7 @@ PermutedTokens permute_received(const at::Tensor& rows, const at::Tensor& probs,
   out.probs = probs.index_select(0, map.sorted_slots);
   out.row_map = std::move(map.row_map);
   out.sorted_slots = std::move(map.sorted_slots);
-  out.m_splits = map.m_splits.is_cuda() ? SplitSizes(std::move(map.host_splits), map.m_splits)
-                                        : SplitSizes(map.host_splits);
+  out.m_splits = ops::split_sizes(map);
   return out;
 }
 
@@ -72,12 +71,7 @@ PermutedTokens permute_to_capacity(const at::Tensor& tokens, const at::Tensor& i
       probs.reshape(-1).index_select(0, map.sorted_slots.clamp_min(0)).masked_fill(padding, 0);
   out.row_map = std::move(map.row_map);
   out.sorted_slots = std::move(map.sorted_slots);
-  std::vector<int64_t> splits(num_experts, capacity);
-  out.m_splits =
-      tokens.is_cuda()
-          ? SplitSizes(splits, at::full({num_experts}, capacity,
-                                        at::TensorOptions(at::kLong).device(tokens.device())))
-          : SplitSizes(splits);
+  out.m_splits = SplitSizes::uniform(num_experts, capacity, tokens.device());
   return out;
 }
 

@@ -80,13 +80,7 @@ PermutedTokens permute_tokens(const at::Tensor& tokens, const at::Tensor& indice
   }
   out.row_map = std::move(map.row_map);
   out.sorted_slots = std::move(map.sorted_slots);
-  if (!map.m_splits.is_cuda()) {
-    out.m_splits = SplitSizes(map.host_splits);
-  } else if (trust == ops::IndexTrust::kDropless) {
-    out.m_splits = SplitSizes(map.m_splits);
-  } else {
-    out.m_splits = SplitSizes(std::move(map.host_splits), map.m_splits);
-  }
+  out.m_splits = ops::split_sizes(map);
   return out;
 }
 

@@ -23,8 +23,7 @@ __global__ void grouped_column_sum_kernel(const GroupedColumnSumParams p) {
   if (threadIdx.y == 0) {
     int64_t sum = 0;
     for (int h = threadIdx.x; h < g; h += kWarpSize) sum += split_at(p.m_splits, p.splits_int32, h);
-    for (int offset = kWarpSize / 2; offset > 0; offset /= 2)
-      sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    sum = warp_sum(sum);
     if (threadIdx.x == 0) group_start = sum;
   }
   __syncthreads();

@@ -17,7 +17,7 @@ namespace {
 
 constexpr int kWarpsPerBlock = 4;
 constexpr int kThreads = kWarpsPerBlock * kWarpSize;
-constexpr float kNormEps = 1e-20f;  // as the ATen path: / (Σ + 1e-20)
+constexpr float kNormEps = static_cast<float>(kRouterNormEps);
 
 __device__ __forceinline__ float warp_max(float v) {
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2)

@@ -22,6 +22,9 @@
 namespace torchmoe::kernels {
 
 constexpr int64_t kRouterMaxExperts = 1024;
+// Normalisations divide by Σ + kRouterNormEps (a row of zero scores stays finite); the ATen path
+// (ops/router.cpp) uses the same.
+constexpr double kRouterNormEps = 1e-20;
 
 struct RouterParams {
   int64_t tokens = 0;   // T

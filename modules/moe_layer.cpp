@@ -163,14 +163,8 @@ torch::Tensor MoELayerImpl::run_padded(const torch::Tensor& tokens, const Router
       swap_blocks(autograd::all_to_all_rows(padded.tokens, splits, splits, group), ep, local);
   const torch::Tensor probs = swap_blocks(
       autograd::all_to_all_rows(padded.probs.unsqueeze(1), splits, splits, group), ep, local);
-  std::vector<int64_t> rows_per_expert(local, ep * capacity);
-  const SplitSizes m_splits =
-      tokens.is_cuda()
-          ? SplitSizes(rows_per_expert,
-                       torch::full({local}, ep * capacity,
-                                   torch::TensorOptions(torch::kLong).device(tokens.device())))
-          : SplitSizes(rows_per_expert);
-  const torch::Tensor y = experts(rows, m_splits, probs.view(-1), is_first_microbatch);
+  const torch::Tensor y = experts(rows, SplitSizes::uniform(local, ep * capacity, tokens.device()),
+                                  probs.view(-1), is_first_microbatch);
   const torch::Tensor back =
       autograd::all_to_all_rows(swap_blocks(y, local, ep), splits, splits, group);
   return functional::unpermute_tokens(back, padded);

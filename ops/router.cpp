@@ -24,7 +24,6 @@ bool tensor_core_path(const at::Tensor& x, const at::Tensor& weight) {
 }
 
 constexpr const char* kTopKOp = "torchmoe::ops::router_topk";
-constexpr double kNormEps = 1e-20;  // the kernel's: / (Σ + 1e-20)
 
 enum class TopKBackend {
   kAten,  // ATen ops: any device, fp32/fp64, any expert count
@@ -144,9 +143,9 @@ RouterTopK router_topk(const at::Tensor& logits, const at::Tensor& expert_bias,
   const at::Tensor choice = expert_bias.defined() ? scores + expert_bias : scores;
   out.indices = std::get<1>(choice.topk(scoring.topk, 1));
   out.probs = scores.gather(1, out.indices);
-  if (scoring.normalize) out.probs = out.probs / (out.probs.sum(1, true) + kNormEps);
+  if (scoring.normalize) out.probs = out.probs / (out.probs.sum(1, true) + kernels::kRouterNormEps);
   out.aux = !scoring.aux      ? at::empty({tokens, 0}, logits.options())
-            : scoring.sigmoid ? scores / (scores.sum(1, true) + kNormEps)
+            : scoring.sigmoid ? scores / (scores.sum(1, true) + kernels::kRouterNormEps)
                               : scores;
   out.lse = at::logsumexp(logits, 1);
   out.counts = at::zeros({experts}, logits.options().dtype(at::kLong))
@@ -185,7 +184,7 @@ at::Tensor router_topk_backward(const at::Tensor& logits, const at::Tensor& indi
   at::Tensor ds = at::zeros_like(s);
   if (scoring.aux && grad_aux.defined() && grad_aux.numel() > 0) {
     if (scoring.sigmoid) {
-      const at::Tensor sum = s.sum(1, true) + kNormEps;
+      const at::Tensor sum = s.sum(1, true) + kernels::kRouterNormEps;
       ds = ds + (grad_aux - (grad_aux * (s / sum)).sum(1, true)) / sum;
     } else {
       ds = ds + grad_aux;
@@ -194,7 +193,7 @@ at::Tensor router_topk_backward(const at::Tensor& logits, const at::Tensor& indi
   if (grad_probs.defined() && grad_probs.numel() > 0) {
     at::Tensor g = grad_probs;
     if (scoring.normalize) {
-      const at::Tensor chosen_sum = s.gather(1, indices).sum(1, true) + kNormEps;
+      const at::Tensor chosen_sum = s.gather(1, indices).sum(1, true) + kernels::kRouterNormEps;
       g = (grad_probs - (grad_probs * probs).sum(1, true)) / chosen_sum;
     }
     ds = ds.scatter_add(1, indices, g);

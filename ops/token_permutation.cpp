@@ -96,6 +96,12 @@ kernels::PermuteParams kernel_params(int64_t tokens, int64_t topk, int64_t rows,
 
 }  // namespace
 
+SplitSizes split_sizes(const RoutingMap& map) {
+  if (!map.m_splits.is_cuda()) return SplitSizes(map.host_splits);
+  if (map.host_splits.empty()) return SplitSizes(map.m_splits);
+  return SplitSizes(map.host_splits, map.m_splits);
+}
+
 RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts, IndexTrust trust) {
   constexpr const char* kOp = "torchmoe::make_routing_map";
   TORCH_CHECK(indices.defined() && indices.dim() == 2, kOp,

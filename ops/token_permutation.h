@@ -5,6 +5,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "torchmoe/ops/types.h"
+
 #include <cstdint>
 #include <vector>
 
@@ -28,6 +30,10 @@ enum class IndexTrust {
   // outside [0, E) is not detected. Only for indices torchmoe made itself.
   kDropless,
 };
+
+// The map's split sizes as SplitSizes, with every copy the map holds (no host copy on CUDA under
+// kDropless), so that no GEMM backend copies them again.
+SplitSizes split_sizes(const RoutingMap& map);
 
 // indices [T, k] int32/int64 with values in [0, E) or -1 (dropped). Rows are grouped by expert,
 // in slot order within an expert.

@@ -32,6 +32,13 @@ SplitSizes::SplitSizes(std::vector<int64_t> host, const at::Tensor& device) : Sp
   has_host_ = true;
 }
 
+SplitSizes SplitSizes::uniform(int64_t groups, int64_t rows, const at::Device& device) {
+  std::vector<int64_t> host(groups, rows);
+  if (!device.is_cuda()) return SplitSizes(std::move(host));
+  return SplitSizes(std::move(host),
+                    at::full({groups}, rows, at::TensorOptions(at::kLong).device(device)));
+}
+
 size_t SplitSizes::size() const {
   return has_host_ ? host_.size() : static_cast<size_t>(device_.numel());
 }

@@ -29,6 +29,8 @@ class SplitSizes {
   SplitSizes(const at::Tensor& sizes);
   /// The same sizes on the host and on the device; the caller guarantees that they agree.
   SplitSizes(std::vector<int64_t> host, const at::Tensor& device);
+  /// `groups` groups of `rows` rows each: on the host, and on `device` too when it is a GPU.
+  static SplitSizes uniform(int64_t groups, int64_t rows, const at::Device& device);
 
   size_t size() const;
   bool has_host() const { return has_host_; }

@@ -317,7 +317,7 @@ int run(const Flags& flags_in) {
     if (!append) csv->print("{}\n", kCsvHeader);
   }
 
-  MicroBatchRunner runner(model, trainer, f, f.cuda_graph);
+  MicroBatchRunner runner(model, trainer, f);
   if (f.cuda_graph)
     say("cuda graph: steps from {} replay one captured micro-batch\n",
         start_step + MicroBatchRunner::kEagerSteps + 1);
@@ -421,11 +421,7 @@ int main(int argc, char** argv) {
   try {
     return moe_lm::run(*flags);
   } catch (const std::exception& e) {
-    // c10::Error carries a backtrace after its first line; the message is what a user needs.
-    std::string message = e.what();
-    if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e))
-      message = c10_error->what_without_backtrace();
-    moe_lm::print_error(message);
+    moe_lm::print_error(moe_lm::error_message(e));
     return 1;
   }
 }

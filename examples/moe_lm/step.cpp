@@ -16,11 +16,16 @@ torch::Tensor lm_loss(const ModelOutput& out, const torch::Tensor& target) {
   return at::cross_entropy_loss(out.logits.reshape({-1, out.logits.size(-1)}), target.reshape(-1));
 }
 
-MicroBatchRunner::MicroBatchRunner(MoETransformer& model, Trainer& trainer, const Flags& f,
-                                   bool cuda_graph)
-    : model_(model), trainer_(trainer), flags_(f), cuda_graph_(cuda_graph) {
+std::string error_message(const std::exception& e) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e))
+    return c10_error->what_without_backtrace();
+  return e.what();
+}
+
+MicroBatchRunner::MicroBatchRunner(MoETransformer& model, Trainer& trainer, const Flags& f)
+    : model_(model), trainer_(trainer), flags_(f) {
   // Capture needs a stream of its own: the legacy default stream cannot be captured.
-  if (cuda_graph_ && c10::cuda::getCurrentCUDAStream() == c10::cuda::getDefaultCUDAStream())
+  if (flags_.cuda_graph && c10::cuda::getCurrentCUDAStream() == c10::cuda::getDefaultCUDAStream())
     throw std::logic_error("--cuda-graph: the training loop must run on a side stream");
 }
 
@@ -35,7 +40,8 @@ MicroBatchResult MicroBatchRunner::forward_backward(const torch::Tensor& input,
 
 MicroBatchResult MicroBatchRunner::run(const Batch& batch, int64_t step, int64_t micro) {
   const bool first = micro == 0;
-  if (!cuda_graph_ || step < kEagerSteps) return forward_backward(batch.input, batch.target, first);
+  if (!flags_.cuda_graph || step < kEagerSteps)
+    return forward_backward(batch.input, batch.target, first);
   const int index = first ? 0 : 1;
   if (!input_.defined()) {
     input_ = torch::empty_like(batch.input);
@@ -56,14 +62,11 @@ MicroBatchResult MicroBatchRunner::run(const Batch& batch, int64_t step, int64_t
       graph_results_[index] = forward_backward(input_, target_, first);
       graph->capture_end();
     } catch (const std::exception& e) {
-      std::string message = e.what();
-      if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e))
-        message = c10_error->what_without_backtrace();
       throw std::runtime_error(fmt::format(
           "--cuda-graph: capturing the training step failed (it must not synchronise with the "
           "host: MoELayer keeps its split sizes on the device only with sm_90 grouped GEMMs, "
           "TORCHMOE_GROUPED_GEMM_BACKEND=auto|sm90): {}",
-          message));
+          error_message(e)));
     }
     graphs_[index] = std::move(graph);
   }

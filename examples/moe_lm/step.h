@@ -17,7 +17,9 @@
 
 #include <array>
 #include <cstdint>
+#include <exception>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "data.h"
@@ -37,11 +39,15 @@ struct MicroBatchResult {
 
 torch::Tensor lm_loss(const ModelOutput& out, const torch::Tensor& target);
 
+// An exception's message for a person: a c10::Error carries a backtrace after its first line, which
+// is left out.
+std::string error_message(const std::exception& e);
+
 class MicroBatchRunner {
  public:
   static constexpr int64_t kEagerSteps = 3;
 
-  MicroBatchRunner(MoETransformer& model, Trainer& trainer, const Flags& f, bool cuda_graph);
+  MicroBatchRunner(MoETransformer& model, Trainer& trainer, const Flags& f);
 
   // Runs micro-batch `micro` of a step; `step` counts this run's steps from 0 (graphs are captured
   // at step kEagerSteps).
@@ -54,7 +60,6 @@ class MicroBatchRunner {
   MoETransformer& model_;
   Trainer& trainer_;
   const Flags& flags_;
-  bool cuda_graph_;
   // [0]: the first micro-batch of a step, [1]: the others.
   std::array<std::unique_ptr<at::cuda::CUDAGraph>, 2> graphs_;
   std::array<MicroBatchResult, 2> graph_results_;

@@ -68,6 +68,7 @@ expect_error 2 "--steps needs a value" --steps
 expect_error 2 "--batch: value must be >= 1, got 0" --batch 0
 expect_error 2 "--heads 3 must divide --hidden 128" --heads 3
 expect_error 2 "--generate needs --resume" --generate 5
+expect_error 2 "--cuda-graph needs --device cuda" --cuda-graph --device cpu
 expect_error 1 "data file or directory '$work/missing' does not exist" --data "$work/missing"
 expect_error 1 "checkpoint '$work/missing.pt' does not exist" --resume "$work/missing.pt" --generate 5
 # Output paths are checked before training: no step line, no minutes of lost work.
@@ -75,7 +76,13 @@ expect_error 1 "moe_lm: --save: cannot write '$work/none/x.pt': directory '$work
   "${tiny[@]}" --steps 5 --save "$work/none/x.pt"
 expect_error 1 "moe_lm: --csv: cannot write '$work/none/x.csv': directory '$work/none' does not exist" \
   "${tiny[@]}" --steps 5 --csv "$work/none/x.csv"
+expect_error 1 "moe_lm: --trace: cannot write '$work/none/t.json': directory '$work/none' does not exist" \
+  "${tiny[@]}" --steps 5 --trace "$work/none/t.json"
 steps=$("$bin" "${tiny[@]}" --steps 5 --save "$work/none/x.pt" 2>/dev/null || true)
 ! grep -q '^step' <<<"$steps" || fail "--save into a missing directory trained before failing"
+# --trace writes a chrome-trace JSON of the steps asked for.
+"$bin" "${tiny[@]}" --steps 4 --trace "$work/t.json" --trace-steps 2 >/dev/null 2>&1 ||
+  fail "a run with --trace failed"
+grep -q '"traceEvents"' "$work/t.json" || fail "--trace did not write a chrome trace"
 "$bin" --help | grep -q -- "--profile-moe" || fail "--help does not list every flag"
 echo "PASS"

@@ -156,3 +156,26 @@ TEST_CASE("router top-k: the CUDA kernel matches the ATen path", "[ops][router][
     check_close(actual, expected, {1e-4, 1e-6}, "grad logits");
   }
 }
+
+TEST_CASE("router top-k rejects bad arguments", "[ops][router][errors]") {
+  using torchmoe::ops::router_topk;
+  torchmoe::ops::RouterScoring scoring;
+  scoring.topk = 2;
+  const torch::Tensor logits = torch::randn({5, 4});
+  CHECK_THROWS_WITH(router_topk(logits.view({20}), {}, scoring),
+                    Contains("logits must be 2-D [tokens, experts > 0]"));
+  CHECK_THROWS_WITH(router_topk(logits.to(torch::kBFloat16), {}, scoring),
+                    Contains("logits must be float32 or float64"));
+  CHECK_THROWS_WITH(router_topk(logits.t(), {}, scoring), Contains("logits must be contiguous"));
+  scoring.topk = 5;
+  CHECK_THROWS_WITH(router_topk(logits, {}, scoring), Contains("topk must be in [1, 4], got 5"));
+  scoring.topk = 2;
+  CHECK_THROWS_WITH(router_topk(logits, torch::zeros({3}), scoring),
+                    Contains("expert_bias must be a contiguous float32 [4] tensor"));
+  CHECK_THROWS_WITH(router_topk(logits, torch::zeros({4}, torch::kFloat64), scoring),
+                    Contains("expert_bias must be a contiguous float32 [4] tensor"));
+  const auto out = router_topk(logits, {}, scoring);
+  CHECK_THROWS_WITH(torchmoe::ops::router_topk_backward(logits, out.indices, out.probs,
+                                                        torch::zeros({5, 3}), {}, {}, scoring),
+                    Contains("grad_probs must be a contiguous Float [5, 2] tensor"));
+}
