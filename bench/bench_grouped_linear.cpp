@@ -1,6 +1,7 @@
 // GroupedLinear GEMM throughput on a GPU: fprop (y = x·Wᵀ), dgrad (dx = dy·W) and wgrad
-// (dW = dyᵀ·x) of an MoE expert fc1 layer, through torchmoe's ops on both CUDA backends (the sm90
-// kernel with device splits, per-group cuBLASLt with host splits), next to at::_grouped_mm and a
+// (dW = dyᵀ·x) of an MoE expert fc1 layer, through torchmoe's ops on its CUDA backends (the sm90
+// kernel and, when the process loaded cuBLASLt >= 13.8, the cuBLASLt grouped matmul, both with
+// device splits; per-group cuBLASLt with host splits), next to at::_grouped_mm and a
 // dense at::mm of the same FLOPs, measured in the same process. Also the host time of one forward
 // with device splits, by layer (plan, op, module with and without autograd). Prints tables, writes
 // JSON.
@@ -23,6 +24,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
@@ -60,13 +62,14 @@ std::vector<int64_t> make_splits(int64_t experts, int64_t rows, bool skewed, uin
 struct Record {
   std::string shape, splits, gemm;
   int64_t m, n, k, experts;
-  double sm90, cublaslt, grouped_mm, dense;  // TFLOP/s
-  std::vector<int64_t> m_splits;             // so that other programs can run the same cases
+  double sm90, cublaslt, lt_grouped, grouped_mm, dense;  // TFLOP/s; lt_grouped NaN if absent
+  std::vector<int64_t> m_splits;  // so that other programs can run the same cases
 };
 
 namespace ops = torchmoe::ops;
 constexpr auto kSm90 = torchmoe::GemmBackend::kSm90;
 constexpr auto kCublasLt = torchmoe::GemmBackend::kCublasLt;
+constexpr auto kLtGrouped = torchmoe::GemmBackend::kCublasLtGrouped;
 
 ops::GemmPlan plan_for(const torch::Tensor& x, int64_t n, int64_t k,
                        const torchmoe::SplitSizes& splits, torchmoe::GemmBackend backend) {
@@ -132,7 +135,9 @@ HostTimes host_times(const torchmoe::bench::Shape& shape, const torch::Tensor& x
   const std::vector<torch::Tensor> weights = layer->expert_weights();
   torchmoe::GroupedLinear single(options.single_grouped_weight(true));
   const std::vector<double> us = host_us({
-      [&] { return torch::empty({x.size(0), n}, x.options()); },
+      [&] {
+        return torch::empty({x.size(0), n}, x.options());
+      },
       [&] {
         plan_for(x, n, k, splits, torchmoe::GemmBackend::kAuto);
         return torch::Tensor();
@@ -157,12 +162,16 @@ int main(int argc, char** argv) {
   if (setup.exit_code != 0) return setup.exit_code;
   const torchmoe::bench::Args& args = setup.args;
   const char* streams = std::getenv("TORCHMOE_CUBLASLT_STREAMS");
+  const torchmoe::LoadedCublasLt lt = torchmoe::loaded_cublaslt();
   std::cout << "device: " << at::cuda::getCurrentDeviceProperties()->name
-            << ", bf16, cuBLASLt streams: " << (streams ? streams : "4 (default)") << "\n";
+            << ", bf16, cuBLASLt streams: " << (streams ? streams : "4 (default)") << ", cuBLASLt "
+            << lt.version << " (" << lt.library << ")"
+            << (lt.grouped ? "" : ": no grouped matmul, lt_grouped column empty") << "\n";
   std::cout << std::left << std::setw(17) << "shape" << std::setw(8) << "splits" << std::setw(7)
             << "gemm" << std::right << std::setw(8) << "sm90" << std::setw(10) << "cublaslt"
-            << std::setw(12) << "grouped_mm" << std::setw(8) << "ratio" << std::setw(8) << "dense"
-            << "   (TFLOP/s; ratio = sm90 / grouped_mm)\n";
+            << std::setw(12) << "lt_grouped" << std::setw(12) << "grouped_mm" << std::setw(8)
+            << "ratio" << std::setw(8) << "dense"
+            << "   (TFLOP/s; ratio = best torchmoe / grouped_mm)\n";
 
   std::vector<Record> records;
   std::vector<HostTimes> host;
@@ -185,12 +194,18 @@ int main(int argc, char** argv) {
       const torchmoe::SplitSizes device_splits(torch::tensor(splits).to(torch::kCUDA));
       const ops::GemmPlan sm90 = plan_for(x, n, k, device_splits, kSm90);
       const ops::GemmPlan cublaslt = plan_for(x, n, k, splits, kCublasLt);
+      const ops::GemmPlan lt_grouped =
+          lt.grouped ? plan_for(x, n, k, device_splits, kLtGrouped) : ops::GemmPlan{};
 
-      // One correctness look per case: both backends' fprop against at::_grouped_mm.
+      // One correctness look per case: each backend's fprop against at::_grouped_mm.
       const torch::Tensor ref_y = at::_grouped_mm(x, w.transpose(1, 2), offs);
-      for (const auto& [name, y] :
-           {std::pair{"sm90", ops::grouped_linear_forward(sm90, x, w_views, {})},
-            std::pair{"cublaslt", ops::grouped_linear_forward(cublaslt, x, w_views, {})}}) {
+      std::vector<std::pair<const char*, torch::Tensor>> outputs = {
+          {"sm90", ops::grouped_linear_forward(sm90, x, w_views, {})},
+          {"cublaslt", ops::grouped_linear_forward(cublaslt, x, w_views, {})}};
+      if (lt.grouped) {
+        outputs.emplace_back("lt_grouped", ops::grouped_linear_forward(lt_grouped, x, w_views, {}));
+      }
+      for (const auto& [name, y] : outputs) {
         const double rel = ((y.to(torch::kFloat32) - ref_y.to(torch::kFloat32)).norm() /
                             ref_y.to(torch::kFloat32).norm())
                                .item<double>();
@@ -207,23 +222,29 @@ int main(int argc, char** argv) {
       const std::function<void()> dense = [&] { at::mm(x, w0t); };
       struct Gemm {
         const char* name;
-        std::function<void()> sm90, cublaslt, grouped_mm;
+        std::function<void()> sm90, cublaslt, lt_grouped, grouped_mm;
       };
       const std::vector<Gemm> gemms = {
           {"fprop", [&] { ops::grouped_linear_forward(sm90, x, w_views, {}); },
            [&] { ops::grouped_linear_forward(cublaslt, x, w_views, {}); },
+           [&] { ops::grouped_linear_forward(lt_grouped, x, w_views, {}); },
            [&] { at::_grouped_mm(x, w.transpose(1, 2), offs); }},
           {"dgrad", [&] { ops::grouped_linear_dgrad(sm90, dy, w_views); },
            [&] { ops::grouped_linear_dgrad(cublaslt, dy, w_views); },
+           [&] { ops::grouped_linear_dgrad(lt_grouped, dy, w_views); },
            [&] { at::_grouped_mm(dy, w, offs); }},
           {"wgrad", [&] { ops::grouped_linear_wgrad(sm90, x, dy, dw_views, false, {}); },
            [&] { ops::grouped_linear_wgrad(cublaslt, x, dy, dw_views, false, {}); },
+           [&] { ops::grouped_linear_wgrad(lt_grouped, x, dy, dw_views, false, {}); },
            [&] { at::_grouped_mm(dy.t(), x, offs); }},
       };
       for (const Gemm& gemm : gemms) {
-        const std::vector<double> ms = median_ms_each(
-            {gemm.sm90, gemm.cublaslt, gemm.grouped_mm, dense}, args.iters, args.warmup);
+        // All take turns in one measurement (the one without a grouped cuBLASLt sits out).
+        std::vector<std::function<void()>> fns = {gemm.sm90, gemm.cublaslt, gemm.grouped_mm, dense};
+        if (lt.grouped) fns.push_back(gemm.lt_grouped);
+        const std::vector<double> ms = median_ms_each(fns, args.iters, args.warmup);
         const double sm90_ms = ms[0], cublaslt_ms = ms[1], peer_ms = ms[2], dense_ms = ms[3];
+        const double lt_grouped_ms = lt.grouped ? ms[4] : std::nan("");
         Record r{shape.name,
                  split_name,
                  gemm.name,
@@ -233,6 +254,7 @@ int main(int argc, char** argv) {
                  shape.experts,
                  flops / sm90_ms * 1e-9,
                  flops / cublaslt_ms * 1e-9,
+                 flops / lt_grouped_ms * 1e-9,
                  flops / peer_ms * 1e-9,
                  flops / dense_ms * 1e-9,
                  splits};
@@ -240,7 +262,9 @@ int main(int argc, char** argv) {
         std::cout << std::left << std::setw(17) << r.shape << std::setw(8) << r.splits
                   << std::setw(7) << r.gemm << std::right << std::fixed << std::setprecision(1)
                   << std::setw(8) << r.sm90 << std::setw(10) << r.cublaslt << std::setw(12)
-                  << r.grouped_mm << std::setprecision(3) << std::setw(8) << r.sm90 / r.grouped_mm
+                  << r.lt_grouped << std::setw(12) << r.grouped_mm << std::setprecision(3)
+                  << std::setw(8)
+                  << std::max({r.sm90, r.cublaslt, lt.grouped ? r.lt_grouped : 0.0}) / r.grouped_mm
                   << std::setprecision(1) << std::setw(8) << r.dense << "\n";
       }
     }
@@ -263,15 +287,18 @@ int main(int argc, char** argv) {
 
   std::ofstream json(args.json_path);
   json << "{\n  \"device\": \"" << at::cuda::getCurrentDeviceProperties()->name
-       << "\",\n  \"dtype\": \"bfloat16\",\n  \"cublaslt_streams\": \"" << (streams ? streams : "4")
+       << "\",\n  \"cublaslt_version\": " << lt.version
+       << ",\n  \"dtype\": \"bfloat16\",\n  \"cublaslt_streams\": \"" << (streams ? streams : "4")
        << "\",\n  \"unit\": \"TFLOP/s\",\n  \"results\": [\n";
   for (size_t i = 0; i < records.size(); ++i) {
     const Record& r = records[i];
     json << "    {\"shape\": \"" << r.shape << "\", \"splits\": \"" << r.splits
          << "\", \"gemm\": \"" << r.gemm << "\", \"experts\": " << r.experts << ", \"m\": " << r.m
          << ", \"n\": " << r.n << ", \"k\": " << r.k << ", \"sm90\": " << r.sm90
-         << ", \"cublaslt\": " << r.cublaslt << ", \"grouped_mm\": " << r.grouped_mm
-         << ", \"dense_mm\": " << r.dense << ", \"m_splits\": [";
+         << ", \"cublaslt\": " << r.cublaslt
+         << ", \"cublaslt_grouped\": " << (lt.grouped ? std::to_string(r.lt_grouped) : "null")
+         << ", \"grouped_mm\": " << r.grouped_mm << ", \"dense_mm\": " << r.dense
+         << ", \"m_splits\": [";
     for (size_t g = 0; g < r.m_splits.size(); ++g) json << (g ? ", " : "") << r.m_splits[g];
     json << "]}" << (i + 1 < records.size() ? "," : "") << "\n";
   }

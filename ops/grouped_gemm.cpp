@@ -130,36 +130,103 @@ GemmBackend env_backend_choice() {
     if (env == nullptr || std::strcmp(env, "auto") == 0) return GemmBackend::kAuto;
     if (std::strcmp(env, "cublaslt") == 0) return GemmBackend::kCublasLt;
     if (std::strcmp(env, "sm90") == 0) return GemmBackend::kSm90;
-    TORCH_CHECK(false, "TORCHMOE_GROUPED_GEMM_BACKEND must be auto, cublaslt or sm90, got '", env,
-                "'");
+    if (std::strcmp(env, "cublaslt_grouped") == 0) return GemmBackend::kCublasLtGrouped;
+    TORCH_CHECK(false,
+                "TORCHMOE_GROUPED_GEMM_BACKEND must be auto, cublaslt, sm90 or cublaslt_grouped, "
+                "got '",
+                env, "'");
   }();
   return choice;
 }
 
-Backend select_backend(const char* op, const at::Tensor& input, const GemmShape& shape,
-                       GemmBackend choice) {
+const char* backend_name(Backend backend) {
+  switch (backend) {
+    case Backend::kReference:
+      return "reference";
+    case Backend::kCublasLt:
+      return "cublaslt";
+    case Backend::kSm90:
+      return "sm90";
+    case Backend::kCublasLtGrouped:
+      return "cublaslt_grouped";
+  }
+  return "?";
+}
+
+// Why a CUDA backend cannot run this bf16/fp16/fp32 call, or nullptr.
+const char* refusal(Backend backend, const at::Tensor& input, const GemmShape& shape) {
+  switch (backend) {
+    case Backend::kSm90:
+      return detail::sm90_refusal(input, shape);
+    case Backend::kCublasLtGrouped:
+      return detail::cublaslt_grouped_refusal(input, shape);
+    case Backend::kCublasLt:
+      return nullptr;
+    case Backend::kReference:
+      return "it runs CPU tensors only";
+  }
+  return "unknown backend";
+}
+
+// kAuto's candidates per product (indexed by GemmKind: fprop, dgrad, wgrad) for bf16/fp16,
+// fastest first, from bench_grouped_linear on the H100 (docs/performance.md, "Backend choice"):
+// the sm90 kernel and the cuBLASLt grouped matmul are level on GPU time (sm90 / grouped geomean
+// fprop 1.01, dgrad 1.02, wgrad 0.99, each product ahead or behind by up to 10% with the shape and
+// the skew of the splits, which planning does not see), and the grouped matmul costs ~30-60 us of
+// host time per call against ~10, which a GroupedMLP of small experts does not hide (moe-lm step
+// 1.58 ms vs 0.88). So sm90 leads; the grouped matmul takes what sm90 refuses (more than 1024
+// groups; devices newer than sm_90).
+constexpr Backend kAutoOrder16[3][3] = {
+    {Backend::kSm90, Backend::kCublasLtGrouped, Backend::kCublasLt},
+    {Backend::kSm90, Backend::kCublasLtGrouped, Backend::kCublasLt},
+    {Backend::kSm90, Backend::kCublasLtGrouped, Backend::kCublasLt},
+};
+
+struct ProductBackends {
+  Backend fprop, dgrad, wgrad;
+};
+
+Backend auto_backend(kernels::GemmKind kind, const at::Tensor& input, const GemmShape& shape) {
+  if (input.scalar_type() == at::kFloat) return Backend::kCublasLt;
+  for (Backend candidate : kAutoOrder16[static_cast<int>(kind)]) {
+    if (refusal(candidate, input, shape) == nullptr) return candidate;
+  }
+  TORCH_INTERNAL_ASSERT(false, "kAuto: per-group cuBLASLt refused a call");
+}
+
+ProductBackends select_backends(const char* op, const at::Tensor& input, const GemmShape& shape,
+                                GemmBackend choice) {
   const at::ScalarType dtype = input.scalar_type();
   if (choice == GemmBackend::kAuto) choice = env_backend_choice();
+  const Backend forced = choice == GemmBackend::kCublasLt          ? Backend::kCublasLt
+                         : choice == GemmBackend::kSm90            ? Backend::kSm90
+                         : choice == GemmBackend::kCublasLtGrouped ? Backend::kCublasLtGrouped
+                                                                   : Backend::kReference;
   if (input.is_cpu() && at::isFloatingType(dtype)) {
-    TORCH_CHECK_NOT_IMPLEMENTED(choice == GemmBackend::kAuto, op, ": the ",
-                                choice == GemmBackend::kSm90 ? "sm90" : "cublaslt",
+    TORCH_CHECK_NOT_IMPLEMENTED(choice == GemmBackend::kAuto, op, ": the ", backend_name(forced),
                                 " grouped GEMM backend runs on CUDA tensors only, got ",
                                 input.device());
-    return Backend::kReference;
+    return {Backend::kReference, Backend::kReference, Backend::kReference};
   }
-  if (input.is_cuda() && (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16)) {
-    if (choice == GemmBackend::kCublasLt) return Backend::kCublasLt;
-    const char* refusal = detail::sm90_refusal(input, shape);
-    if (refusal == nullptr) return Backend::kSm90;
-    TORCH_CHECK_NOT_IMPLEMENTED(choice == GemmBackend::kAuto, op,
-                                ": the sm90 grouped GEMM backend cannot run this call: ", refusal,
-                                " (dtype ", dtype, ", out_features ", shape.n, ", in_features ",
-                                shape.k, ", ", shape.groups, " groups)");
-    return Backend::kCublasLt;
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      input.is_cuda() && (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16), op,
+      ": no grouped GEMM backend for ", input.device(), " tensors of dtype ", dtype,
+      " (supported: CPU floating dtypes; CUDA float32, float16, bfloat16)");
+  if (choice != GemmBackend::kAuto) {
+    const char* why = refusal(forced, input, shape);
+    TORCH_CHECK_NOT_IMPLEMENTED(why == nullptr, op, ": the ", backend_name(forced),
+                                " grouped GEMM backend cannot run this call: ", why, " (dtype ",
+                                dtype, ", out_features ", shape.n, ", in_features ", shape.k, ", ",
+                                shape.groups, " groups)");
+    return {forced, forced, forced};
   }
-  TORCH_CHECK_NOT_IMPLEMENTED(false, op, ": no grouped GEMM backend for ", input.device(),
-                              " tensors of dtype ", dtype,
-                              " (supported: CPU floating dtypes; CUDA float32, float16, bfloat16)");
+  return {auto_backend(kernels::GemmKind::kFprop, input, shape),
+          auto_backend(kernels::GemmKind::kDgrad, input, shape),
+          auto_backend(kernels::GemmKind::kWgrad, input, shape)};
+}
+
+bool reads_device_splits(Backend backend) {
+  return backend == Backend::kSm90 || backend == Backend::kCublasLtGrouped;
 }
 
 }  // namespace
@@ -210,12 +277,17 @@ std::vector<GemmPlan> plan_grouped_gemms(const char* op, const at::Tensor& input
   for (size_t i = 0; i < shapes.size(); ++i) {
     TORCH_INTERNAL_ASSERT(shapes[i].groups == groups,
                           "plan_grouped_gemms: layers differ in groups");
-    plans[i].backend = select_backend(op, input, shapes[i], choice);
+    const ProductBackends backends = select_backends(op, input, shapes[i], choice);
+    plans[i].backend = backends.fprop;
+    plans[i].dgrad_backend = backends.dgrad;
+    plans[i].wgrad_backend = backends.wgrad;
     plans[i].shape = shapes[i];
     plans[i].rows = input.size(0);
     plans[i].dtype = input.scalar_type();
     plans[i].device = input.device();
-    (plans[i].backend == Backend::kSm90 ? device_needed : host_needed) = true;
+    for (Backend b : {backends.fprop, backends.dgrad, backends.wgrad}) {
+      (reads_device_splits(b) ? device_needed : host_needed) = true;
+    }
   }
   // One set of sizes for every layer: host sizes checked once (copied from the device once if
   // only device sizes were given), device sizes uploaded once if only host sizes were.
@@ -229,7 +301,7 @@ std::vector<GemmPlan> plan_grouped_gemms(const char* op, const at::Tensor& input
   const bool has_host = m_splits.has_host() || host_needed;
   if (has_host) check_host_splits(op, host, input.size(0));
   at::Tensor device;
-  if (device_needed) device = detail::sm90_splits(m_splits, input);
+  if (device_needed) device = detail::device_splits(m_splits, input);
   const SplitSizes resolved = !device.defined() ? SplitSizes(host)
                               : has_host        ? SplitSizes(std::move(host), device)
                                                 : SplitSizes(device);
@@ -254,6 +326,9 @@ at::Tensor grouped_linear_forward(const GemmPlan& plan, const at::Tensor& input,
     case Backend::kCublasLt:
       detail::cublaslt_forward(plan, input, w, b, output);
       return output;
+    case Backend::kCublasLtGrouped:
+      detail::cublaslt_grouped_forward(plan, input, w, b, output);
+      return output;
   }
   TORCH_INTERNAL_ASSERT(false, "unhandled Backend");
 }
@@ -266,7 +341,7 @@ at::Tensor grouped_linear_dgrad(const GemmPlan& plan, const at::Tensor& grad_out
               " features, got ", grad_output.size(1));
   const CheckedGroups w = check_weights(op, plan, weights, grad_output);
   at::Tensor grad_input = at::empty({grad_output.size(0), plan.shape.k}, grad_output.options());
-  switch (plan.backend) {
+  switch (plan.dgrad_backend) {
     case Backend::kSm90:
       detail::sm90_dgrad(plan, grad_output, w, grad_input);
       return grad_input;
@@ -275,6 +350,9 @@ at::Tensor grouped_linear_dgrad(const GemmPlan& plan, const at::Tensor& grad_out
       return grad_input;
     case Backend::kCublasLt:
       detail::cublaslt_dgrad(plan, grad_output, w, grad_input);
+      return grad_input;
+    case Backend::kCublasLtGrouped:
+      detail::cublaslt_grouped_dgrad(plan, grad_output, w, grad_input);
       return grad_input;
   }
   TORCH_INTERNAL_ASSERT(false, "unhandled Backend");
@@ -288,8 +366,8 @@ void grouped_bias_grad(const GemmPlan& plan, const at::Tensor& grad_output,
               " features, got ", grad_output.size(1));
   TORCH_CHECK(!bias_grads_out.empty(), op, ": bias_grads_out must hold one tensor per group");
   const CheckedGroups b = check_vectors(op, "bias_grads_out", plan, bias_grads_out, grad_output);
-  if (plan.backend == Backend::kSm90) {
-    detail::sm90_bias_grad(plan, grad_output, b);
+  if (reads_device_splits(plan.wgrad_backend)) {
+    detail::device_bias_grad(plan, grad_output, b);
   } else {
     detail::host_bias_grad(plan.m_splits.host(), grad_output, b);
   }
@@ -317,10 +395,10 @@ void grouped_linear_wgrad(const GemmPlan& plan, const at::Tensor& input,
       check_groups(op, "weight_grads_out", weight_grads_out, plan.shape.groups, input,
                    {plan.shape.n, plan.shape.k}, grad_type, "weight_grads_out[0]'s dtype");
   const CheckedGroups db = check_vectors(op, "bias_grads_out", plan, bias_grads_out, input);
-  switch (plan.backend) {
+  switch (plan.wgrad_backend) {
     case Backend::kSm90:
       detail::sm90_wgrad(plan, input, grad_output, dw, accumulate);
-      if (!db.empty()) detail::sm90_bias_grad(plan, grad_output, db);
+      if (!db.empty()) detail::device_bias_grad(plan, grad_output, db);
       return;
     case Backend::kReference:
       detail::reference_wgrad(plan, input, grad_output, dw, accumulate);
@@ -328,6 +406,10 @@ void grouped_linear_wgrad(const GemmPlan& plan, const at::Tensor& input,
       return;
     case Backend::kCublasLt:
       detail::cublaslt_wgrad(plan, input, grad_output, dw, accumulate, db);
+      return;
+    case Backend::kCublasLtGrouped:
+      detail::cublaslt_grouped_wgrad(plan, input, grad_output, dw, accumulate);
+      if (!db.empty()) detail::device_bias_grad(plan, grad_output, db);
       return;
   }
   TORCH_INTERNAL_ASSERT(false, "unhandled Backend");

@@ -29,6 +29,8 @@ enum class Backend {
   kReference,  // CPU: per-group ATen matmuls, any floating dtype (reference quality)
   kCublasLt,   // CUDA fp32/fp16/bf16: per-group cuBLASLt calls spread over a small pool of streams
   kSm90,       // CUDA bf16/fp16 on sm_90: torchmoe's one-launch grouped kernel, device splits
+  kCublasLtGrouped,  // CUDA, cuBLASLt >= 13.8 loaded, sm_90+: one cuBLASLt grouped matmul per
+                     // product, device splits
 };
 
 // G per-group tensors of one shape: one stacked [G, ...] tensor (a single grouped weight, or
@@ -66,27 +68,34 @@ struct GemmShape {
 
 // The decision of one layer call, carried to every GEMM of its forward and backward.
 struct GemmPlan {
-  Backend backend = Backend::kReference;
+  // Per product: kAuto may pick a different backend for each (see plan_grouped_gemms).
+  Backend backend = Backend::kReference;  // fprop
+  Backend dgrad_backend = Backend::kReference;
+  Backend wgrad_backend = Backend::kReference;
   GemmShape shape;
   int64_t rows = 0;  // rows of every row-grouped operand (input, output, grad_output)
   at::ScalarType dtype = at::kFloat;  // of every operand but fp32 gradient buffers
   c10::Device device{c10::kCPU};
-  // Host sizes (checked against rows) for kReference and kCublasLt; device sizes for kSm90
-  // (uploaded once when only host sizes were given). Both when both are at hand.
+  // Host sizes (checked against rows) for kReference and kCublasLt; device sizes for kSm90 and
+  // kCublasLtGrouped (uploaded once when only host sizes were given). Both when both are needed
+  // or at hand.
   SplitSizes m_splits{std::vector<int64_t>{}};
 };
 
 // One plan per shape, for layers that share `input`'s rows and split sizes (GroupedMLP's fc1 and
 // fc2 plan together). Checks the split sizes (count, device, dtype; sum and signs on the host) and
-// copies them between host and device at most once for all layers. The decision table:
+// copies them between host and device at most once for all layers. The decision table, per
+// product (fprop, dgrad, wgrad):
 //   CPU, floating dtype                      -> kReference (a forced CUDA backend is an error)
-//   CUDA fp32                                -> kCublasLt
-//   CUDA bf16/fp16, choice kCublasLt         -> kCublasLt
-//   CUDA bf16/fp16, sm_90 device, n and k multiples of 8 (> 0), groups <= 1024, aligned
-//                                            -> kSm90 (one launch, no host sync; at or above
-//                                               per-group cuBLASLt on the measured shapes)
-//   CUDA bf16/fp16 otherwise                 -> kCublasLt (kAuto); NotImplementedError (kSm90)
+//   forced kCublasLt / kSm90 / kCublasLtGrouped
+//                                            -> that backend for all three products, or
+//                                               NotImplementedError with its refusal
+//   CUDA, kAuto: the first of the product's preference list that can run the call
+//     bf16/fp16:  kSm90, kCublasLtGrouped, kCublasLt   (measured: docs/performance.md)
+//     fp32:       kCublasLt
 //   anything else                            -> NotImplementedError
+// kSm90 runs sm_90 devices with n and k multiples of 8, at most 1024 groups, aligned persistent
+// tensors; kCublasLtGrouped needs a loaded cuBLASLt >= 13.8 on sm_90+, n and k multiples of 8.
 // `op` names the caller in error messages (e.g. "GroupedLinear").
 std::vector<GemmPlan> plan_grouped_gemms(const char* op, const at::Tensor& input,
                                          c10::ArrayRef<GemmShape> shapes,

@@ -5,6 +5,9 @@
 //   grouped_gemm_reference.cpp  CPU, per-group ATen (the reference)
 //   grouped_gemm_cublaslt.cpp   per-group cuBLASLt over a pool of streams (host splits)
 //   grouped_gemm_sm90.cpp       torchmoe's one-launch sm90 kernel (device splits)
+//   grouped_gemm_cublaslt_grouped.cpp
+//                               one cuBLASLt grouped matmul per product (cuBLASLt >= 13.8 loaded;
+//                               device splits)
 
 #include <ATen/core/Tensor.h>
 
@@ -64,20 +67,40 @@ void cublaslt_wgrad(const GemmPlan& plan, const at::Tensor& input, const at::Ten
                     const CheckedGroups& weight_grads, bool accumulate,
                     const CheckedGroups& bias_grads);
 
+// Shared by the device-split backends (defined in grouped_gemm_sm90.cpp):
+// `t` itself when it starts on a 16-byte boundary, else a contiguous copy that does.
+at::Tensor aligned_operand(const at::Tensor& t);
+// Where each group's tensor lives: base and stride when equally spaced, else a device table of
+// pointers cached for the life of the process (the same tensors give the same table).
+kernels::GroupAddress group_address(const CheckedGroups& groups);
+
 // Why the sm90 kernel cannot run a layer of this dtype and shape on the input's device, or
 // nullptr when it can.
 const char* sm90_refusal(const at::Tensor& input, const GemmShape& shape);
-// The split sizes as the sm90 kernel reads them, on the input's device: the device sizes (int32
-// or int64) as given, else one asynchronous upload of the host sizes.
-at::Tensor sm90_splits(const SplitSizes& m_splits, const at::Tensor& input);
+// The split sizes as the device-split backends read them, on the input's device: the device sizes
+// (int32 or int64) as given, else one asynchronous upload of the host sizes.
+at::Tensor device_splits(const SplitSizes& m_splits, const at::Tensor& input);
 void sm90_forward(const GemmPlan& plan, const at::Tensor& input, const CheckedGroups& weights,
                   const CheckedGroups& biases, at::Tensor& output);
 void sm90_dgrad(const GemmPlan& plan, const at::Tensor& grad_output, const CheckedGroups& weights,
                 at::Tensor& grad_input);
 void sm90_wgrad(const GemmPlan& plan, const at::Tensor& input, const at::Tensor& grad_output,
                 const CheckedGroups& weight_grads, bool accumulate);
-// db_g with the device sizes (one kernel, no host sync).
-void sm90_bias_grad(const GemmPlan& plan, const at::Tensor& grad_output,
-                    const CheckedGroups& bias_grads);
+// db_g with the device sizes (one kernel, no host sync): the bias gradient of both
+// device-split backends.
+void device_bias_grad(const GemmPlan& plan, const at::Tensor& grad_output,
+                      const CheckedGroups& bias_grads);
+
+// Why one cuBLASLt grouped matmul per product cannot run a layer of this dtype and shape on the
+// input's device (the loaded cuBLASLt is older than 13.8, among others), or nullptr when it can.
+const char* cublaslt_grouped_refusal(const at::Tensor& input, const GemmShape& shape);
+void cublaslt_grouped_forward(const GemmPlan& plan, const at::Tensor& input,
+                              const CheckedGroups& weights, const CheckedGroups& biases,
+                              at::Tensor& output);
+void cublaslt_grouped_dgrad(const GemmPlan& plan, const at::Tensor& grad_output,
+                            const CheckedGroups& weights, at::Tensor& grad_input);
+void cublaslt_grouped_wgrad(const GemmPlan& plan, const at::Tensor& input,
+                            const at::Tensor& grad_output, const CheckedGroups& weight_grads,
+                            bool accumulate);
 
 }  // namespace torchmoe::ops::detail

@@ -25,12 +25,6 @@ bool aligned16(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
 }
 
-// TMA needs 16-byte aligned rows; an activation that starts elsewhere (a view at an odd offset) is
-// copied once rather than sending the whole layer to another backend.
-at::Tensor aligned_operand(const at::Tensor& t) {
-  return aligned16(t) ? t : at::empty_like(t, at::MemoryFormat::Contiguous).copy_(t);
-}
-
 // The groups' data pointers as bytes: what identifies a per-group table of them.
 std::string pointer_bytes(const CheckedGroups& groups) {
   std::string bytes(groups.size() * sizeof(void*), '\0');
@@ -69,6 +63,14 @@ const void* device_table(const std::string& key, const at::Device& device, MakeB
   return it->second.const_data_ptr();
 }
 
+}  // namespace
+
+// TMA needs 16-byte aligned rows; an activation that starts elsewhere (a view at an odd offset) is
+// copied once rather than sending the whole layer to another backend.
+at::Tensor aligned_operand(const at::Tensor& t) {
+  return aligned16(t) ? t : at::empty_like(t, at::MemoryFormat::Contiguous).copy_(t);
+}
+
 // Where each group's tensor lives: one base and a stride when the groups are equally spaced, else
 // a cached device table of pointers.
 kernels::GroupAddress group_address(const CheckedGroups& groups) {
@@ -79,6 +81,8 @@ kernels::GroupAddress group_address(const CheckedGroups& groups) {
       device_table("pointers " + bytes, groups.tensors[0].device(), [&] { return bytes; }));
   return address;
 }
+
+namespace {
 
 kernels::Sm90GemmParams params_for(kernels::GemmKind kind, const GemmPlan& plan) {
   const at::Tensor& splits = plan.m_splits.device();
@@ -153,7 +157,7 @@ const char* sm90_refusal(const at::Tensor& input, const GemmShape& shape) {
   return nullptr;
 }
 
-at::Tensor sm90_splits(const SplitSizes& m_splits, const at::Tensor& input) {
+at::Tensor device_splits(const SplitSizes& m_splits, const at::Tensor& input) {
   if (m_splits.has_device()) return m_splits.device();
   // Through pinned memory, so that the copy is asynchronous (the allocator keeps the block until
   // the copy has run).
@@ -207,8 +211,8 @@ void sm90_wgrad(const GemmPlan& plan, const at::Tensor& input, const at::Tensor&
   launch(x, p);
 }
 
-void sm90_bias_grad(const GemmPlan& plan, const at::Tensor& grad_output,
-                    const CheckedGroups& bias_grads) {
+void device_bias_grad(const GemmPlan& plan, const at::Tensor& grad_output,
+                      const CheckedGroups& bias_grads) {
   const c10::cuda::CUDAGuard guard(grad_output.device());
   const at::Tensor& splits = plan.m_splits.device();
   kernels::GroupedColumnSumParams p;

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <string>
 #include <vector>
 
 #include "torchmoe/kernels/types.h"
@@ -60,11 +61,23 @@ struct PermutedTokens {
   SplitSizes m_splits{std::vector<int64_t>{}};
 };
 
-/// Which grouped GEMM runs a layer. kAuto takes the fastest that can run the call (the sm90 kernel
-/// on H100/H200 bf16/fp16, else per-group cuBLASLt; the CPU runs ATen) and can be overridden with
-/// TORCHMOE_GROUPED_GEMM_BACKEND=auto|cublaslt|sm90; the others force a backend and fail with
-/// NotImplementedError where it cannot run. docs/architecture.md has the decision table.
-enum class GemmBackend { kAuto, kCublasLt, kSm90 };
+/// Which grouped GEMM runs a layer. kAuto takes, per product (fprop, dgrad, wgrad), the fastest
+/// backend that can run the call, from a table measured on the H100 (docs/performance.md): the
+/// sm90 kernel on H100/H200 bf16/fp16, then the cuBLASLt grouped matmul when the process loaded
+/// cuBLASLt >= 13.8, else per-group cuBLASLt; the CPU runs ATen. TORCHMOE_GROUPED_GEMM_BACKEND=
+/// auto|cublaslt|sm90|cublaslt_grouped overrides kAuto; the others force one backend for all
+/// three products and fail with NotImplementedError where it cannot run. docs/architecture.md has
+/// the decision table.
+enum class GemmBackend { kAuto, kCublasLt, kSm90, kCublasLtGrouped };
+
+/// The cuBLASLt this process loaded and whether GemmBackend::kCublasLtGrouped can use it (it needs
+/// 13.8 or newer): what to print when that backend is refused.
+struct LoadedCublasLt {
+  size_t version = 0;    ///< cublasLtGetVersion(): major·10000 + minor·100 + patch
+  std::string library;   ///< the shared object's path
+  bool grouped = false;  ///< the grouped matmul is usable
+};
+LoadedCublasLt loaded_cublaslt();
 
 /// The nonlinearity of a gated activation: SwiGLU or ClampedSwiGLU (GPT-OSS).
 using GluActivation = kernels::GluActivation;

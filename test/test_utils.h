@@ -4,6 +4,7 @@
 
 #include <ATen/cuda/CUDAContext.h>
 #include <torch/torch.h>
+#include <torchmoe/ops/types.h>
 #include <catch2/catch.hpp>
 
 #include <cstdint>
@@ -40,6 +41,35 @@ inline bool sm90_available() {
       WARN("SKIPPED: no CUDA device with sm_90 found"); \
       return;                                           \
     }                                                   \
+  } while (0)
+
+// Why the forced grouped GEMM `backend` cannot run bf16 layers of n, k multiples of 8 here, or
+// empty: cases that force a CUDA backend skip visibly with it.
+inline std::string gemm_backend_skip_reason(torchmoe::GemmBackend backend) {
+  if (!cuda_available()) return "no CUDA device";
+  switch (backend) {
+    case torchmoe::GemmBackend::kSm90:
+      return sm90_available() ? "" : "no CUDA device with sm_90 found";
+    case torchmoe::GemmBackend::kCublasLtGrouped: {
+      const torchmoe::LoadedCublasLt lt = torchmoe::loaded_cublaslt();
+      if (!lt.grouped) {
+        return "the loaded cuBLASLt " + std::to_string(lt.version) +
+               " has no grouped matmul (needs 130800 or newer)";
+      }
+      return at::cuda::getCurrentDeviceProperties()->major >= 9 ? "" : "device older than sm_90";
+    }
+    default:
+      return "";
+  }
+}
+
+#define TORCHMOE_REQUIRE_GEMM_BACKEND(backend)                                              \
+  do {                                                                                      \
+    const std::string torchmoe_skip_ = ::torchmoe::test::gemm_backend_skip_reason(backend); \
+    if (!torchmoe_skip_.empty()) {                                                          \
+      WARN("SKIPPED: " << torchmoe_skip_);                                                  \
+      return;                                                                               \
+    }                                                                                       \
   } while (0)
 
 struct Tolerance {

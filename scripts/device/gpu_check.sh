@@ -14,6 +14,8 @@
 #   compare   scripts/compare_python.sh: the example next to the same model in PyTorch Python
 #   bench     the benchmark programs; BENCHES narrows them (e.g. "grouped_linear glu"),
 #             BENCH_SHAPES the shapes (e.g. "qwen3-30b-a3b,olmoe")
+# CUBLAS13=1: after the build, every step runs with cuBLAS 13.10 preloaded (carried to the machine
+# as ../shared/device/cublas13/README.md says), so the cuBLASLt grouped backend is available.
 # Logs and JSON go to $OUT (the device tool returns at most 8 files); tables go to stdout.
 set -uo pipefail
 out=${OUT:-/tmp/torchmoe-out}
@@ -28,6 +30,11 @@ start=$SECONDS
     cmake --build build-gpu -j 16
 } > "$out/build.log" 2>&1 || { grep -B2 -A8 -E "error|FAILED" "$out/build.log" | head -60; exit 1; }
 echo "build ok ($((SECONDS - start)) s)"
+if [ -n "${CUBLAS13:-}" ]; then
+  export LD_PRELOAD="/root/cublas13/lib/libcublasLt.so.13 /root/cublas13/lib/libcublas.so.13"
+  echo "preloading cuBLAS 13.10 (torchmoe_tests sees: $(build-gpu/test/torchmoe_tests \
+    'the loaded cuBLASLt is reported' -s 2>&1 | grep -m1 -o 'cuBLASLt [0-9]* from .*'))"
+fi
 
 if [[ " $steps " == *" tests "* ]]; then
   # shellcheck disable=SC2086

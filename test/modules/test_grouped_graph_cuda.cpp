@@ -88,16 +88,20 @@ const std::vector<std::vector<int64_t>> kTrialSplits = {
 
 TEST_CASE("GroupedLinear with device splits replays in a CUDA graph",
           "[modules][grouped_linear][cuda][graph]") {
-  TORCHMOE_REQUIRE_SM90();  // device splits need the sm90 kernel
+  // Device splits: the sm90 kernel, or the cuBLASLt grouped matmul (cuBLASLt >= 13.8 loaded).
+  const auto backend =
+      GENERATE(torchmoe::GemmBackend::kSm90, torchmoe::GemmBackend::kCublasLtGrouped);
+  TORCHMOE_REQUIRE_GEMM_BACKEND(backend);
   const bool single = GENERATE(false, true);
-  INFO("single_grouped_weight " << single);
+  INFO("backend " << static_cast<int>(backend) << ", single_grouped_weight " << single);
   torch::manual_seed(21);
   const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
   torchmoe::GroupedLinear layer(torchmoe::GroupedLinearOptions(6, 128, 256)
                                     .params_dtype(torch::kBFloat16)
                                     .device(torch::kCUDA)
                                     .single_grouped_weight(single)
-                                    .single_grouped_bias(single));
+                                    .single_grouped_bias(single)
+                                    .gemm_backend(backend));
   const torch::Tensor x = torch::zeros({kRows, 128}, cuda).requires_grad_();
   const torch::Tensor dy = torch::zeros({kRows, 256}, cuda);
   const torch::Tensor splits = torch::zeros({6}, cuda.dtype(torch::kLong));
@@ -121,11 +125,16 @@ TEST_CASE("GroupedLinear with device splits replays in a CUDA graph",
 
 TEST_CASE("GroupedMLP with device splits replays in a CUDA graph",
           "[modules][grouped_mlp][cuda][graph]") {
-  TORCHMOE_REQUIRE_SM90();  // device splits need the sm90 kernel
+  const auto backend =
+      GENERATE(torchmoe::GemmBackend::kSm90, torchmoe::GemmBackend::kCublasLtGrouped);
+  TORCHMOE_REQUIRE_GEMM_BACKEND(backend);
+  INFO("backend " << static_cast<int>(backend));
   torch::manual_seed(22);
   const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
-  torchmoe::GroupedMLP mlp(
-      torchmoe::GroupedMLPOptions(6, 128, 192).params_dtype(torch::kBFloat16).device(torch::kCUDA));
+  torchmoe::GroupedMLPOptions options(6, 128, 192);
+  options.params_dtype(torch::kBFloat16).device(torch::kCUDA);
+  options.linear().gemm_backend(backend);
+  torchmoe::GroupedMLP mlp(options);
   const torch::Tensor x = torch::zeros({kRows, 128}, cuda).requires_grad_();
   const torch::Tensor probs = torch::zeros({kRows}, cuda.dtype(torch::kFloat32)).requires_grad_();
   const torch::Tensor dy = torch::zeros({kRows, 128}, cuda);

@@ -88,13 +88,25 @@ TEST_CASE("grouped GEMM dispatch table on CUDA", "[ops][cuda]") {
   const auto fp32 = bf16.to(torch::kFloat32);
   const ops::GemmShape good{64, 64, 4}, odd_k{64, 60, 4}, many{64, 64, 2000};
   const bool sm90 = sm90_available();
+  const bool grouped = gemm_backend_skip_reason(torchmoe::GemmBackend::kCublasLtGrouped).empty();
   constexpr auto kCublasLt = torchmoe::GemmBackend::kCublasLt;
   constexpr auto kSm90 = torchmoe::GemmBackend::kSm90;
-  CHECK(backend_for(bf16, good) == (sm90 ? ops::Backend::kSm90 : ops::Backend::kCublasLt));
+  constexpr auto kGrouped = torchmoe::GemmBackend::kCublasLtGrouped;
+  // kAuto's order for bf16/fp16: sm90, cuBLASLt grouped, per-group cuBLASLt.
+  const ops::Backend best = sm90      ? ops::Backend::kSm90
+                            : grouped ? ops::Backend::kCublasLtGrouped
+                                      : ops::Backend::kCublasLt;
+  CHECK(backend_for(bf16, good) == best);
   CHECK(backend_for(bf16, good, kCublasLt) == ops::Backend::kCublasLt);
   CHECK(backend_for(fp32, good) == ops::Backend::kCublasLt);
   CHECK(backend_for(bf16, odd_k) == ops::Backend::kCublasLt);
-  CHECK(backend_for(bf16, many) == ops::Backend::kCublasLt);
+  CHECK(backend_for(bf16, many) ==
+        (grouped ? ops::Backend::kCublasLtGrouped : ops::Backend::kCublasLt));
+  if (grouped) {
+    CHECK(backend_for(bf16, good, kGrouped) == ops::Backend::kCublasLtGrouped);
+    CHECK(backend_for(fp32, good, kGrouped) == ops::Backend::kCublasLtGrouped);
+    REQUIRE_THROWS_WITH(backend_for(bf16, odd_k, kGrouped), Contains("positive multiples of 8"));
+  }
   REQUIRE_THROWS_WITH(backend_for(fp32, good, kSm90),
                       Contains("bfloat16 and float16 operands only"));
   if (sm90) {
@@ -105,6 +117,15 @@ TEST_CASE("grouped GEMM dispatch table on CUDA", "[ops][cuda]") {
     REQUIRE_THROWS_WITH(backend_for(bf16, unaligned, kSm90), Contains("16-byte boundaries"));
     CHECK(backend_for(bf16, unaligned) == ops::Backend::kCublasLt);
   }
+}
+
+TEST_CASE("the loaded cuBLASLt is reported", "[ops]") {
+  // Linked into the library, so loaded with or without a GPU.
+  const torchmoe::LoadedCublasLt lt = torchmoe::loaded_cublaslt();
+  INFO("cuBLASLt " << lt.version << " from " << lt.library);
+  CHECK(lt.version >= 130000);
+  CHECK_THAT(lt.library, Contains("libcublasLt"));
+  CHECK(lt.grouped == (lt.version >= 130800));
 }
 
 TEST_CASE("planning checks split sizes once and copies them at most once", "[ops]") {

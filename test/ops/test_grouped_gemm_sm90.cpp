@@ -1,7 +1,9 @@
-// The sm90 grouped GEMM kernel (forced backend) against float64 per-group products: fprop with
+// The device-split grouped GEMM backends (forced: the sm90 kernel, and the cuBLASLt grouped
+// matmul where the process loaded cuBLASLt >= 13.8) against float64 per-group products: fprop with
 // bias, dgrad, wgrad (input-dtype and fp32 output, fp32 accumulation) and the bias gradients.
 //
-// Axes: the cases below × dtype {bf16, fp16} × splits {host, device (int32 or int64)} × weights
+// Axes: backend × the cases below × dtype {bf16, fp16} × splits {host, device (int32 or int64)} ×
+// weights
 // and their gradients {views of one buffer: one 3-D tensor map each; separate tensors: a table of
 // per-group maps for the weights, gradients stored from registers}.
 // Padded rows (device splits only; the sizes then sum to less than the buffer) hold NaN, so any
@@ -21,12 +23,14 @@ namespace ops = torchmoe::ops;
 namespace {
 
 constexpr auto kSm90 = torchmoe::GemmBackend::kSm90;
+constexpr auto kGrouped = torchmoe::GemmBackend::kCublasLtGrouped;
 
-// The forced-sm90 plan of one [n, k] layer over `input`.
-ops::GemmPlan sm90_plan(const torch::Tensor& input, int64_t n, int64_t k,
-                        const torchmoe::SplitSizes& splits) {
+// The plan of one [n, k] layer over `input` on a forced backend.
+ops::GemmPlan forced_plan(const torch::Tensor& input, int64_t n, int64_t k,
+                          const torchmoe::SplitSizes& splits,
+                          torchmoe::GemmBackend backend = kSm90) {
   return ops::plan_grouped_gemms("test", input, {ops::GemmShape{n, k, splits.size()}}, splits,
-                                 kSm90)
+                                 backend)
       .front();
 }
 
@@ -86,7 +90,7 @@ std::vector<torch::Tensor> grad_tensors(int64_t groups, int64_t n, int64_t k, bo
 }
 
 void run_case(const Case& c, torch::Dtype dtype, bool device_splits, bool one_buffer,
-              bool int32_splits) {
+              bool int32_splits, torchmoe::GemmBackend backend = kSm90) {
   if (c.padding > 0 && !device_splits) return;  // host sizes must sum to the rows
   INFO(c.name << ": dtype " << dtype << ", splits on " << (device_splits ? "device" : "host")
               << ", weights " << (one_buffer ? "in one buffer" : "separate"));
@@ -108,7 +112,7 @@ void run_case(const Case& c, torch::Dtype dtype, bool device_splits, bool one_bu
           ? torchmoe::SplitSizes(torch::tensor(c.splits, torch::kLong)
                                      .to(torch::kCUDA, int32_splits ? torch::kInt : torch::kLong))
           : torchmoe::SplitSizes(c.splits);
-  const ops::GemmPlan plan = sm90_plan(x, c.n, c.k, splits);
+  const ops::GemmPlan plan = forced_plan(x, c.n, c.k, splits, backend);
 
   const torch::Tensor y = ops::grouped_linear_forward(plan, x, weights, biases);
   const torch::Tensor dx = ops::grouped_linear_dgrad(plan, dy, weights);
@@ -176,7 +180,7 @@ TEST_CASE("sm90 grouped GEMM clamps device splits to the buffer", "[ops][cuda][s
   const torch::Tensor x = torch::randn({50, 64}, cuda);
   const std::vector<torch::Tensor> w = torch::randn({3, 64, 64}, cuda).unbind(0);
   const torchmoe::SplitSizes too_many(torch::tensor({30, -5, 40}, torch::kLong).to(torch::kCUDA));
-  const torch::Tensor y = ops::grouped_linear_forward(sm90_plan(x, 64, 64, too_many), x, w, {});
+  const torch::Tensor y = ops::grouped_linear_forward(forced_plan(x, 64, 64, too_many), x, w, {});
   const torch::Tensor expected =
       torch::cat({x.narrow(0, 0, 30).mm(w[0].t()), x.narrow(0, 30, 20).mm(w[2].t())});
   check_close(y, expected, {1e-2, 1e-2}, "truncated groups");
@@ -191,7 +195,7 @@ TEST_CASE("sm90 grouped GEMM runs on a thread that has made no CUDA call", "[ops
   const torch::Tensor x = torch::randn({64, 64}, cuda);
   const std::vector<torch::Tensor> w = torch::randn({2, 64, 64}, cuda).unbind(0);
   const ops::GemmPlan plan =
-      sm90_plan(x, 64, 64, torchmoe::SplitSizes(torch::tensor({40, 24}).to(torch::kCUDA)));
+      forced_plan(x, 64, 64, torchmoe::SplitSizes(torch::tensor({40, 24}).to(torch::kCUDA)));
   const torch::Tensor expected = ops::grouped_linear_forward(plan, x, w, {});
   torch::Tensor y;
   std::string error;
@@ -218,9 +222,9 @@ TEST_CASE("sm90 grouped GEMM rejects splits and shapes it cannot use",
                           "test", x, {ops::GemmShape{64, 64, 2}},
                           torchmoe::SplitSizes(torch::tensor({4, 2, 2}).to(torch::kCUDA)), kSm90),
                       Contains("test: m_splits must have num_gemms=2 entries, got 3"));
-  REQUIRE_THROWS_WITH(sm90_plan(x, 64, 64, std::vector<int64_t>{4, 2}),
+  REQUIRE_THROWS_WITH(forced_plan(x, 64, 64, std::vector<int64_t>{4, 2}),
                       Contains("test: m_splits must sum to the number of rows (8)"));
-  REQUIRE_THROWS_AS(sm90_plan(torch::randn({8, 60}, cuda), 64, 60, std::vector<int64_t>{4, 4}),
+  REQUIRE_THROWS_AS(forced_plan(torch::randn({8, 60}, cuda), 64, 60, std::vector<int64_t>{4, 4}),
                     c10::NotImplementedError);
 }
 
@@ -232,10 +236,87 @@ TEST_CASE("sm90 grouped GEMM copies an unaligned activation instead of refusing 
   const torch::Tensor x = torch::randn({8 * 64 + 1}, cuda).narrow(0, 1, 8 * 64).view({8, 64});
   REQUIRE(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0);
   const torch::Tensor w = torch::randn({2, 64, 64}, cuda);
-  const ops::GemmPlan plan = sm90_plan(x, 64, 64, std::vector<int64_t>{5, 3});
+  const ops::GemmPlan plan = forced_plan(x, 64, 64, std::vector<int64_t>{5, 3});
   REQUIRE(plan.backend == ops::Backend::kSm90);
   const torch::Tensor y = ops::grouped_linear_forward(plan, x, ops::GroupedTensors::stacked(w), {});
   const torch::Tensor expected =
       torch::cat({x.narrow(0, 0, 5).mm(w[0].t()), x.narrow(0, 5, 3).mm(w[1].t())});
   check_close(y, expected, {1e-2, 1e-2}, "unaligned input");
+}
+
+// ---- the cuBLASLt grouped backend ---------------------------------------------------------------
+
+TEST_CASE("cuBLASLt grouped GEMM vs float64 per-group products", "[ops][cuda][cublaslt_grouped]") {
+  TORCHMOE_REQUIRE_GEMM_BACKEND(kGrouped);
+  torch::manual_seed(12);
+  const auto dtype = GENERATE(torch::kBFloat16, torch::kFloat16);
+  const bool device_splits = GENERATE(true, false);
+  const bool one_buffer = GENERATE(true, false);
+  for (const Case& c : cases()) {
+    run_case(c, dtype, device_splits, one_buffer, !one_buffer, kGrouped);
+  }
+}
+
+TEST_CASE("cuBLASLt grouped GEMM with more than 1024 groups", "[ops][cuda][cublaslt_grouped]") {
+  TORCHMOE_REQUIRE_GEMM_BACKEND(kGrouped);
+  torch::manual_seed(13);
+  // 1500 groups of 0 to 9 rows (about a tenth empty): more groups than the sm90 kernel takes and
+  // than one chunk of the setup kernel's scan.
+  const Case c{"1500 small groups", random_splits(1500, 6750, 0, 14), 64, 128};
+  const bool device_splits = GENERATE(true, false);
+  run_case(c, torch::kBFloat16, device_splits, /*one_buffer=*/true, false, kGrouped);
+}
+
+TEST_CASE("cuBLASLt grouped GEMM clamps device splits to the buffer",
+          "[ops][cuda][cublaslt_grouped]") {
+  TORCHMOE_REQUIRE_GEMM_BACKEND(kGrouped);
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+  const torch::Tensor x = torch::randn({50, 64}, cuda);
+  const std::vector<torch::Tensor> w = torch::randn({3, 64, 64}, cuda).unbind(0);
+  const torchmoe::SplitSizes too_many(torch::tensor({30, -5, 40}, torch::kLong).to(torch::kCUDA));
+  const torch::Tensor y =
+      ops::grouped_linear_forward(forced_plan(x, 64, 64, too_many, kGrouped), x, w, {});
+  const torch::Tensor expected =
+      torch::cat({x.narrow(0, 0, 30).mm(w[0].t()), x.narrow(0, 30, 20).mm(w[2].t())});
+  check_close(y, expected, {1e-2, 1e-2}, "truncated groups");
+}
+
+TEST_CASE("cuBLASLt grouped GEMM: float32 operands run or are refused with a reason",
+          "[ops][cuda][cublaslt_grouped]") {
+  TORCHMOE_REQUIRE_GEMM_BACKEND(kGrouped);
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kFloat32);
+  const torch::Tensor x = torch::randn({40, 64}, cuda);
+  const std::vector<torch::Tensor> w = torch::randn({2, 32, 64}, cuda).unbind(0);
+  const ops::GemmPlan plan = forced_plan(x, 32, 64, std::vector<int64_t>{25, 15}, kGrouped);
+  try {
+    const torch::Tensor y = ops::grouped_linear_forward(plan, x, w, {});
+    const torch::Tensor expected =
+        torch::cat({x.narrow(0, 0, 25).mm(w[0].t()), x.narrow(0, 25, 15).mm(w[1].t())});
+    check_close(y, expected, {1e-5, 1e-5}, "fp32");
+  } catch (const c10::NotImplementedError& e) {
+    CHECK_THAT(e.what(), Catch::Matchers::Contains("has no grouped-matmul algorithm for fprop"));
+  }
+}
+
+TEST_CASE(
+    "cuBLASLt grouped GEMM is refused with the loaded version when cuBLASLt is older than "
+    "13.8",
+    "[ops][cuda][cublaslt_grouped][errors]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const torchmoe::LoadedCublasLt lt = torchmoe::loaded_cublaslt();
+  if (lt.grouped) {
+    WARN("SKIPPED: the loaded cuBLASLt " << lt.version << " has the grouped matmul");
+    return;
+  }
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+  const torch::Tensor x = torch::randn({8, 64}, cuda);
+  using Catch::Matchers::Contains;
+  REQUIRE_THROWS_AS(forced_plan(x, 64, 64, std::vector<int64_t>{4, 4}, kGrouped),
+                    c10::NotImplementedError);
+  REQUIRE_THROWS_WITH(
+      forced_plan(x, 64, 64, std::vector<int64_t>{4, 4}, kGrouped),
+      Contains("the cublaslt_grouped grouped GEMM backend cannot run this call: "
+               "it needs cuBLASLt >= 13.8") &&
+          Contains("this process loaded cuBLASLt " + std::to_string(lt.version / 10000) + "." +
+                   std::to_string(lt.version / 100 % 100)));
 }

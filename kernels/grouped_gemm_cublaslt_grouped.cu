@@ -1,0 +1,444 @@
+// One cuBLASLt grouped matmul per product; contract in grouped_gemm_cublaslt_grouped.h.
+//
+// The device arrays of one call (`env.arrays`), written by setup_groups_kernel from the splits:
+//
+//   a[G] b[G] c[G] d[G]   void*   the groups' A, B, C and D in cuBLAS's column-major view (C and D
+//                                 hold the same pointers: beta = 1 adds to what D holds)
+//   a_rows a_cols ...     int32   rows and columns of each; the leading dimension is the rows
+//   d_rows d_cols
+//   starts[G + 1]         int64   first row of each group (clamped), the last entry the end
+//   scalars[2]            fp32    alpha = 1 and beta (1 to accumulate, else 0), device pointer mode
+//
+// Group g of kind    A (rows × cols)      B (rows × cols)      D (rows × cols)
+//   kFprop  (TN)     W_g     (k × n)      x rows  (k × m_g)    y rows   (n × m_g)
+//   kDgrad  (NN)     W_g     (k × n)      dy rows (n × m_g)    dx rows  (k × m_g)
+//   kWgrad  (NT)     x rows  (k × m_g)    dy rows (n × m_g)    dW_g     (k × n)
+
+#include "torchmoe/kernels/grouped_gemm_cublaslt_grouped.h"
+
+#include <dlfcn.h>
+
+#include <cub/block/block_scan.cuh>
+
+#include <array>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+
+#include "torchmoe/kernels/device_types.cuh"
+
+namespace torchmoe::kernels {
+namespace {
+
+// Attributes of cuBLAS >= 13.3 that the toolkit's headers may lack (values from cuBLAS 13.10's
+// cublasLt.h; cuBLAS keeps enum values stable across minor versions).
+constexpr auto kPrefAverageReduction = static_cast<cublasLtMatmulPreferenceAttributes_t>(13);
+constexpr auto kPrefAverageRowsD = static_cast<cublasLtMatmulPreferenceAttributes_t>(14);
+constexpr auto kPrefAverageColsD = static_cast<cublasLtMatmulPreferenceAttributes_t>(15);
+
+// cublasLtGroupedMatrixLayoutInit_internal(layout, size, type, groups, rows, cols, ld).
+using GroupedLayoutInit = cublasStatus_t (*)(cublasLtMatrixLayout_t, size_t, cudaDataType, int,
+                                             const void*, const void*, const void*);
+
+// Storage for a layout descriptor: cuBLAS 13.10's takes 112 bytes, more than the 64 of older
+// headers' cublasLtMatrixLayoutOpaque_t; the init call fails cleanly if a later one needs more.
+struct LayoutStorage {
+  alignas(16) uint64_t data[64];
+  cublasLtMatrixLayout_t get() { return reinterpret_cast<cublasLtMatrixLayout_t>(data); }
+};
+
+struct GroupedApi {
+  LoadedCublasLt info;
+  GroupedLayoutInit layout_init = nullptr;
+};
+
+const GroupedApi& grouped_api() {
+  static const GroupedApi api = [] {
+    GroupedApi a;
+    a.info.version = cublasLtGetVersion();
+    // The library that this process resolved cuBLASLt's symbols to (a preloaded one wins over
+    // the one torch's wheel brings), found through one of its functions.
+    Dl_info dl{};
+    if (dladdr(reinterpret_cast<void*>(&cublasLtGetVersion), &dl) != 0 && dl.dli_fname != nullptr) {
+      a.info.library = dl.dli_fname;
+      if (void* handle = dlopen(dl.dli_fname, RTLD_LAZY | RTLD_NOLOAD)) {
+        a.layout_init = reinterpret_cast<GroupedLayoutInit>(
+            dlsym(handle, "cublasLtGroupedMatrixLayoutInit_internal"));
+        dlclose(handle);  // drops the reference taken by RTLD_NOLOAD; the library stays loaded
+      }
+    }
+    a.info.grouped = a.info.version >= kCublasLtGroupedMinVersion && a.layout_init != nullptr;
+    return a;
+  }();
+  return api;
+}
+
+cudaDataType_t cuda_type(ScalarType type) {
+  switch (type) {
+    case ScalarType::kFloat32:
+      return CUDA_R_32F;
+    case ScalarType::kFloat16:
+      return CUDA_R_16F;
+    case ScalarType::kBFloat16:
+      return CUDA_R_16BF;
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown ScalarType");
+}
+
+// Byte offsets of the arrays in env.arrays (see the file comment).
+struct ArrayLayout {
+  size_t a, b, c, d, ints, starts, scalars, total;
+};
+
+constexpr size_t align16(size_t bytes) { return (bytes + 15) / 16 * 16; }
+
+ArrayLayout array_layout(int groups) {
+  const auto g = static_cast<size_t>(groups);
+  ArrayLayout l{};
+  l.a = 0;
+  l.b = l.a + align16(g * sizeof(void*));
+  l.c = l.b + align16(g * sizeof(void*));
+  l.d = l.c + align16(g * sizeof(void*));
+  l.ints = l.d + align16(g * sizeof(void*));
+  l.starts = l.ints + align16(6 * g * sizeof(int32_t));
+  l.scalars = l.starts + align16((g + 1) * sizeof(int64_t));
+  l.total = l.scalars + align16(2 * sizeof(float));
+  return l;
+}
+
+struct GroupArrays {
+  const void** a;
+  const void** b;
+  const void** c;
+  void** d;
+  int32_t* ints;  // a_rows, a_cols, b_rows, b_cols, d_rows, d_cols, G each
+  int64_t* starts;
+  float* scalars;
+};
+
+GroupArrays group_arrays(void* base, int groups) {
+  const ArrayLayout l = array_layout(groups);
+  char* p = static_cast<char*>(base);
+  GroupArrays arrays;
+  arrays.a = reinterpret_cast<const void**>(p + l.a);
+  arrays.b = reinterpret_cast<const void**>(p + l.b);
+  arrays.c = reinterpret_cast<const void**>(p + l.c);
+  arrays.d = reinterpret_cast<void**>(p + l.d);
+  arrays.ints = reinterpret_cast<int32_t*>(p + l.ints);
+  arrays.starts = reinterpret_cast<int64_t*>(p + l.starts);
+  arrays.scalars = reinterpret_cast<float*>(p + l.scalars);
+  return arrays;
+}
+
+__device__ __forceinline__ const char* group_bytes(const GroupAddress& a, int g, size_t elem) {
+  if (a.table != nullptr) return static_cast<const char*>(a.table[g]);
+  return static_cast<const char*>(a.base) + static_cast<int64_t>(g) * a.group_stride * elem;
+}
+
+constexpr int kSetupThreads = 1024;
+
+// One block: a running scan of the clamped split sizes over chunks of kSetupThreads groups.
+__global__ void __launch_bounds__(kSetupThreads)
+    setup_groups_kernel(const CublasLtGroupedParams p, const GroupArrays out) {
+  using Scan = cub::BlockScan<int64_t, kSetupThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  const size_t in = p.input_type == ScalarType::kFloat32 ? 4 : 2;
+  const size_t outs = p.output_type == ScalarType::kFloat32 ? 4 : 2;
+  const int G = p.num_groups;
+  int32_t* a_rows = out.ints;
+  int32_t* a_cols = a_rows + G;
+  int32_t* b_rows = a_cols + G;
+  int32_t* b_cols = b_rows + G;
+  int32_t* d_rows = b_cols + G;
+  int32_t* d_cols = d_rows + G;
+  const auto n = static_cast<int32_t>(p.n), k = static_cast<int32_t>(p.k);
+  int64_t carry = 0;
+  for (int base = 0; base < G; base += kSetupThreads) {
+    const int g = base + static_cast<int>(threadIdx.x);
+    const int64_t split = g < G ? split_at(p.m_splits, p.splits_int32, g) : 0;
+    int64_t before = 0, chunk_total = 0;
+    Scan(scan_storage).ExclusiveSum(split, before, chunk_total);
+    __syncthreads();  // scan_storage is reused by the next chunk
+    if (g < G) {
+      const int64_t start = min(carry + before, p.rows);
+      const int64_t m = min(split, p.rows - start);
+      const auto m32 = static_cast<int32_t>(m);
+      out.starts[g] = start;
+      switch (p.kind) {
+        case GemmKind::kFprop:
+          out.a[g] = group_bytes(p.weight, g, in);
+          out.b[g] = static_cast<const char*>(p.input) + start * p.k * in;
+          out.d[g] = static_cast<char*>(p.output) + start * p.n * outs;
+          a_rows[g] = k, a_cols[g] = n, b_rows[g] = k, b_cols[g] = m32, d_rows[g] = n;
+          d_cols[g] = m32;
+          break;
+        case GemmKind::kDgrad:
+          out.a[g] = group_bytes(p.weight, g, in);
+          out.b[g] = static_cast<const char*>(p.grad_output) + start * p.n * in;
+          out.d[g] = static_cast<char*>(p.output) + start * p.k * outs;
+          a_rows[g] = k, a_cols[g] = n, b_rows[g] = n, b_cols[g] = m32, d_rows[g] = k;
+          d_cols[g] = m32;
+          break;
+        case GemmKind::kWgrad:
+          out.a[g] = static_cast<const char*>(p.input) + start * p.k * in;
+          out.b[g] = static_cast<const char*>(p.grad_output) + start * p.n * in;
+          out.d[g] = const_cast<char*>(group_bytes(p.weight_grad, g, outs));
+          a_rows[g] = k, a_cols[g] = m32, b_rows[g] = n, b_cols[g] = m32, d_rows[g] = k;
+          d_cols[g] = n;
+          break;
+      }
+      out.c[g] = out.d[g];
+    }
+    carry += chunk_total;
+  }
+  if (threadIdx.x == 0) {
+    out.starts[G] = min(carry, p.rows);
+    out.scalars[0] = 1.0f;
+    out.scalars[1] = p.accumulate ? 1.0f : 0.0f;
+  }
+}
+
+// wgrad without accumulation: an empty group's dW_g is zero. Blocks of other groups return at
+// once, so the common case costs one small launch; the grouped matmul does not promise to write
+// a group whose reduction is empty.
+constexpr int kZeroBlocksPerGroup = 32;
+
+__global__ void zero_empty_groups_kernel(const int32_t* reduction, GroupAddress dw, size_t elem,
+                                         int64_t bytes) {
+  const int g = blockIdx.y;
+  if (reduction[g] != 0) return;
+  auto* dst = reinterpret_cast<uint4*>(const_cast<char*>(group_bytes(dw, g, elem)));
+  const int64_t vectors = bytes / 16;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < vectors;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    dst[i] = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// y[r] = product[r] + b_g for every row r of group g, rounded once (rows past the last group are
+// left alone). The product is the fp32 GEMM output; the row's group is found by binary search in
+// starts[0..G].
+template <typename T>
+__global__ void add_bias_kernel(T* y, const float* product, int64_t rows, int64_t n,
+                                GroupAddress bias, const int64_t* starts, int groups) {
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    int lo = 0, hi = groups + 1;  // first index with starts[index] > r
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (starts[mid] <= r) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    const int g = lo - 1;
+    if (g < 0 || g >= groups) continue;
+    const T* b = group_ptr<T>(bias, g);
+    const float* src = product + r * n;
+    T* dst = y + r * n;
+    for (int64_t c = 2 * threadIdx.x; c < n; c += 2 * blockDim.x) {
+      const float2 v = *reinterpret_cast<const float2*>(src + c);
+      store2(dst + c, v.x + to_float(b[c]), v.y + to_float(b[c + 1]));
+    }
+  }
+}
+
+// The matmul descriptor and algorithm for one call shape, found once per host thread.
+struct Plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  bool found = false;
+
+  Plan() = default;
+  Plan(const Plan&) = delete;
+  Plan& operator=(const Plan&) = delete;
+  ~Plan() {
+    if (desc) cublasLtMatmulDescDestroy(desc);  // host memory only; failure is not actionable
+  }
+};
+
+using PlanKey = std::array<int64_t, 11>;
+
+struct PlanKeyHash {
+  size_t operator()(const PlanKey& key) const {
+    size_t h = 0;
+    for (int64_t v : key) h = h * 1000003u ^ std::hash<int64_t>{}(v);
+    return h;
+  }
+};
+
+struct Layouts {
+  LayoutStorage a, b, c, d;
+};
+
+void init_layouts(Layouts& l, const CublasLtGroupedParams& p, const GroupArrays& arrays) {
+  const GroupedLayoutInit init = grouped_api().layout_init;
+  const cudaDataType_t in = cuda_type(p.input_type), out = cuda_type(p.output_type);
+  const int G = p.num_groups;
+  const int32_t* ints = arrays.ints;
+  TORCHMOE_CUBLASLT_CHECK(init(l.a.get(), sizeof(l.a.data), in, G, ints, ints + G, ints));
+  TORCHMOE_CUBLASLT_CHECK(
+      init(l.b.get(), sizeof(l.b.data), in, G, ints + 2 * G, ints + 3 * G, ints + 2 * G));
+  TORCHMOE_CUBLASLT_CHECK(
+      init(l.c.get(), sizeof(l.c.data), out, G, ints + 4 * G, ints + 5 * G, ints + 4 * G));
+  TORCHMOE_CUBLASLT_CHECK(
+      init(l.d.get(), sizeof(l.d.data), out, G, ints + 4 * G, ints + 5 * G, ints + 4 * G));
+}
+
+// Sets a grouped-average preference. The 13.10 header documents uint32_t values while
+// TransformerEngine passes int64_t; whichever size this cuBLAS accepts is used.
+void set_average(cublasLtMatmulPreference_t pref, cublasLtMatmulPreferenceAttributes_t attr,
+                 int64_t value) {
+  const auto narrow = static_cast<uint32_t>(value);
+  if (cublasLtMatmulPreferenceSetAttribute(pref, attr, &narrow, sizeof(narrow)) ==
+      CUBLAS_STATUS_SUCCESS) {
+    return;
+  }
+  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &value, sizeof(value)));
+}
+
+std::unique_ptr<Plan> make_plan(const CublasLtGroupedParams& p, Layouts& layouts,
+                                size_t workspace_bytes, cublasLtHandle_t handle) {
+  auto plan = std::make_unique<Plan>();
+  const cublasComputeType_t compute = p.input_type == ScalarType::kFloat32 && p.allow_tf32
+                                          ? CUBLAS_COMPUTE_32F_FAST_TF32
+                                          : CUBLAS_COMPUTE_32F;
+  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulDescCreate(&plan->desc, compute, CUDA_R_32F));
+  const cublasOperation_t trans_a = p.kind == GemmKind::kFprop ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t trans_b = p.kind == GemmKind::kWgrad ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasLtPointerMode_t pointer_mode = CUBLASLT_POINTER_MODE_DEVICE;
+  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA,
+                                                         &trans_a, sizeof(trans_a)));
+  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB,
+                                                         &trans_b, sizeof(trans_b)));
+  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(
+      plan->desc, CUBLASLT_MATMUL_DESC_POINTER_MODE, &pointer_mode, sizeof(pointer_mode)));
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const std::unique_ptr<std::remove_pointer_t<cublasLtMatmulPreference_t>,
+                        cublasStatus_t (*)(cublasLtMatmulPreference_t)>
+      pref_owner(pref, cublasLtMatmulPreferenceDestroy);
+  const uint64_t workspace = workspace_bytes;
+  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof(workspace)));
+  // As in the per-group backend: split-K partial sums only in fp32 for 16-bit outputs.
+  const uint32_t reductions = p.output_type == ScalarType::kFloat32
+                                  ? uint32_t{CUBLASLT_REDUCTION_SCHEME_MASK}
+                                  : uint32_t{CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE};
+  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reductions, sizeof(reductions)));
+  // The averages steer the heuristic; the split sizes stay on the device, so the mean group is
+  // rows / G.
+  const int64_t mean_rows = std::max<int64_t>(1, p.rows / p.num_groups);
+  const bool wgrad = p.kind == GemmKind::kWgrad;
+  set_average(pref, kPrefAverageRowsD, p.kind == GemmKind::kFprop ? p.n : p.k);
+  set_average(pref, kPrefAverageColsD, wgrad ? p.n : mean_rows);
+  set_average(pref, kPrefAverageReduction,
+              wgrad ? mean_rows : (p.kind == GemmKind::kFprop ? p.k : p.n));
+
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t status =
+      cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, layouts.a.get(), layouts.b.get(),
+                                     layouts.c.get(), layouts.d.get(), pref, 1, &result, &found);
+  if (status != CUBLAS_STATUS_NOT_SUPPORTED) TORCHMOE_CUBLASLT_CHECK(status);
+  plan->found = status == CUBLAS_STATUS_SUCCESS && found > 0;
+  plan->algo = result.algo;
+  return plan;
+}
+
+const Plan& find_plan(const CublasLtGroupedParams& p, Layouts& layouts, size_t workspace_bytes,
+                      cublasLtHandle_t handle) {
+  int device = 0;
+  TORCHMOE_CUDA_CHECK(cudaGetDevice(&device));
+  const PlanKey key{static_cast<int64_t>(p.kind),
+                    static_cast<int64_t>(p.input_type),
+                    static_cast<int64_t>(p.output_type),
+                    p.n,
+                    p.k,
+                    p.num_groups,
+                    p.rows / p.num_groups,
+                    p.allow_tf32,
+                    static_cast<int64_t>(workspace_bytes),
+                    device,
+                    reinterpret_cast<int64_t>(handle)};
+  // Per host thread, so no locking; bounded because MoE row counts may change every step.
+  thread_local std::unordered_map<PlanKey, std::unique_ptr<Plan>, PlanKeyHash> cache;
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    if (cache.size() >= 4096) cache.clear();
+    it = cache.emplace(key, make_plan(p, layouts, workspace_bytes, handle)).first;
+  }
+  return *it->second;
+}
+
+const char* kind_name(GemmKind kind) {
+  return kind == GemmKind::kFprop ? "fprop" : kind == GemmKind::kDgrad ? "dgrad" : "wgrad";
+}
+
+}  // namespace
+
+const LoadedCublasLt& loaded_cublaslt() { return grouped_api().info; }
+
+size_t cublaslt_grouped_array_bytes(int num_groups) { return array_layout(num_groups).total; }
+
+void run_grouped_gemm_cublaslt_grouped(const CublasLtGroupedParams& p,
+                                       const CublasLtGroupedEnv& env) {
+  TORCH_INTERNAL_ASSERT(grouped_api().info.grouped,
+                        "run_grouped_gemm_cublaslt_grouped: the loaded cuBLASLt has no grouped "
+                        "matmul (ops must refuse this backend)");
+  TORCH_INTERNAL_ASSERT(p.num_groups > 0 && p.n > 0 && p.k > 0 && p.rows > 0,
+                        "run_grouped_gemm_cublaslt_grouped: empty call");
+  TORCH_INTERNAL_ASSERT(aligned16(env.arrays), "run_grouped_gemm_cublaslt_grouped: arrays");
+  TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(env.workspace) % 256 == 0,
+                        "run_grouped_gemm_cublaslt_grouped: workspace");
+  const GroupArrays arrays = group_arrays(env.arrays, p.num_groups);
+  // A bias is added to the fp32 product, rounding once as the fused epilogues of the other
+  // backends do (adding it to a rounded 16-bit product measured errors of several percent where
+  // product and bias cancel): the matmul writes fp32 scratch, the bias kernel the output.
+  const bool with_bias = p.kind == GemmKind::kFprop && !p.bias.empty();
+  CublasLtGroupedParams matmul = p;
+  if (with_bias) {
+    TORCH_INTERNAL_ASSERT(env.fprop_product != nullptr,
+                          "run_grouped_gemm_cublaslt_grouped: a bias needs fprop_product");
+    matmul.output = env.fprop_product;
+    matmul.output_type = ScalarType::kFloat32;
+  }
+  setup_groups_kernel<<<1, kSetupThreads, 0, env.stream>>>(matmul, arrays);
+  TORCHMOE_CUDA_CHECK(cudaGetLastError());
+  if (p.kind == GemmKind::kWgrad && !p.accumulate) {
+    const dim3 grid(kZeroBlocksPerGroup, p.num_groups);
+    const int32_t* reduction = arrays.ints + p.num_groups;  // a_cols
+    zero_empty_groups_kernel<<<grid, 256, 0, env.stream>>>(
+        reduction, p.weight_grad, element_size(p.output_type),
+        p.n * p.k * static_cast<int64_t>(element_size(p.output_type)));
+    TORCHMOE_CUDA_CHECK(cudaGetLastError());
+  }
+
+  Layouts layouts;
+  init_layouts(layouts, matmul, arrays);
+  const Plan& plan = find_plan(matmul, layouts, env.workspace_bytes, env.handle);
+  TORCH_CHECK_NOT_IMPLEMENTED(plan.found, "torchmoe: cuBLASLt ", grouped_api().info.version,
+                              " has no grouped-matmul algorithm for ", kind_name(p.kind), " with ",
+                              p.num_groups, " groups, n=", p.n, ", k=", p.k, " and this dtype");
+  const float* alpha = arrays.scalars;
+  const float* beta = arrays.scalars + 1;
+  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmul(env.handle, plan.desc, alpha, arrays.a, layouts.a.get(),
+                                         arrays.b, layouts.b.get(), beta, arrays.d, layouts.d.get(),
+                                         arrays.d, layouts.d.get(), &plan.algo, env.workspace,
+                                         env.workspace_bytes, env.stream));
+
+  if (with_bias) {
+    const int blocks = static_cast<int>(std::min<int64_t>(p.rows, 8 * sm_count()));
+    dispatch_type(p.input_type, [&](auto tag) {
+      using T = decltype(tag);
+      add_bias_kernel<T><<<blocks, 256, 0, env.stream>>>(static_cast<T*>(p.output),
+                                                         env.fprop_product, p.rows, p.n, p.bias,
+                                                         arrays.starts, p.num_groups);
+    });
+    TORCHMOE_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+}  // namespace torchmoe::kernels
