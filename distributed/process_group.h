@@ -10,10 +10,13 @@
 // options.expert_parallel(group);  // MoELayerOptions: experts sharded over the 4 ranks
 // ```
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <chrono>
+
+#include "torchmoe/ops/process_group.h"
 
 namespace torchmoe::distributed {
 
@@ -26,5 +29,11 @@ namespace torchmoe::distributed {
 /// backends' collective timeout.
 c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(
     c10::Device device, std::chrono::milliseconds timeout = std::chrono::minutes(10));
+
+/// In place: tensor (contiguous, on a device the group has a backend for) = its sum over the
+/// group's ranks, waited for at most the group's timeout (a peer's failure or the timeout is an
+/// error naming this rank). For what a trainer reduces itself, e.g. the replicated parameters'
+/// gradients of an expert-parallel model. Every rank of the group must call it.
+void all_reduce_sum_(at::Tensor& tensor, const ProcessGroupOptions& group);
 
 }  // namespace torchmoe::distributed

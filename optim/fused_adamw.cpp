@@ -2,10 +2,13 @@
 
 #include <torch/optim/serialize.h>
 
+#include <cmath>
 #include <map>
 #include <memory>
+#include <unordered_set>
 #include <utility>
 
+#include "torchmoe/ops/expert_parallel.h"
 #include "torchmoe/ops/multi_tensor_adamw.h"
 
 namespace torchmoe::optim {
@@ -19,8 +22,7 @@ void check_options(const FusedAdamWOptions& o) {
   const auto [beta1, beta2] = o.betas();
   TORCH_CHECK(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1, kName,
               ": betas must be in [0, 1), got (", beta1, ", ", beta2, ")");
-  TORCH_CHECK(o.weight_decay() >= 0, kName, ": weight_decay must be >= 0, got ",
-              o.weight_decay());
+  TORCH_CHECK(o.weight_decay() >= 0, kName, ": weight_decay must be >= 0, got ", o.weight_decay());
   TORCH_CHECK_NOT_IMPLEMENTED(!o.amsgrad(), kName, ": amsgrad is not supported");
 }
 
@@ -64,6 +66,38 @@ torch::Tensor FusedAdamW::clip_grad_norm(double max_norm) {
   const ops::GradNorm norm = ops::grad_norm(grads, max_norm);
   grad_scale_ = norm.coefficient;
   return norm.norm;
+}
+
+torch::Tensor FusedAdamW::clip_grad_norm(double max_norm, const std::vector<torch::Tensor>& sharded,
+                                         const ProcessGroupOptions& group) {
+  TORCH_CHECK(max_norm > 0, kName, "::clip_grad_norm: max_norm must be positive, got ", max_norm);
+  std::unordered_set<const void*> shards;
+  for (const torch::Tensor& s : sharded) shards.insert(s.unsafeGetTensorImpl());
+  std::vector<torch::Tensor> replicated_grads, sharded_grads;
+  size_t found = 0;
+  for (const auto& param_group : param_groups_) {
+    for (const torch::Tensor& p : param_group.params()) {
+      const bool is_shard = shards.count(p.unsafeGetTensorImpl()) > 0;
+      found += is_shard;
+      if (p.grad().defined()) (is_shard ? sharded_grads : replicated_grads).push_back(p.grad());
+    }
+  }
+  TORCH_CHECK(found == shards.size(), kName,
+              "::clip_grad_norm: every sharded tensor must be one of the optimizer's parameters");
+  TORCH_CHECK(!replicated_grads.empty() || !sharded_grads.empty(), kName,
+              "::clip_grad_norm: no parameter has a gradient");
+  const torch::Tensor& any = replicated_grads.empty() ? sharded_grads[0] : replicated_grads[0];
+  // Squared norms, each 0 for an empty list: a rank may hold no sharded gradient this step.
+  const auto squared_norm = [&](const std::vector<torch::Tensor>& grads) {
+    if (grads.empty()) return torch::zeros({}, any.options().dtype(torch::kFloat32));
+    return ops::grad_norm(grads, INFINITY).norm.square();
+  };
+  torch::Tensor sharded_sq = squared_norm(sharded_grads).reshape({1});
+  ops::all_reduce_sum_(sharded_sq, group);
+  const torch::Tensor norm = (squared_norm(replicated_grads) + sharded_sq[0]).sqrt();
+  // clip_grad_norm_'s coefficient, as ops::grad_norm computes it.
+  grad_scale_ = (max_norm / (norm + 1e-6)).clamp_max(1.0);
+  return norm;
 }
 
 torch::Tensor FusedAdamW::step(LossClosure closure) {

@@ -2,8 +2,8 @@
 // FusedAdamW: torch::optim::AdamW for C++ training loops, with the update of every parameter in a
 // few multi-tensor launches on CUDA (LibTorch's C++ optimizers step one tensor at a time, several
 // kernels each), fp32 master weights that write their 16-bit compute copies in the same pass, and a
-// fused global gradient norm for clipping. Options, state and checkpoints are torch::optim::AdamW's,
-// so either optimizer loads the other's.
+// fused global gradient norm for clipping. Options, state and checkpoints are
+// torch::optim::AdamW's, so either optimizer loads the other's.
 
 #include <torch/optim/adamw.h>
 #include <torch/optim/optimizer.h>
@@ -12,6 +12,8 @@
 
 #include <unordered_map>
 #include <vector>
+
+#include "torchmoe/ops/process_group.h"
 
 namespace torchmoe::optim {
 
@@ -51,6 +53,15 @@ class FusedAdamW : public torch::optim::Optimizer {
   /// are. Returns the norm before clipping, a 0-d float32 tensor on the parameters' device (no
   /// host sync). max_norm = infinity measures only.
   torch::Tensor clip_grad_norm(double max_norm);
+
+  /// clip_grad_norm for a model trained over the ranks of `group` whose parameters are partly
+  /// sharded (expert parallelism: each rank holds other experts) and partly replicated (the same
+  /// gradients on every rank, e.g. after a data-parallel all-reduce): the norm of the whole
+  /// model's gradient, sqrt(|replicated|² + Σ over ranks |sharded|²), from one all-reduce of a
+  /// scalar (no host sync). `sharded`: this rank's shard parameters among the optimizer's; all
+  /// others count once. Every rank of the group must call it; all get the same norm.
+  torch::Tensor clip_grad_norm(double max_norm, const std::vector<torch::Tensor>& sharded,
+                               const ProcessGroupOptions& group);
 
   torch::Tensor step(LossClosure closure = nullptr) override;
   void save(torch::serialize::OutputArchive& archive) const override;

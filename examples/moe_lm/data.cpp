@@ -57,13 +57,18 @@ Batch windows(const torch::Tensor& text, const torch::Tensor& starts, int64_t se
   return {w.narrow(1, 0, seq).to(device), w.narrow(1, 1, seq).to(device)};
 }
 
-Batch train_batch(const Corpus& c, const Flags& f, int64_t step, int64_t micro,
+Batch train_batch(const Corpus& c, const Flags& f, int64_t step, int64_t micro, int64_t rank,
                   const torch::Device& device) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(
       f.seed * 1000003ULL + static_cast<uint64_t>(step) * 1009ULL + static_cast<uint64_t>(micro));
   const torch::Tensor starts =
       torch::randint(c.train.size(0) - f.model.seq - 1, {f.batch}, gen, torch::kLong);
-  return windows(c.train, starts, f.model.seq, device);
+  return windows(c.train, rank_part(starts, 0, f.batch, f, rank), f.model.seq, device);
+}
+
+torch::Tensor rank_part(const torch::Tensor& rows, int64_t first, int64_t count, const Flags& f,
+                        int64_t rank) {
+  return rows.narrow(0, first + rank * (count / f.ranks()), count / f.ranks());
 }
 
 }  // namespace moe_lm

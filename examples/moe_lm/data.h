@@ -28,8 +28,13 @@ Batch windows(const torch::Tensor& text, const torch::Tensor& starts, int64_t se
               const torch::Device& device);
 
 // The batch of (step, micro) depends on the seed and those only, so a resumed run sees the same
-// data.
-Batch train_batch(const Corpus& c, const Flags& f, int64_t step, int64_t micro,
+// data. With --ep N, rank `rank` takes the rank-th of N equal consecutive parts of it: the ranks
+// together train on the batch a single process would.
+Batch train_batch(const Corpus& c, const Flags& f, int64_t step, int64_t micro, int64_t rank,
                   const torch::Device& device);
+
+// Rank `rank`'s part of `count` rows from `first` under --ep (all of them in one process).
+torch::Tensor rank_part(const torch::Tensor& rows, int64_t first, int64_t count, const Flags& f,
+                        int64_t rank);
 
 }  // namespace moe_lm

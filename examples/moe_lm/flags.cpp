@@ -127,6 +127,16 @@ std::vector<Flag> flag_table(Flags& f) {
        "run; scripts/trace_summary.py sums its GPU time by part",
        text(f.trace)},
       {"--trace-steps", "N", "steps --trace records (default 5)", integer(f.trace_steps, 1)},
+      {"--ep", "N",
+       "expert parallelism over the N processes torchrun launches (WORLD_SIZE = N): each holds "
+       "--experts / N experts of every MoE layer and trains on --batch / N sequences of every "
+       "micro-batch, with the other parameters replicated; --save and --resume use one file per "
+       "rank, PATH.rank<r>-of-<N>",
+       integer(f.ep, 1)},
+      {"--merge-checkpoint", "PATH",
+       "with --ep N and --save OUT, in one process (no torchrun): merge the checkpoint files "
+       "PATH.rank<r>-of-<N> of an --ep N run into the single-process checkpoint OUT, then exit",
+       text(f.merge_checkpoint)},
   };
 }
 
@@ -197,6 +207,31 @@ std::optional<Flags> parse_flags(int argc, char** argv) {
   if (f.save_every && f.save.empty()) throw std::invalid_argument("--save-every needs --save PATH");
   if (f.cuda_graph && f.device == "cpu")
     throw std::invalid_argument("--cuda-graph needs --device cuda (or auto with a GPU)");
+  if (!f.merge_checkpoint.empty() && (!f.ep || f.save.empty()))
+    throw std::invalid_argument(
+        "--merge-checkpoint needs --ep N (the run's number of ranks) and --save OUT");
+  if (f.ep && f.merge_checkpoint.empty()) {
+    // A resumed run's shape is its checkpoint's, which an --ep N run saved.
+    if (m.experts % f.ep && f.resume.empty())
+      throw std::invalid_argument(
+          fmt::format("--ep {} must divide --experts {} (each rank holds --experts / --ep experts)",
+                      f.ep, m.experts));
+    if (f.batch % f.ep)
+      throw std::invalid_argument(fmt::format(
+          "--ep {} must divide --batch {} (each rank trains on --batch / --ep sequences)", f.ep,
+          f.batch));
+    // A captured step must not wait for the host, and the dropless exchange copies its split
+    // sizes to the host in every MoE layer (MoELayer's capacity mode would not, but it drops
+    // tokens and moe_lm does not use it).
+    if (f.cuda_graph)
+      throw std::invalid_argument(
+          "--cuda-graph does not work with --ep: the dropless expert exchange synchronises with "
+          "the host for its split sizes in every MoE layer (only MoELayer's capacity mode, which "
+          "moe_lm does not use, is capturable)");
+    if (f.generate)
+      throw std::invalid_argument(
+          "--generate runs in one process: merge an --ep checkpoint with --merge-checkpoint first");
+  }
   return f;
 }
 

@@ -40,6 +40,11 @@ struct Flags {
   bool cuda_graph = false;
   std::string trace;
   int64_t trace_steps = 5;
+  int64_t ep = 0;  // expert-parallel ranks; 0: one process
+  std::string merge_checkpoint;
+
+  // The processes a training run spans: --ep, or 1.
+  int64_t ranks() const { return ep ? ep : 1; }
 };
 
 // Returns nullopt after --help; throws std::invalid_argument for bad flags.

@@ -4,10 +4,15 @@
 // Training: AdamW with linear warmup and cosine decay, global gradient-norm clipping, gradient
 // accumulation over micro-batches; on CUDA in bf16 with fp32 master weights (trainer.h).
 //
-// This file holds the run loop, checkpoints, progress lines and the CSV, generation and
-// --profile-moe; flags.h the flags, data.h the corpus and its batches, trainer.h the optimizer.
+// With --ep N it runs as the N processes torchrun launches, experts sharded over them and the
+// other parameters trained data-parallel (trainer.h); rank 0 reports for all.
+//
+// This file holds the run loop, checkpoints (per rank with --ep, and their merge), progress
+// lines and the CSV, generation and --profile-moe; flags.h the flags, data.h the corpus and its
+// batches, trainer.h the optimizer.
 
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <fmt/core.h>
 #include <fmt/os.h>
@@ -20,6 +25,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -48,10 +54,14 @@ namespace {
 
 // ---- output ----------------------------------------------------------------------------------
 
+// False on the ranks other than 0 of an --ep run: rank 0 reports for all of them.
+bool reporting = true;
+
 // Every line the run reports goes through here and is flushed at once: stdout is fully buffered
 // when it is not a terminal (nohup, CI, `| tee`), and a long run would show nothing until exit.
 template <typename... Args>
 void say(fmt::format_string<Args...> format, Args&&... args) {
+  if (!reporting) return;
   fmt::print(stdout, format, std::forward<Args>(args)...);
   std::fflush(stdout);
 }
@@ -72,7 +82,18 @@ void print_error(const std::string& message) {
 
 // ---- training --------------------------------------------------------------------------------
 
-double evaluate(MoETransformer& model, const Corpus& c, const Flags& f,
+// The sum over the ranks of an --ep run of a value each has (the value itself without --ep).
+// Every rank must call it.
+torch::Tensor rank_sum(const torch::Tensor& value, const MoETransformer& model) {
+  if (!model->expert_parallel) return value;
+  torch::Tensor sum = value.detach().clone();
+  torchmoe::distributed::all_reduce_sum_(sum, *model->expert_parallel);
+  return sum;
+}
+
+// With --ep every rank evaluates its part of each batch (the MoE layers need all ranks), and the
+// mean of the parts' means is the batch's.
+double evaluate(MoETransformer& model, const Corpus& c, const Flags& f, int64_t rank,
                 const torch::Device& device) {
   torch::NoGradGuard no_grad;
   model->eval();
@@ -81,14 +102,14 @@ double evaluate(MoETransformer& model, const Corpus& c, const Flags& f,
   const int64_t count = f.eval_batches * f.batch;
   const torch::Tensor starts =
       torch::linspace(0, static_cast<double>(span), count).to(torch::kLong);
-  double total = 0;
+  torch::Tensor total = torch::zeros({}, torch::TensorOptions(torch::kFloat32).device(device));
   for (int64_t b = 0; b < f.eval_batches; ++b) {
     const Batch batch =
-        windows(c.valid, starts.narrow(0, b * f.batch, f.batch), f.model.seq, device);
-    total += lm_loss(model(batch.input), batch.target).item<double>();
+        windows(c.valid, rank_part(starts, b * f.batch, f.batch, f, rank), f.model.seq, device);
+    total += lm_loss(model(batch.input), batch.target);
   }
   model->train();
-  return total / static_cast<double>(f.eval_batches);
+  return rank_sum(total, model).item<double>() / static_cast<double>(f.eval_batches * f.ranks());
 }
 
 // ---- output files ----------------------------------------------------------------------------
@@ -122,15 +143,34 @@ void check_can_create(const char* flag, const std::string& path, const std::stri
   if (!existed) fs::remove(probe, ec);
 }
 
+// The file of rank `rank` of an --ep run of `ranks` ranks saving or resuming as PATH.
+std::string rank_path(const std::string& path, int64_t rank, int64_t ranks) {
+  return fmt::format("{}.rank{}-of-{}", path, rank, ranks);
+}
+
+// An --ep run's checkpoint says which rank of how many saved it ("ep.rank", "ep.size"); a
+// single-process one says nothing: {0, 0}.
+std::pair<int64_t, int64_t> checkpoint_rank(torch::serialize::InputArchive& archive) {
+  c10::IValue rank, size;
+  if (!archive.try_read("ep.size", size)) return {0, 0};
+  archive.read("ep.rank", rank);
+  return {rank.toInt(), size.toInt()};
+}
+
 // The checkpoint is written to PATH.tmp, flushed to the disk, and only then renamed over PATH:
 // a run killed or failing mid-save leaves the previous checkpoint as it was (and at most a
-// partial PATH.tmp, which the next save overwrites).
+// partial PATH.tmp, which the next save overwrites). With --ep, each rank saves its own file.
 void save_checkpoint(const std::string& path, MoETransformer& model, const Trainer& trainer,
                      int64_t step) {
   torch::serialize::OutputArchive archive;
   model->config.save(archive);
   trainer.save(archive);
   archive.write("step", c10::IValue(step));
+  if (model->expert_parallel) {
+    const c10d::ProcessGroup& group = *model->expert_parallel->group();
+    archive.write("ep.rank", c10::IValue(static_cast<int64_t>(group.getRank())));
+    archive.write("ep.size", c10::IValue(static_cast<int64_t>(group.getSize())));
+  }
   const std::string tmp = path + ".tmp";
   // save_to returns once the archive's last record is written and the file is closed; it throws
   // on a failed write.
@@ -214,7 +254,8 @@ double time_ms(int64_t n, const torch::Device& device, Fn&& fn) {
 void profile_moe(MoETransformer& model, Trainer& trainer, const Flags& f,
                  const torch::Device& device, const torch::Dtype dtype, double step_ms) {
   torchmoe::MoELayer moe = model->moe_layers().at(0);
-  const torch::Tensor x = torch::randn({f.batch * f.model.seq, f.model.hidden},
+  // A rank's tokens: --batch / --ep sequences with --ep.
+  const torch::Tensor x = torch::randn({f.batch / f.ranks() * f.model.seq, f.model.hidden},
                                        torch::TensorOptions(dtype).device(device))
                               .requires_grad_(true);
   const double ms = time_ms(f.profile_moe, device, [&] {
@@ -247,43 +288,117 @@ std::string first_line(const std::string& path) {
   return line;
 }
 
+// The process group of an --ep run, from torchrun's environment (GPU LOCAL_RANK on CUDA).
+torchmoe::ProcessGroupOptions expert_parallel_group(const Flags& f, bool cuda) {
+  const char* world = std::getenv("WORLD_SIZE");
+  if (!world || std::string(world) != std::to_string(f.ep))
+    throw std::runtime_error(
+        fmt::format("--ep {0} runs as {0} processes launched by torchrun (torchrun --no-python "
+                    "--nproc-per-node {0} moe_lm --ep {0} ...), so WORLD_SIZE must be {0}, got {1}",
+                    f.ep, world ? fmt::format("WORLD_SIZE={}", world) : "no WORLD_SIZE"));
+  return torchmoe::distributed::init_process_group(cuda ? torch::kCUDA : torch::kCPU);
+}
+
+// --merge-checkpoint: the per-rank files of an --ep run into one single-process checkpoint.
+int merge_checkpoints(const Flags& flags_in) {
+  Flags f = flags_in;
+  check_can_create("--save", f.save, f.save + ".tmp");
+  std::vector<torch::serialize::InputArchive> ranks(f.ep);
+  int64_t step = 0;
+  for (int64_t r = 0; r < f.ep; ++r) {
+    const std::string path = rank_path(f.merge_checkpoint, r, f.ep);
+    if (!fs::is_regular_file(path))
+      throw std::runtime_error(fmt::format("--merge-checkpoint: '{}' does not exist", path));
+    ranks[r].load_from(path, torch::kCPU);
+    const auto [rank, size] = checkpoint_rank(ranks[r]);
+    if (rank != r || size != f.ep)
+      throw std::runtime_error(fmt::format(
+          "--merge-checkpoint: '{}' must hold rank {} of an --ep {} run, got {}", path, r, f.ep,
+          size ? fmt::format("rank {} of --ep {}", rank, size) : "a single-process checkpoint"));
+    c10::IValue saved_step;
+    ranks[r].read("step", saved_step);
+    if (r > 0 && saved_step.toInt() != step)
+      throw std::runtime_error(fmt::format(
+          "--merge-checkpoint: '{}' is from step {}, rank 0's from step {}: files of different "
+          "saves",
+          path, saved_step.toInt(), step));
+    step = saved_step.toInt();
+  }
+  f.model = ModelConfig::load(ranks[0]);
+  MoETransformer model(f.model, torch::TensorOptions(torch::kFloat32));
+  Trainer trainer(model, f);
+  trainer.load_merged(ranks);
+  save_checkpoint(f.save, model, trainer, step);
+  say("merged {}.rank<r>-of-{} into {} (step {})\n", f.merge_checkpoint, f.ep, f.save, step);
+  return 0;
+}
+
 int run(const Flags& flags_in) {
   Flags f = flags_in;
+  if (!f.merge_checkpoint.empty()) return merge_checkpoints(f);
   const bool cuda = f.device == "cuda" || (f.device == "auto" && torch::cuda::is_available());
   if (cuda && !torch::cuda::is_available())
     throw std::runtime_error("--device cuda but no CUDA device is available");
-  if (!f.resume.empty() && !fs::is_regular_file(f.resume))
-    throw std::runtime_error("checkpoint '" + f.resume + "' does not exist");
+  std::optional<torchmoe::ProcessGroupOptions> group;
+  if (f.ep) group = expert_parallel_group(f, cuda);
+  const int64_t rank = group ? group->group()->getRank() : 0;
+  reporting = rank == 0;
+  // With --ep every rank saves and resumes its own file.
+  const auto own_file = [&](const std::string& path) {
+    return group ? rank_path(path, rank, f.ep) : path;
+  };
+  const std::string resume = f.resume.empty() ? "" : own_file(f.resume);
+  const std::string save = f.save.empty() ? "" : own_file(f.save);
+  if (!resume.empty() && !fs::is_regular_file(resume))
+    throw std::runtime_error(fmt::format(
+        "checkpoint '{}' does not exist{}", resume,
+        group ? fmt::format(" (--ep {} resumes from the files an --ep {} run saved as PATH, one "
+                            "per rank: PATH.rank<r>-of-{})",
+                            f.ep, f.ep, f.ep)
+              : ""));
   // Output paths are checked before any work: a run must not train for an hour and then find
-  // that it cannot write its checkpoint.
+  // that it cannot write its checkpoint. Only rank 0 writes the CSV and the trace.
   if (!f.generate) {
-    if (!f.save.empty()) check_can_create("--save", f.save, f.save + ".tmp");
-    if (!f.csv.empty()) check_can_create("--csv", f.csv, f.csv);
+    if (!save.empty()) check_can_create("--save", save, save + ".tmp");
+    if (!f.csv.empty() && reporting) check_can_create("--csv", f.csv, f.csv);
   }
   if (f.cuda_graph && !cuda)
     throw std::runtime_error("--cuda-graph needs CUDA, but no CUDA device is available");
-  if (!f.generate && !f.trace.empty()) check_can_create("--trace", f.trace, f.trace);
+  if (!f.generate && !f.trace.empty() && reporting) check_can_create("--trace", f.trace, f.trace);
   // A captured stream cannot be the legacy default one, and every step must be ordered with the
   // captured work, so with --cuda-graph the whole run, from the model's creation on, uses one
   // side stream.
   std::optional<c10::cuda::CUDAStreamGuard> side_stream;
   if (f.cuda_graph) side_stream.emplace(c10::cuda::getStreamFromPool());
-  const torch::Device device = cuda ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU);
+  // init_process_group made GPU LOCAL_RANK the current device.
+  const torch::Device device =
+      cuda ? torch::Device(torch::kCUDA, c10::cuda::current_device()) : torch::Device(torch::kCPU);
   const torch::Dtype dtype =
       f.dtype == "bf16" || (f.dtype == "auto" && cuda) ? torch::kBFloat16 : torch::kFloat32;
 
   std::optional<torch::serialize::InputArchive> checkpoint;
   int64_t start_step = 0;
-  if (!f.resume.empty()) {
+  if (!resume.empty()) {
     checkpoint.emplace();
-    checkpoint->load_from(f.resume, device);
+    checkpoint->load_from(resume, device);
     f.model = ModelConfig::load(*checkpoint);
     c10::IValue step;
     checkpoint->read("step", step);
     start_step = step.toInt();
+    const auto [saved_rank, saved_ranks] = checkpoint_rank(*checkpoint);
+    if (saved_ranks && !group)
+      throw std::runtime_error(fmt::format(
+          "checkpoint '{}' is rank {}'s file of an --ep {} run: resume it with --ep {} under "
+          "torchrun, or merge the files into one with --merge-checkpoint",
+          resume, saved_rank, saved_ranks, saved_ranks));
+    if (group && (saved_ranks != f.ep || saved_rank != rank))
+      throw std::runtime_error(fmt::format(
+          "checkpoint '{}' must be rank {}'s file of an --ep {} run, got {}", resume, rank, f.ep,
+          saved_ranks ? fmt::format("rank {} of --ep {}", saved_rank, saved_ranks)
+                      : "a single-process checkpoint"));
   }
   torch::manual_seed(f.seed);
-  MoETransformer model(f.model, torch::TensorOptions(dtype).device(device));
+  MoETransformer model(f.model, torch::TensorOptions(dtype).device(device), group);
   Trainer trainer(model, f);
   if (checkpoint) trainer.load(*checkpoint);
   if (f.generate) {
@@ -292,18 +407,25 @@ int run(const Flags& flags_in) {
   }
   const Corpus corpus = load_corpus(f.data, f.model.seq);
 
+  // The whole model's: with --ep the other ranks hold as many expert parameters as this one.
   int64_t params = 0;
   for (const auto& p : model->parameters()) params += p.numel();
+  for (const auto& moe : model->moe_layers()) {
+    for (const auto& p : moe->experts->parameters()) params += (f.ranks() - 1) * p.numel();
+  }
   const ModelConfig& m = f.model;
   say("moe_lm: {} layers, hidden {}, {} heads, {} experts top-{}, ffn {}, seq {} | {:.2f}M "
       "parameters | {} {} | data {} ({} train / {} valid bytes)\n",
       m.layers, m.hidden, m.heads, m.experts, m.topk, m.ffn, m.seq, params / 1e6,
       cuda ? "cuda" : "cpu", dtype == torch::kBFloat16 ? "bf16 (fp32 masters)" : "fp32", f.data,
       corpus.train.size(0), corpus.valid.size(0));
+  if (group)
+    say("expert parallel over {} ranks: {} experts and {} sequences of each micro-batch per rank\n",
+        f.ep, m.experts / f.ep, f.batch / f.ep);
   if (start_step) say("resumed from {} at step {}\n", f.resume, start_step);
 
   std::unique_ptr<fmt::ostream> csv;
-  if (!f.csv.empty()) {
+  if (!f.csv.empty() && reporting) {
     // A resumed run appends to its CSV, which must then have this version's columns.
     const bool append = start_step > 0 && fs::exists(f.csv) && fs::file_size(f.csv) > 0;
     if (append && first_line(f.csv) != kCsvHeader)
@@ -335,8 +457,9 @@ int run(const Flags& flags_in) {
   std::set<torch::profiler::impl::ActivityType> trace_activities{
       torch::profiler::impl::ActivityType::CPU};
   if (cuda) trace_activities.insert(torch::profiler::impl::ActivityType::CUDA);
+  const bool tracing = !f.trace.empty() && reporting;
   for (int64_t step = start_step; step < end_step; ++step) {
-    if (!f.trace.empty() && step == trace_begin) {
+    if (tracing && step == trace_begin) {
       profiler::prepareProfiler(trace_config, trace_activities);
       profiler::enableProfiler(trace_config, trace_activities);
     }
@@ -346,7 +469,7 @@ int run(const Flags& flags_in) {
     // host read (the gradient norm in trainer.step) has waited for the GPU anyway.
     torch::Tensor loss_sum, aux_sum, loads;
     for (int64_t micro = 0; micro < f.accum; ++micro) {
-      const Batch batch = train_batch(corpus, f, step, micro, device);
+      const Batch batch = train_batch(corpus, f, step, micro, rank, device);
       const MicroBatchResult r = runner.run(batch, step - start_step, micro);
       loss_sum = micro == 0 ? r.loss.clone() : loss_sum + r.loss;
       aux_sum = micro == 0 ? r.aux_loss.clone() : aux_sum + r.aux_loss;
@@ -366,17 +489,20 @@ int run(const Flags& flags_in) {
     // Running average over this run's steps after its first (which includes one-time setup);
     // on the first step, that step's time.
     const double avg_ms = timed_steps ? timed_ms / static_cast<double>(timed_steps) : last_ms;
-    const double loss = loss_sum.item<double>() / static_cast<double>(f.accum),
-                 aux = aux_sum.item<double>() / static_cast<double>(f.accum);
+    // With --ep: the LM loss is the mean of the ranks' (their parts are equal), the router losses
+    // the sum of their shares.
+    const torch::Tensor sums = rank_sum(torch::stack({loss_sum, aux_sum}), model);
+    const double loss = sums[0].item<double>() / static_cast<double>(f.accum * f.ranks()),
+                 aux = sums[1].item<double>() / static_cast<double>(f.accum);
     const std::pair<double, double> load = load_range(loads);
-    if (!f.trace.empty() && step + 1 == trace_end) {
+    if (tracing && step + 1 == trace_end) {
       profiler::disableProfiler()->save(f.trace);
       say("  trace of steps {}-{} written to {}\n", trace_begin + 1, trace_end, f.trace);
     }
     const bool last = step + 1 == end_step;
     std::optional<double> val;
     if ((f.eval_every && (step + 1) % f.eval_every == 0) || last)
-      val = evaluate(model, corpus, f, device);
+      val = evaluate(model, corpus, f, rank, device);
     const double tok_s = static_cast<double>(tokens_per_step) / (last_ms / 1000.0);
     const double avg_tok_s = static_cast<double>(tokens_per_step) / (avg_ms / 1000.0);
     if ((step + 1) % f.log_every == 0 || step == start_step || last) {
@@ -395,8 +521,9 @@ int run(const Flags& flags_in) {
       csv->flush();
     }
     if (!f.save.empty() && (last || (f.save_every && (step + 1) % f.save_every == 0))) {
-      save_checkpoint(f.save, model, trainer, step + 1);
-      say("  saved {} (step {})\n", f.save, step + 1);
+      save_checkpoint(save, model, trainer, step + 1);
+      say("  saved {} (step {})\n", group ? f.save + fmt::format(".rank<r>-of-{}", f.ep) : f.save,
+          step + 1);
     }
   }
   if (f.profile_moe) {
@@ -421,7 +548,10 @@ int main(int argc, char** argv) {
   try {
     return moe_lm::run(*flags);
   } catch (const std::exception& e) {
-    moe_lm::print_error(moe_lm::error_message(e));
+    // Under torchrun every rank reports its own error.
+    const char* rank = flags->ep ? std::getenv("RANK") : nullptr;
+    moe_lm::print_error((rank ? fmt::format("rank {}: ", rank) : std::string()) +
+                        moe_lm::error_message(e));
     return 1;
   }
 }

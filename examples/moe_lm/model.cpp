@@ -4,12 +4,30 @@
 #include <torch/nn/init.h>
 
 #include <cmath>
+#include <cstdint>
+#include <limits>
 #include <utility>
 
 namespace moe_lm {
 namespace {
 
 constexpr double kInitStd = 0.02;  // GPT-2's initialisation for embeddings and projections
+
+// GroupedLinear's default initialisation (kaiming_uniform_ with a = sqrt(5), as torch::nn::Linear)
+// of the local experts, each from a generator of its own seeded by `seed` and its global index
+// (first_expert + local index): a rank of an expert-parallel model draws exactly the weights its
+// experts have in the single-process model, whatever the shard.
+void init_experts(torchmoe::GroupedLinear& layer, uint64_t seed, int64_t first_expert) {
+  torch::NoGradGuard no_grad;
+  const std::vector<torch::Tensor> weights = layer->expert_weights();
+  for (size_t l = 0; l < weights.size(); ++l) {
+    auto gen =
+        at::make_generator<at::CPUGeneratorImpl>(seed + static_cast<uint64_t>(first_expert) + l);
+    const double bound = 1.0 / std::sqrt(static_cast<double>(weights[l].size(1)));
+    weights[l].copy_(
+        torch::empty(weights[l].sizes(), torch::kFloat32).uniform_(-bound, bound, gen));
+  }
+}
 
 }  // namespace
 
@@ -94,8 +112,10 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x) {
   return proj(attended.transpose(1, 2).reshape({batch, seq, hidden}));
 }
 
-MoETransformerImpl::MoETransformerImpl(ModelConfig config_, torch::TensorOptions options_)
-    : config(std::move(config_)), options(options_) {
+MoETransformerImpl::MoETransformerImpl(
+    ModelConfig config_, torch::TensorOptions options_,
+    std::optional<torchmoe::ProcessGroupOptions> expert_parallel_)
+    : config(std::move(config_)), options(options_), expert_parallel(std::move(expert_parallel_)) {
   reset();
 }
 
@@ -128,7 +148,21 @@ void MoETransformerImpl::reset() {
     moe.params_dtype(dtype).device(device);
     moe.router().aux_loss_coeff(c.aux_loss_coeff).z_loss_coeff(c.z_loss_coeff);
     moe.experts().linear().fuse_wgrad_accumulation(true).single_grouped_weight(true);
-    moes->push_back(torchmoe::MoELayer(moe));
+    // The experts are initialised below, from the layer's own seeds: the default would draw
+    // E/ep experts from the stream the other parameters come from, which would then differ
+    // between the single-process model and its shards.
+    moe.experts().linear().init_method([](torch::Tensor&) {});
+    if (expert_parallel) moe.expert_parallel(*expert_parallel);
+    const torchmoe::MoELayer layer(moe);
+    const int64_t first_expert = expert_parallel ? expert_parallel->group()->getRank() *
+                                                       layer->experts->options.num_experts()
+                                                 : 0;
+    for (torchmoe::GroupedLinear fc : {layer->experts->fc1, layer->experts->fc2}) {
+      const auto seed = static_cast<uint64_t>(
+          torch::randint(std::numeric_limits<int64_t>::max(), {}, torch::kLong).item<int64_t>());
+      init_experts(fc, seed, first_expert);
+    }
+    moes->push_back(layer);
   }
   final_norm = register_module("final_norm", RMSNorm(c.hidden, options));
 }

@@ -4,6 +4,9 @@
 //   x = x + Attention(RMSNorm(x))      (causal, at::scaled_dot_product_attention)
 //   x = x + MoELayer(RMSNorm(x))       (router -> permute -> GroupedMLP -> unpermute)
 // and a final RMSNorm with an output projection tied to the token embedding.
+//
+// With expert parallelism (--ep) every MoELayer holds this rank's E/ep experts and exchanges
+// tokens over the process group; the other parameters are replicated on every rank.
 
 #include <torch/nn/cloneable.h>
 #include <torch/nn/modules/container/modulelist.h>
@@ -69,7 +72,11 @@ struct ModelOutput {
 
 class MoETransformerImpl : public torch::nn::Cloneable<MoETransformerImpl> {
  public:
-  MoETransformerImpl(ModelConfig config, torch::TensorOptions options);
+  /// expert_parallel: the MoE layers' experts sharded over this group (config.experts divisible
+  /// by its size). A rank's experts start as the same experts of the single-process model made
+  /// with the same seed.
+  MoETransformerImpl(ModelConfig config, torch::TensorOptions options,
+                     std::optional<torchmoe::ProcessGroupOptions> expert_parallel = std::nullopt);
   void reset() override;
 
   /// tokens [B, S] int64 with S <= config.seq. is_first_microbatch: true makes the experts'
@@ -82,6 +89,7 @@ class MoETransformerImpl : public torch::nn::Cloneable<MoETransformerImpl> {
 
   ModelConfig config;
   torch::TensorOptions options;
+  std::optional<torchmoe::ProcessGroupOptions> expert_parallel;
   torch::nn::Embedding token_embedding{nullptr}, position_embedding{nullptr};
   torch::nn::ModuleList attention_norms{nullptr}, attentions{nullptr}, moe_norms{nullptr},
       moes{nullptr};

@@ -33,7 +33,11 @@ MicroBatchResult MicroBatchRunner::forward_backward(const torch::Tensor& input,
                                                     const torch::Tensor& target, bool first) {
   const ModelOutput out = model_(input, first);
   const torch::Tensor loss = lm_loss(out, target);
-  ((loss + out.aux_loss) / static_cast<double>(flags_.accum)).backward();
+  // With --ep each rank backpropagates its share of the global batch's loss: its part's mean LM
+  // loss / N (the batch's mean is the mean of N equal parts' means), and its router losses, which
+  // are its share already (MoEOutput). The trainer sums the dense gradients over the ranks.
+  ((loss / static_cast<double>(flags_.ranks()) + out.aux_loss) / static_cast<double>(flags_.accum))
+      .backward();
   trainer_.accumulate(first);
   return {loss.detach(), out.aux_loss.detach(), out.tokens_per_expert};
 }

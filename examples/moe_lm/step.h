@@ -32,8 +32,8 @@ namespace moe_lm {
 // What a micro-batch leaves for the host to read. Graphed, these are the graph's own output
 // buffers, overwritten by its next replay.
 struct MicroBatchResult {
-  torch::Tensor loss;                            // scalar float32, the LM loss
-  torch::Tensor aux_loss;                        // scalar float32, the routers' losses
+  torch::Tensor loss;      // scalar float32, the LM loss (with --ep, this rank's part's mean)
+  torch::Tensor aux_loss;  // scalar float32, the routers' losses (with --ep, this rank's share)
   std::vector<torch::Tensor> tokens_per_expert;  // one [E] per MoE layer
 };
 
