@@ -47,6 +47,40 @@ void check_rows_operand(const char* op, const char* name, const at::Tensor& t,
               " like the planned input, got ", t.scalar_type(), " on ", t.device());
 }
 
+// The row map of a gathered input: [rows] int32/int64, contiguous, on the input's device.
+void check_gather_rows(const char* op, const at::Tensor& gather_rows, const at::Tensor& input) {
+  TORCH_CHECK(gather_rows.dim() == 1, op, ": gather_rows must be a 1-D tensor, got ",
+              gather_rows.dim(), "-D");
+  TORCH_CHECK(gather_rows.scalar_type() == at::kInt || gather_rows.scalar_type() == at::kLong, op,
+              ": gather_rows must be int32 or int64, got ", gather_rows.scalar_type());
+  TORCH_CHECK(gather_rows.device() == input.device(), op, ": gather_rows must be on ",
+              input.device(), " like the input, got ", gather_rows.device());
+  TORCH_CHECK(gather_rows.is_contiguous(), op, ": gather_rows must be contiguous");
+}
+
+// An input read through gather_rows: any row count (at least one row when rows are gathered).
+void check_gathered_input(const char* op, const at::Tensor& input, const at::Tensor& gather_rows,
+                          const GemmPlan& plan) {
+  TORCH_CHECK(input.defined() && input.dim() == 2, op,
+              ": input must be a 2-D [rows, features] tensor",
+              input.defined() ? ", got " + std::to_string(input.dim()) + "-D" : std::string());
+  TORCH_CHECK(input.is_contiguous(), op, ": input must be contiguous");
+  TORCH_CHECK(input.device() == plan.device && input.scalar_type() == plan.dtype, op,
+              ": input must be a ", plan.dtype, " tensor on ", plan.device,
+              " like the planned input, got ", input.scalar_type(), " on ", input.device());
+  check_gather_rows(op, gather_rows, input);
+  TORCH_CHECK(gather_rows.size(0) == plan.rows, op, ": gather_rows must have the plan's ",
+              plan.rows, " rows, got ", gather_rows.size(0));
+  TORCH_CHECK(input.size(0) > 0 || plan.rows == 0, op, ": gather_rows names ", plan.rows,
+              " rows of an input that has none");
+}
+
+// The input's rows as the grouped operand: the input itself, or its gathered copy (the backends
+// other than sm90 read no row map).
+at::Tensor gathered(const at::Tensor& input, const at::Tensor& gather_rows) {
+  return gather_rows.defined() ? input.index_select(0, gather_rows) : input;
+}
+
 // Tensor g of a per-group list named `what`. The messages name it `what[g]` and are only
 // formatted on failure: building names for 128 experts on every call cost microseconds.
 void check_group_tensor(const char* op, const char* what, size_t g, const at::Tensor& t,
@@ -137,7 +171,7 @@ GemmBackend env_backend_choice() {
 }
 
 Backend select_backend(const char* op, const at::Tensor& input, const GemmShape& shape,
-                       GemmBackend choice) {
+                       int64_t rows, GemmBackend choice) {
   const at::ScalarType dtype = input.scalar_type();
   if (choice == GemmBackend::kAuto) choice = env_backend_choice();
   if (input.is_cpu() && at::isFloatingType(dtype)) {
@@ -149,7 +183,7 @@ Backend select_backend(const char* op, const at::Tensor& input, const GemmShape&
   }
   if (input.is_cuda() && (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16)) {
     if (choice == GemmBackend::kCublasLt) return Backend::kCublasLt;
-    const char* refusal = detail::sm90_refusal(input, shape);
+    const char* refusal = detail::sm90_refusal(input, shape, rows);
     if (refusal == nullptr) return Backend::kSm90;
     TORCH_CHECK_NOT_IMPLEMENTED(choice == GemmBackend::kAuto, op,
                                 ": the sm90 grouped GEMM backend cannot run this call: ", refusal,
@@ -197,10 +231,13 @@ void* CheckedGroups::mutable_data(size_t g) const { return const_cast<void*>(dat
 
 std::vector<GemmPlan> plan_grouped_gemms(const char* op, const at::Tensor& input,
                                          c10::ArrayRef<GemmShape> shapes,
-                                         const SplitSizes& m_splits, GemmBackend choice) {
+                                         const SplitSizes& m_splits, GemmBackend choice,
+                                         const at::Tensor& gather_rows) {
   TORCH_INTERNAL_ASSERT(!shapes.empty(), "plan_grouped_gemms: no layer to plan");
   TORCH_CHECK(input.defined() && input.dim() == 2, op,
               ": the input must be a 2-D [rows, features] tensor");
+  if (gather_rows.defined()) check_gather_rows(op, gather_rows, input);
+  const int64_t rows = gather_rows.defined() ? gather_rows.size(0) : input.size(0);
   const size_t groups = shapes[0].groups;
   TORCH_CHECK(m_splits.size() == groups, op, ": m_splits must have num_gemms=", groups,
               " entries, got ", m_splits.size());
@@ -210,9 +247,9 @@ std::vector<GemmPlan> plan_grouped_gemms(const char* op, const at::Tensor& input
   for (size_t i = 0; i < shapes.size(); ++i) {
     TORCH_INTERNAL_ASSERT(shapes[i].groups == groups,
                           "plan_grouped_gemms: layers differ in groups");
-    plans[i].backend = select_backend(op, input, shapes[i], choice);
+    plans[i].backend = select_backend(op, input, shapes[i], rows, choice);
     plans[i].shape = shapes[i];
-    plans[i].rows = input.size(0);
+    plans[i].rows = rows;
     plans[i].dtype = input.scalar_type();
     plans[i].device = input.device();
     (plans[i].backend == Backend::kSm90 ? device_needed : host_needed) = true;
@@ -227,7 +264,7 @@ std::vector<GemmPlan> plan_grouped_gemms(const char* op, const at::Tensor& input
     host.assign(copy.const_data_ptr<int64_t>(), copy.const_data_ptr<int64_t>() + copy.numel());
   }
   const bool has_host = m_splits.has_host() || host_needed;
-  if (has_host) check_host_splits(op, host, input.size(0));
+  if (has_host) check_host_splits(op, host, rows);
   at::Tensor device;
   if (device_needed) device = detail::sm90_splits(m_splits, input);
   const SplitSizes resolved = !device.defined() ? SplitSizes(host)
@@ -238,21 +275,26 @@ std::vector<GemmPlan> plan_grouped_gemms(const char* op, const at::Tensor& input
 }
 
 at::Tensor grouped_linear_forward(const GemmPlan& plan, const at::Tensor& input,
-                                  const GroupedTensors& weights, const GroupedTensors& biases) {
+                                  const GroupedTensors& weights, const GroupedTensors& biases,
+                                  const at::Tensor& gather_rows) {
   constexpr const char* op = "torchmoe::ops::grouped_linear_forward";
-  check_rows_operand(op, "input", input, plan);
+  if (gather_rows.defined()) {
+    check_gathered_input(op, input, gather_rows, plan);
+  } else {
+    check_rows_operand(op, "input", input, plan);
+  }
   const CheckedGroups w = check_weights(op, plan, weights, input);
   const CheckedGroups b = check_vectors(op, "biases", plan, biases, input);
-  at::Tensor output = at::empty({input.size(0), plan.shape.n}, input.options());
+  at::Tensor output = at::empty({plan.rows, plan.shape.n}, input.options());
   switch (plan.backend) {
     case Backend::kSm90:
-      detail::sm90_forward(plan, input, w, b, output);
+      detail::sm90_forward(plan, input, gather_rows, w, b, output);
       return output;
     case Backend::kReference:
-      detail::reference_forward(plan, input, w, b, output);
+      detail::reference_forward(plan, gathered(input, gather_rows), w, b, output);
       return output;
     case Backend::kCublasLt:
-      detail::cublaslt_forward(plan, input, w, b, output);
+      detail::cublaslt_forward(plan, gathered(input, gather_rows), w, b, output);
       return output;
   }
   TORCH_INTERNAL_ASSERT(false, "unhandled Backend");
@@ -297,9 +339,14 @@ void grouped_bias_grad(const GemmPlan& plan, const at::Tensor& grad_output,
 
 void grouped_linear_wgrad(const GemmPlan& plan, const at::Tensor& input,
                           const at::Tensor& grad_output, const GroupedTensors& weight_grads_out,
-                          bool accumulate, const GroupedTensors& bias_grads_out) {
+                          bool accumulate, const GroupedTensors& bias_grads_out,
+                          const at::Tensor& gather_rows) {
   constexpr const char* op = "torchmoe::ops::grouped_linear_wgrad";
-  check_rows_operand(op, "input", input, plan);
+  if (gather_rows.defined()) {
+    check_gathered_input(op, input, gather_rows, plan);
+  } else {
+    check_rows_operand(op, "input", input, plan);
+  }
   check_rows_operand(op, "grad_output", grad_output, plan);
   TORCH_CHECK(input.size(1) == plan.shape.k && grad_output.size(1) == plan.shape.n, op,
               ": input and grad_output must have ", plan.shape.k, " and ", plan.shape.n,
@@ -319,15 +366,15 @@ void grouped_linear_wgrad(const GemmPlan& plan, const at::Tensor& input,
   const CheckedGroups db = check_vectors(op, "bias_grads_out", plan, bias_grads_out, input);
   switch (plan.backend) {
     case Backend::kSm90:
-      detail::sm90_wgrad(plan, input, grad_output, dw, accumulate);
+      detail::sm90_wgrad(plan, input, gather_rows, grad_output, dw, accumulate);
       if (!db.empty()) detail::sm90_bias_grad(plan, grad_output, db);
       return;
     case Backend::kReference:
-      detail::reference_wgrad(plan, input, grad_output, dw, accumulate);
+      detail::reference_wgrad(plan, gathered(input, gather_rows), grad_output, dw, accumulate);
       if (!db.empty()) detail::host_bias_grad(plan.m_splits.host(), grad_output, db);
       return;
     case Backend::kCublasLt:
-      detail::cublaslt_wgrad(plan, input, grad_output, dw, accumulate, db);
+      detail::cublaslt_wgrad(plan, gathered(input, gather_rows), grad_output, dw, accumulate, db);
       return;
   }
   TORCH_INTERNAL_ASSERT(false, "unhandled Backend");

@@ -65,17 +65,18 @@ void cublaslt_wgrad(const GemmPlan& plan, const at::Tensor& input, const at::Ten
                     const CheckedGroups& bias_grads);
 
 // Why the sm90 kernel cannot run a layer of this dtype and shape on the input's device, or
-// nullptr when it can.
-const char* sm90_refusal(const at::Tensor& input, const GemmShape& shape);
+// nullptr when it can. rows: of the grouped operands (the input's, or its gathered rows').
+const char* sm90_refusal(const at::Tensor& input, const GemmShape& shape, int64_t rows);
 // The split sizes as the sm90 kernel reads them, on the input's device: the device sizes (int32
 // or int64) as given, else one asynchronous upload of the host sizes.
 at::Tensor sm90_splits(const SplitSizes& m_splits, const at::Tensor& input);
-void sm90_forward(const GemmPlan& plan, const at::Tensor& input, const CheckedGroups& weights,
-                  const CheckedGroups& biases, at::Tensor& output);
+// gather_rows: undefined, or the checked row map of a gathered input (ops/grouped_gemm.h).
+void sm90_forward(const GemmPlan& plan, const at::Tensor& input, const at::Tensor& gather_rows,
+                  const CheckedGroups& weights, const CheckedGroups& biases, at::Tensor& output);
 void sm90_dgrad(const GemmPlan& plan, const at::Tensor& grad_output, const CheckedGroups& weights,
                 at::Tensor& grad_input);
-void sm90_wgrad(const GemmPlan& plan, const at::Tensor& input, const at::Tensor& grad_output,
-                const CheckedGroups& weight_grads, bool accumulate);
+void sm90_wgrad(const GemmPlan& plan, const at::Tensor& input, const at::Tensor& gather_rows,
+                const at::Tensor& grad_output, const CheckedGroups& weight_grads, bool accumulate);
 // db_g with the device sizes (one kernel, no host sync).
 void sm90_bias_grad(const GemmPlan& plan, const at::Tensor& grad_output,
                     const CheckedGroups& bias_grads);
