@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include "torchmoe/ops/token_permutation.h"
+
 namespace torchmoe::autograd {
 namespace {
 
@@ -37,24 +39,31 @@ std::vector<at::Tensor> in_layout(const at::Tensor& buffer, bool stacked) {
   return buffer.unbind(0);
 }
 
+// The row map the GEMMs read the input through, or none.
+at::Tensor gather_rows_of(const GroupedLinearConfig& config) {
+  return config.input_gather ? config.input_gather->rows : at::Tensor();
+}
+
 // The layer's output, the same with or without autograd.
 at::Tensor forward_output(const at::Tensor& input, const at::Tensor& scales, at::TensorList weights,
                           at::TensorList biases, const GroupedLinearConfig& config) {
   check_layout(weights, config.grouped_weight, 3, "weights");
   check_layout(biases, config.grouped_bias, 2, "biases");
+  TORCH_CHECK(!config.input_activation || !config.input_gather, "GroupedLinearFunction: ",
+              "config.input_activation and config.input_gather cannot both be set");
   const at::Tensor gemm_input =
       config.input_activation ? ops::glu_forward(input, scales, *config.input_activation) : input;
   return ops::grouped_linear_forward(config.plan, gemm_input,
                                      grouped(weights, config.grouped_weight),
-                                     grouped(biases, config.grouped_bias));
+                                     grouped(biases, config.grouped_bias), gather_rows_of(config));
 }
 
 }  // namespace
 
 std::vector<GemmPlan> plan_layers(const char* module, const at::Tensor& input,
                                   c10::ArrayRef<GemmShape> shapes, const SplitSizes& m_splits,
-                                  GemmBackend backend) {
-  return ops::plan_grouped_gemms(module, input, shapes, m_splits, backend);
+                                  GemmBackend backend, const at::Tensor& gather_rows) {
+  return ops::plan_grouped_gemms(module, input, shapes, m_splits, backend, gather_rows);
 }
 
 at::Tensor GroupedLinearFunction::forward(AutogradContext* ctx, const at::Tensor& input,
@@ -108,6 +117,8 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
                                             scales_need_grad);
       grads[0] = std::move(glu.grad_input);
       if (scales_need_grad) grads[1] = std::move(glu.grad_scales);
+    } else if (cfg.input_gather) {
+      grads[0] = ops::unpermute_rows(grad_gemm_input, cfg.input_gather->token_rows, at::Tensor());
     } else {
       grads[0] = std::move(grad_gemm_input);
     }
@@ -133,18 +144,18 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
                                     : input;
   if (weights_need_grad && cfg.wgrad_queue) {
     // Delayed: dbias now (it is cheap and autograd wants it), the wgrad GEMM in backward_dw().
-    cfg.wgrad_queue->push_back(DelayedWgrad{gemm_input, grad_output, config});
+    cfg.wgrad_queue->push_back(DelayedWgrad{gemm_input, gather_rows_of(cfg), grad_output, config});
     if (biases_need_grad) ops::grouped_bias_grad(cfg.plan, grad_output, bias_grads);
   } else if (weights_need_grad && !cfg.main_grads.empty()) {
     ops::grouped_linear_wgrad(cfg.plan, gemm_input, grad_output,
                               grouped(cfg.main_grads, cfg.grouped_weight), !cfg.overwrite_main_grad,
-                              bias_grads);
+                              bias_grads, gather_rows_of(cfg));
   } else if (weights_need_grad) {
     const at::Tensor weight_grad =
         new_group_buffer({cfg.plan.shape.n, cfg.plan.shape.k}, groups, gemm_input.options());
     ops::grouped_linear_wgrad(cfg.plan, gemm_input, grad_output,
                               ops::GroupedTensors::stacked(weight_grad),
-                              /*accumulate=*/false, bias_grads);
+                              /*accumulate=*/false, bias_grads, gather_rows_of(cfg));
     const std::vector<at::Tensor> weight_grads = in_layout(weight_grad, cfg.grouped_weight);
     std::copy(weight_grads.begin(), weight_grads.end(), grads.begin() + kFirstWeightSlot);
   } else if (biases_need_grad) {
@@ -177,14 +188,14 @@ std::vector<at::Tensor> run_delayed_wgrad(const DelayedWgrad& work) {
   if (!cfg.main_grads.empty()) {
     ops::grouped_linear_wgrad(cfg.plan, work.input, work.grad_output,
                               grouped(cfg.main_grads, cfg.grouped_weight), !cfg.overwrite_main_grad,
-                              {});
+                              {}, work.gather_rows);
     return {};
   }
   const at::Tensor weight_grad = new_group_buffer({cfg.plan.shape.n, cfg.plan.shape.k},
                                                   cfg.plan.shape.groups, work.input.options());
   ops::grouped_linear_wgrad(cfg.plan, work.input, work.grad_output,
                             ops::GroupedTensors::stacked(weight_grad),
-                            /*accumulate=*/false, {});
+                            /*accumulate=*/false, {}, work.gather_rows);
   return in_layout(weight_grad, cfg.grouped_weight);
 }
 

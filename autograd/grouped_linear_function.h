@@ -22,16 +22,27 @@ using ops::GemmPlan;
 using ops::GemmShape;
 
 // The plans of one module call: which backend runs each layer and the split sizes every GEMM of
-// its forward and backward reads (ops::plan_grouped_gemms). `module` names the caller in errors.
+// its forward and backward reads (ops::plan_grouped_gemms; gather_rows: the first layer's row
+// map, if it reads `input` through one). `module` names the caller in errors.
 std::vector<GemmPlan> plan_layers(const char* module, const at::Tensor& input,
                                   c10::ArrayRef<GemmShape> shapes, const SplitSizes& m_splits,
-                                  GemmBackend backend);
+                                  GemmBackend backend, const at::Tensor& gather_rows = {});
 
 struct GroupedLinearConfig;
 
+// A layer input read through a row map instead of as a gathered copy (ops/grouped_gemm.h,
+// "Gathered input"): MoE's token permutation fused into fc1. Forward and wgrad read GEMM row i
+// from input[rows[i]]; the input gradient sums the dgrad rows of each input row, deterministically
+// (ops::unpermute_rows), as the permutation's own backward does.
+struct RowGather {
+  at::Tensor rows;        // [N] int32/int64: the input row of each GEMM row
+  at::Tensor token_rows;  // [input rows, k] int64: the GEMM rows of each input row, -1 for none
+};
+
 // A weight-gradient GEMM that delay_wgrad_compute moved out of backward.
 struct DelayedWgrad {
-  at::Tensor input;        // [rows, in]
+  at::Tensor input;        // [rows, in], or the gathered input and its row map:
+  at::Tensor gather_rows;  // [rows] (RowGather::rows), else undefined
   at::Tensor grad_output;  // [rows, out]
   c10::intrusive_ptr<GroupedLinearConfig> config;
 };
@@ -61,14 +72,17 @@ struct GroupedLinearConfig : torch::CustomClassHolder {
   // pre-activation [rows, 2·in] and the GEMM input is glu(input, input_scales). Only the
   // pre-activation and scales are saved; backward recomputes the activation for the wgrad GEMM.
   std::optional<ops::GluOptions> input_activation;
+  // The input is read through a row map (not with input_activation): the Function's input is the
+  // un-gathered [input rows, in] tensor, which is also what backward keeps.
+  std::optional<RowGather> input_gather;
 };
 
 class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunction> {
  public:
   // input [rows, in] (contiguous), or [rows, 2·in] with config.input_activation, whose per-row
-  // scales are input_scales (else nullopt); weights G × [out, in] or one [G, out, in]; biases
-  // empty, G × [out] or one [G, out] (matching config.grouped_weight / grouped_bias).
-  // Returns [rows, out].
+  // scales are input_scales (else nullopt), or [input rows, in] with config.input_gather; weights G
+  // × [out, in] or one [G, out, in]; biases empty, G × [out] or one [G, out] (matching
+  // config.grouped_weight / grouped_bias). Returns [rows, out].
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input,
                             const std::optional<at::Tensor>& input_scales, at::TensorList weights,
                             at::TensorList biases,

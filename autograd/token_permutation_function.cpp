@@ -57,6 +57,14 @@ variable_list UnpermuteFunction::backward(AutogradContext* ctx, variable_list gr
 PermutedTokens permute_tokens(const at::Tensor& tokens, const at::Tensor& indices,
                               int64_t num_experts, const std::optional<at::Tensor>& probs,
                               ops::IndexTrust trust) {
+  PermutedTokens out = route_tokens(tokens, indices, num_experts, probs, trust);
+  out.tokens = PermuteFunction::apply(tokens, out.row_map, out.sorted_slots);
+  return out;
+}
+
+PermutedTokens route_tokens(const at::Tensor& tokens, const at::Tensor& indices,
+                            int64_t num_experts, const std::optional<at::Tensor>& probs,
+                            ops::IndexTrust trust) {
   TORCH_CHECK(tokens.defined() && tokens.dim() == 2,
               "permute_tokens: tokens must be 2-D [T, H], got ",
               tokens.defined() ? tokens.sizes() : at::IntArrayRef{});
@@ -67,7 +75,6 @@ PermutedTokens permute_tokens(const at::Tensor& tokens, const at::Tensor& indice
               tokens.device(), " like the tokens, got ", indices.device());
   ops::RoutingMap map = ops::make_routing_map(indices, num_experts, trust);
   PermutedTokens out;
-  out.tokens = PermuteFunction::apply(tokens, map.row_map, map.sorted_slots);
   if (probs.has_value() && probs->defined()) {
     TORCH_CHECK(probs->sizes() == indices.sizes(), "permute_tokens: probs must have shape ",
                 indices.sizes(), " like the indices, got ", probs->sizes());

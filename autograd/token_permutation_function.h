@@ -45,6 +45,13 @@ PermutedTokens permute_tokens(const at::Tensor& tokens, const at::Tensor& indice
                               int64_t num_experts, const std::optional<at::Tensor>& probs,
                               ops::IndexTrust trust = ops::IndexTrust::kChecked);
 
+// permute_tokens without the permuted copy: the routing map, the rows' probabilities and the split
+// sizes, with `tokens` left undefined, for experts that read the tokens through the map
+// (GroupedMLP::forward_routed).
+PermutedTokens route_tokens(const at::Tensor& tokens, const at::Tensor& indices,
+                            int64_t num_experts, const std::optional<at::Tensor>& probs,
+                            ops::IndexTrust trust = ops::IndexTrust::kChecked);
+
 // Through a row_map the caller built: checked against the contract first (one device-to-host
 // copy on CUDA).
 at::Tensor unpermute_tokens(const at::Tensor& permuted, const at::Tensor& row_map,

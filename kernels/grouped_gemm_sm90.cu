@@ -180,8 +180,10 @@ void launch(const Sm90GemmParams& p, cudaStream_t stream) {
   std::memset(&args, 0, sizeof(args));
   args.p = p;
   const ScalarType in = p.input_type;
+  // Gathered x is copied by the producer warp, through no tensor map.
+  const bool gather = p.gather_rows != nullptr;
   if constexpr (kKind == GemmKind::kFprop) {
-    args.a_map = cached_map(in, p.input, p.k, p.rows, 1, 0, operand_box(kBlockM));
+    if (!gather) args.a_map = cached_map(in, p.input, p.k, p.rows, 1, 0, operand_box(kBlockM));
     args.out_map = cached_map(in, p.output, p.n, p.rows, 1, 0, output_box(in));
     args.out_tma = true;
   } else if constexpr (kKind == GemmKind::kDgrad) {
@@ -190,7 +192,7 @@ void launch(const Sm90GemmParams& p, cudaStream_t stream) {
     args.out_tma = true;
   } else {
     args.a_map = cached_map(in, p.grad_output, p.n, p.rows, 1, 0, operand_box(kBlockK));
-    args.b_map = cached_map(in, p.input, p.k, p.rows, 1, 0, operand_box(kBlockK));
+    if (!gather) args.b_map = cached_map(in, p.input, p.k, p.rows, 1, 0, operand_box(kBlockK));
     // Equally spaced gradients are one 3-D map; a pointer table's are stored from registers.
     args.out_tma = p.weight_grad.table == nullptr;
     if (args.out_tma) {
@@ -256,7 +258,8 @@ void launch_grouped_gemm_sm90(const Sm90GemmParams& p, cudaStream_t stream) {
   TORCH_INTERNAL_ASSERT((p.kind != GemmKind::kWgrad || p.tile_counter != nullptr) &&
                             p.num_groups > 0 && p.num_groups <= kSm90MaxGroups && p.rows > 0 &&
                             p.rows <= INT_MAX && p.n % kSm90FeatureMultiple == 0 &&
-                            p.k % kSm90FeatureMultiple == 0,
+                            p.k % kSm90FeatureMultiple == 0 &&
+                            (p.gather_rows == nullptr || p.kind != GemmKind::kDgrad),
                         "launch_grouped_gemm_sm90: unchecked arguments");
   const bool bf16 = p.input_type == ScalarType::kBFloat16;
   TORCH_INTERNAL_ASSERT(bf16 || p.input_type == ScalarType::kFloat16);

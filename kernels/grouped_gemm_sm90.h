@@ -19,6 +19,11 @@
 // For wgmma every operand is a tile of "rows × reduction": x in fprop and dy in dgrad are
 // reduction-contiguous (K-major); W in dgrad and both operands of wgrad are contiguous along the
 // output dimension (MN-major) and are read through wgmma's transpose bit rather than copied.
+//
+// Gathered x (kFprop, kWgrad): with `gather_rows` set, row i of x is row gather_rows[i] of
+// `input` (an MoE layer's tokens read in expert order through the routing map, so that the
+// permuted copy is never written). Hopper's TMA has no gather mode, so the producer warp copies
+// those rows with 16-byte cp.async instead (grouped_gemm_sm90_kernel.cuh).
 
 #include <cuda_runtime_api.h>
 
@@ -43,7 +48,11 @@ struct Sm90GemmParams {
   const void* m_splits = nullptr;  // device, num_groups integers
   bool splits_int32 = false;       // else int64
 
-  const void* input = nullptr;        // x  [rows, k]       (kFprop, kWgrad)
+  const void* input = nullptr;  // x  [rows, k], or the gathered rows' source (kFprop, kWgrad)
+  // Device, `rows` integers, each a row of `input` (unchecked; ops checks the map's shape): x[i] =
+  // input[gather_rows[i]]. Null: x is `input` itself.
+  const void* gather_rows = nullptr;
+  bool gather_rows_int32 = false;     // else int64
   const void* grad_output = nullptr;  // dy [rows, n]       (kDgrad, kWgrad)
   void* output = nullptr;             // y / dx [rows, ·]   (kFprop, kDgrad)
   // W_g [n, k] (kFprop, kDgrad). Equally spaced weights are read through one 3-D tensor map; others

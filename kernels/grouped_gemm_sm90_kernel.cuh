@@ -31,10 +31,91 @@
 
 namespace torchmoe::kernels::sm90 {
 
-template <GemmKind kKind>
+// Gathered rows (Sm90GemmParams::gather_rows). TMA could place them one row per load, a box of
+// one row at row r of a swizzle atom, if 128-byte swizzle is a function of the destination's
+// address bits alone; the documentation describes swizzled boxes written from an atom's
+// 1024-byte boundary, not this, so the kernel does not rely on it. cp.async writes exactly where
+// it is told: the producer warp copies the rows in 16-byte chunks and swizzles by hand, chunk c
+// of the 128-byte row r of a 1024-byte aligned atom at chunk c ^ (r % 8), which is the layout
+// TMA's 128-byte swizzle produces and wgmma's descriptors read (grouped_gemm_sm90_layout.cuh).
+// Each lane arrives on the stage's full barrier once its copies have landed (noinc: the barrier
+// expects 1 + 32 arrivals, lane 0's expect_tx for the operand that still comes through TMA and
+// one per lane). Chunks past the group's rows or the last column are zero-filled, as TMA fills
+// out-of-range boxes. Lane l holds the source rows of rows l, l + 32, ... of its block and passes
+// them to the other lanes with shuffles.
+__device__ __forceinline__ int gather_row(const Sm90GemmParams& p, int64_t row, bool valid) {
+  if (!valid) return -1;
+  return p.gather_rows_int32 ? static_cast<const int32_t*>(p.gather_rows)[row]
+                             : static_cast<int>(static_cast<const int64_t*>(p.gather_rows)[row]);
+}
+
+// The 16-byte chunk at `byte` of source row `src` (-1: none) of `input` into shared-memory
+// address `dst`, or zeros when there is no row or the chunk is at or past `row_bytes` (k is a
+// multiple of 8, so a chunk is wholly inside a row or outside). `from` is input + byte: the
+// producer has 40 registers, so the sums are formed once per block.
+__device__ __forceinline__ void copy_chunk(uint32_t dst, const uint8_t* input, const uint8_t* from,
+                                           int src, int row_bytes, bool in_row) {
+  const bool copy = in_row && src >= 0;
+  cp_async_16(dst, copy ? from + static_cast<int64_t>(src) * row_bytes : input, copy ? 16 : 0);
+}
+
+// fprop's A block: the tile's 128 rows (K-major: row i at i·128 B) × 64 reduction elements from
+// `r` on. Lane l copies chunk l % 8 of rows 4·it + l / 8, so each group of 8 lanes reads one
+// contiguous 128-byte segment of a source row. rows[q] holds the source of tile row l + 32q.
+template <typename T>
+__device__ __forceinline__ void gather_fprop_a(const Sm90GemmParams& p, const int (&rows)[4], int r,
+                                               uint8_t* a) {
+  const int lane = threadIdx.x % kWarpSize, chunk = lane % 8;
+  const auto* input = static_cast<const uint8_t*>(p.input);
+  const int row_bytes = static_cast<int>(p.k) * static_cast<int>(sizeof(T));
+  const int byte = r * static_cast<int>(sizeof(T)) + chunk * 16;
+  const uint8_t* from = input + byte;
+  const bool in_row = byte < row_bytes;
+  const uint32_t base = smem_u32(a);
+#pragma unroll
+  for (int it = 0; it < kBlockM / 4; ++it) {
+    const int i = it * 4 + lane / 8;  // i / 32 == it / 8 for every lane
+    const int src = __shfl_sync(0xffffffffu, rows[it / 8], i % kWarpSize);
+    copy_chunk(base + i * 128 + ((chunk ^ (i % 8)) * 16), input, from, src, row_bytes, in_row);
+  }
+}
+
+// wgrad's B block: 64 reduction rows × the tile's 256 columns from col0 on, as 4 MN-major boxes
+// (box h: columns col0 + 64h .. + 63, reduction row j at j·128 B). Lane l copies chunk l % 8 of
+// box l / 8 of every row, so the warp reads one contiguous 512-byte segment per row. rows[q]
+// holds the source of reduction row l + 32q.
+template <typename T>
+__device__ __forceinline__ void gather_wgrad_b(const Sm90GemmParams& p, const int (&rows)[2],
+                                               int col0, uint8_t* b) {
+  const int lane = threadIdx.x % kWarpSize, chunk = lane % 8;
+  const auto* input = static_cast<const uint8_t*>(p.input);
+  const int row_bytes = static_cast<int>(p.k) * static_cast<int>(sizeof(T));
+  const int byte = (col0 + 64 * (lane / 8)) * static_cast<int>(sizeof(T)) + chunk * 16;
+  const uint8_t* from = input + byte;
+  const bool in_row = byte < row_bytes;
+  const uint32_t box = smem_u32(b + (lane / 8) * kBoxBytes) + chunk * 16;
+#pragma unroll
+  for (int q = 0; q < kBlockK / kWarpSize; ++q) {
+#pragma unroll
+    for (int jj = 0; jj < kWarpSize; ++jj) {
+      const int j = q * kWarpSize + jj;
+      const int src = __shfl_sync(0xffffffffu, rows[q], jj);
+      // chunk ^ (j % 8), as a byte offset: chunk·16 is in `box`, the XOR flips its bits.
+      copy_chunk((box + j * 128) ^ ((j % 8) * 16), input, from, src, row_bytes, in_row);
+    }
+  }
+}
+
+// The producer warp: lane 0 issues the TMA loads and the tile handoff, all lanes copy gathered
+// rows.
+template <GemmKind kKind, typename T>
 __device__ void produce(const KernelArgs& args, const GroupTable& t, const TileRing& ring,
                         uint8_t* smem, uint64_t* full, uint64_t* empty) {
   const Sm90GemmParams& p = args.p;
+  const int lane = threadIdx.x % kWarpSize;
+  const bool gather = kKind != GemmKind::kDgrad && p.gather_rows != nullptr;
+  // The bytes TMA delivers per stage: all, or the operand that is not gathered (W, or dy).
+  const uint32_t tma_bytes = !gather ? kStageBytes : kKind == GemmKind::kFprop ? kBBytes : kABytes;
   int stage = 0;
   uint32_t phase = 0;
   claim_tiles<kKind>(p, t, ring, [&](const Tile& tile) {
@@ -42,28 +123,61 @@ __device__ void produce(const KernelArgs& args, const GroupTable& t, const TileR
                                    ? static_cast<const CUtensorMap*>(p.weight_maps) + tile.group
                                    : &args.b_map;
     const int w_group = p.weight_maps != nullptr ? 0 : tile.group;
+    // fprop: the sources of the tile's rows, read once per tile.
+    int tile_rows[4] = {-1, -1, -1, -1};
+    if constexpr (kKind == GemmKind::kFprop) {
+      if (gather) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int i = lane + kWarpSize * q;
+          tile_rows[q] = gather_row(p, static_cast<int64_t>(tile.row0) + i, i < tile.valid_rows);
+        }
+      }
+    }
     for (int kb = 0; kb < tile.k_blocks; ++kb) {
+      const int r = kb * kBlockK;  // reduction offset
+      // wgrad: the sources of this block's reduction rows, read before waiting for the slot so
+      // that the wait hides the loads.
+      int block_rows[2] = {-1, -1};
+      if constexpr (kKind == GemmKind::kWgrad) {
+        if (gather) {
+#pragma unroll
+          for (int q = 0; q < 2; ++q) {
+            const int j = r + lane + kWarpSize * q;
+            block_rows[q] = gather_row(p, static_cast<int64_t>(t.start[tile.group]) + j,
+                                       j < tile.reduction_rows);
+          }
+        }
+      }
       mbar_wait(&empty[stage], phase ^ 1);
       uint8_t* a = smem + stage * kStageBytes;
       uint8_t* b = a + kABytes;
-      mbar_expect_tx(&full[stage], kStageBytes);
-      const int r = kb * kBlockK;  // reduction offset
-      if constexpr (kKind == GemmKind::kFprop) {
-        tma_load_3d(a, &args.a_map, &full[stage], r, tile.row0, 0);
-        tma_load_3d(b, w_map, &full[stage], r, tile.col0, w_group);
-      } else if constexpr (kKind == GemmKind::kDgrad) {
-        tma_load_3d(a, &args.a_map, &full[stage], r, tile.row0, 0);
-        for (int h = 0; h < kBlockN / 64; ++h) {
-          tma_load_3d(b + h * kBoxBytes, w_map, &full[stage], tile.col0 + 64 * h, r, w_group);
+      if (lane == 0) {
+        mbar_expect_tx(&full[stage], tma_bytes);
+        if constexpr (kKind == GemmKind::kFprop) {
+          if (!gather) tma_load_3d(a, &args.a_map, &full[stage], r, tile.row0, 0);
+          tma_load_3d(b, w_map, &full[stage], r, tile.col0, w_group);
+        } else if constexpr (kKind == GemmKind::kDgrad) {
+          tma_load_3d(a, &args.a_map, &full[stage], r, tile.row0, 0);
+          for (int h = 0; h < kBlockN / 64; ++h) {
+            tma_load_3d(b + h * kBoxBytes, w_map, &full[stage], tile.col0 + 64 * h, r, w_group);
+          }
+        } else {
+          const int row = t.start[tile.group] + r;
+          for (int h = 0; h < kBlockM / 64; ++h) {
+            tma_load_3d(a + h * kBoxBytes, &args.a_map, &full[stage], tile.row0 + 64 * h, row, 0);
+          }
+          if (!gather) {
+            for (int h = 0; h < kBlockN / 64; ++h) {
+              tma_load_3d(b + h * kBoxBytes, &args.b_map, &full[stage], tile.col0 + 64 * h, row, 0);
+            }
+          }
         }
-      } else {
-        const int row = t.start[tile.group] + r;
-        for (int h = 0; h < kBlockM / 64; ++h) {
-          tma_load_3d(a + h * kBoxBytes, &args.a_map, &full[stage], tile.row0 + 64 * h, row, 0);
-        }
-        for (int h = 0; h < kBlockN / 64; ++h) {
-          tma_load_3d(b + h * kBoxBytes, &args.b_map, &full[stage], tile.col0 + 64 * h, row, 0);
-        }
+      }
+      if (gather) {
+        if constexpr (kKind == GemmKind::kFprop) gather_fprop_a<T>(p, tile_rows, r, a);
+        if constexpr (kKind == GemmKind::kWgrad) gather_wgrad_b<T>(p, block_rows, tile.col0, b);
+        cp_async_mbar_arrive(&full[stage]);
       }
       if (++stage == Smem<kKind>::kStages) {
         stage = 0;
@@ -71,6 +185,8 @@ __device__ void produce(const KernelArgs& args, const GroupTable& t, const TileR
       }
     }
   });
+  // No copy may still be writing shared memory when the warp exits.
+  if (gather) cp_async_wait_all();
 }
 
 // Where an output tile goes and what is added to it (see Tile).
@@ -191,6 +307,7 @@ __device__ void consume(const KernelArgs& args, const GroupTable& t, const TileR
   constexpr uint32_t kStepA = kTransA ? 2048 : 32, kStepB = kTransB ? 2048 : 32;
   const Sm90GemmParams& p = args.p;
   const int thread = threadIdx.x % 128, lane = thread % kWarpSize;
+  const bool gather = kKind != GemmKind::kDgrad && p.gather_rows != nullptr;
   uint8_t* buffer = epilogue + consumer * Smem<kKind>::kEpilogueBytes;
   int stage = 0;
   uint32_t phase = 0;
@@ -202,6 +319,9 @@ __device__ void consume(const KernelArgs& args, const GroupTable& t, const TileR
     int previous = -1;
     for (int kb = 0; kb < tile.k_blocks; ++kb) {
       mbar_wait(&full[stage], phase);
+      // Gathered rows were written by cp.async, in the generic proxy; wgmma reads through the
+      // async proxy.
+      if (gather) fence_proxy_async();
       uint8_t* a = smem + stage * kStageBytes;
       uint8_t* b = a + kABytes;
       if constexpr (kKind == GemmKind::kWgrad) {
@@ -295,8 +415,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (threadIdx.x < kWarpSize) build_group_table<kKind>(args.p, table);
   if (threadIdx.x == kWarpSize) {
+    // Gathered rows: lane 0's expect_tx and the 32 lanes' cp.async arrivals (see produce).
+    const bool gather = kKind != GemmKind::kDgrad && args.p.gather_rows != nullptr;
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], 1);
+      mbar_init(&full[s], gather ? 1 + kWarpSize : 1);
       mbar_init(&empty[s], kConsumerWarps);
     }
     for (int s = 0; s < kTileSlots; ++s) {
@@ -310,7 +432,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters));
-    if (threadIdx.x == 0) produce<kKind>(args, table, ring, smem, full, empty);
+    if (threadIdx.x < kWarpSize) produce<kKind, T>(args, table, ring, smem, full, empty);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegisters));
     consume<kKind, T, OutT>(args, table, ring, smem, full, empty, epilogue, threadIdx.x / 128 - 1);

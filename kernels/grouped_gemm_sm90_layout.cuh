@@ -4,9 +4,10 @@
 // launcher (grouped_gemm_sm90.cu: block size, shared-memory opt-in, tensor-map boxes) must agree
 // on these numbers. Included by grouped_gemm_sm90.cu only (directly and through the kernel files).
 //
-// Block: 3 warpgroups. Warpgroup 0 is the producer (one thread issues TMA; it gives registers
-// away with setmaxnreg); warpgroups 1 and 2 are consumers, each owning 64 rows of the 128 × 256
-// output tile and issuing m64n256k16 wgmma into 128 fp32 accumulator registers per thread.
+// Block: 3 warpgroups. Warpgroup 0 is the producer (its first warp: one thread issues TMA, all
+// 32 lanes copy gathered rows; it gives registers away with setmaxnreg); warpgroups 1 and 2 are
+// consumers, each owning 64 rows of the 128 × 256 output tile and issuing m64n256k16 wgmma into
+// 128 fp32 accumulator registers per thread.
 // 128 × 256 tiles read 48 KB of shared memory per 2·128·256·64 FLOPs, a third less per FLOP
 // than 128 × 128 tiles; that keeps the tensor cores, not shared memory or L2, the limit.
 //

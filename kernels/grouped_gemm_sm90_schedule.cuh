@@ -133,10 +133,11 @@ __device__ __forceinline__ Tile tile_at(const Sm90GemmParams& p, const GroupTabl
 // counter: claiming measured the same there, and zeroing it costs a memset per call. Blocks take
 // neighbouring indices at about the same time either way, so the panel order keeps its L2 reuse.
 //
-// The producer thread decides (claiming one index ahead, so the atomic's latency overlaps the
-// current tile's loads) and passes each index to the consumers through kTileSlots shared-memory
-// slots with full/empty mbarriers, as it passes operands; an index past the last tile ends both
-// loops.
+// The producer warp decides (its lane 0 claims one index ahead, so the atomic's latency overlaps
+// the current tile's loads) and passes each index to the consumers through kTileSlots
+// shared-memory slots with full/empty mbarriers, as it passes operands; an index past the last
+// tile ends both loops. The whole warp runs the loop because gathered rows are loaded by all its
+// lanes (grouped_gemm_sm90_kernel.cuh).
 struct TileRing {
   int* index;       // [kTileSlots]
   uint64_t* full;   // [kTileSlots]: one arrival, the producer's
@@ -147,18 +148,25 @@ template <GemmKind kKind, typename Fn>
 __device__ __forceinline__ void claim_tiles(const Sm90GemmParams& p, const GroupTable& t,
                                             const TileRing& ring, Fn&& fn) {
   const int total = t.tiles[p.num_groups];
+  const int lane = threadIdx.x % kWarpSize;
   int slot = 0, g = 0;
   uint32_t phase = 0;
   for (int index = blockIdx.x;;) {
     int next;
     if constexpr (kKind == GemmKind::kWgrad) {
-      next = index < total ? static_cast<int>(gridDim.x) + atomicAdd(p.tile_counter, 1) : total;
+      // Lane 0 claims; the others learn the index at the end of the tile, after its loads.
+      next = total;
+      if (lane == 0 && index < total) {
+        next = static_cast<int>(gridDim.x) + atomicAdd(p.tile_counter, 1);
+      }
     } else {
       next = index + static_cast<int>(gridDim.x);
     }
     mbar_wait(&ring.empty[slot], phase ^ 1);
-    ring.index[slot] = index;
-    mbar_arrive(&ring.full[slot]);
+    if (lane == 0) {
+      ring.index[slot] = index;
+      mbar_arrive(&ring.full[slot]);
+    }
     if (++slot == kTileSlots) {
       slot = 0;
       phase ^= 1;
@@ -166,7 +174,7 @@ __device__ __forceinline__ void claim_tiles(const Sm90GemmParams& p, const Group
     if (index >= total) return;
     while (index >= t.tiles[g + 1]) ++g;  // a block's indices only grow
     fn(tile_at<kKind>(p, t, g, index));
-    index = next;
+    index = kKind == GemmKind::kWgrad ? __shfl_sync(0xffffffffu, next, 0) : next;
   }
 }
 

@@ -154,8 +154,8 @@ ops::GemmShape GroupedLinearImpl::gemm_shape() const {
 
 torch::Tensor GroupedLinearImpl::run(const torch::Tensor& rows, const ops::GemmPlan& plan,
                                      std::optional<bool> is_first_microbatch,
-                                     const torch::Tensor& scales,
-                                     const ops::GluOptions* activation) {
+                                     const torch::Tensor& scales, const ops::GluOptions* activation,
+                                     const autograd::RowGather* gather) {
   auto config = c10::make_intrusive<autograd::GroupedLinearConfig>();
   config->plan = plan;
   config->grouped_weight = options.single_grouped_weight();
@@ -164,6 +164,7 @@ torch::Tensor GroupedLinearImpl::run(const torch::Tensor& rows, const ops::GemmP
   config->overwrite_main_grad = is_first_microbatch.value_or(false);
   if (options.delay_wgrad_compute()) config->wgrad_queue = wgrad_queue_;
   if (activation != nullptr) config->input_activation = *activation;
+  if (gather != nullptr) config->input_gather = *gather;
   const std::optional<torch::Tensor> row_scales =
       activation != nullptr ? std::optional<torch::Tensor>(scales.reshape({-1})) : std::nullopt;
   return autograd::grouped_linear(rows, row_scales, at::TensorList(weight_params_),

@@ -23,7 +23,8 @@
 namespace torchmoe {
 namespace autograd {
 class WgradQueue;
-}
+struct RowGather;
+}  // namespace autograd
 namespace ops {
 struct GemmPlan;
 struct GemmShape;
@@ -155,10 +156,11 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
   ops::GemmShape gemm_shape() const;
   // The body of every forward: `input` [..., width] with width = in_features, or 2·in_features
   // with an `activation` (then input is its pre-activation and `scales` its per-row scales: the
-  // layer saves those and recomputes the activation in backward).
+  // layer saves those and recomputes the activation in backward), or read through `gather`'s row
+  // map (then input has any row count; the plan's rows are the map's).
   torch::Tensor run(const torch::Tensor& input, const ops::GemmPlan& plan,
                     std::optional<bool> is_first_microbatch, const torch::Tensor& scales,
-                    const ops::GluOptions* activation);
+                    const ops::GluOptions* activation, const autograd::RowGather* gather = nullptr);
   // Checks an input of `width` features against the parameters; returns it as [rows, width].
   torch::Tensor input_rows(const torch::Tensor& input, int64_t width) const;
   void move_main_grads(torch::Device device);

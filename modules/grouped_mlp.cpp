@@ -4,6 +4,7 @@
 
 #include "torchmoe/autograd/glu_function.h"
 #include "torchmoe/autograd/grouped_linear_function.h"
+#include "torchmoe/autograd/token_permutation_function.h"
 #include "torchmoe/modules/glu_options.h"
 
 namespace torchmoe {
@@ -64,30 +65,69 @@ void GroupedMLPImpl::pretty_print(std::ostream& stream) const {
          << (options.activation() == GluActivation::kSwiGLU ? "swiglu" : "clamped_swiglu") << ")";
 }
 
-torch::Tensor GroupedMLPImpl::forward(const torch::Tensor& x, const SplitSizes& m_splits,
-                                      const torch::Tensor& probs,
-                                      std::optional<bool> is_first_microbatch) {
+torch::Tensor GroupedMLPImpl::checked_input(const torch::Tensor& x) const {
   TORCH_CHECK(x.defined() && x.dim() == 2 && x.size(1) == options.hidden(), kModule,
               ": x must be [rows, hidden=", options.hidden(), "], got ",
               x.defined() ? x.sizes() : torch::IntArrayRef{});
-  TORCH_CHECK(probs.defined() && probs.dim() == 1 && probs.size(0) == x.size(0), kModule,
-              ": probs must be [rows] with one probability per row of x (", x.size(0), "), got ",
-              probs.defined() ? probs.sizes() : torch::IntArrayRef{});
   const torch::Tensor& weight = fc1->weight_params_.front();
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), kModule,
               ": x must have the parameters' dtype ", weight.scalar_type(), ", got ",
               x.scalar_type());
   TORCH_CHECK(x.device() == weight.device(), kModule, ": x must be on the parameters' device ",
               weight.device(), ", got ", x.device());
-  TORCH_CHECK(probs.device() == x.device(), kModule, ": probs must be on ", x.device(),
-              " like x, got ", probs.device());
-  const torch::Tensor rows = x.contiguous();
+  return x.contiguous();
+}
+
+torch::Tensor GroupedMLPImpl::forward(const torch::Tensor& x, const SplitSizes& m_splits,
+                                      const torch::Tensor& probs,
+                                      std::optional<bool> is_first_microbatch) {
+  const torch::Tensor rows = checked_input(x);
   // One decision for both layers: their backends, and split sizes that cross between host and
   // device at most once.
   const std::vector<ops::GemmPlan> plans =
       autograd::plan_layers(kModule, rows, {fc1->gemm_shape(), fc2->gemm_shape()}, m_splits,
                             options.linear().gemm_backend());
-  const torch::Tensor z = fc1->run(rows, plans[0], is_first_microbatch, torch::Tensor(), nullptr);
+  return run_layers(rows, nullptr, plans, probs, is_first_microbatch);
+}
+
+torch::Tensor GroupedMLPImpl::forward_routed(const torch::Tensor& tokens,
+                                             const PermutedTokens& routed,
+                                             std::optional<bool> is_first_microbatch) {
+  const torch::Tensor x = checked_input(tokens);
+  TORCH_CHECK(routed.row_map.defined() && routed.row_map.dim() == 2 &&
+                  routed.row_map.size(0) == x.size(0) && routed.sorted_slots.defined() &&
+                  routed.sorted_slots.dim() == 1,
+              kModule, ": routed must be the routing of the ", x.size(0),
+              " tokens (row_map [T, k] and sorted_slots [N]), got row_map ",
+              routed.row_map.defined() ? routed.row_map.sizes() : torch::IntArrayRef{});
+  // Permuted row r is token sorted_slots[r] / k (the slot of choice j of token t is t·k + j).
+  const torch::Tensor source_rows = routed.sorted_slots.div(routed.row_map.size(1), "floor");
+  const std::vector<ops::GemmPlan> plans =
+      autograd::plan_layers(kModule, x, {fc1->gemm_shape(), fc2->gemm_shape()}, routed.m_splits,
+                            options.linear().gemm_backend(), source_rows);
+  if (plans[0].backend == ops::Backend::kSm90) {
+    const autograd::RowGather gather{source_rows, routed.row_map};
+    return run_layers(x, &gather, plans, routed.probs, is_first_microbatch);
+  }
+  const torch::Tensor rows = routed.tokens.defined() ? routed.tokens.contiguous()
+                                                     : autograd::PermuteFunction::apply(
+                                                           x, routed.row_map, routed.sorted_slots);
+  return run_layers(rows, nullptr, plans, routed.probs, is_first_microbatch);
+}
+
+torch::Tensor GroupedMLPImpl::run_layers(const torch::Tensor& input,
+                                         const autograd::RowGather* gather,
+                                         const std::vector<ops::GemmPlan>& plans,
+                                         const torch::Tensor& probs,
+                                         std::optional<bool> is_first_microbatch) {
+  const int64_t rows = plans[0].rows;
+  TORCH_CHECK(probs.defined() && probs.dim() == 1 && probs.size(0) == rows, kModule,
+              ": probs must be [rows] with one probability per row of x (", rows, "), got ",
+              probs.defined() ? probs.sizes() : torch::IntArrayRef{});
+  TORCH_CHECK(probs.device() == input.device(), kModule, ": probs must be on ", input.device(),
+              " like x, got ", probs.device());
+  const torch::Tensor z =
+      fc1->run(input, plans[0], is_first_microbatch, torch::Tensor(), nullptr, gather);
   const ops::GluOptions activation = activation_of(options);
   torch::Tensor y;
   if (options.recompute_activation()) {
@@ -102,12 +142,12 @@ torch::Tensor GroupedMLPImpl::forward(const torch::Tensor& x, const SplitSizes& 
     // Row r belongs to the first expert whose cumulative size exceeds r (no host copy of device
     // sizes; padded rows past the sum map to the last expert, and fc2 left them unwritten).
     const SplitSizes& splits = plans[1].m_splits;
-    const auto on_device = torch::TensorOptions().device(x.device());
+    const auto on_device = torch::TensorOptions().device(input.device());
     const torch::Tensor sizes = splits.has_device()
                                     ? splits.device().to(torch::kLong)
                                     : torch::tensor(splits.host(), on_device.dtype(torch::kLong));
     const torch::Tensor expert_of_row =
-        torch::searchsorted(torch::cumsum(sizes, 0), torch::arange(x.size(0), on_device),
+        torch::searchsorted(torch::cumsum(sizes, 0), torch::arange(rows, on_device),
                             /*out_int32=*/false, /*right=*/true)
             .clamp_max(options.num_experts() - 1);
     // In fp32 (or wider): the gather's backward sums each expert's rows, which must not round

@@ -72,12 +72,29 @@ class GroupedMLPImpl : public torch::nn::Cloneable<GroupedMLPImpl> {
                         const torch::Tensor& probs,
                         std::optional<bool> is_first_microbatch = std::nullopt);
 
+  /// The experts on tokens [T, hidden] in token order, routed by `routed` (from
+  /// autograd::route_tokens or permute_tokens: the routing map, split sizes and the rows'
+  /// probabilities). Returns [N, hidden] in the routed (expert-grouped) order, as forward on the
+  /// permuted tokens would. On the sm90 backend fc1 reads the tokens through the routing map, so
+  /// that the permuted copy is neither written nor kept for backward; on the others the copy is
+  /// made (routed.tokens when given).
+  torch::Tensor forward_routed(const torch::Tensor& tokens, const PermutedTokens& routed,
+                               std::optional<bool> is_first_microbatch = std::nullopt);
+
   /// Runs the oldest delayed weight-gradient computation of both layers.
   void backward_dw();
 
   GroupedMLPOptions options;
   GroupedLinear fc1{nullptr};
   GroupedLinear fc2{nullptr};
+
+ private:
+  // Checks x [rows, hidden] against the parameters; returns it contiguous.
+  torch::Tensor checked_input(const torch::Tensor& x) const;
+  // fc1 -> activation -> fc2 on fc1's input (read through `gather` when given), planned as `plans`.
+  torch::Tensor run_layers(const torch::Tensor& input, const autograd::RowGather* gather,
+                           const std::vector<ops::GemmPlan>& plans, const torch::Tensor& probs,
+                           std::optional<bool> is_first_microbatch);
 };
 
 TORCH_MODULE(GroupedMLP);

@@ -108,12 +108,21 @@ MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_f
     // the host.
     const ops::IndexTrust trust =
         options.router().capacity_factor() ? ops::IndexTrust::kChecked : ops::IndexTrust::kDropless;
-    const PermutedTokens routed = autograd::permute_tokens(
-        tokens, routing.indices, options.num_experts(), routing.probs, trust);
-    const torch::Tensor y =
-        options.expert_parallel()
-            ? run_experts_parallel(routed, is_first_microbatch)
-            : experts(routed.tokens, routed.m_splits, routed.probs, is_first_microbatch);
+    torch::Tensor y;
+    PermutedTokens routed;
+    if (options.expert_parallel()) {
+      routed = autograd::permute_tokens(tokens, routing.indices, options.num_experts(),
+                                        routing.probs, trust);
+      y = run_experts_parallel(routed, is_first_microbatch);
+    } else if (options.fuse_permutation()) {
+      routed = autograd::route_tokens(tokens, routing.indices, options.num_experts(), routing.probs,
+                                      trust);
+      y = experts->forward_routed(tokens, routed, is_first_microbatch);
+    } else {
+      routed = autograd::permute_tokens(tokens, routing.indices, options.num_experts(),
+                                        routing.probs, trust);
+      y = experts(routed.tokens, routed.m_splits, routed.probs, is_first_microbatch);
+    }
     out.output = autograd::unpermute_tokens(y, routed, std::nullopt).view(x.sizes());
   }
   out.aux_loss = routing.aux_loss + routing.z_loss;

@@ -5,6 +5,9 @@
 //     -> GroupedMLP (fc1 -> ScaledSwiGLU with each row's routing probability -> fc2)
 //     -> unpermute_tokens (a plain sum over each token's k expert outputs) -> [.., hidden]
 //
+// On the sm90 backend (options fuse_permutation) the permutation is fused into fc1, which reads
+// the tokens through the routing map (GroupedMLP::forward_routed).
+//
 // The probabilities are applied inside the scaled activation (Megatron's memory-efficient
 // permutation), so unpermute needs no weights and no copy of the expert outputs is kept for the
 // probabilities' gradient.
@@ -72,6 +75,11 @@ struct MoELayerOptions {
   /// capturable). Needs expert_parallel and router().capacity_factor, and the same token count T
   /// on every rank.
   TORCH_ARG(bool, pad_to_capacity) = false;
+  /// Without expert_parallel, on the sm90 grouped GEMM backend: fc1 reads the tokens through the
+  /// routing map instead of a permuted copy (GroupedMLP::forward_routed), which is neither
+  /// written nor kept for backward. false always makes the copy (the reference path; other
+  /// backends and expert parallelism make it anyway).
+  TORCH_ARG(bool, fuse_permutation) = true;
 };
 
 struct MoEOutput {

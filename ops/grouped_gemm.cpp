@@ -47,6 +47,40 @@ void check_rows_operand(const char* op, const char* name, const at::Tensor& t,
               " like the planned input, got ", t.scalar_type(), " on ", t.device());
 }
 
+// The row map of a gathered input: [rows] int32/int64, contiguous, on the input's device.
+void check_gather_rows(const char* op, const at::Tensor& gather_rows, const at::Tensor& input) {
+  TORCH_CHECK(gather_rows.dim() == 1, op, ": gather_rows must be a 1-D tensor, got ",
+              gather_rows.dim(), "-D");
+  TORCH_CHECK(gather_rows.scalar_type() == at::kInt || gather_rows.scalar_type() == at::kLong, op,
+              ": gather_rows must be int32 or int64, got ", gather_rows.scalar_type());
+  TORCH_CHECK(gather_rows.device() == input.device(), op, ": gather_rows must be on ",
+              input.device(), " like the input, got ", gather_rows.device());
+  TORCH_CHECK(gather_rows.is_contiguous(), op, ": gather_rows must be contiguous");
+}
+
+// An input read through gather_rows: any row count (at least one row when rows are gathered).
+void check_gathered_input(const char* op, const at::Tensor& input, const at::Tensor& gather_rows,
+                          const GemmPlan& plan) {
+  TORCH_CHECK(input.defined() && input.dim() == 2, op,
+              ": input must be a 2-D [rows, features] tensor",
+              input.defined() ? ", got " + std::to_string(input.dim()) + "-D" : std::string());
+  TORCH_CHECK(input.is_contiguous(), op, ": input must be contiguous");
+  TORCH_CHECK(input.device() == plan.device && input.scalar_type() == plan.dtype, op,
+              ": input must be a ", plan.dtype, " tensor on ", plan.device,
+              " like the planned input, got ", input.scalar_type(), " on ", input.device());
+  check_gather_rows(op, gather_rows, input);
+  TORCH_CHECK(gather_rows.size(0) == plan.rows, op, ": gather_rows must have the plan's ",
+              plan.rows, " rows, got ", gather_rows.size(0));
+  TORCH_CHECK(input.size(0) > 0 || plan.rows == 0, op, ": gather_rows names ", plan.rows,
+              " rows of an input that has none");
+}
+
+// The input's rows as the grouped operand: the input itself, or its gathered copy (the backends
+// other than sm90 read no row map).
+at::Tensor gathered(const at::Tensor& input, const at::Tensor& gather_rows) {
+  return gather_rows.defined() ? input.index_select(0, gather_rows) : input;
+}
+
 // Tensor g of a per-group list named `what`. The messages name it `what[g]` and are only
 // formatted on failure: building names for 128 experts on every call cost microseconds.
 void check_group_tensor(const char* op, const char* what, size_t g, const at::Tensor& t,
@@ -154,12 +188,13 @@ const char* backend_name(Backend backend) {
 }
 
 // Why a CUDA backend cannot run this bf16/fp16/fp32 call, or nullptr.
-const char* refusal(Backend backend, const at::Tensor& input, const GemmShape& shape) {
+const char* refusal(Backend backend, const at::Tensor& input, const GemmShape& shape,
+                    int64_t rows) {
   switch (backend) {
     case Backend::kSm90:
-      return detail::sm90_refusal(input, shape);
+      return detail::sm90_refusal(input, shape, rows);
     case Backend::kCublasLtGrouped:
-      return detail::cublaslt_grouped_refusal(input, shape);
+      return detail::cublaslt_grouped_refusal(input, shape, rows);
     case Backend::kCublasLt:
       return nullptr;
     case Backend::kReference:
@@ -186,16 +221,17 @@ struct ProductBackends {
   Backend fprop, dgrad, wgrad;
 };
 
-Backend auto_backend(kernels::GemmKind kind, const at::Tensor& input, const GemmShape& shape) {
+Backend auto_backend(kernels::GemmKind kind, const at::Tensor& input, const GemmShape& shape,
+                     int64_t rows) {
   if (input.scalar_type() == at::kFloat) return Backend::kCublasLt;
   for (Backend candidate : kAutoOrder16[static_cast<int>(kind)]) {
-    if (refusal(candidate, input, shape) == nullptr) return candidate;
+    if (refusal(candidate, input, shape, rows) == nullptr) return candidate;
   }
   TORCH_INTERNAL_ASSERT(false, "kAuto: per-group cuBLASLt refused a call");
 }
 
 ProductBackends select_backends(const char* op, const at::Tensor& input, const GemmShape& shape,
-                                GemmBackend choice) {
+                                int64_t rows, GemmBackend choice) {
   const at::ScalarType dtype = input.scalar_type();
   if (choice == GemmBackend::kAuto) choice = env_backend_choice();
   const Backend forced = choice == GemmBackend::kCublasLt          ? Backend::kCublasLt
@@ -213,16 +249,16 @@ ProductBackends select_backends(const char* op, const at::Tensor& input, const G
       ": no grouped GEMM backend for ", input.device(), " tensors of dtype ", dtype,
       " (supported: CPU floating dtypes; CUDA float32, float16, bfloat16)");
   if (choice != GemmBackend::kAuto) {
-    const char* why = refusal(forced, input, shape);
+    const char* why = refusal(forced, input, shape, rows);
     TORCH_CHECK_NOT_IMPLEMENTED(why == nullptr, op, ": the ", backend_name(forced),
                                 " grouped GEMM backend cannot run this call: ", why, " (dtype ",
                                 dtype, ", out_features ", shape.n, ", in_features ", shape.k, ", ",
                                 shape.groups, " groups)");
     return {forced, forced, forced};
   }
-  return {auto_backend(kernels::GemmKind::kFprop, input, shape),
-          auto_backend(kernels::GemmKind::kDgrad, input, shape),
-          auto_backend(kernels::GemmKind::kWgrad, input, shape)};
+  return {auto_backend(kernels::GemmKind::kFprop, input, shape, rows),
+          auto_backend(kernels::GemmKind::kDgrad, input, shape, rows),
+          auto_backend(kernels::GemmKind::kWgrad, input, shape, rows)};
 }
 
 bool reads_device_splits(Backend backend) {
@@ -264,10 +300,13 @@ void* CheckedGroups::mutable_data(size_t g) const { return const_cast<void*>(dat
 
 std::vector<GemmPlan> plan_grouped_gemms(const char* op, const at::Tensor& input,
                                          c10::ArrayRef<GemmShape> shapes,
-                                         const SplitSizes& m_splits, GemmBackend choice) {
+                                         const SplitSizes& m_splits, GemmBackend choice,
+                                         const at::Tensor& gather_rows) {
   TORCH_INTERNAL_ASSERT(!shapes.empty(), "plan_grouped_gemms: no layer to plan");
   TORCH_CHECK(input.defined() && input.dim() == 2, op,
               ": the input must be a 2-D [rows, features] tensor");
+  if (gather_rows.defined()) check_gather_rows(op, gather_rows, input);
+  const int64_t rows = gather_rows.defined() ? gather_rows.size(0) : input.size(0);
   const size_t groups = shapes[0].groups;
   TORCH_CHECK(m_splits.size() == groups, op, ": m_splits must have num_gemms=", groups,
               " entries, got ", m_splits.size());
@@ -277,12 +316,12 @@ std::vector<GemmPlan> plan_grouped_gemms(const char* op, const at::Tensor& input
   for (size_t i = 0; i < shapes.size(); ++i) {
     TORCH_INTERNAL_ASSERT(shapes[i].groups == groups,
                           "plan_grouped_gemms: layers differ in groups");
-    const ProductBackends backends = select_backends(op, input, shapes[i], choice);
+    const ProductBackends backends = select_backends(op, input, shapes[i], rows, choice);
     plans[i].backend = backends.fprop;
     plans[i].dgrad_backend = backends.dgrad;
     plans[i].wgrad_backend = backends.wgrad;
     plans[i].shape = shapes[i];
-    plans[i].rows = input.size(0);
+    plans[i].rows = rows;
     plans[i].dtype = input.scalar_type();
     plans[i].device = input.device();
     for (Backend b : {backends.fprop, backends.dgrad, backends.wgrad}) {
@@ -299,7 +338,7 @@ std::vector<GemmPlan> plan_grouped_gemms(const char* op, const at::Tensor& input
     host.assign(copy.const_data_ptr<int64_t>(), copy.const_data_ptr<int64_t>() + copy.numel());
   }
   const bool has_host = m_splits.has_host() || host_needed;
-  if (has_host) check_host_splits(op, host, input.size(0));
+  if (has_host) check_host_splits(op, host, rows);
   at::Tensor device;
   if (device_needed) device = detail::device_splits(m_splits, input);
   const SplitSizes resolved = !device.defined() ? SplitSizes(host)
@@ -310,24 +349,29 @@ std::vector<GemmPlan> plan_grouped_gemms(const char* op, const at::Tensor& input
 }
 
 at::Tensor grouped_linear_forward(const GemmPlan& plan, const at::Tensor& input,
-                                  const GroupedTensors& weights, const GroupedTensors& biases) {
+                                  const GroupedTensors& weights, const GroupedTensors& biases,
+                                  const at::Tensor& gather_rows) {
   constexpr const char* op = "torchmoe::ops::grouped_linear_forward";
-  check_rows_operand(op, "input", input, plan);
+  if (gather_rows.defined()) {
+    check_gathered_input(op, input, gather_rows, plan);
+  } else {
+    check_rows_operand(op, "input", input, plan);
+  }
   const CheckedGroups w = check_weights(op, plan, weights, input);
   const CheckedGroups b = check_vectors(op, "biases", plan, biases, input);
-  at::Tensor output = at::empty({input.size(0), plan.shape.n}, input.options());
+  at::Tensor output = at::empty({plan.rows, plan.shape.n}, input.options());
   switch (plan.backend) {
     case Backend::kSm90:
-      detail::sm90_forward(plan, input, w, b, output);
+      detail::sm90_forward(plan, input, gather_rows, w, b, output);
       return output;
     case Backend::kReference:
-      detail::reference_forward(plan, input, w, b, output);
+      detail::reference_forward(plan, gathered(input, gather_rows), w, b, output);
       return output;
     case Backend::kCublasLt:
-      detail::cublaslt_forward(plan, input, w, b, output);
+      detail::cublaslt_forward(plan, gathered(input, gather_rows), w, b, output);
       return output;
     case Backend::kCublasLtGrouped:
-      detail::cublaslt_grouped_forward(plan, input, w, b, output);
+      detail::cublaslt_grouped_forward(plan, gathered(input, gather_rows), w, b, output);
       return output;
   }
   TORCH_INTERNAL_ASSERT(false, "unhandled Backend");
@@ -375,9 +419,14 @@ void grouped_bias_grad(const GemmPlan& plan, const at::Tensor& grad_output,
 
 void grouped_linear_wgrad(const GemmPlan& plan, const at::Tensor& input,
                           const at::Tensor& grad_output, const GroupedTensors& weight_grads_out,
-                          bool accumulate, const GroupedTensors& bias_grads_out) {
+                          bool accumulate, const GroupedTensors& bias_grads_out,
+                          const at::Tensor& gather_rows) {
   constexpr const char* op = "torchmoe::ops::grouped_linear_wgrad";
-  check_rows_operand(op, "input", input, plan);
+  if (gather_rows.defined()) {
+    check_gathered_input(op, input, gather_rows, plan);
+  } else {
+    check_rows_operand(op, "input", input, plan);
+  }
   check_rows_operand(op, "grad_output", grad_output, plan);
   TORCH_CHECK(input.size(1) == plan.shape.k && grad_output.size(1) == plan.shape.n, op,
               ": input and grad_output must have ", plan.shape.k, " and ", plan.shape.n,
@@ -397,18 +446,19 @@ void grouped_linear_wgrad(const GemmPlan& plan, const at::Tensor& input,
   const CheckedGroups db = check_vectors(op, "bias_grads_out", plan, bias_grads_out, input);
   switch (plan.wgrad_backend) {
     case Backend::kSm90:
-      detail::sm90_wgrad(plan, input, grad_output, dw, accumulate);
+      detail::sm90_wgrad(plan, input, gather_rows, grad_output, dw, accumulate);
       if (!db.empty()) detail::device_bias_grad(plan, grad_output, db);
       return;
     case Backend::kReference:
-      detail::reference_wgrad(plan, input, grad_output, dw, accumulate);
+      detail::reference_wgrad(plan, gathered(input, gather_rows), grad_output, dw, accumulate);
       if (!db.empty()) detail::host_bias_grad(plan.m_splits.host(), grad_output, db);
       return;
     case Backend::kCublasLt:
-      detail::cublaslt_wgrad(plan, input, grad_output, dw, accumulate, db);
+      detail::cublaslt_wgrad(plan, gathered(input, gather_rows), grad_output, dw, accumulate, db);
       return;
     case Backend::kCublasLtGrouped:
-      detail::cublaslt_grouped_wgrad(plan, input, grad_output, dw, accumulate);
+      detail::cublaslt_grouped_wgrad(plan, gathered(input, gather_rows), grad_output, dw,
+                                     accumulate);
       if (!db.empty()) detail::device_bias_grad(plan, grad_output, db);
       return;
   }

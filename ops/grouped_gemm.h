@@ -12,6 +12,14 @@
 // buffer (a sum above the row count truncates the last groups; negative sizes count as 0), and
 // rows past the last group are neither read nor written, which is what capacity-padded inputs
 // need. Backends that need host sizes get them copied to the host once, when planning.
+//
+// Gathered input (forward and wgrad): instead of a [rows, in] input, a layer may read an input of
+// any row count through `gather_rows` ([rows] int32 or int64 on the input's device): row i of the
+// grouped operand is input[gather_rows[i]]. An MoE layer passes its tokens and routing map this
+// way, so that the expert-ordered copy of the tokens is never written nor kept for backward. The
+// sm90 kernel loads the rows through the map; the other backends gather a copy first
+// (input.index_select(0, gather_rows)), which is the reference. The map's entries must be rows of
+// the input; they are not checked (that would need a device-to-host copy).
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
@@ -96,16 +104,20 @@ struct GemmPlan {
 //   anything else                            -> NotImplementedError
 // kSm90 runs sm_90 devices with n and k multiples of 8, at most 1024 groups, aligned persistent
 // tensors; kCublasLtGrouped needs a loaded cuBLASLt >= 13.8 on sm_90+, n and k multiples of 8.
-// `op` names the caller in error messages (e.g. "GroupedLinear").
+// `op` names the caller in error messages (e.g. "GroupedLinear"). When the first layer reads
+// `input` through gather_rows (defined), the plans' rows are gather_rows' length, not input's.
 std::vector<GemmPlan> plan_grouped_gemms(const char* op, const at::Tensor& input,
                                          c10::ArrayRef<GemmShape> shapes,
-                                         const SplitSizes& m_splits, GemmBackend choice);
+                                         const SplitSizes& m_splits, GemmBackend choice,
+                                         const at::Tensor& gather_rows = {});
 
 // y[rows of g] = x[rows of g] · W_gᵀ + b_g.
-//   input [rows, in] contiguous; weights: G × [out, in]; biases: none or G × [out].
+//   input [rows, in] contiguous, or with gather_rows [rows] any [source rows, in] read through it
+//   (see above); weights: G × [out, in]; biases: none or G × [out].
 // Returns y [rows, out] in the input's dtype.
 at::Tensor grouped_linear_forward(const GemmPlan& plan, const at::Tensor& input,
-                                  const GroupedTensors& weights, const GroupedTensors& biases);
+                                  const GroupedTensors& weights, const GroupedTensors& biases,
+                                  const at::Tensor& gather_rows = {});
 
 // dx[rows of g] = dy[rows of g] · W_g. grad_output [rows, out]; returns dx [rows, in].
 at::Tensor grouped_linear_dgrad(const GemmPlan& plan, const at::Tensor& grad_output,
@@ -116,9 +128,11 @@ at::Tensor grouped_linear_dgrad(const GemmPlan& plan, const at::Tensor& grad_out
 //   when `accumulate` (fp32/fp64 buffers only; an empty group then leaves its buffer untouched,
 //   else zero-fills it).
 //   bias_grads_out: none or G × [out] of the input's dtype, always overwritten with Σ_rows dy_g.
+//   gather_rows: as in grouped_linear_forward (x_g is then the gathered rows of g).
 void grouped_linear_wgrad(const GemmPlan& plan, const at::Tensor& input,
                           const at::Tensor& grad_output, const GroupedTensors& weight_grads_out,
-                          bool accumulate, const GroupedTensors& bias_grads_out);
+                          bool accumulate, const GroupedTensors& bias_grads_out,
+                          const at::Tensor& gather_rows = {});
 
 // db_g = Σ_rows dy_g into bias_grads_out (G × [out]); used when the wgrad GEMM is deferred.
 void grouped_bias_grad(const GemmPlan& plan, const at::Tensor& grad_output,

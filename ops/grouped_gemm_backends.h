@@ -75,17 +75,18 @@ at::Tensor aligned_operand(const at::Tensor& t);
 kernels::GroupAddress group_address(const CheckedGroups& groups);
 
 // Why the sm90 kernel cannot run a layer of this dtype and shape on the input's device, or
-// nullptr when it can.
-const char* sm90_refusal(const at::Tensor& input, const GemmShape& shape);
+// nullptr when it can. rows: of the grouped operands (the input's, or its gathered rows').
+const char* sm90_refusal(const at::Tensor& input, const GemmShape& shape, int64_t rows);
 // The split sizes as the device-split backends read them, on the input's device: the device sizes
 // (int32 or int64) as given, else one asynchronous upload of the host sizes.
 at::Tensor device_splits(const SplitSizes& m_splits, const at::Tensor& input);
-void sm90_forward(const GemmPlan& plan, const at::Tensor& input, const CheckedGroups& weights,
-                  const CheckedGroups& biases, at::Tensor& output);
+// gather_rows: undefined, or the checked row map of a gathered input (ops/grouped_gemm.h).
+void sm90_forward(const GemmPlan& plan, const at::Tensor& input, const at::Tensor& gather_rows,
+                  const CheckedGroups& weights, const CheckedGroups& biases, at::Tensor& output);
 void sm90_dgrad(const GemmPlan& plan, const at::Tensor& grad_output, const CheckedGroups& weights,
                 at::Tensor& grad_input);
-void sm90_wgrad(const GemmPlan& plan, const at::Tensor& input, const at::Tensor& grad_output,
-                const CheckedGroups& weight_grads, bool accumulate);
+void sm90_wgrad(const GemmPlan& plan, const at::Tensor& input, const at::Tensor& gather_rows,
+                const at::Tensor& grad_output, const CheckedGroups& weight_grads, bool accumulate);
 // db_g with the device sizes (one kernel, no host sync): the bias gradient of both
 // device-split backends.
 void device_bias_grad(const GemmPlan& plan, const at::Tensor& grad_output,
@@ -93,7 +94,8 @@ void device_bias_grad(const GemmPlan& plan, const at::Tensor& grad_output,
 
 // Why one cuBLASLt grouped matmul per product cannot run a layer of this dtype and shape on the
 // input's device (the loaded cuBLASLt is older than 13.8, among others), or nullptr when it can.
-const char* cublaslt_grouped_refusal(const at::Tensor& input, const GemmShape& shape);
+// It reads no row map: a gathered input is copied first.
+const char* cublaslt_grouped_refusal(const at::Tensor& input, const GemmShape& shape, int64_t rows);
 void cublaslt_grouped_forward(const GemmPlan& plan, const at::Tensor& input,
                               const CheckedGroups& weights, const CheckedGroups& biases,
                               at::Tensor& output);

@@ -75,7 +75,8 @@ const char* library_refusal() {
 
 }  // namespace
 
-const char* cublaslt_grouped_refusal(const at::Tensor& input, const GemmShape& shape) {
+const char* cublaslt_grouped_refusal(const at::Tensor& input, const GemmShape& shape,
+                                     int64_t rows) {
   const at::ScalarType dtype = input.scalar_type();
   if (dtype != at::kBFloat16 && dtype != at::kHalf && dtype != at::kFloat) {
     return "it takes bfloat16, float16 and float32 operands only";
@@ -91,7 +92,7 @@ const char* cublaslt_grouped_refusal(const at::Tensor& input, const GemmShape& s
   if (shape.groups == 0 || shape.groups > static_cast<size_t>(INT_MAX)) return "no groups";
   if (!shape.aligned)
     return "weights, biases and main-grad buffers must start on 16-byte boundaries";
-  if (input.size(0) > INT32_MAX || shape.n > INT32_MAX || shape.k > INT32_MAX) {
+  if (rows > INT32_MAX || shape.n > INT32_MAX || shape.k > INT32_MAX) {
     return "cuBLASLt's grouped shapes are 32-bit: rows and features must be below 2^31";
   }
   return nullptr;

@@ -123,6 +123,14 @@ void set_weights(kernels::Sm90GemmParams& p, const CheckedGroups& weights) {
   });
 }
 
+// x as the kernel reads it: `input` itself, or its rows through a gather map.
+void set_input(kernels::Sm90GemmParams& p, const at::Tensor& x, const at::Tensor& gather_rows) {
+  p.input = x.const_data_ptr();
+  if (!gather_rows.defined()) return;
+  p.gather_rows = gather_rows.const_data_ptr();
+  p.gather_rows_int32 = gather_rows.scalar_type() == at::kInt;
+}
+
 void launch(const at::Tensor& like, kernels::Sm90GemmParams params) {
   const c10::cuda::CUDAGuard guard(like.device());
   // wgrad's tile counter: from the caching allocator, so it is stream-ordered (and part of a
@@ -137,7 +145,7 @@ void launch(const at::Tensor& like, kernels::Sm90GemmParams params) {
 
 }  // namespace
 
-const char* sm90_refusal(const at::Tensor& input, const GemmShape& shape) {
+const char* sm90_refusal(const at::Tensor& input, const GemmShape& shape, int64_t rows) {
   if (input.scalar_type() != at::kBFloat16 && input.scalar_type() != at::kHalf) {
     return "it takes bfloat16 and float16 operands only";
   }
@@ -153,7 +161,7 @@ const char* sm90_refusal(const at::Tensor& input, const GemmShape& shape) {
   }
   if (!shape.aligned)
     return "weights, biases and main-grad buffers must start on 16-byte boundaries";
-  if (input.size(0) > INT32_MAX) return "it takes fewer than 2^31 rows";
+  if (input.size(0) > INT32_MAX || rows > INT32_MAX) return "it takes fewer than 2^31 rows";
   return nullptr;
 }
 
@@ -168,12 +176,12 @@ at::Tensor device_splits(const SplitSizes& m_splits, const at::Tensor& input) {
   return pinned.to(input.device(), /*non_blocking=*/true);
 }
 
-void sm90_forward(const GemmPlan& plan, const at::Tensor& input, const CheckedGroups& weights,
-                  const CheckedGroups& biases, at::Tensor& output) {
+void sm90_forward(const GemmPlan& plan, const at::Tensor& input, const at::Tensor& gather_rows,
+                  const CheckedGroups& weights, const CheckedGroups& biases, at::Tensor& output) {
   if (plan.rows == 0) return;
   const at::Tensor x = aligned_operand(input);
   kernels::Sm90GemmParams p = params_for(kernels::GemmKind::kFprop, plan);
-  p.input = x.const_data_ptr();
+  set_input(p, x, gather_rows);
   p.output = output.data_ptr();
   set_weights(p, weights);
   p.bias = group_address(biases);
@@ -191,8 +199,8 @@ void sm90_dgrad(const GemmPlan& plan, const at::Tensor& grad_output, const Check
   launch(dy, p);
 }
 
-void sm90_wgrad(const GemmPlan& plan, const at::Tensor& input, const at::Tensor& grad_output,
-                const CheckedGroups& weight_grads, bool accumulate) {
+void sm90_wgrad(const GemmPlan& plan, const at::Tensor& input, const at::Tensor& gather_rows,
+                const at::Tensor& grad_output, const CheckedGroups& weight_grads, bool accumulate) {
   TORCH_CHECK(weight_grads.aligned, "torchmoe grouped GEMM: the sm90 backend needs weight ",
               "gradient buffers that start on 16-byte boundaries");
   if (plan.rows == 0) {  // nothing to read: every group is empty
@@ -204,7 +212,7 @@ void sm90_wgrad(const GemmPlan& plan, const at::Tensor& input, const at::Tensor&
   const at::Tensor x = aligned_operand(input), dy = aligned_operand(grad_output);
   kernels::Sm90GemmParams p = params_for(kernels::GemmKind::kWgrad, plan);
   p.output_type = kernel_type(weight_grads.tensors[0].scalar_type());
-  p.input = x.const_data_ptr();
+  set_input(p, x, gather_rows);
   p.grad_output = dy.const_data_ptr();
   p.weight_grad = group_address(weight_grads);
   p.accumulate = accumulate;

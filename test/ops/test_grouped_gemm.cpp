@@ -240,6 +240,65 @@ TEST_CASE("grouped GEMM CPU forward and dgrad vs float64", "[ops]") {
   }
 }
 
+TEST_CASE("grouped GEMM reads a gathered input as its gathered copy", "[ops]") {
+  // Backends other than sm90 gather the copy themselves: the products equal those on the copy.
+  torch::manual_seed(5);
+  const std::vector<int64_t> splits = {3, 0, 8, 1};
+  const auto w = make_weights(4, 5, 7, torch::kFloat64);
+  const torch::Tensor x = torch::randn({6, 7}, torch::kFloat64);
+  const torch::Tensor dy = torch::randn({12, 5}, torch::kFloat64);
+  const auto map_dtype = GENERATE(torch::kInt, torch::kLong);
+  INFO("map dtype " << map_dtype);
+  // Every token twice, in random order (top-2 routing).
+  const torch::Tensor map = (torch::randperm(12, torch::kLong) % 6).to(map_dtype);
+  const torch::Tensor x_rows = x.index_select(0, map);
+  const ops::GemmPlan plan = ops::plan_grouped_gemms("test", x, {ops::GemmShape{5, 7, 4}}, splits,
+                                                     torchmoe::GemmBackend::kAuto, map)
+                                 .front();
+  CHECK(plan.rows == 12);
+  CHECK(torch::equal(ops::grouped_linear_forward(plan, x, w, {}, map),
+                     ops::grouped_linear_forward(plan, x_rows, w, {})));
+  const std::vector<torch::Tensor> dw = {
+      torch::zeros({5, 7}, torch::kFloat64), torch::zeros({5, 7}, torch::kFloat64),
+      torch::zeros({5, 7}, torch::kFloat64), torch::zeros({5, 7}, torch::kFloat64)};
+  ops::grouped_linear_wgrad(plan, x, dy, dw, /*accumulate=*/false, {}, map);
+  int64_t offset = 0;
+  for (int g = 0; g < 4; ++g) {
+    check_close(dw[g], dy.narrow(0, offset, splits[g]).t().mm(x_rows.narrow(0, offset, splits[g])),
+                {1e-12, 1e-12}, "dW");
+    offset += splits[g];
+  }
+}
+
+TEST_CASE("grouped GEMM ops reject bad row maps", "[ops][errors]") {
+  const auto w = make_weights(2, 4, 6, torch::kFloat32);
+  const torch::Tensor x = torch::randn({3, 6});
+  const torch::Tensor map = torch::tensor({0, 1, 2, 2, 1}, torch::kLong);
+  const torchmoe::SplitSizes splits(std::vector<int64_t>{2, 3});
+  const ops::GemmShape shape{4, 6, 2};
+  REQUIRE_THROWS_WITH(ops::plan_grouped_gemms("test", x, {shape}, splits,
+                                              torchmoe::GemmBackend::kAuto, map.view({5, 1})),
+                      Contains("test: gather_rows must be a 1-D tensor, got 2-D"));
+  REQUIRE_THROWS_WITH(ops::plan_grouped_gemms("test", x, {shape}, splits,
+                                              torchmoe::GemmBackend::kAuto, map.to(torch::kFloat)),
+                      Contains("test: gather_rows must be int32 or int64, got Float"));
+  REQUIRE_THROWS_WITH(ops::plan_grouped_gemms("test", x, {shape}, splits,
+                                              torchmoe::GemmBackend::kAuto, map.narrow(0, 0, 4)),
+                      Contains("test: m_splits must sum to the number of rows (4)"));
+  const ops::GemmPlan plan =
+      ops::plan_grouped_gemms("test", x, {shape}, splits, torchmoe::GemmBackend::kAuto, map)
+          .front();
+  REQUIRE_THROWS_WITH(ops::grouped_linear_forward(plan, x, w, {}, map.narrow(0, 0, 4)),
+                      Contains("grouped_linear_forward: gather_rows must have the plan's 5 rows, "
+                               "got 4"));
+  REQUIRE_THROWS_WITH(ops::grouped_linear_forward(plan, torch::randn({0, 6}), w, {}, map),
+                      Contains("gather_rows names 5 rows of an input that has none"));
+  REQUIRE_THROWS_WITH(
+      ops::grouped_linear_wgrad(plan, x, torch::randn({5, 4}), w, false, {},
+                                torch::tensor({0, 1, 2, 2, 1, 0, 1, 2, 2, 1}).slice(0, 0, 10, 2)),
+      Contains("grouped_linear_wgrad: gather_rows must be contiguous"));
+}
+
 TEST_CASE("grouped GEMM CPU wgrad writes, accumulates, zero-fills empty groups", "[ops]") {
   torch::manual_seed(4);
   const bool accumulate = GENERATE(false, true);

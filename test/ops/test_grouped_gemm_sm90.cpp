@@ -1,13 +1,13 @@
 // The device-split grouped GEMM backends (forced: the sm90 kernel, and the cuBLASLt grouped
 // matmul where the process loaded cuBLASLt >= 13.8) against float64 per-group products: fprop with
-// bias, dgrad, wgrad (input-dtype and fp32 output, fp32 accumulation) and the bias gradients.
+// bias, dgrad, wgrad (input-dtype and fp32 output, fp32 accumulation) and the bias gradients; on
+// sm90, fprop and wgrad with x gathered through a row map, also against the gathered copy.
 //
 // Axes: backend × the cases below × dtype {bf16, fp16} × splits {host, device (int32 or int64)} ×
-// weights
-// and their gradients {views of one buffer: one 3-D tensor map each; separate tensors: a table of
-// per-group maps for the weights, gradients stored from registers}.
-// Padded rows (device splits only; the sizes then sum to less than the buffer) hold NaN, so any
-// read of them into a valid result shows up.
+// weights and their gradients {views of one buffer: one 3-D tensor map each; separate tensors: a
+// table of per-group maps for the weights, gradients stored from registers}. Padded rows (device
+// splits only; the sizes then sum to less than the buffer) hold NaN, so any read of them into a
+// valid result shows up.
 
 #include <torchmoe/ops/grouped_gemm.h>
 
@@ -146,7 +146,118 @@ void run_case(const Case& c, torch::Dtype dtype, bool device_splits, bool one_bu
   }
 }
 
+// Gathered input: x is [tokens, k] and the kernel reads row i of the grouped operand from
+// x[gather_rows[i]], as an MoE layer's fc1 reads its tokens through the routing map.
+struct GatherCase {
+  const char* name;
+  std::vector<int64_t> splits;
+  int64_t tokens, k, n;
+  int64_t padding = 0;  // map rows past the last group (device splits only)
+};
+
+std::vector<GatherCase> gather_cases() {
+  return {
+      {"empty groups, sizes not multiples of 8 or 128",
+       {0, 5, 130, 0, 64, 1027, 0, 3},
+       700,
+       128,
+       512},
+      {"top-2 of 1500 tokens, random splits", random_splits(8, 3000, 3, 5), 1500, 256, 384},
+      {"features not multiples of the tile", {5, 130, 0, 64, 259}, 300, 72, 200},
+      {"one group over several reduction blocks", {777}, 260, 200, 136},
+      {"more rows than tokens, one token", {9, 0, 23}, 1, 64, 128},
+      {"capacity padding", {100, 0, 37}, 60, 128, 136, 51},
+  };
+}
+
+// The gathered forward and wgrad against the same products on the gathered copy (the reference
+// path: the same kernel on the same shared-memory contents, so equal bit for bit) and against
+// float64 per-group products.
+void run_gather_case(const GatherCase& c, torch::Dtype dtype, bool device_splits,
+                     torch::Dtype map_dtype) {
+  if (c.padding > 0 && !device_splits) return;  // host sizes must sum to the rows
+  INFO(c.name << ": dtype " << dtype << ", splits on " << (device_splits ? "device" : "host")
+              << ", row map " << map_dtype);
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(dtype);
+  const auto groups = static_cast<int64_t>(c.splits.size());
+  int64_t valid = 0;
+  for (int64_t s : c.splits) valid += s;
+  const int64_t rows = valid + c.padding;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+
+  // One token past the real ones is NaN and the padding rows name it: a read of a padding row
+  // into a valid result shows up.
+  torch::Tensor x = torch::randn({c.tokens + 1, c.k}, cuda);
+  x[c.tokens].fill_(nan);
+  // Each token named about rows / tokens times, in random order (top-k names each k times).
+  const torch::Tensor map = torch::cat({torch::randperm(valid, torch::kLong) % c.tokens,
+                                        torch::full({c.padding}, c.tokens, torch::kLong)})
+                                .to(torch::kCUDA, map_dtype);
+  const torch::Tensor x_rows = x.index_select(0, map);  // the permuted copy the map saves
+  torch::Tensor dy = torch::randn({rows, c.n}, cuda) / std::sqrt(std::max<int64_t>(valid, 1));
+  dy.narrow(0, valid, c.padding).fill_(nan);
+  const auto weights = group_tensors(groups, {c.n, c.k}, true, cuda, 0.1);
+  const auto biases = group_tensors(groups, {c.n}, true, cuda, 1.0);
+  const torchmoe::SplitSizes splits =
+      device_splits ? torchmoe::SplitSizes(torch::tensor(c.splits, torch::kLong).to(torch::kCUDA))
+                    : torchmoe::SplitSizes(c.splits);
+  const ops::GemmPlan plan =
+      ops::plan_grouped_gemms("test", x, {ops::GemmShape{c.n, c.k, splits.size()}}, splits, kSm90,
+                              map)
+          .front();
+  REQUIRE(plan.backend == ops::Backend::kSm90);
+  REQUIRE(plan.rows == rows);
+  const ops::GemmPlan copy_plan = forced_plan(x_rows, c.n, c.k, splits);
+
+  const torch::Tensor y = ops::grouped_linear_forward(plan, x, weights, biases, map);
+  const torch::Tensor y_copy = ops::grouped_linear_forward(copy_plan, x_rows, weights, biases);
+  const auto fp32 = cuda.dtype(torch::kFloat32);
+  struct Grads {
+    std::vector<torch::Tensor> dw32, dw_acc, dw16;
+  };
+  auto wgrads = [&](const ops::GemmPlan& p, const torch::Tensor& input, const torch::Tensor& m) {
+    Grads g{grad_tensors(groups, c.n, c.k, true, fp32, nan),
+            grad_tensors(groups, c.n, c.k, true, fp32, 0.25),
+            grad_tensors(groups, c.n, c.k, true, cuda, nan)};
+    ops::grouped_linear_wgrad(p, input, dy, g.dw32, /*accumulate=*/false, {}, m);
+    ops::grouped_linear_wgrad(p, input, dy, g.dw_acc, /*accumulate=*/true, {}, m);
+    ops::grouped_linear_wgrad(p, input, dy, g.dw16, /*accumulate=*/false, {}, m);
+    return g;
+  };
+  const Grads fused = wgrads(plan, x, map);
+  const Grads copied = wgrads(copy_plan, x_rows, torch::Tensor());
+
+  CHECK(torch::equal(y.narrow(0, 0, valid), y_copy.narrow(0, 0, valid)));
+  int64_t offset = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    INFO("group " << g << " (" << c.splits[g] << " rows)");
+    CHECK(torch::equal(fused.dw32[g], copied.dw32[g]));
+    CHECK(torch::equal(fused.dw_acc[g], copied.dw_acc[g]));
+    CHECK(torch::equal(fused.dw16[g], copied.dw16[g]));
+    const torch::Tensor x_g = x_rows.narrow(0, offset, c.splits[g]).to(torch::kFloat64);
+    const torch::Tensor dy_g = dy.narrow(0, offset, c.splits[g]).to(torch::kFloat64);
+    const torch::Tensor y_ref =
+        x_g.mm(weights[g].to(torch::kFloat64).t()) + biases[g].to(torch::kFloat64);
+    const torch::Tensor dw_ref = dy_g.t().mm(x_g);
+    check_close(y.narrow(0, offset, c.splits[g]), y_ref, gemm_tolerance(dtype, y_ref), "y");
+    check_close(fused.dw32[g], dw_ref, gemm_tolerance(torch::kFloat32, dw_ref), "dW fp32");
+    check_close(fused.dw_acc[g], dw_ref + 0.25, gemm_tolerance(torch::kFloat32, dw_ref + 0.25),
+                "dW accumulated");
+    check_close(fused.dw16[g], dw_ref, gemm_tolerance(dtype, dw_ref), "dW in the input dtype");
+    offset += c.splits[g];
+  }
+}
+
 }  // namespace
+
+TEST_CASE("sm90 grouped GEMM reads gathered rows through a row map", "[ops][cuda][sm90][gather]") {
+  TORCHMOE_REQUIRE_SM90();
+  torch::manual_seed(13);
+  const auto dtype = GENERATE(torch::kBFloat16, torch::kFloat16);
+  const bool device_splits = GENERATE(true, false);
+  const auto map_dtype = GENERATE(torch::kInt, torch::kLong);
+  for (const GatherCase& c : gather_cases()) run_gather_case(c, dtype, device_splits, map_dtype);
+}
 
 TEST_CASE("sm90 grouped GEMM vs float64 per-group products", "[ops][cuda][sm90]") {
   TORCHMOE_REQUIRE_SM90();
@@ -159,7 +270,7 @@ TEST_CASE("sm90 grouped GEMM vs float64 per-group products", "[ops][cuda][sm90]"
 
 // The cases above minus the two largest, for compute-sanitizer's racecheck (which runs the full
 // set for longer than one device call allows): every kernel path (fprop/dgrad/wgrad, TMA and
-// register epilogues, masked wgrad tails, padding, empty groups) is still taken.
+// register epilogues, masked wgrad tails, padding, empty groups, gathered rows) is still taken.
 TEST_CASE("sm90 grouped GEMM, small cases (for racecheck)", "[.][sm90-small]") {
   TORCHMOE_REQUIRE_SM90();
   torch::manual_seed(11);
@@ -169,6 +280,11 @@ TEST_CASE("sm90 grouped GEMM, small cases (for racecheck)", "[.][sm90-small]") {
     int64_t rows = 0;
     for (int64_t s : c.splits) rows += s;
     if (rows <= 8 * 1027) run_case(c, torch::kBFloat16, device_splits, one_buffer, !one_buffer);
+  }
+  for (const GatherCase& c : gather_cases()) {
+    if (one_buffer && c.tokens <= 700) {
+      run_gather_case(c, torch::kBFloat16, device_splits, torch::kLong);
+    }
   }
 }
 
