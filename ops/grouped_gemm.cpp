@@ -233,17 +233,21 @@ Backend auto_backend(kernels::GemmKind kind, const at::Tensor& input, const Gemm
 ProductBackends select_backends(const char* op, const at::Tensor& input, const GemmShape& shape,
                                 int64_t rows, GemmBackend choice) {
   const at::ScalarType dtype = input.scalar_type();
-  if (choice == GemmBackend::kAuto) choice = env_backend_choice();
-  const Backend forced = choice == GemmBackend::kCublasLt          ? Backend::kCublasLt
-                         : choice == GemmBackend::kSm90            ? Backend::kSm90
-                         : choice == GemmBackend::kCublasLtGrouped ? Backend::kCublasLtGrouped
-                                                                   : Backend::kReference;
+  auto forced_backend = [](GemmBackend c) {
+    return c == GemmBackend::kCublasLt          ? Backend::kCublasLt
+           : c == GemmBackend::kSm90            ? Backend::kSm90
+           : c == GemmBackend::kCublasLtGrouped ? Backend::kCublasLtGrouped
+                                                : Backend::kReference;
+  };
   if (input.is_cpu() && at::isFloatingType(dtype)) {
-    TORCH_CHECK_NOT_IMPLEMENTED(choice == GemmBackend::kAuto, op, ": the ", backend_name(forced),
-                                " grouped GEMM backend runs on CUDA tensors only, got ",
-                                input.device());
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        choice == GemmBackend::kAuto, op, ": the ", backend_name(forced_backend(choice)),
+        " grouped GEMM backend runs on CUDA tensors only, got ", input.device());
     return {Backend::kReference, Backend::kReference, Backend::kReference};
   }
+  // The environment overrides kAuto on CUDA only: the CPU has one backend.
+  if (choice == GemmBackend::kAuto) choice = env_backend_choice();
+  const Backend forced = forced_backend(choice);
   TORCH_CHECK_NOT_IMPLEMENTED(
       input.is_cuda() && (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16), op,
       ": no grouped GEMM backend for ", input.device(), " tensors of dtype ", dtype,

@@ -52,6 +52,11 @@ void launch(const at::Tensor& like, const kernels::CublasLtGroupedParams& p) {
   env.workspace = scratch.data_ptr();
   env.arrays = static_cast<char*>(scratch.data_ptr()) + kWorkspaceBytes;
   env.workspace_bytes = kWorkspaceBytes;
+  at::Tensor product;  // a bias is added to the fp32 product (one rounding)
+  if (p.kind == kernels::GemmKind::kFprop && !p.bias.empty()) {
+    product = at::empty({p.rows, p.n}, like.options().dtype(at::kFloat));
+    env.fprop_product = product.mutable_data_ptr<float>();
+  }
   kernels::run_grouped_gemm_cublaslt_grouped(p, env);
 }
 

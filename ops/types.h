@@ -65,9 +65,9 @@ struct PermutedTokens {
 /// backend that can run the call, from a table measured on the H100 (docs/performance.md): the
 /// sm90 kernel on H100/H200 bf16/fp16, then the cuBLASLt grouped matmul when the process loaded
 /// cuBLASLt >= 13.8, else per-group cuBLASLt; the CPU runs ATen. TORCHMOE_GROUPED_GEMM_BACKEND=
-/// auto|cublaslt|sm90|cublaslt_grouped overrides kAuto; the others force one backend for all
-/// three products and fail with NotImplementedError where it cannot run. docs/architecture.md has
-/// the decision table.
+/// auto|cublaslt|sm90|cublaslt_grouped overrides kAuto for CUDA tensors; the others force one
+/// backend for all three products and fail with NotImplementedError where it cannot run.
+/// docs/architecture.md has the decision table.
 enum class GemmBackend { kAuto, kCublasLt, kSm90, kCublasLtGrouped };
 
 /// The cuBLASLt this process loaded and whether GemmBackend::kCublasLtGrouped can use it (it needs
