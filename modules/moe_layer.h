@@ -5,8 +5,8 @@
 //     -> GroupedMLP (fc1 -> ScaledSwiGLU with each row's routing probability -> fc2)
 //     -> unpermute_tokens (a plain sum over each token's k expert outputs) -> [.., hidden]
 //
-// On the sm90 backend (options fuse_permutation) the permutation is fused into fc1, which reads
-// the tokens through the routing map (GroupedMLP::forward_routed).
+// On the sm90 backend, with options fuse_permutation, the permutation is fused into fc1, which
+// reads the tokens through the routing map (GroupedMLP::forward_routed).
 //
 // The probabilities are applied inside the scaled activation (Megatron's memory-efficient
 // permutation), so unpermute needs no weights and no copy of the expert outputs is kept for the
@@ -77,9 +77,11 @@ struct MoELayerOptions {
   TORCH_ARG(bool, pad_to_capacity) = false;
   /// Without expert_parallel, on the sm90 grouped GEMM backend: fc1 reads the tokens through the
   /// routing map instead of a permuted copy (GroupedMLP::forward_routed), which is neither
-  /// written nor kept for backward. false always makes the copy (the reference path; other
-  /// backends and expert parallelism make it anyway).
-  TORCH_ARG(bool, fuse_permutation) = true;
+  /// written nor kept for backward: T·k·hidden elements less activation memory per layer. Off by
+  /// default because it is slower today: the layer's fwd+bwd measured 1.3-2.6x the copying path's
+  /// on the H100 (docs/performance.md, "Ideas tried"). Other backends and expert parallelism always
+  /// make the copy.
+  TORCH_ARG(bool, fuse_permutation) = false;
 };
 
 struct MoEOutput {

@@ -17,9 +17,6 @@
 namespace torchmoe::ops::detail {
 namespace {
 
-// cuBLASLt's Hopper kernels take up to 32 MiB of workspace.
-constexpr size_t kWorkspaceBytes = size_t{32} << 20;
-
 kernels::CublasLtGroupedParams params_for(kernels::GemmKind kind, const GemmPlan& plan) {
   const at::Tensor& splits = plan.m_splits.device();
   kernels::CublasLtGroupedParams p;
@@ -36,22 +33,22 @@ kernels::CublasLtGroupedParams params_for(kernels::GemmKind kind, const GemmPlan
   return p;
 }
 
-// The call's group arrays and cuBLASLt workspace come from the caching allocator: stream-ordered,
-// recycled between calls, and part of a captured graph's pool.
+// The call's group arrays (and a biased fprop's fp32 product) come from the caching allocator:
+// stream-ordered, recycled between calls, and part of a captured graph's pool. The cuBLASLt
+// workspace is ATen's, kept per handle and stream for its own cuBLASLt matmuls: allocating 32 MiB
+// per call cost host time and, inside a captured graph, handed later buffers of the step memory
+// that this call's kernels write at replay.
 void launch(const at::Tensor& like, const kernels::CublasLtGroupedParams& p) {
   const c10::cuda::CUDAGuard guard(like.device());
-  const auto array_bytes =
-      static_cast<int64_t>(kernels::cublaslt_grouped_array_bytes(p.num_groups));
-  const at::Tensor scratch = at::empty({array_bytes + static_cast<int64_t>(kWorkspaceBytes)},
-                                       like.options().dtype(at::kByte));
+  const at::Tensor arrays =
+      at::empty({static_cast<int64_t>(kernels::cublaslt_grouped_array_bytes(p.num_groups))},
+                like.options().dtype(at::kByte));
   kernels::CublasLtGroupedEnv env;
   env.handle = at::cuda::getCurrentCUDABlasLtHandle();
   env.stream = at::cuda::getCurrentCUDAStream().stream();
-  // The workspace first: the allocator's blocks start on 512-byte boundaries, and cuBLASLt wants
-  // 256 for its workspace; the arrays need 16.
-  env.workspace = scratch.data_ptr();
-  env.arrays = static_cast<char*>(scratch.data_ptr()) + kWorkspaceBytes;
-  env.workspace_bytes = kWorkspaceBytes;
+  env.arrays = arrays.data_ptr();
+  env.workspace = at::cuda::getCUDABlasLtWorkspace();
+  env.workspace_bytes = at::cuda::getCUDABlasLtWorkspaceSize();
   at::Tensor product;  // a bias is added to the fp32 product (one rounding)
   if (p.kind == kernels::GemmKind::kFprop && !p.bias.empty()) {
     product = at::empty({p.rows, p.n}, like.options().dtype(at::kFloat));

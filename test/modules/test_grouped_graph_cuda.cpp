@@ -161,11 +161,13 @@ TEST_CASE("GroupedMLP with device splits replays in a CUDA graph",
 TEST_CASE("MoELayer replays in a CUDA graph: routing, permutation and experts without a host sync",
           "[modules][moe][cuda][graph]") {
   TORCHMOE_REQUIRE_SM90();  // device splits need the sm90 kernel
+  const bool fuse = GENERATE(false, true);
+  INFO("fuse_permutation " << fuse);
   torch::manual_seed(23);
   const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
   torchmoe::MoELayerOptions options(/*hidden=*/128, /*ffn_hidden=*/192, /*num_experts=*/6,
                                     /*topk=*/2);
-  options.params_dtype(torch::kBFloat16).device(torch::kCUDA);
+  options.params_dtype(torch::kBFloat16).device(torch::kCUDA).fuse_permutation(fuse);
   options.router().aux_loss_coeff(1e-2).z_loss_coeff(1e-3);  // the routers' losses are captured too
   torchmoe::MoELayer moe(options);
   // Every row is a token: the whole output is checked (no padding rows).
