@@ -1,0 +1,105 @@
+// FP8 split-quantize bandwidth on the fc1 inputs of the benchmark MoE shapes (M = tokens·topk
+// rows of width K = hidden, bf16, E uniform splits given on the device), rowwise + columnwise
+// e4m3 copies, for each scaling, next to a device-to-device copy of the input in the same process
+// (the measurements take turns, bench_common.h).
+//
+//   bench_split_quantize [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
+//
+// Bytes counted (each tensor once): the input [M, K] read, both FP8 copies [M, K] written, and the
+// scales and amaxes written, so that the copy of the input (read 2MK, write 2MK bytes) moves the
+// same data bytes. Current scaling reads the input twice (an amax pass, then the cast), which the
+// count does not include: its ceiling is 4/6 of copy bandwidth.
+
+#include <ATen/cuda/CUDAContext.h>
+#include <torchmoe/ops/quantize.h>
+
+#include "bench_common.h"
+
+#include <torch/torch.h>
+
+#include <fstream>
+#include <functional>
+#include <iomanip>
+#include <iostream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+namespace {
+
+using torchmoe::ops::QuantizeScaling;
+
+struct Scaling {
+  const char* name;
+  QuantizeScaling scaling;
+};
+
+constexpr Scaling kScalings[] = {{"current", QuantizeScaling::kCurrent},
+                                 {"delayed", QuantizeScaling::kDelayed},
+                                 {"block1x128", QuantizeScaling::kBlock1x128},
+                                 {"block128x128", QuantizeScaling::kBlock128x128}};
+
+// Scale elements written (both copies) besides the data: per tensor [G] (+ amax [G]); blocks the
+// defined entries of both layouts for uniform splits.
+double scale_bytes(QuantizeScaling s, int64_t m, int64_t k, int64_t groups) {
+  const int64_t per = m / groups, kb = (k + 127) / 128, mb = (per + 127) / 128;
+  int64_t elements = 2 * groups;  // amax, and scale_inv for per-tensor scalings
+  if (s == QuantizeScaling::kBlock1x128) elements += groups * (kb * per + mb * k);
+  if (s == QuantizeScaling::kBlock128x128) elements += groups * 2 * mb * kb;
+  return 4.0 * static_cast<double>(elements);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const torchmoe::bench::Setup setup =
+      torchmoe::bench::setup(argc, argv, "bench_split_quantize", {"bench_split_quantize.json", 20});
+  if (setup.exit_code != 0) return setup.exit_code;
+  const torchmoe::bench::Args& args = setup.args;
+  const std::string device = at::cuda::getCurrentDeviceProperties()->name;
+  std::cout << "device: " << device
+            << ", bf16 input -> e4m3 rowwise + columnwise, device splits (GB/s; copy = "
+               "device-to-device copy of the input)\n"
+            << std::left << std::setw(17) << "shape" << std::right << std::setw(9) << "copy";
+  for (const Scaling& s : kScalings)
+    std::cout << std::setw(14) << s.name << std::setw(8) << "%copy";
+  std::cout << "\n";
+  std::ofstream json(args.json_path);
+  json << "{\n  \"device\": \"" << device << "\",\n  \"unit\": \"GB/s\",\n  \"results\": [\n";
+  const auto bf16 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+  const std::vector<torchmoe::bench::Shape> shapes = torchmoe::bench::selected_shapes(args);
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const torchmoe::bench::Shape& shape = shapes[i];
+    const int64_t m = shape.tokens * shape.topk, k = shape.hidden, groups = shape.experts;
+    const torch::Tensor x = torch::randn({m, k}, bf16);
+    torch::Tensor copy_dst = torch::empty_like(x);
+    const std::vector<int64_t> host(groups, m / groups);
+    const torchmoe::SplitSizes splits(host, torch::tensor(host, torch::kLong).to(torch::kCUDA));
+    const torch::Tensor scale = torch::full({groups}, 1.0f, bf16.dtype(torch::kFloat));
+    std::vector<std::function<void()>> fns = {[&] { copy_dst.copy_(x); }};
+    for (const Scaling& s : kScalings) {
+      torchmoe::ops::SplitQuantizeOptions o;
+      o.scaling = s.scaling;
+      const torch::Tensor sc = s.scaling == QuantizeScaling::kDelayed ? scale : torch::Tensor();
+      fns.push_back([&x, &splits, o, sc] { torchmoe::ops::split_quantize(x, splits, o, sc); });
+    }
+    const std::vector<double> ms = torchmoe::bench::median_ms_each(fns, args.iters, args.warmup);
+    const double data_bytes = 4.0 * static_cast<double>(m) * static_cast<double>(k);
+    const double copy_gbs = data_bytes / ms[0] * 1e-6;
+    std::cout << std::left << std::setw(17) << shape.name << std::right << std::fixed
+              << std::setprecision(0) << std::setw(9) << copy_gbs;
+    json << "    {\"shape\": \"" << shape.name << "\", \"rows\": " << m << ", \"k\": " << k
+         << ", \"groups\": " << groups << ", \"copy\": " << copy_gbs;
+    for (size_t s = 0; s < std::size(kScalings); ++s) {
+      const double gbs =
+          (data_bytes + scale_bytes(kScalings[s].scaling, m, k, groups)) / ms[s + 1] * 1e-6;
+      std::cout << std::setw(14) << gbs << std::setw(7) << 100 * gbs / copy_gbs << "%";
+      json << ", \"" << kScalings[s].name << "\": " << gbs;
+    }
+    std::cout << "\n";
+    json << "}" << (i + 1 < shapes.size() ? "," : "") << "\n";
+  }
+  json << "  ]\n}\n";
+  std::cout << "wrote " << args.json_path << "\n";
+  return 0;
+}

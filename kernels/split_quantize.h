@@ -1,0 +1,156 @@
+#pragma once
+// Split-quantize: one launch casts a row-major [M, K] bf16/fp16/fp32 tensor, split into G row
+// blocks, to FP8 (e4m3 or e5m2), per split: the rowwise data [m_g, K], the columnwise (transposed)
+// data [K, m_g] that Hopper's TN-only FP8 GEMMs need for dgrad and wgrad, the scale_inv and the
+// amax. Semantics follow TransformerEngine (recipe/recipe_common.cuh, recipe/delayed_scaling.cu,
+// transpose/quantize_transpose_{vector,square}_blockwise.cu).
+//
+// Kernel layer: raw pointers, sizes and a stream. Validation and allocation: ops/quantize.cpp.
+//
+// Splits are read from device memory (int32 or int64) and clamped as in the sm90 grouped GEMM:
+// start_g = min(Σ_{h<g} split_h, M), m_g = min(split_g, M - start_g), negative sizes read as 0.
+// Rows past the last split are never read or written. Host sizes are uploaded by ops.
+//
+// Data layouts (one buffer each, all splits):
+//
+//   rowwise     [M, K]   split g's rows at rows [start_g, start_g + m_g), as in the input
+//   columnwise  [M·K]    split g's transpose [K, m_g] (row-major) at element K·start_g
+//
+// Scalings (q = satfinite_rn(x · scale) in fp32, dequantized as q · scale_inv):
+//
+//   kCurrent   per split: scale = fp8_max / amax_g of this call's data (a first launch reduces
+//              amax_g, the cast launch computes the scale from it; no host sync)
+//   kDelayed   per split: scale_g is given (device, from an amax history); the cast writes this
+//              call's amax_g; update_delayed_scaling turns it into the next step's scale
+//   kBlock1x128    one scale per 128 consecutive elements of a row (rowwise copy) and per 128
+//                  consecutive elements of a row of the transposed copy, i.e. 128 rows of one
+//                  column of the split (columnwise copy), each from its own amax
+//   kBlock128x128  one scale per 128×128 tile, shared by both copies
+//
+// amax → scale (kCurrent and the block scalings; TE's compute_scale_from_amax): amax < epsilon →
+// epsilon; amax 0, inf or NaN → scale 1; else scale = fp8_max / amax rounded to nearest, an
+// infinite result → value_for_inf (FLT_MAX for kCurrent, the input type's largest finite value for
+// the block scalings, as TE); with power_of_2_scales the scale's mantissa is cleared. amax ignores
+// NaN inputs (fmaxf), so a NaN element is cast to NaN but leaves the scale finite; an inf element
+// makes amax inf and the scale 1. scale_inv = 1 / scale (rounded to nearest).
+//
+// Block scale layouts: TE's "GEMM ready" Float8BlockwiseQTensor layout, which TE hands to
+// cuBLASLt's CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F and BLK128x128_32F modes on Hopper, per split,
+// the splits' arrays one after another (offsets below). Blocks never straddle two splits: a
+// split's first block starts at its first row, so a split of m_g rows has ceil(m_g/128) row blocks
+// and only its last may be short. With KB = ceil(K/128), MB_g = ceil(m_g/128), r4(n) = n rounded
+// up to a multiple of 4 (so each array's rows start 16-byte aligned):
+//
+//   kBlock1x128  rowwise     [KB, r4(m_g)]  s[kb][r]: row r, columns [128·kb, 128·kb + 128)
+//                            at KB · Σ_{h<g} r4(m_h)
+//                columnwise  [MB_g, r4(K)]  s[mb][k]: column k, rows [128·mb, 128·mb + 128)
+//                            at r4(K) · Σ_{h<g} MB_h
+//   kBlock128x128 rowwise    [MB_g, r4(KB)] s[mb][kb]
+//                            at r4(KB) · Σ_{h<g} MB_h
+//                columnwise  [KB, r4(MB_g)] s[kb][mb]  (the same values, transposed)
+//                            at KB · Σ_{h<g} r4(MB_h)
+//
+//   input split g (m_g = 301 rows), K = 256         rowwise 1x128 scales of split g, [2, 304]
+//   row 0    ┌──────── kb 0 ───────┬──────── kb 1 ───────┐         r:  0  1  ...  300  pad pad pad
+//            │ mb 0: rows 0..127   │                     │    kb 0  [ s  s  ...   s    ·   ·   · ]
+//   row 128  ├─────────────────────┼─────────────────────┤    kb 1  [ s  s  ...   s    ·   ·   · ]
+//            │ mb 1: rows 128..255 │                     │
+//   row 256  ├─────────────────────┼─────────────────────┤   columnwise 1x128 scales, [3, 256]:
+//            │ mb 2: rows 256..300 │ (45 rows: short)    │   s[mb][k] for mb 0..2, k 0..255
+//   row 301  └─────────────────────┴─────────────────────┘   split g+1 starts its own mb 0 here
+//
+// Padding entries are left unwritten. kCurrent and kDelayed have one scale_inv per split ([G]),
+// shared by both copies; every scaling writes amax [G] when `amax` is set (max |x| over the
+// split, NaN ignored; 0 for an empty split).
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "torchmoe/kernels/types.h"
+
+namespace torchmoe::kernels {
+
+inline constexpr int64_t kQuantizeBlock = 128;
+// The row length must be a multiple of this: rows start 16-byte aligned in every output, and FP8
+// GEMMs need it anyway.
+inline constexpr int64_t kQuantizeFeatureMultiple = 16;
+// Each thread block keeps the split layout in shared memory (20 bytes per split).
+inline constexpr int kSplitQuantizeMaxGroups = 4096;
+
+inline float fp8_max(Fp8Format format) { return format == Fp8Format::kE4M3 ? 448.0f : 57344.0f; }
+
+inline bool is_block_scaling(QuantizeScaling s) {
+  return s == QuantizeScaling::kBlock1x128 || s == QuantizeScaling::kBlock128x128;
+}
+
+// Elements of the rowwise and columnwise block-scale buffers for any G splits of M rows (the
+// offsets above can reach, at most, these sums).
+constexpr int64_t round_up4(int64_t n) { return (n + 3) / 4 * 4; }
+constexpr int64_t block_count(int64_t n) { return (n + kQuantizeBlock - 1) / kQuantizeBlock; }
+// Σ_g MB_g <= floor(M/128) + G and Σ_g r4(n_g) <= Σ_g n_g + 3G.
+inline int64_t rowwise_block_scales(QuantizeScaling s, int64_t rows, int64_t k, int64_t groups) {
+  if (s == QuantizeScaling::kBlock1x128) return block_count(k) * (rows + 3 * groups);
+  return round_up4(block_count(k)) * (rows / kQuantizeBlock + groups);
+}
+inline int64_t columnwise_block_scales(QuantizeScaling s, int64_t rows, int64_t k, int64_t groups) {
+  if (s == QuantizeScaling::kBlock1x128) return round_up4(k) * (rows / kQuantizeBlock + groups);
+  return block_count(k) * (rows / kQuantizeBlock + 4 * groups);
+}
+
+struct SplitQuantizeParams {
+  ScalarType input_type = ScalarType::kBFloat16;
+  Fp8Format format = Fp8Format::kE4M3;
+  QuantizeScaling scaling = QuantizeScaling::kCurrent;
+  bool power_of_2_scales = false;  // kCurrent and block scalings
+  float epsilon = 0.0f;            // kCurrent and block scalings: amax floor
+  int num_groups = 0;
+  int64_t rows = 0;                // M (the buffers; may exceed the split sum)
+  int64_t k = 0;                   // a multiple of kQuantizeFeatureMultiple
+  const void* m_splits = nullptr;  // device, num_groups integers
+  bool splits_int32 = false;       // else int64
+
+  const void* input = nullptr;  // [M, K], 16-byte aligned
+  void* rowwise = nullptr;      // [M, K] fp8, or null: no rowwise copy
+  void* columnwise = nullptr;   // [M·K] fp8, or null: no columnwise copy (16-byte aligned)
+  // kCurrent, kDelayed: [G] (both copies). Block scalings: the rowwise copy's scales (layout
+  // above).
+  float* scale_inv = nullptr;
+  float* columnwise_scale_inv = nullptr;  // block scalings with a columnwise copy
+  const float* scale = nullptr;           // kDelayed: [G], given
+  // [G]: this call's amax per split. Required for kCurrent (its first launch writes it) and
+  // kDelayed; optional for the block scalings.
+  float* amax = nullptr;
+  // kDelayed: max into `amax` as it is (e.g. several micro-batches into one history row) instead
+  // of zeroing it first.
+  bool accumulate_amax = false;
+};
+
+// One launch for kDelayed and the block scalings; kCurrent adds the amax launch before the cast
+// (the scale of any element depends on its whole split), and every scaling that writes amax
+// without accumulate_amax zeroes it first (a memset). Graph-capturable: no host sync, no
+// allocation.
+void launch_split_quantize(const SplitQuantizeParams& params, cudaStream_t stream);
+
+// TE's delayed-scaling update (recipe/delayed_scaling.cu), per split g, in place, one launch:
+// amax[g] (this step's amax; may alias history row 0) becomes the newest history entry; the
+// amax to scale by is the max over the history (kMax) or amax[g] (kMostRecent); the history
+// rolls by one (the oldest entry drops out, row 0 is zeroed for the next step's amax); and
+//   scale[g] = fp8_max · 2^-margin / amax   if amax is finite and > 0, else unchanged,
+// an infinite quotient becoming FLT_MAX; scale_inv[g] = 1 / scale[g].
+// The history's order is TE's: after an update, row H-1 holds the newest step, row H-2 the one
+// before it, ..., row 1 the oldest, and row 0 is zero.
+struct DelayedScalingUpdateParams {
+  int num_groups = 0;
+  int64_t history_length = 0;     // H >= 1
+  float* amax_history = nullptr;  // [H, G] row-major
+  const float* amax = nullptr;    // [G]
+  float* scale = nullptr;         // [G]
+  float* scale_inv = nullptr;     // [G]
+  float scaled_max = 448.0f;      // fp8_max · 2^-margin
+  AmaxComputeAlgo algo = AmaxComputeAlgo::kMax;
+};
+
+void launch_update_delayed_scaling(const DelayedScalingUpdateParams& params, cudaStream_t stream);
+
+}  // namespace torchmoe::kernels

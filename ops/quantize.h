@@ -1,0 +1,63 @@
+#pragma once
+// FP8 quantization ops: the split-quantize of a grouped layer's rows (one launch for all splits)
+// and the delayed-scaling update. Validation, allocation and dispatch; the layouts, scalings and
+// numerics are kernels/split_quantize.h's (docs/fp8.md). CUDA only: a CPU tensor is a
+// NotImplementedError (the tests keep their own CPU reference).
+
+#include <ATen/core/Tensor.h>
+
+#include "torchmoe/ops/types.h"
+
+namespace torchmoe::ops {
+
+using kernels::AmaxComputeAlgo;
+using kernels::Fp8Format;
+using kernels::QuantizeScaling;
+
+struct SplitQuantizeOptions {
+  Fp8Format format = Fp8Format::kE4M3;
+  QuantizeScaling scaling = QuantizeScaling::kCurrent;
+  bool rowwise = true;     // the [M, K] copy (fprop's operand)
+  bool columnwise = true;  // the per-split transposed copies (dgrad's and wgrad's operands)
+  // kCurrent and the block scalings: scales rounded down to powers of two, and the amax floor
+  // (TE's force_pow_2_scales and amax_epsilon).
+  bool power_of_2_scales = false;
+  double amax_epsilon = 0.0;
+};
+
+struct SplitQuantized {
+  at::Tensor data;  // [M, K] float8 (e4m3fn or e5m2); undefined without rowwise
+  // [M·K] float8: split g's transpose [K, m_g] at element K·start_g; undefined without columnwise
+  at::Tensor columnwise_data;
+  // float32. kCurrent, kDelayed: [G], shared by both copies. Block scalings: the rowwise copy's
+  // block scales, flat (layout in kernels/split_quantize.h); undefined without rowwise.
+  at::Tensor scale_inv;
+  at::Tensor columnwise_scale_inv;  // block scalings: the columnwise copy's block scales, flat
+  at::Tensor amax;                  // [G] float32: max |x| per split (NaN ignored)
+};
+
+// input: [M, K] contiguous CUDA float32/float16/bfloat16 with K a multiple of 16. m_splits: G
+// sizes (1 <= G <= 4096) on the host (non-negative, summing to at most M) or on the input's device
+// (clamped as in the grouped GEMM, read without a host sync). scale: kDelayed only, [G] float32
+// on the input's device. amax: kDelayed only, optional [G] float32 on the input's device that
+// this call's amax is maxed into (a history row across micro-batches) and that is returned as
+// .amax; without it a new tensor is returned.
+SplitQuantized split_quantize(const at::Tensor& input, const SplitSizes& m_splits,
+                              const SplitQuantizeOptions& options, const at::Tensor& scale = {},
+                              const at::Tensor& amax = {});
+
+struct DelayedScalingUpdateOptions {
+  Fp8Format format = Fp8Format::kE4M3;  // sets fp8_max: 448 (e4m3) or 57344 (e5m2)
+  double margin = 0.0;                  // scale = fp8_max · 2^-margin / amax
+  AmaxComputeAlgo algo = AmaxComputeAlgo::kMax;
+};
+
+// In place, one launch, TE's update (kernels/split_quantize.h): amax [G] (this step's; may be row
+// 0 of the history) enters amax_history [H, G], the history rolls, and scale and scale_inv [G]
+// get the next step's values; a non-finite or zero amax keeps the old scale. All float32,
+// contiguous, on one CUDA device.
+void update_delayed_scaling(const at::Tensor& amax_history, const at::Tensor& amax,
+                            const at::Tensor& scale, const at::Tensor& scale_inv,
+                            const DelayedScalingUpdateOptions& options);
+
+}  // namespace torchmoe::ops

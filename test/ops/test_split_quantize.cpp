@@ -1,0 +1,589 @@
+// FP8 split-quantize (ops/quantize.h) against a CPU reference quantizer written from the
+// definitions in kernels/split_quantize.h and TransformerEngine's recipes (never calling the
+// kernel): per-tensor current and delayed scaling, 1x128 and 128x128 block scaling; e4m3 and
+// e5m2; bf16/fp16/fp32 inputs; zero, odd, prime and non-multiple-of-128 splits; host vs device
+// (int32, int64) splits; clamped device splits; all-zero, inf and NaN inputs; the delayed-scaling
+// history roll and scale update. Argument errors are checked on the CPU.
+
+#include <torchmoe/kernels/split_quantize.h>
+#include <torchmoe/ops/quantize.h>
+
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "test_utils.h"
+
+using namespace torchmoe::test;
+using Catch::Matchers::Contains;
+using torchmoe::ops::AmaxComputeAlgo;
+using torchmoe::ops::Fp8Format;
+using torchmoe::ops::QuantizeScaling;
+using torchmoe::ops::SplitQuantized;
+using torchmoe::ops::SplitQuantizeOptions;
+
+namespace {
+
+constexpr int64_t kBlock = 128;
+
+float format_max(Fp8Format f) { return f == Fp8Format::kE4M3 ? 448.0f : 57344.0f; }
+torch::Dtype fp8_dtype(Fp8Format f) {
+  return f == Fp8Format::kE4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
+}
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t r4(int64_t n) { return ceil_div(n, 4) * 4; }
+
+// The largest finite value of the input type: a block scale that overflows fp32 becomes this.
+float input_max(torch::Dtype dtype) {
+  if (dtype == torch::kHalf) return 65504.0f;
+  if (dtype == torch::kBFloat16) return 3.38953139e38f;
+  return FLT_MAX;
+}
+
+// TE's amax → scale: floor at epsilon; 0, inf, NaN → 1; fp8_max / amax rounded to nearest; an
+// infinite quotient → value_for_inf; optionally the mantissa cleared.
+float scale_from_amax(float amax, float max, bool pow2, float epsilon, float value_for_inf) {
+  if (amax < epsilon) amax = epsilon;
+  if (std::isinf(amax) || amax == 0.0f || std::isnan(amax)) return 1.0f;
+  float scale = max / amax;
+  if (std::isinf(scale)) scale = value_for_inf;
+  if (pow2) {
+    uint32_t bits;
+    std::memcpy(&bits, &scale, 4);
+    bits &= 0xff800000u;
+    std::memcpy(&scale, &bits, 4);
+  }
+  return scale;
+}
+
+// max |x| over the elements, NaN ignored (0 when empty).
+float nan_amax(const torch::Tensor& x) {
+  if (x.numel() == 0) return 0.0f;
+  const torch::Tensor a = x.to(torch::kFloat).abs();
+  return torch::where(a.isnan(), torch::zeros_like(a), a).max().item<float>();
+}
+
+// The FP8 cast: round to nearest even, saturating finite values and inf to ±max, NaN kept.
+torch::Tensor cast_fp8(const torch::Tensor& scaled, Fp8Format f) {
+  return scaled.clamp(-format_max(f), format_max(f)).to(fp8_dtype(f));
+}
+
+struct Expected {
+  torch::Tensor data;       // [M, K] fp8 (rows past the splits: zero, never compared)
+  torch::Tensor colwise;    // [M·K] fp8
+  torch::Tensor scaled;     // [M, K] float: x·scale before rounding, rowwise copy
+  torch::Tensor scaled_t;   // [M·K] float: the same for the columnwise copy
+  torch::Tensor scale_inv;  // per tensor [G]; blocks: rowwise block scales (padding 0)
+  torch::Tensor colwise_scale_inv;
+  torch::Tensor amax;  // [G]
+};
+
+struct Split {
+  int64_t start, rows;
+};
+
+std::vector<Split> clamp_splits(const std::vector<int64_t>& sizes, int64_t rows) {
+  std::vector<Split> splits;
+  int64_t start = 0;
+  for (int64_t s : sizes) {
+    const int64_t m = std::min(std::max<int64_t>(s, 0), rows - start);
+    splits.push_back({start, m});
+    start += m;
+  }
+  return splits;
+}
+
+Expected reference(const torch::Tensor& input, const std::vector<int64_t>& sizes,
+                   const SplitQuantizeOptions& o, const torch::Tensor& delayed_scale = {}) {
+  const torch::Tensor x = input.cpu().to(torch::kFloat);
+  const int64_t rows = x.size(0), k = x.size(1), kb_count = ceil_div(k, kBlock);
+  const int64_t groups = static_cast<int64_t>(sizes.size());
+  const float max = format_max(o.format), eps = static_cast<float>(o.amax_epsilon);
+  const bool pow2 = o.power_of_2_scales;
+  const float inf_value = input_max(input.scalar_type());
+  const std::vector<Split> splits = clamp_splits(sizes, rows);
+  Expected e;
+  e.scaled = torch::zeros({rows, k});
+  e.scaled_t = torch::zeros({rows * k});
+  e.amax = torch::zeros({groups});
+  const bool block = torchmoe::kernels::is_block_scaling(o.scaling);
+  if (block) {
+    e.scale_inv =
+        torch::zeros({torchmoe::kernels::rowwise_block_scales(o.scaling, rows, k, groups)});
+    e.colwise_scale_inv =
+        torch::zeros({torchmoe::kernels::columnwise_block_scales(o.scaling, rows, k, groups)});
+  } else {
+    e.scale_inv = torch::zeros({groups});
+  }
+  // Σ_{h<g} r4(m_h), Σ_{h<g} ceil(m_h/128), Σ_{h<g} r4(ceil(m_h/128)).
+  int64_t rows4 = 0, tiles = 0, tiles4 = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const auto [start, m] = splits[g];
+    const int64_t mb_count = ceil_div(m, kBlock);
+    const torch::Tensor xs = x.narrow(0, start, m);
+    e.amax[g] = nan_amax(xs);
+    torch::Tensor scaled_rows = torch::zeros({m, k}), scaled_cols = torch::zeros({k, m});
+    auto abs_block = [&](int64_t r, int64_t nr, int64_t c, int64_t nc) {
+      return nan_amax(xs.narrow(0, r, nr).narrow(1, c, nc));
+    };
+    if (!block) {
+      const float scale = o.scaling == QuantizeScaling::kDelayed
+                              ? delayed_scale[g].item<float>()
+                              : scale_from_amax(e.amax[g].item<float>(), max, pow2, eps, FLT_MAX);
+      e.scale_inv[g] = 1.0f / scale;
+      scaled_rows = xs * scale;
+      scaled_cols = scaled_rows.t();
+    } else if (o.scaling == QuantizeScaling::kBlock1x128) {
+      const int64_t base_r = kb_count * rows4, base_c = r4(k) * tiles;
+      for (int64_t kb = 0; kb < kb_count; ++kb) {
+        const int64_t c = kb * kBlock, nc = std::min(kBlock, k - c);
+        for (int64_t r = 0; r < m; ++r) {
+          const float s = scale_from_amax(abs_block(r, 1, c, nc), max, pow2, eps, inf_value);
+          e.scale_inv[base_r + kb * r4(m) + r] = 1.0f / s;
+          scaled_rows.narrow(0, r, 1).narrow(1, c, nc).copy_(xs.narrow(0, r, 1).narrow(1, c, nc) *
+                                                             s);
+        }
+      }
+      for (int64_t mb = 0; mb < mb_count; ++mb) {
+        const int64_t r = mb * kBlock, nr = std::min(kBlock, m - r);
+        for (int64_t col = 0; col < k; ++col) {
+          const float s = scale_from_amax(abs_block(r, nr, col, 1), max, pow2, eps, inf_value);
+          e.colwise_scale_inv[base_c + mb * r4(k) + col] = 1.0f / s;
+          scaled_cols.narrow(0, col, 1).narrow(1, r, nr).copy_(
+              xs.narrow(0, r, nr).narrow(1, col, 1).t() * s);
+        }
+      }
+    } else {
+      const int64_t base_r = r4(kb_count) * tiles, base_c = kb_count * tiles4;
+      for (int64_t mb = 0; mb < mb_count; ++mb) {
+        const int64_t r = mb * kBlock, nr = std::min(kBlock, m - r);
+        for (int64_t kb = 0; kb < kb_count; ++kb) {
+          const int64_t c = kb * kBlock, nc = std::min(kBlock, k - c);
+          const float s = scale_from_amax(abs_block(r, nr, c, nc), max, pow2, eps, inf_value);
+          e.scale_inv[base_r + mb * r4(kb_count) + kb] = 1.0f / s;
+          e.colwise_scale_inv[base_c + kb * r4(mb_count) + mb] = 1.0f / s;
+          scaled_rows.narrow(0, r, nr).narrow(1, c, nc).copy_(xs.narrow(0, r, nr).narrow(1, c, nc) *
+                                                              s);
+        }
+      }
+      scaled_cols = scaled_rows.t();
+    }
+    e.scaled.narrow(0, start, m).copy_(scaled_rows);
+    e.scaled_t.narrow(0, k * start, k * m).copy_(scaled_cols.contiguous().view(-1));
+    rows4 += r4(m);
+    tiles += mb_count;
+    tiles4 += r4(mb_count);
+  }
+  e.data = cast_fp8(e.scaled, o.format);
+  e.colwise = cast_fp8(e.scaled_t, o.format);
+  return e;
+}
+
+// FP8 values equal, both NaN, or an exact tie of round-to-nearest (the unrounded value halfway
+// between the two): the only disagreement a correct cast may have.
+void check_fp8(const torch::Tensor& actual, const torch::Tensor& expected,
+               const torch::Tensor& unrounded, const std::string& what) {
+  INFO(what);
+  REQUIRE(actual.defined());
+  REQUIRE(actual.scalar_type() == expected.scalar_type());
+  REQUIRE(actual.numel() == expected.numel());
+  const torch::Tensor a = actual.cpu().to(torch::kFloat).view(-1);
+  const torch::Tensor b = expected.to(torch::kFloat).view(-1);
+  const torch::Tensor v = unrounded.reshape(-1);
+  const torch::Tensor same = (a == b) | (a.isnan() & b.isnan());
+  const torch::Tensor tie = ((v - a).abs() == (v - b).abs()) & (a != b);
+  const torch::Tensor bad = ~(same | tie);
+  const int64_t count = bad.sum().item<int64_t>();
+  if (count > 0) {
+    const int64_t i = bad.nonzero()[0][0].item<int64_t>();
+    INFO(count << " mismatches; first at " << i << ": got " << a[i].item<float>() << ", expected "
+               << b[i].item<float>() << " (unrounded " << v[i].item<float>() << ")");
+    CHECK(count == 0);
+  }
+}
+
+// Only the entries the layout defines: `mask` marks them (padding is unspecified).
+void check_scales(const torch::Tensor& actual, const torch::Tensor& expected,
+                  const torch::Tensor& mask, const std::string& what) {
+  INFO(what);
+  REQUIRE(actual.defined());
+  REQUIRE(actual.numel() == expected.numel());
+  const torch::Tensor a = actual.cpu().masked_select(mask), b = expected.masked_select(mask);
+  REQUIRE_FALSE(a.isnan().any().item<bool>());
+  REQUIRE_FALSE(a.isinf().any().item<bool>());
+  const torch::Tensor bad = a != b;
+  if (bad.any().item<bool>()) {
+    const int64_t i = bad.nonzero()[0][0].item<int64_t>();
+    INFO("first mismatch at defined entry " << i << ": got " << a[i].item<float>() << ", expected "
+                                            << b[i].item<float>());
+    CHECK(false);
+  }
+}
+
+// Which entries of the block scale buffers the splits define.
+std::pair<torch::Tensor, torch::Tensor> block_masks(const std::vector<int64_t>& sizes, int64_t rows,
+                                                    int64_t k, QuantizeScaling scaling) {
+  const int64_t groups = static_cast<int64_t>(sizes.size()), kbs = ceil_div(k, kBlock);
+  torch::Tensor row_mask = torch::zeros(
+      {torchmoe::kernels::rowwise_block_scales(scaling, rows, k, groups)}, torch::kBool);
+  torch::Tensor col_mask = torch::zeros(
+      {torchmoe::kernels::columnwise_block_scales(scaling, rows, k, groups)}, torch::kBool);
+  int64_t rows4 = 0, tiles = 0, tiles4 = 0;
+  for (const Split& s : clamp_splits(sizes, rows)) {
+    const int64_t mbs = ceil_div(s.rows, kBlock);
+    if (scaling == QuantizeScaling::kBlock1x128) {
+      for (int64_t kb = 0; kb < kbs; ++kb) {
+        row_mask.narrow(0, kbs * rows4 + kb * r4(s.rows), s.rows).fill_(true);
+      }
+      for (int64_t mb = 0; mb < mbs; ++mb)
+        col_mask.narrow(0, r4(k) * tiles + mb * r4(k), k).fill_(true);
+    } else {
+      for (int64_t mb = 0; mb < mbs; ++mb) {
+        row_mask.narrow(0, r4(kbs) * tiles + mb * r4(kbs), kbs).fill_(true);
+      }
+      for (int64_t kb = 0; kb < kbs; ++kb) {
+        col_mask.narrow(0, kbs * tiles4 + kb * r4(mbs), mbs).fill_(true);
+      }
+    }
+    rows4 += r4(s.rows);
+    tiles += mbs;
+    tiles4 += r4(mbs);
+  }
+  return {row_mask, col_mask};
+}
+
+// Rows [0, used) of the rowwise copy and the first used·K bytes of the columnwise one.
+void check_against_reference(const SplitQuantized& q, const Expected& e,
+                             const std::vector<int64_t>& sizes, const SplitQuantizeOptions& o,
+                             int64_t rows, int64_t k) {
+  int64_t used = 0;
+  for (const Split& s : clamp_splits(sizes, rows)) used += s.rows;
+  if (o.rowwise) {
+    check_fp8(q.data.narrow(0, 0, used), e.data.narrow(0, 0, used), e.scaled.narrow(0, 0, used),
+              "rowwise data");
+  }
+  if (o.columnwise) {
+    check_fp8(q.columnwise_data.narrow(0, 0, used * k), e.colwise.narrow(0, 0, used * k),
+              e.scaled_t.narrow(0, 0, used * k), "columnwise data");
+  }
+  CHECK(torch::equal(q.amax.cpu(), e.amax));
+  if (torchmoe::kernels::is_block_scaling(o.scaling)) {
+    const auto [row_mask, col_mask] = block_masks(sizes, rows, k, o.scaling);
+    if (o.rowwise) check_scales(q.scale_inv, e.scale_inv, row_mask, "rowwise block scale_inv");
+    if (o.columnwise) {
+      check_scales(q.columnwise_scale_inv, e.colwise_scale_inv, col_mask,
+                   "columnwise block scale_inv");
+    }
+  } else {
+    check_scales(q.scale_inv, e.scale_inv, torch::ones({e.scale_inv.numel()}, torch::kBool),
+                 "scale_inv");
+  }
+}
+
+// A spread of magnitudes (so that block scales differ) with exact ties of the FP8 grid mixed in.
+torch::Tensor make_input(int64_t rows, int64_t k, torch::Dtype dtype, uint64_t seed) {
+  const auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  torch::Tensor x = torch::randn({rows, k}, gen) *
+                    torch::pow(2.0, torch::randint(-6, 6, {rows, 1}, gen).to(torch::kFloat));
+  return x.to(dtype).to(torch::kCUDA);
+}
+
+std::string scaling_name(QuantizeScaling s) {
+  switch (s) {
+    case QuantizeScaling::kCurrent:
+      return "current";
+    case QuantizeScaling::kDelayed:
+      return "delayed";
+    case QuantizeScaling::kBlock1x128:
+      return "block1x128";
+    case QuantizeScaling::kBlock128x128:
+      return "block128x128";
+  }
+  return "?";
+}
+
+torch::Tensor delayed_scales(int64_t groups) {
+  // Powers of two and not: 0.5 ... 40 (some saturate e4m3 for the larger inputs).
+  return (torch::linspace(0.5, 40.0, groups).to(torch::kFloat)).to(torch::kCUDA);
+}
+
+SplitQuantized run(const torch::Tensor& x, const std::vector<int64_t>& sizes,
+                   const SplitQuantizeOptions& o, const torch::Tensor& scale) {
+  return torchmoe::ops::split_quantize(x, sizes, o, scale);
+}
+
+}  // namespace
+
+TEST_CASE("split_quantize matches the reference quantizer", "[ops][quantize][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const QuantizeScaling scaling =
+      GENERATE(QuantizeScaling::kCurrent, QuantizeScaling::kDelayed, QuantizeScaling::kBlock1x128,
+               QuantizeScaling::kBlock128x128);
+  const Fp8Format format = GENERATE(Fp8Format::kE4M3, Fp8Format::kE5M2);
+  const torch::Dtype dtype = GENERATE(torch::kBFloat16, torch::kHalf, torch::kFloat);
+  const bool pow2 = GENERATE(false, true);
+  // Zero, odd, prime, short and multi-block splits; K not a multiple of 128.
+  const std::vector<int64_t> sizes = {0, 131, 1, 256, 17, 0, 300, 127};
+  const int64_t rows = 832, k = 272;
+  INFO("scaling " << scaling_name(scaling) << ", e" << (format == Fp8Format::kE4M3 ? "4m3" : "5m2")
+                  << ", dtype " << dtype << ", pow2 " << pow2);
+  const torch::Tensor x = make_input(rows, k, dtype, 5);
+  SplitQuantizeOptions o;
+  o.format = format;
+  o.scaling = scaling;
+  o.power_of_2_scales = pow2;
+  const torch::Tensor scale =
+      scaling == QuantizeScaling::kDelayed ? delayed_scales(sizes.size()) : torch::Tensor();
+  const SplitQuantized q = run(x, sizes, o, scale);
+  check_against_reference(q, reference(x, sizes, o, scale.defined() ? scale.cpu() : scale), sizes,
+                          o, rows, k);
+}
+
+TEST_CASE("split_quantize: the columnwise copy is the transpose of the rowwise one",
+          "[ops][quantize][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const QuantizeScaling scaling = GENERATE(QuantizeScaling::kCurrent, QuantizeScaling::kDelayed,
+                                           QuantizeScaling::kBlock128x128);
+  const std::vector<int64_t> sizes = {64, 0, 200, 33, 7};
+  const int64_t rows = 304, k = 400;
+  SplitQuantizeOptions o;
+  o.scaling = scaling;
+  const torch::Tensor scale =
+      scaling == QuantizeScaling::kDelayed ? delayed_scales(sizes.size()) : torch::Tensor();
+  const SplitQuantized q = run(make_input(rows, k, torch::kBFloat16, 9), sizes, o, scale);
+  const torch::Tensor data = q.data.cpu().view(torch::kByte);
+  const torch::Tensor colwise = q.columnwise_data.cpu().view(torch::kByte);
+  for (const Split& s : clamp_splits(sizes, rows)) {
+    INFO("split at row " << s.start << " of " << s.rows << " rows");
+    CHECK(torch::equal(colwise.narrow(0, k * s.start, k * s.rows).view({k, s.rows}),
+                       data.narrow(0, s.start, s.rows).t()));
+  }
+}
+
+TEST_CASE("split_quantize: device splits (int32, int64) give the host splits' results",
+          "[ops][quantize][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const QuantizeScaling scaling =
+      GENERATE(QuantizeScaling::kCurrent, QuantizeScaling::kDelayed, QuantizeScaling::kBlock1x128,
+               QuantizeScaling::kBlock128x128);
+  const torch::Dtype split_type = GENERATE(torch::kInt, torch::kLong);
+  // 70 splits (more than one warp's scan), many empty, one past 128 rows.
+  std::vector<int64_t> sizes(70, 0);
+  for (size_t g = 0; g < sizes.size(); g += 3) sizes[g] = static_cast<int64_t>(g % 11) * 7 + 1;
+  sizes[40] = 260;
+  int64_t rows = 0;
+  for (int64_t s : sizes) rows += s;
+  const int64_t k = 160;
+  SplitQuantizeOptions o;
+  o.scaling = scaling;
+  const torch::Tensor x = make_input(rows, k, torch::kBFloat16, 13);
+  const torch::Tensor scale =
+      scaling == QuantizeScaling::kDelayed ? delayed_scales(sizes.size()) : torch::Tensor();
+  const SplitQuantized host = run(x, sizes, o, scale);
+  const torch::Tensor device_sizes =
+      torch::tensor(sizes, torch::kLong).to(torch::kCUDA, split_type);
+  const SplitQuantized device = torchmoe::ops::split_quantize(x, device_sizes, o, scale);
+  CHECK(torch::equal(host.data.view(torch::kByte), device.data.view(torch::kByte)));
+  CHECK(torch::equal(host.columnwise_data.view(torch::kByte),
+                     device.columnwise_data.view(torch::kByte)));
+  CHECK(torch::equal(host.amax, device.amax));
+  check_against_reference(device, reference(x, sizes, o, scale.defined() ? scale.cpu() : scale),
+                          sizes, o, rows, k);
+}
+
+TEST_CASE("split_quantize: device splits past the rows are clamped", "[ops][quantize][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const int64_t rows = 300, k = 64;
+  SplitQuantizeOptions o;
+  o.scaling = QuantizeScaling::kBlock1x128;
+  const torch::Tensor x = make_input(rows, k, torch::kFloat, 17);
+  const SplitQuantized q =
+      torchmoe::ops::split_quantize(x, torch::tensor({5, -3, 1000, 40}, torch::kLong).cuda(), o);
+  // Clamped: 5, 0, 295, 0.
+  const std::vector<int64_t> clamped = {5, 0, 295, 0};
+  check_against_reference(q, reference(x, clamped, o), clamped, o, rows, k);
+}
+
+TEST_CASE("split_quantize: one copy alone equals that copy of both", "[ops][quantize][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const QuantizeScaling scaling = GENERATE(QuantizeScaling::kCurrent, QuantizeScaling::kBlock1x128,
+                                           QuantizeScaling::kBlock128x128);
+  const std::vector<int64_t> sizes = {100, 0, 29};
+  const torch::Tensor x = make_input(129, 128, torch::kHalf, 21);
+  SplitQuantizeOptions both, rows_only, cols_only;
+  both.scaling = rows_only.scaling = cols_only.scaling = scaling;
+  rows_only.columnwise = false;
+  cols_only.rowwise = false;
+  const SplitQuantized a = run(x, sizes, both, {}), r = run(x, sizes, rows_only, {}),
+                       c = run(x, sizes, cols_only, {});
+  CHECK_FALSE(r.columnwise_data.defined());
+  CHECK_FALSE(c.data.defined());
+  CHECK(torch::equal(a.data.view(torch::kByte), r.data.view(torch::kByte)));
+  CHECK(torch::equal(a.columnwise_data.view(torch::kByte), c.columnwise_data.view(torch::kByte)));
+  check_against_reference(r, reference(x, sizes, rows_only), sizes, rows_only, 129, 128);
+  check_against_reference(c, reference(x, sizes, cols_only), sizes, cols_only, 129, 128);
+}
+
+TEST_CASE("split_quantize: all-zero input gives finite scales", "[ops][quantize][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const QuantizeScaling scaling = GENERATE(QuantizeScaling::kCurrent, QuantizeScaling::kBlock1x128,
+                                           QuantizeScaling::kBlock128x128);
+  const std::vector<int64_t> sizes = {0, 130, 3};
+  const torch::Tensor x = torch::zeros({133, 32}, torch::kCUDA).to(torch::kBFloat16);
+  SplitQuantizeOptions o;
+  o.scaling = scaling;
+  const SplitQuantized q = run(x, sizes, o, {});
+  CHECK(torch::equal(q.amax.cpu(), torch::zeros({3})));
+  if (scaling == QuantizeScaling::kCurrent) {
+    CHECK(torch::equal(q.scale_inv.cpu(), torch::ones({3})));  // amax 0 → scale 1
+  }
+  CHECK(torch::equal(q.data.cpu().to(torch::kFloat), torch::zeros({133, 32})));
+  check_against_reference(q, reference(x, sizes, o), sizes, o, 133, 32);
+}
+
+TEST_CASE("split_quantize: inf and NaN inputs follow TransformerEngine", "[ops][quantize][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const QuantizeScaling scaling =
+      GENERATE(QuantizeScaling::kCurrent, QuantizeScaling::kDelayed, QuantizeScaling::kBlock1x128,
+               QuantizeScaling::kBlock128x128);
+  const std::vector<int64_t> sizes = {40, 40, 48};
+  torch::Tensor x = make_input(128, 48, torch::kFloat, 25).cpu();
+  x[3][5] = std::numeric_limits<float>::infinity();    // split 0: amax inf → scale 1
+  x[50][7] = std::numeric_limits<float>::quiet_NaN();  // split 1: NaN ignored by amax
+  x[100][1] = -std::numeric_limits<float>::infinity();
+  x[100][2] = std::numeric_limits<float>::quiet_NaN();  // split 2: both
+  x = x.cuda();
+  SplitQuantizeOptions o;
+  o.scaling = scaling;
+  const torch::Tensor scale =
+      scaling == QuantizeScaling::kDelayed ? delayed_scales(sizes.size()) : torch::Tensor();
+  const SplitQuantized q = run(x, sizes, o, scale);
+  const Expected e = reference(x, sizes, o, scale.defined() ? scale.cpu() : scale);
+  check_against_reference(q, e, sizes, o, 128, 48);
+  CHECK(std::isinf(q.amax[0].item<float>()));
+  CHECK(std::isfinite(q.amax[1].item<float>()));
+  CHECK(q.data.cpu().to(torch::kFloat)[50][7].isnan().item<bool>());
+  if (scaling == QuantizeScaling::kDelayed) {
+    // The next step's scale stays finite and non-zero: the inf amax keeps the old scale.
+    const torch::Tensor history = torch::zeros({4, 3}, torch::kCUDA);
+    torch::Tensor next = scale.clone(), next_inv = torch::empty_like(scale);
+    torchmoe::ops::update_delayed_scaling(history, q.amax, next, next_inv, {});
+    const torch::Tensor s = next.cpu();
+    CHECK(s[0].item<float>() == scale[0].item<float>());
+    CHECK((s.isfinite() & (s > 0)).all().item<bool>());
+    CHECK((next_inv.cpu().isfinite() & (next_inv.cpu() > 0)).all().item<bool>());
+  }
+}
+
+TEST_CASE("split_quantize: delayed scaling maxes into a given amax", "[ops][quantize][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const std::vector<int64_t> sizes = {10, 20};
+  const torch::Tensor x = make_input(30, 16, torch::kBFloat16, 29);
+  SplitQuantizeOptions o;
+  o.scaling = QuantizeScaling::kDelayed;
+  const torch::Tensor scale = delayed_scales(2);
+  const Expected e = reference(x, sizes, o, scale.cpu());
+  const torch::Tensor amax = torch::tensor({1e6f, 0.0f}).cuda();
+  const SplitQuantized q = torchmoe::ops::split_quantize(x, sizes, o, scale, amax);
+  CHECK(q.amax.data_ptr() == amax.data_ptr());
+  CHECK(amax[0].item<float>() == 1e6f);
+  CHECK(amax[1].item<float>() == e.amax[1].item<float>());
+}
+
+TEST_CASE("update_delayed_scaling rolls the history and updates the scale",
+          "[ops][quantize][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const AmaxComputeAlgo algo = GENERATE(AmaxComputeAlgo::kMax, AmaxComputeAlgo::kMostRecent);
+  const int64_t length = GENERATE(1, 3, 300);  // 300: more rows than the kernel's threads
+  const double margin = 1.0;
+  const int64_t groups = 3;
+  INFO("history " << length << ", algo " << (algo == AmaxComputeAlgo::kMax ? "max" : "recent"));
+  torch::Tensor history = torch::zeros({length, groups}, torch::kCUDA);
+  torch::Tensor scale = torch::ones({groups}, torch::kCUDA), scale_inv = torch::ones_like(scale);
+  // The reference keeps the same history on the host, from the definition: newest into row 0,
+  // scale from max/most recent, then roll so that row H-1 is the newest and row 0 is zero.
+  torch::Tensor ref_history = torch::zeros({length, groups});
+  torch::Tensor ref_scale = torch::ones({groups});
+  const float scaled_max = 448.0f * 0.5f;
+  const std::vector<std::vector<float>> steps = {
+      {2.0f, 0.0f, 1.0f},
+      {8.0f, 3.0f, std::numeric_limits<float>::infinity()},
+      {1.0f, 0.5f, 4.0f},
+      {0.25f, 1e-39f, 2.0f}};
+  for (const std::vector<float>& step : steps) {
+    const torch::Tensor amax = torch::tensor(step);
+    ref_history[0] = amax;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float a =
+          algo == AmaxComputeAlgo::kMax ? ref_history.select(1, g).max().item<float>() : step[g];
+      float s = ref_scale[g].item<float>();
+      if (std::isfinite(a) && a > 0.0f) s = scaled_max / a;
+      if (std::isinf(s)) s = FLT_MAX;
+      ref_scale[g] = s;
+    }
+    ref_history = torch::roll(ref_history, -1, 0);
+    ref_history[0] = 0.0f;
+    torchmoe::ops::DelayedScalingUpdateOptions uo;
+    uo.margin = margin;
+    uo.algo = algo;
+    torchmoe::ops::update_delayed_scaling(history, amax.cuda(), scale, scale_inv, uo);
+    CHECK(torch::equal(history.cpu(), ref_history));
+    CHECK(torch::equal(scale.cpu(), ref_scale));
+    CHECK(torch::equal(scale_inv.cpu(), 1.0f / ref_scale));
+    CHECK((scale.cpu().isfinite() & (scale.cpu() > 0)).all().item<bool>());
+  }
+  // amax may alias history row 0 (TE's layout: the cast maxes into row 0).
+  torchmoe::ops::update_delayed_scaling(history, history[0], scale, scale_inv, {});
+  CHECK(torch::equal(history[0].cpu(), torch::zeros({groups})));
+}
+
+TEST_CASE("split_quantize and update_delayed_scaling reject bad arguments", "[ops][quantize]") {
+  using torchmoe::ops::split_quantize;
+  using torchmoe::ops::update_delayed_scaling;
+  const torch::Tensor x = torch::randn({8, 32});
+  SplitQuantizeOptions o;
+  CHECK_THROWS_WITH(split_quantize(x.view({-1}), {8}, o), Contains("input must be a 2-D"));
+  CHECK_THROWS_WITH(split_quantize(x.to(torch::kDouble), {8}, o),
+                    Contains("input must be float32, float16 or bfloat16, got Double"));
+  CHECK_THROWS_WITH(split_quantize(torch::randn({8, 24}), {8}, o),
+                    Contains("features must be a multiple of 16"));
+  CHECK_THROWS_WITH(split_quantize(x.t(), {32}, o), Contains("input must be contiguous"));
+  CHECK_THROWS_WITH(split_quantize(x, std::vector<int64_t>{}, o),
+                    Contains("m_splits must have between 1 and 4096 sizes, got 0"));
+  CHECK_THROWS_WITH(split_quantize(x, {4, -1, 5}, o),
+                    Contains("m_splits[1] must be non-negative, got -1"));
+  CHECK_THROWS_WITH(split_quantize(x, {4, 5}, o), Contains("sum to at most the input's 8 rows"));
+  SplitQuantizeOptions none;
+  none.rowwise = none.columnwise = false;
+  CHECK_THROWS_WITH(split_quantize(x, {8}, none), Contains("at least one of rowwise"));
+  SplitQuantizeOptions bad_eps;
+  bad_eps.amax_epsilon = -1.0;
+  CHECK_THROWS_WITH(split_quantize(x, {8}, bad_eps), Contains("amax_epsilon must be finite"));
+  SplitQuantizeOptions delayed;
+  delayed.scaling = QuantizeScaling::kDelayed;
+  CHECK_THROWS_WITH(split_quantize(x, {8}, delayed), Contains("scale must be a defined tensor"));
+  CHECK_THROWS_WITH(split_quantize(x, {4, 4}, delayed, torch::ones({3})),
+                    Contains("scale must have shape [2]"));
+  CHECK_THROWS_WITH(split_quantize(x, {8}, delayed, torch::ones({1}, torch::kDouble)),
+                    Contains("scale must be float32, got Double"));
+  CHECK_THROWS_WITH(split_quantize(x, {8}, o, torch::ones({1})),
+                    Contains("scale and amax are inputs of delayed scaling only"));
+  CHECK_THROWS_AS(split_quantize(x, {8}, o), c10::NotImplementedError);
+  CHECK_THROWS_AS(split_quantize(x, {8}, delayed, torch::ones({1})), c10::NotImplementedError);
+
+  const torch::Tensor history = torch::zeros({4, 2}), v = torch::ones({2});
+  CHECK_THROWS_WITH(update_delayed_scaling(history.view({-1}), v, v, v, {}),
+                    Contains("amax_history must be a 2-D"));
+  CHECK_THROWS_WITH(update_delayed_scaling(torch::zeros({0, 2}), v, v, v, {}),
+                    Contains("amax_history must have at least one row, got 0"));
+  CHECK_THROWS_WITH(update_delayed_scaling(history, torch::ones({3}), v, v, {}),
+                    Contains("amax must have shape [2]"));
+  torchmoe::ops::DelayedScalingUpdateOptions bad_margin;
+  bad_margin.margin = std::numeric_limits<double>::infinity();
+  CHECK_THROWS_WITH(update_delayed_scaling(history, v, v, v, bad_margin),
+                    Contains("margin must be finite"));
+  CHECK_THROWS_AS(update_delayed_scaling(history, v, v, v, {}), c10::NotImplementedError);
+}
