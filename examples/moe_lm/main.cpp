@@ -530,6 +530,9 @@ int run(const Flags& flags_in) {
     const double step_ms = timed_steps ? timed_ms / static_cast<double>(timed_steps) : last_ms;
     profile_moe(model, trainer, f, device, dtype, step_ms);
   }
+  // NCCL warns at exit about a process group that was not shut down (its communicators would
+  // otherwise be torn down during static destruction).
+  if (group) group->group()->shutdown();
   return 0;
 }
 
