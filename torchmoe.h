@@ -2,6 +2,8 @@
 // torchmoe: Mixture-of-Experts training layers for LibTorch. The one header a trainer includes.
 
 #include "torchmoe/distributed/process_group.h"
+#include "torchmoe/fp8/autocast.h"
+#include "torchmoe/fp8/state.h"
 #include "torchmoe/modules/glu.h"
 #include "torchmoe/modules/grouped_linear.h"
 #include "torchmoe/modules/grouped_mlp.h"

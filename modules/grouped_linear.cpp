@@ -14,6 +14,7 @@ namespace torchmoe {
 namespace {
 
 constexpr const char* kModule = "GroupedLinear";
+constexpr const char* kFp8State = "fp8_state";
 
 }  // namespace
 
@@ -33,6 +34,9 @@ void GroupedLinearImpl::reset() {
   TORCH_CHECK(o.out_features() > 0, kModule, ": out_features must be positive, got ",
               o.out_features());
   TORCH_CHECK(o.tp_size() >= 1, kModule, ": tp_size must be at least 1, got ", o.tp_size());
+  TORCH_CHECK(o.fp8_amax_history_len() >= 0, kModule,
+              ": fp8_amax_history_len must be >= 0 (0: no FP8 state), got ",
+              o.fp8_amax_history_len());
   TORCH_CHECK(at::isFloatingType(o.params_dtype()), kModule,
               ": params_dtype must be a floating dtype, got ", o.params_dtype());
   // As in TransformerEngine: a bias would need a reduction across tensor-parallel ranks.
@@ -83,6 +87,12 @@ void GroupedLinearImpl::reset() {
     }
   }
   wgrad_queue_ = std::make_shared<autograd::WgradQueue>();
+  fp8_state_ = nullptr;
+  if (o.fp8_amax_history_len() > 0) {
+    fp8_state_ = register_module(
+        kFp8State,
+        fp8::Fp8State(fp8::Fp8StateOptions(groups, o.fp8_amax_history_len()).device(o.device())));
+  }
   reset_parameters();
 }
 
@@ -296,7 +306,13 @@ void GroupedLinearImpl::load_state_dict(
   const std::vector<torch::Tensor> weights = experts("weight");
   const std::vector<torch::Tensor> biases =
       options.bias() ? experts("bias") : std::vector<torch::Tensor>{};
+  const std::string fp8_prefix = std::string(kFp8State) + ".";
+  std::unordered_map<std::string, torch::Tensor> fp8_state;
   for (const auto& [key, value] : state_dict) {
+    if (key.rfind(fp8_prefix, 0) == 0) {
+      fp8_state.emplace(key.substr(fp8_prefix.size()), value);
+      continue;
+    }
     TORCH_CHECK(used.count(key), kModule, "::load_state_dict: unexpected key '", key, "'");
   }
   torch::NoGradGuard no_grad;
@@ -311,6 +327,7 @@ void GroupedLinearImpl::load_state_dict(
   };
   copy_all(expert_weights(), weights, "weight");
   copy_all(expert_biases(), biases, "bias");
+  if (fp8_state_) fp8_state_->load_state_dict(fp8_state);
 }
 
 void GroupedLinearImpl::load(torch::serialize::InputArchive& archive) {
@@ -324,6 +341,8 @@ void GroupedLinearImpl::load(torch::serialize::InputArchive& archive) {
     for (int64_t g = 0; g < options.num_gemms(); ++g) try_read(name + std::to_string(g));
   }
   load_state_dict(state);
+  torch::serialize::InputArchive fp8_archive;
+  if (fp8_state_ && archive.try_read(kFp8State, fp8_archive)) fp8_state_->load(fp8_archive);
 }
 
 }  // namespace torchmoe

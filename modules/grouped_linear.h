@@ -18,6 +18,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "torchmoe/fp8/state.h"
 #include "torchmoe/ops/types.h"
 
 namespace torchmoe {
@@ -78,6 +79,10 @@ struct GroupedLinearOptions {
   TORCH_ARG(ParallelMode, parallel_mode) = ParallelMode::kNone;
   /// Tensor-parallel world size.
   TORCH_ARG(int64_t, tp_size) = 1;
+  /// > 0: keep FP8 delayed-scaling state (fp8_state()) with this many steps of amax history, the
+  /// DelayedScaling recipe's amax_history_len. Registered at construction, so that torch::load
+  /// into a freshly built layer restores it. 0: no FP8 state and no extra buffers.
+  TORCH_ARG(int64_t, fp8_amax_history_len) = 0;
 };
 
 /// Megatron-style tensor-parallel attributes of one parameter.
@@ -137,9 +142,15 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
   /// Tensor-parallel attributes of a parameter by name (`weight3`, `weight`, `bias0`, ...).
   TensorParallelAttributes tensor_parallel_attributes(const std::string& parameter_name) const;
 
-  /// Loads parameters saved in either layout (`weight0..` or `weight`, `bias0..` or `bias`).
+  /// The FP8 delayed-scaling state, child module `fp8_state` (buffers `fp8_state.input_scale`,
+  /// ...); an empty holder when fp8_amax_history_len is 0. fp8::update_delayed_scaling updates it.
+  fp8::Fp8State fp8_state() const { return fp8_state_; }
+
+  /// Loads parameters saved in either layout (`weight0..` or `weight`, `bias0..` or `bias`), and
+  /// the FP8 state's `fp8_state.*` entries (Fp8StateImpl::load_state_dict's rules; ignored by a
+  /// layer without FP8 state, as torch::load ignores them).
   void load_state_dict(const std::unordered_map<std::string, torch::Tensor>& state_dict);
-  /// torch::load support for both layouts.
+  /// torch::load support for both layouts and the FP8 state.
   void load(torch::serialize::InputArchive& archive) override;
 
   /// The options this module was built with.
@@ -169,6 +180,7 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
   std::vector<torch::Tensor> bias_params_;
   std::vector<torch::Tensor> main_grads_;
   std::shared_ptr<autograd::WgradQueue> wgrad_queue_;
+  fp8::Fp8State fp8_state_{nullptr};
 };
 
 /// A `ModuleHolder` subclass for `GroupedLinearImpl`; see `GroupedLinearImpl` and

@@ -1,0 +1,105 @@
+#include "torchmoe/fp8/recipe.h"
+
+#include <c10/util/Exception.h>
+
+#include <cmath>
+
+namespace torchmoe::fp8 {
+namespace {
+
+void check_amax_epsilon(const char* recipe, double value) {
+  TORCH_CHECK(std::isfinite(value) && value >= 0.0, recipe,
+              ": amax_epsilon must be finite and >= 0, got ", value);
+}
+
+const char* block_name(BlockShape shape) {
+  return shape == BlockShape::k1x128 ? "1x128" : "128x128";
+}
+
+}  // namespace
+
+const char* role_name(TensorRole role) {
+  switch (role) {
+    case TensorRole::kInput:
+      return "input";
+    case TensorRole::kWeight:
+      return "weight";
+    case TensorRole::kGradOutput:
+      return "grad_output";
+  }
+  TORCH_CHECK(false, "fp8::role_name: unknown TensorRole ", static_cast<int>(role));
+}
+
+kernels::Fp8Format tensor_format(Format format, TensorRole role) {
+  return format == Format::kHybrid && role == TensorRole::kGradOutput ? kernels::Fp8Format::kE5M2
+                                                                      : kernels::Fp8Format::kE4M3;
+}
+
+DelayedScaling& DelayedScaling::margin(int64_t value) {
+  TORCH_CHECK(value >= 0, "DelayedScaling: margin must be >= 0, got ", value);
+  margin_ = value;
+  return *this;
+}
+
+DelayedScaling& DelayedScaling::amax_history_len(int64_t value) {
+  TORCH_CHECK(value >= 1, "DelayedScaling: amax_history_len must be >= 1, got ", value);
+  amax_history_len_ = value;
+  return *this;
+}
+
+CurrentScaling& CurrentScaling::amax_epsilon(double value) {
+  check_amax_epsilon("CurrentScaling", value);
+  amax_epsilon_ = value;
+  return *this;
+}
+
+BlockScaling& BlockScaling::amax_epsilon(double value) {
+  check_amax_epsilon("BlockScaling", value);
+  amax_epsilon_ = value;
+  return *this;
+}
+
+void BlockScaling::validate() const {
+  const int tiles = (input_block() == BlockShape::k128x128) +
+                    (weight_block() == BlockShape::k128x128) +
+                    (grad_block() == BlockShape::k128x128);
+  TORCH_CHECK(tiles <= 1,
+              "BlockScaling: at most one of input_block, weight_block and grad_block may be "
+              "128x128 (each pair meets in one GEMM, and cuBLASLt has no 128x128 by 128x128 "
+              "mode), got input_block=",
+              block_name(input_block()), ", weight_block=", block_name(weight_block()),
+              ", grad_block=", block_name(grad_block()));
+}
+
+BlockShape BlockScaling::block(TensorRole role) const {
+  switch (role) {
+    case TensorRole::kInput:
+      return input_block();
+    case TensorRole::kWeight:
+      return weight_block();
+    case TensorRole::kGradOutput:
+      return grad_block();
+  }
+  TORCH_CHECK(false, "BlockScaling::block: unknown TensorRole ", static_cast<int>(role));
+}
+
+void validate(const Recipe& recipe) {
+  if (const auto* block = std::get_if<BlockScaling>(&recipe)) block->validate();
+}
+
+Format recipe_format(const Recipe& recipe) {
+  return std::visit([](const auto& r) { return r.format(); }, recipe);
+}
+
+const char* recipe_name(const Recipe& recipe) {
+  switch (recipe.index()) {
+    case 0:
+      return "DelayedScaling";
+    case 1:
+      return "CurrentScaling";
+    default:
+      return "BlockScaling";
+  }
+}
+
+}  // namespace torchmoe::fp8

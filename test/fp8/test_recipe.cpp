@@ -1,0 +1,153 @@
+// FP8 recipes: TransformerEngine's defaults, the checks with their messages, and what each recipe
+// asks of split-quantize and of the delayed-scaling update per tensor role.
+
+#include <torchmoe/fp8/quantize_options.h>
+#include <torchmoe/fp8/recipe.h>
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <limits>
+
+using namespace torchmoe::fp8;
+using Catch::Matchers::Contains;
+using torchmoe::kernels::AmaxComputeAlgo;
+using torchmoe::kernels::Fp8Format;
+using torchmoe::kernels::QuantizeScaling;
+
+TEST_CASE("FP8 recipes default to TransformerEngine's values", "[fp8][recipe]") {
+  const DelayedScaling delayed;
+  CHECK(delayed.margin() == 0);
+  CHECK(delayed.amax_history_len() == 1024);
+  CHECK(delayed.amax_compute_algo() == AmaxComputeAlgo::kMax);
+  CHECK(delayed.format() == Format::kHybrid);
+  CHECK(delayed.reduce_amax());
+  const CurrentScaling current;
+  CHECK(current.format() == Format::kHybrid);
+  CHECK_FALSE(current.power_of_2_scales());
+  CHECK(current.amax_epsilon() == 0.0);
+  const BlockScaling block;
+  CHECK(block.format() == Format::kE4M3);
+  CHECK(block.power_of_2_scales());
+  CHECK(block.amax_epsilon() == 0.0);
+  CHECK(block.input_block() == BlockShape::k1x128);
+  CHECK(block.weight_block() == BlockShape::k128x128);
+  CHECK(block.grad_block() == BlockShape::k1x128);
+  CHECK_NOTHROW(block.validate());
+}
+
+TEST_CASE("FP8 recipe setters chain and keep their values", "[fp8][recipe]") {
+  const auto delayed = DelayedScaling()
+                           .margin(2)
+                           .amax_history_len(16)
+                           .amax_compute_algo(AmaxComputeAlgo::kMostRecent)
+                           .format(Format::kE4M3)
+                           .reduce_amax(false);
+  CHECK(delayed.margin() == 2);
+  CHECK(delayed.amax_history_len() == 16);
+  CHECK(delayed.amax_compute_algo() == AmaxComputeAlgo::kMostRecent);
+  CHECK(delayed.format() == Format::kE4M3);
+  CHECK_FALSE(delayed.reduce_amax());
+  const auto current = CurrentScaling().power_of_2_scales(true).amax_epsilon(1e-12);
+  CHECK(current.power_of_2_scales());
+  CHECK(current.amax_epsilon() == 1e-12);
+  const Recipe recipe = BlockScaling().weight_block(BlockShape::k1x128);
+  CHECK(std::string(recipe_name(recipe)) == "BlockScaling");
+  CHECK(recipe_format(recipe) == Format::kE4M3);
+  CHECK(std::string(recipe_name(Recipe(delayed))) == "DelayedScaling");
+  CHECK(std::string(recipe_name(Recipe(current))) == "CurrentScaling");
+}
+
+TEST_CASE("FP8 recipes reject bad values with clear errors", "[fp8][recipe][errors]") {
+  CHECK_THROWS_WITH(DelayedScaling().amax_history_len(0),
+                    Contains("DelayedScaling: amax_history_len must be >= 1, got 0"));
+  CHECK_THROWS_WITH(DelayedScaling().margin(-1),
+                    Contains("DelayedScaling: margin must be >= 0, got -1"));
+  CHECK_THROWS_WITH(CurrentScaling().amax_epsilon(-1.0),
+                    Contains("CurrentScaling: amax_epsilon must be finite and >= 0, got -1"));
+  CHECK_THROWS_WITH(CurrentScaling().amax_epsilon(std::numeric_limits<double>::quiet_NaN()),
+                    Contains("CurrentScaling: amax_epsilon must be finite and >= 0, got "));
+  CHECK_THROWS_WITH(BlockScaling().amax_epsilon(std::numeric_limits<double>::infinity()),
+                    Contains("BlockScaling: amax_epsilon must be finite and >= 0, got inf"));
+  // A rejected value leaves the recipe as it was.
+  DelayedScaling delayed;
+  CHECK_THROWS(delayed.amax_history_len(-3));
+  CHECK(delayed.amax_history_len() == 1024);
+
+  // 128x128 blocks on two tensors that meet in a GEMM: fprop (input, weight), wgrad
+  // (grad_output, input), dgrad (grad_output, weight).
+  const BlockScaling two_tiles = BlockScaling().input_block(BlockShape::k128x128);
+  CHECK_THROWS_WITH(two_tiles.validate(),
+                    Contains("BlockScaling: at most one of input_block, weight_block and "
+                             "grad_block may be 128x128"));
+  CHECK_THROWS_WITH(validate(two_tiles), Contains("got input_block=128x128, weight_block=128x128, "
+                                                  "grad_block=1x128"));
+  CHECK_THROWS(split_quantize_options(two_tiles, TensorRole::kInput));
+  CHECK_THROWS(BlockScaling()
+                   .weight_block(BlockShape::k1x128)
+                   .input_block(BlockShape::k128x128)
+                   .grad_block(BlockShape::k128x128)
+                   .validate());
+  // Only the order of the setters' calls differs: the check is on the finished recipe.
+  CHECK_NOTHROW(
+      BlockScaling().input_block(BlockShape::k128x128).weight_block(BlockShape::k1x128).validate());
+}
+
+TEST_CASE("FP8 formats per tensor role", "[fp8][recipe]") {
+  for (TensorRole role : {TensorRole::kInput, TensorRole::kWeight, TensorRole::kGradOutput}) {
+    INFO(role_name(role));
+    CHECK(tensor_format(Format::kE4M3, role) == Fp8Format::kE4M3);
+    CHECK(tensor_format(Format::kHybrid, role) ==
+          (role == TensorRole::kGradOutput ? Fp8Format::kE5M2 : Fp8Format::kE4M3));
+  }
+  CHECK(std::string(role_name(TensorRole::kGradOutput)) == "grad_output");
+}
+
+TEST_CASE("FP8 recipes map to split-quantize options", "[fp8][recipe]") {
+  SECTION("delayed") {
+    const Recipe recipe = DelayedScaling();
+    const auto input = split_quantize_options(recipe, TensorRole::kInput);
+    CHECK(input.scaling == QuantizeScaling::kDelayed);
+    CHECK(input.format == Fp8Format::kE4M3);
+    CHECK(input.rowwise);
+    CHECK(input.columnwise);
+    CHECK_FALSE(input.power_of_2_scales);
+    CHECK(split_quantize_options(recipe, TensorRole::kGradOutput).format == Fp8Format::kE5M2);
+  }
+  SECTION("current") {
+    const Recipe recipe = CurrentScaling().power_of_2_scales(true).amax_epsilon(0.5);
+    for (TensorRole role : {TensorRole::kInput, TensorRole::kWeight, TensorRole::kGradOutput}) {
+      INFO(role_name(role));
+      const auto o = split_quantize_options(recipe, role);
+      CHECK(o.scaling == QuantizeScaling::kCurrent);
+      CHECK(o.power_of_2_scales);
+      CHECK(o.amax_epsilon == 0.5);
+      CHECK(o.format == tensor_format(Format::kHybrid, role));
+    }
+  }
+  SECTION("block") {
+    const Recipe recipe = BlockScaling().amax_epsilon(0.25);
+    const auto input = split_quantize_options(recipe, TensorRole::kInput);
+    const auto weight = split_quantize_options(recipe, TensorRole::kWeight);
+    const auto grad = split_quantize_options(recipe, TensorRole::kGradOutput);
+    CHECK(input.scaling == QuantizeScaling::kBlock1x128);
+    CHECK(weight.scaling == QuantizeScaling::kBlock128x128);
+    CHECK(grad.scaling == QuantizeScaling::kBlock1x128);
+    CHECK(grad.format == Fp8Format::kE4M3);
+    CHECK(weight.power_of_2_scales);
+    CHECK(weight.amax_epsilon == 0.25);
+    const Recipe hybrid = BlockScaling().format(Format::kHybrid).grad_block(BlockShape::k1x128);
+    CHECK(split_quantize_options(hybrid, TensorRole::kGradOutput).format == Fp8Format::kE5M2);
+  }
+  SECTION("delayed-scaling update") {
+    const auto recipe = DelayedScaling().margin(3).amax_compute_algo(AmaxComputeAlgo::kMostRecent);
+    const auto weight = delayed_update_options(recipe, TensorRole::kWeight);
+    CHECK(weight.format == Fp8Format::kE4M3);
+    CHECK(weight.margin == 3.0);
+    CHECK(weight.algo == AmaxComputeAlgo::kMostRecent);
+    CHECK(delayed_update_options(recipe, TensorRole::kGradOutput).format == Fp8Format::kE5M2);
+    CHECK(delayed_update_options(DelayedScaling(recipe).format(Format::kE4M3),
+                                 TensorRole::kGradOutput)
+              .format == Fp8Format::kE4M3);
+  }
+}
