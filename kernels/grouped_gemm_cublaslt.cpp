@@ -12,18 +12,6 @@
 namespace torchmoe::kernels {
 namespace {
 
-cudaDataType_t cuda_type(ScalarType type) {
-  switch (type) {
-    case ScalarType::kFloat32:
-      return CUDA_R_32F;
-    case ScalarType::kFloat16:
-      return CUDA_R_16F;
-    case ScalarType::kBFloat16:
-      return CUDA_R_16BF;
-  }
-  TORCH_INTERNAL_ASSERT(false, "unknown ScalarType");
-}
-
 // Largest power of two (capped at 16 bytes) that divides the address; cuBLASLt picks kernels by it.
 uint8_t alignment_of(const void* ptr) {
   const auto address = reinterpret_cast<uintptr_t>(ptr);

@@ -17,6 +17,8 @@
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
+#include <c10/util/Exception.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -24,6 +26,19 @@
 #include "torchmoe/kernels/types.h"
 
 namespace torchmoe::kernels {
+
+// The cuBLAS data type of an element type (both cuBLASLt backends).
+inline cudaDataType_t cuda_type(ScalarType type) {
+  switch (type) {
+    case ScalarType::kFloat32:
+      return CUDA_R_32F;
+    case ScalarType::kFloat16:
+      return CUDA_R_16F;
+    case ScalarType::kBFloat16:
+      return CUDA_R_16BF;
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown ScalarType");
+}
 
 // One group's operands. Which pointers a kind reads or writes:
 //   kFprop: input, weight -> output (y), bias (may be null)

@@ -26,6 +26,7 @@
 #include <unordered_map>
 
 #include "torchmoe/kernels/device_types.cuh"
+#include "torchmoe/kernels/grouped_gemm_cublaslt.h"  // cuda_type
 
 namespace torchmoe::kernels {
 namespace {
@@ -71,18 +72,6 @@ const GroupedApi& grouped_api() {
     return a;
   }();
   return api;
-}
-
-cudaDataType_t cuda_type(ScalarType type) {
-  switch (type) {
-    case ScalarType::kFloat32:
-      return CUDA_R_32F;
-    case ScalarType::kFloat16:
-      return CUDA_R_16F;
-    case ScalarType::kBFloat16:
-      return CUDA_R_16BF;
-  }
-  TORCH_INTERNAL_ASSERT(false, "unknown ScalarType");
 }
 
 // Byte offsets of the arrays in env.arrays (see the file comment).
@@ -138,12 +127,12 @@ __device__ __forceinline__ const char* group_bytes(const GroupAddress& a, int g,
 constexpr int kSetupThreads = 1024;
 
 // One block: a running scan of the clamped split sizes over chunks of kSetupThreads groups.
+// in, outs: the element sizes of input_type and output_type.
 __global__ void __launch_bounds__(kSetupThreads)
-    setup_groups_kernel(const CublasLtGroupedParams p, const GroupArrays out) {
+    setup_groups_kernel(const CublasLtGroupedParams p, const GroupArrays out, size_t in,
+                        size_t outs) {
   using Scan = cub::BlockScan<int64_t, kSetupThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
-  const size_t in = p.input_type == ScalarType::kFloat32 ? 4 : 2;
-  const size_t outs = p.output_type == ScalarType::kFloat32 ? 4 : 2;
   const int G = p.num_groups;
   int32_t* a_rows = out.ints;
   int32_t* a_cols = a_rows + G;
@@ -405,7 +394,8 @@ void run_grouped_gemm_cublaslt_grouped(const CublasLtGroupedParams& p,
     matmul.output = env.fprop_product;
     matmul.output_type = ScalarType::kFloat32;
   }
-  setup_groups_kernel<<<1, kSetupThreads, 0, env.stream>>>(matmul, arrays);
+  setup_groups_kernel<<<1, kSetupThreads, 0, env.stream>>>(
+      matmul, arrays, element_size(matmul.input_type), element_size(matmul.output_type));
   TORCHMOE_CUDA_CHECK(cudaGetLastError());
   if (p.kind == GemmKind::kWgrad && !p.accumulate) {
     const dim3 grid(kZeroBlocksPerGroup, p.num_groups);

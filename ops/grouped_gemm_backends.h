@@ -16,6 +16,7 @@
 
 #include "torchmoe/kernels/types.h"
 #include "torchmoe/ops/grouped_gemm.h"
+#include "torchmoe/ops/kernel_types.h"
 
 namespace torchmoe::ops::detail {
 
@@ -73,6 +74,24 @@ at::Tensor aligned_operand(const at::Tensor& t);
 // Where each group's tensor lives: base and stride when equally spaced, else a device table of
 // pointers cached for the life of the process (the same tensors give the same table).
 kernels::GroupAddress group_address(const CheckedGroups& groups);
+
+// The fields that both device-split backends' kernel parameters (kernels::Sm90GemmParams,
+// kernels::CublasLtGroupedParams) take from a plan: kind, types, shape and the device sizes.
+template <typename Params>
+Params device_split_params(kernels::GemmKind kind, const GemmPlan& plan) {
+  const at::Tensor& splits = plan.m_splits.device();
+  Params p;
+  p.kind = kind;
+  p.input_type = kernel_type(plan.dtype);
+  p.output_type = p.input_type;
+  p.num_groups = static_cast<int>(plan.shape.groups);
+  p.rows = plan.rows;
+  p.n = plan.shape.n;
+  p.k = plan.shape.k;
+  p.m_splits = splits.const_data_ptr();
+  p.splits_int32 = splits.scalar_type() == at::kInt;
+  return p;
+}
 
 // Why the sm90 kernel cannot run a layer of this dtype and shape on the input's device, or
 // nullptr when it can. rows: of the grouped operands (the input's, or its gathered rows').

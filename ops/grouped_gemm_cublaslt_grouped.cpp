@@ -18,17 +18,7 @@ namespace torchmoe::ops::detail {
 namespace {
 
 kernels::CublasLtGroupedParams params_for(kernels::GemmKind kind, const GemmPlan& plan) {
-  const at::Tensor& splits = plan.m_splits.device();
-  kernels::CublasLtGroupedParams p;
-  p.kind = kind;
-  p.input_type = kernel_type(plan.dtype);
-  p.output_type = p.input_type;
-  p.num_groups = static_cast<int>(plan.shape.groups);
-  p.rows = plan.rows;
-  p.n = plan.shape.n;
-  p.k = plan.shape.k;
-  p.m_splits = splits.const_data_ptr();
-  p.splits_int32 = splits.scalar_type() == at::kInt;
+  auto p = device_split_params<kernels::CublasLtGroupedParams>(kind, plan);
   p.allow_tf32 = at::globalContext().allowTF32CuBLAS();
   return p;
 }

@@ -84,21 +84,6 @@ kernels::GroupAddress group_address(const CheckedGroups& groups) {
 
 namespace {
 
-kernels::Sm90GemmParams params_for(kernels::GemmKind kind, const GemmPlan& plan) {
-  const at::Tensor& splits = plan.m_splits.device();
-  kernels::Sm90GemmParams p;
-  p.kind = kind;
-  p.input_type = kernel_type(plan.dtype);
-  p.output_type = p.input_type;
-  p.num_groups = static_cast<int>(plan.shape.groups);
-  p.rows = plan.rows;
-  p.n = plan.shape.n;
-  p.k = plan.shape.k;
-  p.m_splits = splits.const_data_ptr();
-  p.splits_int32 = splits.scalar_type() == at::kInt;
-  return p;
-}
-
 // The weights as the kernel reads them: one 3-D tensor map over equally spaced weights (built per
 // launch), or a cached device table of per-group maps. A map depends only on the kind, dtype,
 // shape and address, so those are the table's key and its G driver encodes run once per set of
@@ -180,7 +165,7 @@ void sm90_forward(const GemmPlan& plan, const at::Tensor& input, const at::Tenso
                   const CheckedGroups& weights, const CheckedGroups& biases, at::Tensor& output) {
   if (plan.rows == 0) return;
   const at::Tensor x = aligned_operand(input);
-  kernels::Sm90GemmParams p = params_for(kernels::GemmKind::kFprop, plan);
+  auto p = device_split_params<kernels::Sm90GemmParams>(kernels::GemmKind::kFprop, plan);
   set_input(p, x, gather_rows);
   p.output = output.data_ptr();
   set_weights(p, weights);
@@ -192,7 +177,7 @@ void sm90_dgrad(const GemmPlan& plan, const at::Tensor& grad_output, const Check
                 at::Tensor& grad_input) {
   if (plan.rows == 0) return;
   const at::Tensor dy = aligned_operand(grad_output);
-  kernels::Sm90GemmParams p = params_for(kernels::GemmKind::kDgrad, plan);
+  auto p = device_split_params<kernels::Sm90GemmParams>(kernels::GemmKind::kDgrad, plan);
   p.grad_output = dy.const_data_ptr();
   p.output = grad_input.data_ptr();
   set_weights(p, weights);
@@ -210,7 +195,7 @@ void sm90_wgrad(const GemmPlan& plan, const at::Tensor& input, const at::Tensor&
     return;
   }
   const at::Tensor x = aligned_operand(input), dy = aligned_operand(grad_output);
-  kernels::Sm90GemmParams p = params_for(kernels::GemmKind::kWgrad, plan);
+  auto p = device_split_params<kernels::Sm90GemmParams>(kernels::GemmKind::kWgrad, plan);
   p.output_type = kernel_type(weight_grads.tensors[0].scalar_type());
   set_input(p, x, gather_rows);
   p.grad_output = dy.const_data_ptr();
