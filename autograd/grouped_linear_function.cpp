@@ -2,6 +2,10 @@
 
 #include <ATen/ATen.h>
 
+#include <variant>
+
+#include "torchmoe/fp8/quantize_options.h"
+#include "torchmoe/ops/grouped_gemm_fp8.h"
 #include "torchmoe/ops/token_permutation.h"
 
 namespace torchmoe::autograd {
@@ -44,26 +48,134 @@ at::Tensor gather_rows_of(const GroupedLinearConfig& config) {
   return config.input_gather ? config.input_gather->rows : at::Tensor();
 }
 
+// Which gradients a forward must keep what for (FP8 keeps only the copies backward reads).
+struct BackwardNeeds {
+  bool input = false;    // d input (or d input_scales): dgrad reads the weights' columnwise copy
+  bool weights = false;  // d weights: wgrad reads the input's columnwise copy
+};
+
+// split_quantize's arguments for `role`'s tensor under the forward's recipe: the recipe's options,
+// the copies asked for, and with delayed scaling the layer's scale and the amax row this call's
+// amax is maxed into (row 0 of the history).
+struct Fp8QuantizeArgs {
+  ops::SplitQuantizeOptions options;
+  at::Tensor scale, amax;
+};
+
+Fp8QuantizeArgs quantize_args(const Fp8Config& f, fp8::TensorRole role, bool rowwise,
+                              bool columnwise) {
+  Fp8QuantizeArgs args;
+  args.options = fp8::split_quantize_options(f.recipe, role);
+  args.options.rowwise = rowwise;
+  args.options.columnwise = columnwise;
+  if (std::holds_alternative<fp8::DelayedScaling>(f.recipe)) {
+    TORCH_INTERNAL_ASSERT(f.state, "GroupedLinearFunction: delayed scaling without FP8 state");
+    const fp8::DelayedScalingTensors& t = f.state->tensors(role);
+    args.scale = t.scale;
+    args.amax = t.amax_history.select(0, 0);
+  }
+  return args;
+}
+
+ops::SplitQuantized split_quantize(const at::Tensor& t, const GemmPlan& plan,
+                                   const Fp8QuantizeArgs& args) {
+  return ops::split_quantize(t, plan.m_splits, args.options, args.scale, args.amax);
+}
+
+// The weights' FP8 copies for this call: quantized now, or made now and cached (is_first_microbatch
+// true), or the cached ones (false). A cache always holds both copies: a later micro-batch's
+// backward reads the columnwise one.
+ops::SplitQuantized fp8_weights(Fp8Config& f, const ops::GroupedTensors& weights, bool columnwise) {
+  auto quantize = [&](bool both) {
+    const Fp8QuantizeArgs args = quantize_args(f, fp8::TensorRole::kWeight, true, both);
+    return ops::quantize_weights(weights, args.options, args.scale, args.amax);
+  };
+  if (!f.is_first_microbatch.has_value()) return quantize(columnwise);
+  Fp8WeightCache& cache = *f.weight_cache;
+  if (*f.is_first_microbatch) {
+    cache.weights = quantize(true);
+    return cache.weights;
+  }
+  TORCH_CHECK(cache.weights.data.defined(), "GroupedLinear: is_first_microbatch=false reuses the ",
+              "FP8 weights cached by a call with is_first_microbatch=true, and there was none");
+  // The cached copies must be what this recipe would make: the same format and scaling (a block
+  // shape or format change would otherwise meet the other operand in a GEMM it was not made for).
+  const ops::SplitQuantizeOptions wanted =
+      fp8::split_quantize_options(f.recipe, fp8::TensorRole::kWeight);
+  TORCH_CHECK(cache.weights.format == wanted.format && cache.weights.scaling == wanted.scaling,
+              "GroupedLinear: is_first_microbatch=false under a recipe whose weights differ in ",
+              "format or scaling from the cached FP8 weights; pass is_first_microbatch=true when ",
+              "the recipe changes");
+  return cache.weights;
+}
+
+// The FP8 forward: quantize the GEMM input and the weights, one FP8 product, keep the copies
+// backward reads in the config.
+at::Tensor fp8_forward_output(const at::Tensor& gemm_input, at::TensorList weights,
+                              at::TensorList biases, GroupedLinearConfig& config,
+                              BackwardNeeds needs) {
+  Fp8Config& f = *config.fp8;
+  const GemmPlan& plan = config.plan;
+  TORCH_CHECK(gemm_input.size(0) == plan.rows, "GroupedLinearFunction: input must have the plan's ",
+              plan.rows, " rows, got ", gemm_input.size(0));
+  ops::SplitQuantized input =
+      split_quantize(gemm_input.contiguous(), plan,
+                     quantize_args(f, fp8::TensorRole::kInput, true, needs.weights));
+  ops::SplitQuantized w = fp8_weights(f, grouped(weights, config.grouped_weight), needs.input);
+  at::Tensor output = ops::grouped_linear_forward_fp8(
+      plan, input, w, grouped(biases, config.grouped_bias), gemm_input.scalar_type());
+  if (needs.weights) {
+    input.data = at::Tensor();  // backward reads the columnwise copy only
+    f.input = std::move(input);
+  }
+  if (needs.input) f.weights = std::move(w);
+  return output;
+}
+
 // The layer's output, the same with or without autograd.
 at::Tensor forward_output(const at::Tensor& input, const at::Tensor& scales, at::TensorList weights,
-                          at::TensorList biases, const GroupedLinearConfig& config) {
+                          at::TensorList biases, GroupedLinearConfig& config, BackwardNeeds needs) {
   check_layout(weights, config.grouped_weight, 3, "weights");
   check_layout(biases, config.grouped_bias, 2, "biases");
   TORCH_CHECK(!config.input_activation || !config.input_gather, "GroupedLinearFunction: ",
               "config.input_activation and config.input_gather cannot both be set");
+  TORCH_CHECK(config.fp8.has_value() == config.plan.fp8, "GroupedLinearFunction: config.fp8 ",
+              "must be set exactly when the plan is an FP8 plan");
   const at::Tensor gemm_input =
       config.input_activation ? ops::glu_forward(input, scales, *config.input_activation) : input;
+  if (config.fp8) {
+    // FP8 GEMMs read no row map: the gathered copy is quantized.
+    const at::Tensor rows =
+        config.input_gather ? gemm_input.index_select(0, config.input_gather->rows) : gemm_input;
+    return fp8_forward_output(rows, weights, biases, config, needs);
+  }
   return ops::grouped_linear_forward(config.plan, gemm_input,
                                      grouped(weights, config.grouped_weight),
                                      grouped(biases, config.grouped_bias), gather_rows_of(config));
+}
+
+// The weight-gradient GEMM of either precision: from the 16-bit input and grad_output, or from
+// their FP8 columnwise copies (then bias gradients come from grad_output's column sums).
+void run_wgrad(const GroupedLinearConfig& cfg, const at::Tensor& input,
+               const at::Tensor& gather_rows, const at::Tensor& grad_output,
+               const ops::SplitQuantized& fp8_input, const ops::SplitQuantized& fp8_grad_output,
+               const ops::GroupedTensors& out, bool accumulate,
+               const ops::GroupedTensors& bias_grads) {
+  if (!cfg.fp8) {
+    ops::grouped_linear_wgrad(cfg.plan, input, grad_output, out, accumulate, bias_grads,
+                              gather_rows);
+    return;
+  }
+  ops::grouped_linear_wgrad_fp8(cfg.plan, fp8_input, fp8_grad_output, out, accumulate);
+  if (!bias_grads.empty()) ops::grouped_bias_grad(cfg.plan, grad_output, bias_grads);
 }
 
 }  // namespace
 
 std::vector<GemmPlan> plan_layers(const char* module, const at::Tensor& input,
                                   c10::ArrayRef<GemmShape> shapes, const SplitSizes& m_splits,
-                                  GemmBackend backend, const at::Tensor& gather_rows) {
-  return ops::plan_grouped_gemms(module, input, shapes, m_splits, backend, gather_rows);
+                                  GemmBackend backend, const at::Tensor& gather_rows, bool fp8) {
+  return ops::plan_grouped_gemms(module, input, shapes, m_splits, backend, gather_rows, fp8);
 }
 
 at::Tensor GroupedLinearFunction::forward(AutogradContext* ctx, const at::Tensor& input,
@@ -74,8 +186,15 @@ at::Tensor GroupedLinearFunction::forward(AutogradContext* ctx, const at::Tensor
   TORCH_CHECK(!input_scales.has_value() || config->input_activation, "GroupedLinearFunction: ",
               "input_scales are the input activation's scales; config.input_activation is unset");
   const at::Tensor scales = input_scales.value_or(at::Tensor());
-  at::Tensor output = forward_output(input, scales, weights, biases, *config);
-  ctx->save_for_backward({input, scales});
+  BackwardNeeds needs;
+  needs.input = input.requires_grad() || (scales.defined() && scales.requires_grad());
+  for (const at::Tensor& w : weights) needs.weights |= w.requires_grad();
+  at::Tensor output = forward_output(input, scales, weights, biases, *config, needs);
+  // FP8 backward reads the quantized copies kept in the config; the 16-bit input only to
+  // differentiate a fused activation (its pre-activation) or to route a gathered input's gradient
+  // (its shape).
+  const bool keeps_input = !config->fp8 || config->input_activation || config->input_gather;
+  ctx->save_for_backward({keeps_input ? input : at::Tensor(), scales});
   config->weights = weights.vec();
   config->weight_versions.clear();
   for (const at::Tensor& w : weights) config->weight_versions.push_back(w._version());
@@ -103,15 +222,38 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
   const size_t first_weight = scales.defined() ? 2 : 1;  // edge index
   variable_list grads(kFirstWeightSlot + num_weights + num_biases + 1);
   const bool scales_need_grad = scales.defined() && ctx->needs_input_grad(1);
-  if (ctx->needs_input_grad(0) || scales_need_grad) {
-    for (size_t i = 0; i < num_weights; ++i) {
-      TORCH_CHECK(weights[i]._version() == cfg.weight_versions[i],
-                  "GroupedLinear backward: weight ", i, " was modified in place after the forward ",
-                  "(version ", cfg.weight_versions[i], ", now ", weights[i]._version(),
-                  "); its gradient would be wrong. Run backward before changing the weights.");
+  const bool input_needs_grad = ctx->needs_input_grad(0) || scales_need_grad;
+  bool weights_need_grad = false, biases_need_grad = false;
+  for (size_t i = 0; i < num_weights; ++i) {
+    weights_need_grad |= ctx->needs_input_grad(first_weight + i);
+  }
+  for (size_t i = 0; i < num_biases; ++i) {
+    biases_need_grad |= ctx->needs_input_grad(first_weight + num_weights + i);
+  }
+  // FP8: the output gradient's rowwise copy for dgrad, its columnwise one for wgrad.
+  ops::SplitQuantized fp8_grad_output;
+  if (cfg.fp8 && (input_needs_grad || weights_need_grad)) {
+    fp8_grad_output = split_quantize(
+        grad_output, cfg.plan,
+        quantize_args(*cfg.fp8, fp8::TensorRole::kGradOutput, input_needs_grad, weights_need_grad));
+  }
+
+  if (input_needs_grad) {
+    at::Tensor grad_gemm_input;
+    if (cfg.fp8) {
+      grad_gemm_input = ops::grouped_linear_dgrad_fp8(cfg.plan, fp8_grad_output, cfg.fp8->weights,
+                                                      grad_output.scalar_type());
+    } else {
+      for (size_t i = 0; i < num_weights; ++i) {
+        TORCH_CHECK(weights[i]._version() == cfg.weight_versions[i],
+                    "GroupedLinear backward: weight ", i,
+                    " was modified in place after the forward (version ", cfg.weight_versions[i],
+                    ", now ", weights[i]._version(),
+                    "); its gradient would be wrong. Run backward before changing the weights.");
+      }
+      grad_gemm_input =
+          ops::grouped_linear_dgrad(cfg.plan, grad_output, grouped(weights, cfg.grouped_weight));
     }
-    at::Tensor grad_gemm_input =
-        ops::grouped_linear_dgrad(cfg.plan, grad_output, grouped(weights, cfg.grouped_weight));
     if (cfg.input_activation) {
       ops::GluGrads glu = ops::glu_backward(grad_gemm_input, input, scales, *cfg.input_activation,
                                             scales_need_grad);
@@ -123,13 +265,6 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
       grads[0] = std::move(grad_gemm_input);
     }
   }
-  bool weights_need_grad = false, biases_need_grad = false;
-  for (size_t i = 0; i < num_weights; ++i) {
-    weights_need_grad |= ctx->needs_input_grad(first_weight + i);
-  }
-  for (size_t i = 0; i < num_biases; ++i) {
-    biases_need_grad |= ctx->needs_input_grad(first_weight + num_weights + i);
-  }
 
   // Bias gradients in one [G, out] buffer, handed to autograd in the parameters' layout.
   const at::Tensor bias_grad =
@@ -138,24 +273,26 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
   const ops::GroupedTensors bias_grads =
       biases_need_grad ? ops::GroupedTensors::stacked(bias_grad) : ops::GroupedTensors();
 
-  // The wgrad GEMM's input: recomputed here when forward saved the pre-activation instead.
-  const at::Tensor gemm_input = weights_need_grad && cfg.input_activation
+  // The 16-bit wgrad GEMM's input: recomputed here when forward saved the pre-activation instead
+  // (FP8 kept the activation's columnwise copy).
+  const at::Tensor gemm_input = weights_need_grad && cfg.input_activation && !cfg.fp8
                                     ? ops::glu_forward(input, scales, *cfg.input_activation)
                                     : input;
+  const ops::SplitQuantized fp8_input = cfg.fp8 ? cfg.fp8->input : ops::SplitQuantized();
   if (weights_need_grad && cfg.wgrad_queue) {
     // Delayed: dbias now (it is cheap and autograd wants it), the wgrad GEMM in backward_dw().
-    cfg.wgrad_queue->push_back(DelayedWgrad{gemm_input, gather_rows_of(cfg), grad_output, config});
+    cfg.wgrad_queue->push_back(DelayedWgrad{cfg.fp8 ? at::Tensor() : gemm_input,
+                                            gather_rows_of(cfg), grad_output, fp8_input,
+                                            fp8_grad_output, config});
     if (biases_need_grad) ops::grouped_bias_grad(cfg.plan, grad_output, bias_grads);
   } else if (weights_need_grad && !cfg.main_grads.empty()) {
-    ops::grouped_linear_wgrad(cfg.plan, gemm_input, grad_output,
-                              grouped(cfg.main_grads, cfg.grouped_weight), !cfg.overwrite_main_grad,
-                              bias_grads, gather_rows_of(cfg));
+    run_wgrad(cfg, gemm_input, gather_rows_of(cfg), grad_output, fp8_input, fp8_grad_output,
+              grouped(cfg.main_grads, cfg.grouped_weight), !cfg.overwrite_main_grad, bias_grads);
   } else if (weights_need_grad) {
     const at::Tensor weight_grad =
-        new_group_buffer({cfg.plan.shape.n, cfg.plan.shape.k}, groups, gemm_input.options());
-    ops::grouped_linear_wgrad(cfg.plan, gemm_input, grad_output,
-                              ops::GroupedTensors::stacked(weight_grad),
-                              /*accumulate=*/false, bias_grads, gather_rows_of(cfg));
+        new_group_buffer({cfg.plan.shape.n, cfg.plan.shape.k}, groups, grad_output.options());
+    run_wgrad(cfg, gemm_input, gather_rows_of(cfg), grad_output, fp8_input, fp8_grad_output,
+              ops::GroupedTensors::stacked(weight_grad), /*accumulate=*/false, bias_grads);
     const std::vector<at::Tensor> weight_grads = in_layout(weight_grad, cfg.grouped_weight);
     std::copy(weight_grads.begin(), weight_grads.end(), grads.begin() + kFirstWeightSlot);
   } else if (biases_need_grad) {
@@ -177,7 +314,8 @@ at::Tensor grouped_linear(const at::Tensor& input, const std::optional<at::Tenso
   if (at::GradMode::is_enabled() && needs_grad) {
     return GroupedLinearFunction::apply(input, input_scales, weights, biases, config);
   }
-  return forward_output(input, input_scales.value_or(at::Tensor()), weights, biases, *config);
+  return forward_output(input, input_scales.value_or(at::Tensor()), weights, biases, *config,
+                        BackwardNeeds{});
 }
 
 std::vector<at::Tensor> run_delayed_wgrad(const DelayedWgrad& work) {
@@ -186,16 +324,16 @@ std::vector<at::Tensor> run_delayed_wgrad(const DelayedWgrad& work) {
   const at::NoGradGuard no_grad;
   const GroupedLinearConfig& cfg = *work.config;
   if (!cfg.main_grads.empty()) {
-    ops::grouped_linear_wgrad(cfg.plan, work.input, work.grad_output,
-                              grouped(cfg.main_grads, cfg.grouped_weight), !cfg.overwrite_main_grad,
-                              {}, work.gather_rows);
+    run_wgrad(cfg, work.input, work.gather_rows, work.grad_output, work.fp8_input,
+              work.fp8_grad_output, grouped(cfg.main_grads, cfg.grouped_weight),
+              !cfg.overwrite_main_grad, {});
     return {};
   }
-  const at::Tensor weight_grad = new_group_buffer({cfg.plan.shape.n, cfg.plan.shape.k},
-                                                  cfg.plan.shape.groups, work.input.options());
-  ops::grouped_linear_wgrad(cfg.plan, work.input, work.grad_output,
-                            ops::GroupedTensors::stacked(weight_grad),
-                            /*accumulate=*/false, {}, work.gather_rows);
+  const at::Tensor weight_grad = new_group_buffer(
+      {cfg.plan.shape.n, cfg.plan.shape.k}, cfg.plan.shape.groups, work.grad_output.options());
+  run_wgrad(cfg, work.input, work.gather_rows, work.grad_output, work.fp8_input,
+            work.fp8_grad_output, ops::GroupedTensors::stacked(weight_grad),
+            /*accumulate=*/false, {});
   return in_layout(weight_grad, cfg.grouped_weight);
 }
 

@@ -13,8 +13,11 @@
 #include <optional>
 #include <vector>
 
+#include "torchmoe/fp8/recipe.h"
+#include "torchmoe/fp8/state.h"
 #include "torchmoe/ops/glu.h"
 #include "torchmoe/ops/grouped_gemm.h"
+#include "torchmoe/ops/quantize.h"
 
 namespace torchmoe::autograd {
 
@@ -24,9 +27,11 @@ using ops::GemmShape;
 // The plans of one module call: which backend runs each layer and the split sizes every GEMM of
 // its forward and backward reads (ops::plan_grouped_gemms; gather_rows: the first layer's row
 // map, if it reads `input` through one). `module` names the caller in errors.
+// fp8: plan the FP8 products (ops::plan_grouped_gemms' FP8 table).
 std::vector<GemmPlan> plan_layers(const char* module, const at::Tensor& input,
                                   c10::ArrayRef<GemmShape> shapes, const SplitSizes& m_splits,
-                                  GemmBackend backend, const at::Tensor& gather_rows = {});
+                                  GemmBackend backend, const at::Tensor& gather_rows = {},
+                                  bool fp8 = false);
 
 struct GroupedLinearConfig;
 
@@ -44,7 +49,30 @@ struct DelayedWgrad {
   at::Tensor input;        // [rows, in], or the gathered input and its row map:
   at::Tensor gather_rows;  // [rows] (RowGather::rows), else undefined
   at::Tensor grad_output;  // [rows, out]
+  // FP8: the columnwise copies the GEMM reads instead of input and grad_output.
+  ops::SplitQuantized fp8_input;
+  ops::SplitQuantized fp8_grad_output;
   c10::intrusive_ptr<GroupedLinearConfig> config;
+};
+
+// The FP8 copies of a layer's weights kept across micro-batches (is_first_microbatch): made by a
+// call with true, read by calls with false. Owned by the layer, shared with its calls' configs.
+struct Fp8WeightCache {
+  ops::SplitQuantized weights;  // rowwise (fprop) and columnwise (dgrad), as quantize_weights
+};
+
+// What an FP8 forward keeps (docs/fp8.md): the recipe, copied from fp8::current() because
+// backward runs on another thread and after the autocast region; the layer's delayed-scaling
+// state; and the quantized operands that backward reads instead of the 16-bit tensors.
+struct Fp8Config {
+  fp8::Recipe recipe;
+  fp8::Fp8State state{nullptr};  // the layer's; required by DelayedScaling
+  // nullopt: quantize the weights every call; true: quantize and cache; false: use the cache.
+  std::optional<bool> is_first_microbatch;
+  std::shared_ptr<Fp8WeightCache> weight_cache;  // the layer's (used when is_first_microbatch)
+  // Set by forward: the input's columnwise copy (wgrad), the weights' (dgrad).
+  ops::SplitQuantized input;
+  ops::SplitQuantized weights;
 };
 
 // FIFO of delayed weight-gradient GEMMs: oldest backward first.
@@ -75,6 +103,9 @@ struct GroupedLinearConfig : torch::CustomClassHolder {
   // The input is read through a row map (not with input_activation): the Function's input is the
   // un-gathered [input rows, in] tensor, which is also what backward keeps.
   std::optional<RowGather> input_gather;
+  // FP8 products (the plan is an FP8 plan): forward quantizes the GEMM input and the weights,
+  // backward the output gradient, and the GEMMs read the FP8 copies.
+  std::optional<Fp8Config> fp8;
 };
 
 class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunction> {

@@ -8,6 +8,7 @@
 #include <unordered_map>
 
 #include "torchmoe/kernels/cuda_check.h"
+#include "torchmoe/kernels/split_quantize.h"
 
 namespace torchmoe::kernels {
 namespace {
@@ -20,7 +21,8 @@ uint8_t alignment_of(const void* ptr) {
   return alignment;
 }
 
-// The column-major problem cuBLASLt sees for one group (see the header for the row-major view).
+// The column-major problem cuBLASLt sees for one matmul (row-major operands pass as their
+// transposes).
 struct BlasProblem {
   cublasOperation_t trans_a, trans_b;
   uint64_t a_rows, a_cols, b_rows, b_cols, d_rows, d_cols;  // as stored; ld = rows
@@ -42,18 +44,32 @@ BlasProblem blas_problem(GemmKind kind, const GemmGroup& g, int64_t n, int64_t k
   TORCH_INTERNAL_ASSERT(false, "unknown GemmKind");
 }
 
+// C[m, n] = A[m, kk] · B[n, kk]ᵀ row-major is D(n×m) = Bᵀ-op(kk×n stored) · A(kk×m stored).
+BlasProblem fp8_problem(const Fp8GemmGroup& g, int64_t n) {
+  const auto m = static_cast<uint64_t>(g.m), kk = static_cast<uint64_t>(g.kk);
+  const auto un = static_cast<uint64_t>(n);
+  return {CUBLAS_OP_T, CUBLAS_OP_N, kk, un, kk, m, un, m, g.b, g.a};
+}
+
+constexpr int32_t kNoScaleMode = -1;  // 16/32-bit operands: no scale attributes
+
+// Everything that selects descriptors and an algorithm. Shapes, types and alignments, not
+// pointers: those are set on the descriptor at each launch.
 struct PlanKey {
-  GemmKind kind;
-  int64_t rows, n, k;
-  ScalarType input_type, output_type;
-  bool accumulate, allow_tf32;
+  cublasOperation_t trans_a, trans_b;
+  uint64_t a_rows, a_cols, b_rows, b_cols, d_rows, d_cols;
+  cudaDataType_t a_type, b_type, d_type;
+  cublasComputeType_t compute;
+  int32_t a_scale_mode, b_scale_mode;  // cublasLtMatmulMatrixScale_t or kNoScaleMode
+  bool fast_accumulation;
   cublasLtEpilogue_t epilogue;
   uint8_t align_a, align_b, align_d, align_bias;
   size_t workspace_bytes;
   int device;
 
   auto fields() const {
-    return std::make_tuple(kind, rows, n, k, input_type, output_type, accumulate, allow_tf32,
+    return std::make_tuple(trans_a, trans_b, a_rows, a_cols, b_rows, b_cols, d_rows, d_cols, a_type,
+                           b_type, d_type, compute, a_scale_mode, b_scale_mode, fast_accumulation,
                            epilogue, align_a, align_b, align_d, align_bias, workspace_bytes,
                            device);
   }
@@ -76,6 +92,38 @@ struct PlanKeyHash {
     }
   }
 };
+
+PlanKey plan_key(const BlasProblem& p, cudaDataType_t a_type, cudaDataType_t b_type,
+                 cudaDataType_t d_type, cublasComputeType_t compute, const void* output,
+                 size_t workspace_bytes, int device) {
+  PlanKey key{};
+  key.trans_a = p.trans_a;
+  key.trans_b = p.trans_b;
+  key.a_rows = p.a_rows;
+  key.a_cols = p.a_cols;
+  key.b_rows = p.b_rows;
+  key.b_cols = p.b_cols;
+  key.d_rows = p.d_rows;
+  key.d_cols = p.d_cols;
+  key.a_type = a_type;
+  key.b_type = b_type;
+  key.d_type = d_type;
+  key.compute = compute;
+  key.a_scale_mode = key.b_scale_mode = kNoScaleMode;
+  key.epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+  key.align_a = alignment_of(p.a);
+  key.align_b = alignment_of(p.b);
+  key.align_d = alignment_of(output);
+  key.align_bias = 16;
+  key.workspace_bytes = workspace_bytes;
+  key.device = device;
+  return key;
+}
+
+void set_epilogue(PlanKey& key, cublasLtEpilogue_t epilogue, const void* bias) {
+  key.epilogue = epilogue;
+  key.align_bias = bias != nullptr ? alignment_of(bias) : 16;
+}
 
 // Descriptors and the chosen algorithm for one PlanKey, built once and reused.
 struct Plan {
@@ -112,25 +160,49 @@ void set_pref(cublasLtMatmulPreference_t pref, cublasLtMatmulPreferenceAttribute
   TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &value, sizeof(value)));
 }
 
+// The pointers a matmul sets on its descriptor. The algorithm is chosen with them in place: with
+// FP8 scale pointers unset, the heuristic returns algorithms that cublasLtMatmul then refuses once
+// they are set (measured on the H100, cuBLAS 13.1).
+struct DescPointers {
+  const void* bias = nullptr;      // the epilogue's pointer (BIAS or BGRADB), or null
+  const float* a_scale = nullptr;  // cuBLAS's A and B scale pointers (FP8), or null
+  const float* b_scale = nullptr;
+};
+
+void set_pointers(cublasLtMatmulDesc_t desc, const DescPointers& pointers) {
+  if (pointers.bias != nullptr) set_desc(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, pointers.bias);
+  if (pointers.a_scale != nullptr) {
+    set_desc(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, pointers.a_scale);
+    set_desc(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, pointers.b_scale);
+  }
+}
+
 // Returns null when cuBLASLt has no algorithm for the combination (e.g. an epilogue it does not
 // support for these types); throws on any other failure.
-std::unique_ptr<Plan> make_plan(const PlanKey& key, const BlasProblem& p, const void* bias_ptr,
+std::unique_ptr<Plan> make_plan(const PlanKey& key, const DescPointers& pointers,
                                 cublasLtHandle_t handle) {
   auto plan = std::make_unique<Plan>();
-  const bool fp32 = key.input_type == ScalarType::kFloat32;
-  const cublasComputeType_t compute =
-      fp32 && key.allow_tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
-  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulDescCreate(&plan->desc, compute, CUDA_R_32F));
-  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, p.trans_a);
-  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, p.trans_b);
+  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulDescCreate(&plan->desc, key.compute, CUDA_R_32F));
+  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, key.trans_a);
+  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, key.trans_b);
   set_desc(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, key.epilogue);
   if (key.epilogue != CUBLASLT_EPILOGUE_DEFAULT) {
-    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias_ptr);
+    // The bias (gradient) has the output's type. Said explicitly: FP8 kernels with an fp32 output
+    // otherwise read a bf16 bias.
+    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<int32_t>(key.d_type));
   }
-  const cudaDataType_t in = cuda_type(key.input_type), out = cuda_type(key.output_type);
-  TORCHMOE_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&plan->a, in, p.a_rows, p.a_cols, p.a_rows));
-  TORCHMOE_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&plan->b, in, p.b_rows, p.b_cols, p.b_rows));
-  TORCHMOE_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&plan->d, out, p.d_rows, p.d_cols, p.d_rows));
+  set_pointers(plan->desc, pointers);
+  if (key.a_scale_mode != kNoScaleMode) {
+    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, key.a_scale_mode);
+    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, key.b_scale_mode);
+    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t{key.fast_accumulation});
+  }
+  TORCHMOE_CUBLASLT_CHECK(
+      cublasLtMatrixLayoutCreate(&plan->a, key.a_type, key.a_rows, key.a_cols, key.a_rows));
+  TORCHMOE_CUBLASLT_CHECK(
+      cublasLtMatrixLayoutCreate(&plan->b, key.b_type, key.b_rows, key.b_cols, key.b_rows));
+  TORCHMOE_CUBLASLT_CHECK(
+      cublasLtMatrixLayoutCreate(&plan->d, key.d_type, key.d_rows, key.d_cols, key.d_rows));
 
   PreferenceHandle pref;
   set_pref(pref.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, uint64_t{key.workspace_bytes});
@@ -141,7 +213,7 @@ std::unique_ptr<Plan> make_plan(const PlanKey& key, const BlasProblem& p, const 
   // Split-K kernels may add their partial sums in the output type (INPLACE, OUTPUT_TYPE schemes).
   // For fp16/bf16 outputs that rounds mid-reduction (measured: ~1% error on dgrad/wgrad), so
   // only fp32 reductions are allowed there: all math in fp32, one rounding at the store.
-  const uint32_t reductions = key.output_type == ScalarType::kFloat32
+  const uint32_t reductions = key.d_type == CUDA_R_32F
                                   ? uint32_t{CUBLASLT_REDUCTION_SCHEME_MASK}
                                   : uint32_t{CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE};
   set_pref(pref.pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, reductions);
@@ -162,13 +234,12 @@ std::unique_ptr<Plan> make_plan(const PlanKey& key, const BlasProblem& p, const 
 // host at launch time only. MoE split sizes change every step, so the cache is bounded.
 constexpr size_t kMaxCachedPlans = 4096;
 
-const Plan* find_plan(const PlanKey& key, const BlasProblem& p, const void* bias_ptr,
-                      cublasLtHandle_t handle) {
+const Plan* find_plan(const PlanKey& key, const DescPointers& pointers, cublasLtHandle_t handle) {
   thread_local std::unordered_map<PlanKey, std::unique_ptr<Plan>, PlanKeyHash> cache;
   auto it = cache.find(key);
   if (it == cache.end()) {
     if (cache.size() >= kMaxCachedPlans) cache.clear();
-    it = cache.emplace(key, make_plan(key, p, bias_ptr, handle)).first;
+    it = cache.emplace(key, make_plan(key, pointers, handle)).first;
   }
   return it->second.get();
 }
@@ -197,6 +268,81 @@ const char* kind_name(GemmKind kind) {
   return "?";
 }
 
+// One matmul with its plan and the pointers set on the descriptor at launch.
+struct LtCall {
+  const Plan* plan = nullptr;
+  BlasProblem problem{};
+  void* output = nullptr;
+  DescPointers pointers;
+};
+
+// How many streams a call of `nonempty` matmuls spreads over, and each stream's workspace.
+struct StreamSplit {
+  size_t streams = 1;
+  size_t workspace_per_stream = 0;
+};
+
+StreamSplit split_streams(const CublasLtEnv& env, size_t nonempty) {
+  StreamSplit split;
+  split.streams = std::max<size_t>(1, std::min(env.side_streams.size() + 1, nonempty));
+  split.workspace_per_stream = (env.workspace_bytes / split.streams) / 256 * 256;
+  return split;
+}
+
+// Issues the matmuls round-robin over the caller's stream and the side streams, which fork from
+// and join back into it.
+void launch_calls(const std::vector<LtCall>& calls, float beta, const StreamSplit& split,
+                  const CublasLtEnv& env, int device) {
+  auto stream_at = [&](size_t i) { return i == 0 ? env.stream : env.side_streams[i - 1]; };
+  const size_t num_streams = std::min(split.streams, std::max<size_t>(1, calls.size()));
+  if (num_streams > 1) {
+    cudaEvent_t fork = fork_join_event(device, 0);
+    TORCHMOE_CUDA_CHECK(cudaEventRecord(fork, env.stream));
+    for (size_t i = 1; i < num_streams; ++i) {
+      TORCHMOE_CUDA_CHECK(cudaStreamWaitEvent(stream_at(i), fork, 0));
+    }
+  }
+  const float alpha = 1.0f;
+  for (size_t i = 0; i < calls.size(); ++i) {
+    const LtCall& c = calls[i];
+    const size_t stream_index = i % num_streams;
+    set_pointers(c.plan->desc, c.pointers);
+    void* workspace = static_cast<char*>(env.workspace) + stream_index * split.workspace_per_stream;
+    TORCHMOE_CUBLASLT_CHECK(cublasLtMatmul(env.handle, c.plan->desc, &alpha, c.problem.a, c.plan->a,
+                                           c.problem.b, c.plan->b, &beta, c.output, c.plan->d,
+                                           c.output, c.plan->d, &c.plan->algo, workspace,
+                                           split.workspace_per_stream, stream_at(stream_index)));
+  }
+  for (size_t i = 1; i < num_streams; ++i) {
+    cudaEvent_t join = fork_join_event(device, i);
+    TORCHMOE_CUDA_CHECK(cudaEventRecord(join, stream_at(i)));
+    TORCHMOE_CUDA_CHECK(cudaStreamWaitEvent(env.stream, join, 0));
+  }
+}
+
+int current_device() {
+  int device = 0;
+  TORCHMOE_CUDA_CHECK(cudaGetDevice(&device));
+  return device;
+}
+
+cudaDataType_t fp8_type(Fp8Format format) {
+  return format == Fp8Format::kE4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2;
+}
+
+int32_t scale_mode(QuantizeScaling scaling) {
+  switch (scaling) {
+    case QuantizeScaling::kCurrent:
+    case QuantizeScaling::kDelayed:
+      return CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+    case QuantizeScaling::kBlock1x128:
+      return CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    case QuantizeScaling::kBlock128x128:
+      return CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown QuantizeScaling");
+}
+
 }  // namespace
 
 GroupedGemmResult run_grouped_gemm_cublaslt(const GroupedGemmParams& params,
@@ -205,8 +351,7 @@ GroupedGemmResult run_grouped_gemm_cublaslt(const GroupedGemmParams& params,
   TORCH_INTERNAL_ASSERT(params.n > 0 && params.k > 0, "run_grouped_gemm_cublaslt: empty features");
   TORCH_INTERNAL_ASSERT(!params.accumulate || params.kind == GemmKind::kWgrad,
                         "run_grouped_gemm_cublaslt: only wgrad accumulates");
-  int device = 0;
-  TORCHMOE_CUDA_CHECK(cudaGetDevice(&device));
+  const int device = current_device();
 
   const bool is_wgrad = params.kind == GemmKind::kWgrad;
   const size_t in_size = element_size(params.input_type);
@@ -214,31 +359,22 @@ GroupedGemmResult run_grouped_gemm_cublaslt(const GroupedGemmParams& params,
   bool wants_bias_grad = false;
   size_t nonempty = 0;
   for (const GemmGroup& g : params.groups) {
+    TORCH_INTERNAL_ASSERT(g.rows >= 0, "run_grouped_gemm_cublaslt: negative group size");
     wants_bias_grad |= is_wgrad && g.bias_grad != nullptr;
     nonempty += g.rows > 0;
   }
   // The epilogue writes the bias gradient in the output type; fuse it only when that is the bias's
   // own type (not for low-precision inputs accumulating into fp32 main-grad).
   bool fuse_bias_grad = wants_bias_grad && params.input_type == params.output_type;
-  GroupedGemmResult result{fuse_bias_grad};
+  const StreamSplit split = split_streams(env, nonempty);
+  const bool fp32 = params.input_type == ScalarType::kFloat32;
+  const cublasComputeType_t compute =
+      fp32 && params.allow_tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  const cudaDataType_t in = cuda_type(params.input_type), out = cuda_type(params.output_type);
 
-  const size_t num_streams = std::max<size_t>(1, std::min(env.side_streams.size() + 1, nonempty));
-  const size_t workspace_per_stream = (env.workspace_bytes / num_streams) / 256 * 256;
-  auto stream_at = [&](size_t i) { return i == 0 ? env.stream : env.side_streams[i - 1]; };
-
-  if (num_streams > 1) {
-    cudaEvent_t fork = fork_join_event(device, 0);
-    TORCHMOE_CUDA_CHECK(cudaEventRecord(fork, env.stream));
-    for (size_t i = 1; i < num_streams; ++i) {
-      TORCHMOE_CUDA_CHECK(cudaStreamWaitEvent(stream_at(i), fork, 0));
-    }
-  }
-
-  const float alpha = 1.0f;
-  const float beta = params.accumulate ? 1.0f : 0.0f;
-  size_t issued = 0;
+  std::vector<LtCall> calls;
+  calls.reserve(nonempty);
   for (const GemmGroup& g : params.groups) {
-    TORCH_INTERNAL_ASSERT(g.rows >= 0, "run_grouped_gemm_cublaslt: negative group size");
     if (g.rows == 0) {
       // fprop/dgrad own no rows of an empty group; wgrad owns dW_g and db_g, which are zero.
       if (is_wgrad && !params.accumulate) {
@@ -250,63 +386,107 @@ GroupedGemmResult run_grouped_gemm_cublaslt(const GroupedGemmParams& params,
       }
       continue;
     }
-    const size_t stream_index = issued++ % num_streams;
-    const BlasProblem problem = blas_problem(params.kind, g, params.n, params.k);
-
-    const void* bias_ptr = nullptr;
+    LtCall call;
+    call.problem = blas_problem(params.kind, g, params.n, params.k);
+    call.output = g.output;
     cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
     if (params.kind == GemmKind::kFprop && g.bias != nullptr) {
       epilogue = CUBLASLT_EPILOGUE_BIAS;
-      bias_ptr = g.bias;
+      call.pointers.bias = g.bias;
     } else if (fuse_bias_grad && g.bias_grad != nullptr) {
       epilogue = CUBLASLT_EPILOGUE_BGRADB;
-      bias_ptr = g.bias_grad;
+      call.pointers.bias = g.bias_grad;
     }
-    PlanKey key{};
-    key.kind = params.kind;
-    key.rows = g.rows;
-    key.n = params.n;
-    key.k = params.k;
-    key.input_type = params.input_type;
-    key.output_type = params.output_type;
-    key.accumulate = params.accumulate;
-    key.allow_tf32 = params.allow_tf32;
-    key.epilogue = epilogue;
-    key.align_a = alignment_of(problem.a);
-    key.align_b = alignment_of(problem.b);
-    key.align_d = alignment_of(g.output);
-    key.align_bias = bias_ptr ? alignment_of(bias_ptr) : 16;
-    key.workspace_bytes = workspace_per_stream;
-    key.device = device;
-
-    const Plan* plan = find_plan(key, problem, bias_ptr, env.handle);
-    if (plan == nullptr && epilogue == CUBLASLT_EPILOGUE_BGRADB) {
-      // No fused bias-gradient kernel for this case: the caller reduces dy instead.
+    PlanKey key =
+        plan_key(call.problem, in, in, out, compute, g.output, split.workspace_per_stream, device);
+    set_epilogue(key, epilogue, call.pointers.bias);
+    call.plan = find_plan(key, call.pointers, env.handle);
+    if (call.plan == nullptr && epilogue == CUBLASLT_EPILOGUE_BGRADB) {
+      // No fused bias-gradient kernel for this case: the caller reduces dy instead, for every
+      // group (earlier groups' fused results are simply overwritten).
       fuse_bias_grad = false;
-      result.bias_grad_computed = false;
-      epilogue = CUBLASLT_EPILOGUE_DEFAULT;
-      key.epilogue = epilogue;
-      key.align_bias = 16;
-      bias_ptr = nullptr;
-      plan = find_plan(key, problem, bias_ptr, env.handle);
+      call.pointers.bias = nullptr;
+      set_epilogue(key, CUBLASLT_EPILOGUE_DEFAULT, nullptr);
+      call.plan = find_plan(key, call.pointers, env.handle);
     }
-    TORCH_CHECK(plan != nullptr, "torchmoe: cuBLASLt has no algorithm for grouped ",
+    TORCH_CHECK(call.plan != nullptr, "torchmoe: cuBLASLt has no algorithm for grouped ",
                 kind_name(params.kind), " with rows=", g.rows, ", n=", params.n, ", k=", params.k);
-    if (bias_ptr != nullptr) {
-      set_desc(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias_ptr);
-    }
-    void* workspace = static_cast<char*>(env.workspace) + stream_index * workspace_per_stream;
-    TORCHMOE_CUBLASLT_CHECK(cublasLtMatmul(env.handle, plan->desc, &alpha, problem.a, plan->a,
-                                           problem.b, plan->b, &beta, g.output, plan->d, g.output,
-                                           plan->d, &plan->algo, workspace, workspace_per_stream,
-                                           stream_at(stream_index)));
+    calls.push_back(call);
   }
+  launch_calls(calls, params.accumulate ? 1.0f : 0.0f, split, env, device);
+  return GroupedGemmResult{fuse_bias_grad};
+}
 
-  for (size_t i = 1; i < num_streams; ++i) {
-    cudaEvent_t join = fork_join_event(device, i);
-    TORCHMOE_CUDA_CHECK(cudaEventRecord(join, stream_at(i)));
-    TORCHMOE_CUDA_CHECK(cudaStreamWaitEvent(env.stream, join, 0));
+Fp8GemmResult run_grouped_gemm_cublaslt_fp8(const Fp8GroupedGemmParams& params,
+                                            const CublasLtEnv& env) {
+  TORCH_INTERNAL_ASSERT(env.handle != nullptr, "run_grouped_gemm_cublaslt_fp8: null handle");
+  TORCH_INTERNAL_ASSERT(params.n > 0, "run_grouped_gemm_cublaslt_fp8: empty n");
+  TORCH_INTERNAL_ASSERT(params.a_format == Fp8Format::kE4M3 || params.b_format == Fp8Format::kE4M3,
+                        "run_grouped_gemm_cublaslt_fp8: e5m2 × e5m2 has no FP8 kernel");
+  TORCH_INTERNAL_ASSERT(!params.accumulate || params.output_type == ScalarType::kFloat32,
+                        "run_grouped_gemm_cublaslt_fp8: only fp32 outputs accumulate");
+  const int device = current_device();
+  size_t nonempty = 0;
+  for (const Fp8GemmGroup& g : params.groups) {
+    TORCH_INTERNAL_ASSERT(g.m >= 0 && g.kk >= 0 && g.kk % 16 == 0,
+                          "run_grouped_gemm_cublaslt_fp8: bad group shape m=", g.m, " kk=", g.kk);
+    nonempty += g.m > 0 && g.kk > 0;
   }
+  const StreamSplit split = split_streams(env, nonempty);
+  const size_t out_size = element_size(params.output_type);
+  const cudaDataType_t out = cuda_type(params.output_type);
+  const bool block = is_block_scaling(params.a_scaling) || is_block_scaling(params.b_scaling);
+
+  Fp8GemmResult result{true};
+  std::vector<LtCall> calls;
+  std::vector<PlanKey> keys;
+  calls.reserve(nonempty);
+  keys.reserve(nonempty);
+  for (const Fp8GemmGroup& g : params.groups) {
+    if (g.m == 0) continue;
+    if (g.kk == 0) {
+      // Nothing to reduce (wgrad of an empty split): the product is zero.
+      TORCH_INTERNAL_ASSERT(g.bias == nullptr, "run_grouped_gemm_cublaslt_fp8: bias with kk=0");
+      if (!params.accumulate) {
+        TORCHMOE_CUDA_CHECK(cudaMemsetAsync(g.output, 0, g.m * params.n * out_size, env.stream));
+      }
+      continue;
+    }
+    LtCall call;
+    call.problem = fp8_problem(g, params.n);
+    call.output = g.output;
+    // cuBLAS's A is our B and its B our A (the product is computed transposed).
+    call.pointers.a_scale = g.b_scale_inv;
+    call.pointers.b_scale = g.a_scale_inv;
+    PlanKey key = plan_key(call.problem, fp8_type(params.b_format), fp8_type(params.a_format), out,
+                           CUBLAS_COMPUTE_32F, g.output, split.workspace_per_stream, device);
+    key.a_scale_mode = scale_mode(params.b_scaling);
+    key.b_scale_mode = scale_mode(params.a_scaling);
+    // Block-scaled kernels promote every block anyway and take no fast-accumulation flag.
+    key.fast_accumulation = params.fast_accumulation && !block;
+    if (g.bias != nullptr && result.bias_applied) {
+      set_epilogue(key, CUBLASLT_EPILOGUE_BIAS, g.bias);
+      call.pointers.bias = g.bias;
+      call.plan = find_plan(key, call.pointers, env.handle);
+      // No bias epilogue for these types: the caller adds every bias (so none may be fused).
+      result.bias_applied = call.plan != nullptr;
+    }
+    keys.push_back(key);
+    calls.push_back(call);
+  }
+  for (size_t i = 0; i < calls.size(); ++i) {
+    LtCall& call = calls[i];
+    if (call.plan != nullptr && (result.bias_applied || call.pointers.bias == nullptr)) continue;
+    set_epilogue(keys[i], CUBLASLT_EPILOGUE_DEFAULT, nullptr);
+    call.pointers.bias = nullptr;
+    call.plan = find_plan(keys[i], call.pointers, env.handle);
+    TORCH_CHECK(call.plan != nullptr,
+                "torchmoe: cuBLASLt has no FP8 algorithm for m=", call.problem.d_cols,
+                ", n=", params.n, ", k=", call.problem.a_rows, " (operands ",
+                params.a_format == Fp8Format::kE4M3 ? "e4m3" : "e5m2", " × ",
+                params.b_format == Fp8Format::kE4M3 ? "e4m3" : "e5m2", ")");
+  }
+  launch_calls(calls, params.accumulate ? 1.0f : 0.0f, split, env, device);
   return result;
 }
 

@@ -1,5 +1,6 @@
 #pragma once
-// Per-group cuBLASLt GEMMs for the three products of a grouped linear layer.
+// Per-group cuBLASLt GEMMs for the three products of a grouped linear layer, in 16/32-bit floats
+// or FP8.
 //
 // Kernel layer: raw pointers, sizes and streams only. Validation, allocation and the choice of this
 // backend happen in ops/grouped_gemm.cpp.
@@ -83,6 +84,53 @@ struct GroupedGemmResult {
 };
 
 GroupedGemmResult run_grouped_gemm_cublaslt(const GroupedGemmParams& params,
+                                            const CublasLtEnv& env);
+
+// FP8 products. Hopper's FP8 tensor cores take only the TN layout: both operands K-major. So
+// every product is, per group, in row-major terms
+//
+//   C[m, n] = (A[m, kk] · B[n, kk]ᵀ) · dequant  (+ bias[n])  (+ C when accumulating)
+//
+// with A and B the split-quantize copies (kernels/split_quantize.h) that are K-major for it:
+//
+//   fprop  y[rows, n]  = x[rows, k] · W[n, k]ᵀ          A = x rowwise,  B = W rowwise,  kk = k
+//   dgrad  dx[rows, k] = dy[rows, n] · (Wᵀ[k, n])ᵀ      A = dy rowwise, B = W columnwise, kk = n
+//   wgrad  dW[n, k]    = dyᵀ[n, r] · (xᵀ[k, r])ᵀ        A = dy columnwise, B = x columnwise,
+//                                                       kk = r = rows rounded up to 16 (zeros)
+//
+// dequant is the operands' scale_inv: one float each (per-tensor scalings), or their block scales
+// (kBlock1x128: cuBLASLt's VEC128_32F, kBlock128x128: BLK128x128_32F, in split_quantize.h's
+// layouts). Everything in fp32, one rounding to the output type.
+struct Fp8GemmGroup {
+  int64_t m = 0;                       // rows of A and C
+  int64_t kk = 0;                      // the reduced dimension (0: C is zero, or kept)
+  const void* a = nullptr;             // [m, kk] fp8, ld kk
+  const void* b = nullptr;             // [n, kk] fp8, ld kk
+  const float* a_scale_inv = nullptr;  // device: one float, or this group's block scales
+  const float* b_scale_inv = nullptr;
+  void* output = nullptr;      // C [m, n] row-major, ld n
+  const void* bias = nullptr;  // [n] of the output type, or null
+};
+
+struct Fp8GroupedGemmParams {
+  int64_t n = 0;
+  Fp8Format a_format = Fp8Format::kE4M3, b_format = Fp8Format::kE4M3;  // not both e5m2
+  QuantizeScaling a_scaling = QuantizeScaling::kCurrent, b_scaling = QuantizeScaling::kCurrent;
+  ScalarType output_type = ScalarType::kBFloat16;
+  bool accumulate = false;  // C += product (fp32 C, for main-grad)
+  // cuBLASLt's FP8 fast accumulation (partial sums not promoted to fp32 every few k-steps): what
+  // TE uses for fprop and not for dgrad/wgrad. Per-tensor scalings only.
+  bool fast_accumulation = false;
+  std::vector<Fp8GemmGroup> groups;
+};
+
+struct Fp8GemmResult {
+  // With bias pointers: true when the epilogue added every bias; false when cuBLASLt has no
+  // algorithm with the bias epilogue for these types and the caller must add it.
+  bool bias_applied = false;
+};
+
+Fp8GemmResult run_grouped_gemm_cublaslt_fp8(const Fp8GroupedGemmParams& params,
                                             const CublasLtEnv& env);
 
 }  // namespace torchmoe::kernels

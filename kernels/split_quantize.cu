@@ -47,13 +47,14 @@ enum class Pass { kAmax, kCast };
 // Where each split lives, from the clamped split sizes: G + 1 entries each (entry G: the totals).
 struct SplitLayout {
   int64_t* start;   // first row
+  int64_t* cstart;  // Σ_{h<g} r16(m_h): where split g's columnwise block starts, in K-element rows
   int32_t* tiles;   // Σ_{h<g} ceil(m_h / 128): row tiles before split g
   int32_t* rows4;   // Σ_{h<g} r4(m_h)
   int32_t* tiles4;  // Σ_{h<g} r4(ceil(m_h / 128))
 };
 
 size_t layout_bytes(int groups) {
-  return static_cast<size_t>(groups + 1) * (sizeof(int64_t) + 3 * sizeof(int32_t));
+  return static_cast<size_t>(groups + 1) * (2 * sizeof(int64_t) + 3 * sizeof(int32_t));
 }
 
 template <typename V>
@@ -72,7 +73,8 @@ __device__ SplitLayout build_layout(const SplitQuantizeParams& p, char* shared) 
   const int groups = p.num_groups;
   SplitLayout l;
   l.start = reinterpret_cast<int64_t*>(shared);
-  l.tiles = reinterpret_cast<int32_t*>(l.start + groups + 1);
+  l.cstart = l.start + groups + 1;
+  l.tiles = reinterpret_cast<int32_t*>(l.cstart + groups + 1);
   l.rows4 = l.tiles + groups + 1;
   l.tiles4 = l.rows4 + groups + 1;
   if (threadIdx.x < kWarpSize) {
@@ -90,18 +92,23 @@ __device__ SplitLayout build_layout(const SplitQuantizeParams& p, char* shared) 
     if (lane == 0) l.start[groups] = carry;
     __syncwarp();
     int32_t tiles = 0, rows4 = 0, tiles4 = 0;
+    int64_t rows16 = 0;
     for (int base = 0; base < groups; base += kWarpSize) {
       const int g = base + lane;
       int32_t mb = 0, r4 = 0, mb4 = 0;
+      int64_t r16 = 0;
       if (g < groups) {
         const int64_t m = l.start[g + 1] - l.start[g];
+        r16 = round_up_columnwise(m);
         mb = static_cast<int32_t>((m + kTile - 1) / kTile);
         r4 = static_cast<int32_t>((m + 3) / 4 * 4);
         mb4 = (mb + 3) / 4 * 4;
       }
       const int32_t i_mb = warp_inclusive_scan(mb), i_r4 = warp_inclusive_scan(r4),
                     i_mb4 = warp_inclusive_scan(mb4);
+      const int64_t i_r16 = warp_inclusive_scan(r16);
       if (g < groups) {
+        l.cstart[g] = rows16 + i_r16 - r16;
         l.tiles[g] = tiles + i_mb - mb;
         l.rows4[g] = rows4 + i_r4 - r4;
         l.tiles4[g] = tiles4 + i_mb4 - mb4;
@@ -109,8 +116,10 @@ __device__ SplitLayout build_layout(const SplitQuantizeParams& p, char* shared) 
       tiles += __shfl_sync(kFullMask, i_mb, kWarpSize - 1);
       rows4 += __shfl_sync(kFullMask, i_r4, kWarpSize - 1);
       tiles4 += __shfl_sync(kFullMask, i_mb4, kWarpSize - 1);
+      rows16 += __shfl_sync(kFullMask, i_r16, kWarpSize - 1);
     }
     if (lane == 0) {
+      l.cstart[groups] = rows16;
       l.tiles[groups] = tiles;
       l.rows4[groups] = rows4;
       l.tiles4[groups] = tiles4;
@@ -259,11 +268,20 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     const int cols_valid = static_cast<int>(min(static_cast<int64_t>(kTile), k - col0));
     const bool col_ok = c0 < cols_valid;  // k % 16 == 0: a vector is wholly in or out
 
+    // Row 0 of the tile: in the one input, or in split g's own tensor.
+    const T* tile_input = input + row0 * k;
+    if (p.split_inputs.base != nullptr || p.split_inputs.table != nullptr) {
+      const void* split = p.split_inputs.table != nullptr
+                              ? p.split_inputs.table[g]
+                              : static_cast<const T*>(p.split_inputs.base) +
+                                    static_cast<int64_t>(g) * p.split_inputs.group_stride;
+      tile_input = static_cast<const T*>(split) + static_cast<int64_t>(mb) * kTile * k;
+    }
     Vec<T, V> x[P];
 #pragma unroll
     for (int i = 0; i < P; ++i) {
       if (col_ok && r0 + i < rows_valid) {
-        x[i] = load<T, V>(input + (row0 + r0 + i) * k + col0 + c0);
+        x[i] = load<T, V>(tile_input + (r0 + i) * k + col0 + c0);
       } else {
 #pragma unroll
         for (int j = 0; j < V; ++j) x[i].v[j] = from_float<T>(0.0f);
@@ -402,26 +420,23 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       }
     }
     __syncthreads();
-    // Output row col0 + c of split g's [K, m] block, bytes [128·mb, 128·mb + rows_valid): 8
-    // threads per row, 16 bytes each; 16-byte stores when every row of the block is 16-byte
-    // aligned (m % 16 == 0), else byte stores.
-    const bool vector_rows = m % 16 == 0;
-    uint8_t* block = columnwise + k * start + static_cast<int64_t>(mb) * kTile;
+    // Output row col0 + c of split g's [K, r16(m)] block, bytes [128·mb, 128·mb + rows_padded):
+    // 8 threads per row, 16 bytes each. Rows of the tile past the split were loaded as zeros, so
+    // the padding columns of the block are written as zeros.
+    const int64_t ld = round_up_columnwise(m);
+    const int rows_padded =
+        static_cast<int>(min(static_cast<int64_t>(kTile), ld - static_cast<int64_t>(mb) * kTile));
+    uint8_t* block = columnwise + k * layout.cstart[g] + static_cast<int64_t>(mb) * kTile;
     for (int item = threadIdx.x; item < kTile * 8; item += kThreads) {
       const int c = item / 8, segment = item % 8;
-      if (c >= cols_valid || 16 * segment >= rows_valid) continue;
+      if (c >= cols_valid || 16 * segment >= rows_padded) continue;
       const int s = swizzle<V>(c);
       Vec<uint8_t, 16> bytes;
       *reinterpret_cast<Vec<uint8_t, 8>*>(bytes.v) = *reinterpret_cast<const Vec<uint8_t, 8>*>(
           transposed + c * kTile + ((2 * segment) ^ s) * 8);
       *reinterpret_cast<Vec<uint8_t, 8>*>(bytes.v + 8) = *reinterpret_cast<const Vec<uint8_t, 8>*>(
           transposed + c * kTile + ((2 * segment + 1) ^ s) * 8);
-      uint8_t* dst = block + (col0 + c) * m + 16 * segment;
-      if (vector_rows) {
-        store<uint8_t, 16>(dst, bytes);
-      } else {
-        for (int b = 0; b < 16 && 16 * segment + b < rows_valid; ++b) dst[b] = bytes.v[b];
-      }
+      store<uint8_t, 16>(block + (col0 + c) * ld + 16 * segment, bytes);
     }
     __syncthreads();  // the next tile rewrites `transposed`
   }

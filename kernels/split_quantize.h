@@ -14,7 +14,12 @@
 // Data layouts (one buffer each, all splits):
 //
 //   rowwise     [M, K]   split g's rows at rows [start_g, start_g + m_g), as in the input
-//   columnwise  [M·K]    split g's transpose [K, m_g] (row-major) at element K·start_g
+//   columnwise  [K·(M + 15·G)]  split g's transpose [K, r16(m_g)] (row-major) at element
+//                        K·Σ_{h<g} r16(m_h), r16(n) = n rounded up to a multiple of 16; columns
+//                        m_g .. r16(m_g) are zeros. The padding makes every row of every block
+//                        16-byte aligned and every block's width a multiple of 16, which FP8 GEMMs
+//                        that reduce over the rows (wgrad) need of their operands; the zeros add
+//                        nothing to the product.
 //
 // Scalings (q = satfinite_rn(x · scale) in fp32, dequantized as q · scale_inv):
 //
@@ -75,6 +80,16 @@ inline constexpr int64_t kQuantizeBlock = 128;
 // The row length must be a multiple of this: rows start 16-byte aligned in every output, and FP8
 // GEMMs need it anyway.
 inline constexpr int64_t kQuantizeFeatureMultiple = 16;
+// Each split's columnwise block is padded to a multiple of this many rows (of the input; columns
+// of the block).
+inline constexpr int64_t kColumnwiseRowMultiple = 16;
+constexpr int64_t round_up_columnwise(int64_t rows) {
+  return (rows + kColumnwiseRowMultiple - 1) / kColumnwiseRowMultiple * kColumnwiseRowMultiple;
+}
+// Elements of the columnwise data buffer for any G splits of M rows: Σ_g r16(m_g) <= M + 15·G.
+inline int64_t columnwise_elements(int64_t rows, int64_t k, int64_t groups) {
+  return k * (rows + (kColumnwiseRowMultiple - 1) * groups);
+}
 // Each thread block keeps the split layout in shared memory (20 bytes per split).
 inline constexpr int kSplitQuantizeMaxGroups = 4096;
 
@@ -111,8 +126,12 @@ struct SplitQuantizeParams {
   bool splits_int32 = false;       // else int64
 
   const void* input = nullptr;  // [M, K], 16-byte aligned
-  void* rowwise = nullptr;      // [M, K] fp8, or null: no rowwise copy
-  void* columnwise = nullptr;   // [M·K] fp8, or null: no columnwise copy (16-byte aligned)
+  // When set, split g's m_g rows are read from its own [m_g, K] tensor (16-byte aligned) instead
+  // of `input`: a layer's G separate weights are quantized in one launch without stacking them.
+  GroupAddress split_inputs;
+  void* rowwise = nullptr;  // [M, K] fp8, or null: no rowwise copy
+  // columnwise_elements(M, K, G) fp8, or null: no columnwise copy (16-byte aligned)
+  void* columnwise = nullptr;
   // kCurrent, kDelayed: [G] (both copies). Block scalings: the rowwise copy's scales (layout
   // above).
   float* scale_inv = nullptr;

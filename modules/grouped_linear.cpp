@@ -7,8 +7,10 @@
 #include <cmath>
 #include <set>
 #include <utility>
+#include <variant>
 
 #include "torchmoe/autograd/grouped_linear_function.h"
+#include "torchmoe/fp8/autocast.h"
 
 namespace torchmoe {
 namespace {
@@ -87,6 +89,7 @@ void GroupedLinearImpl::reset() {
     }
   }
   wgrad_queue_ = std::make_shared<autograd::WgradQueue>();
+  fp8_weight_cache_ = std::make_shared<autograd::Fp8WeightCache>();
   fp8_state_ = nullptr;
   if (o.fp8_amax_history_len() > 0) {
     fp8_state_ = register_module(
@@ -118,8 +121,8 @@ torch::Tensor GroupedLinearImpl::forward(const torch::Tensor& input, const Split
                                          std::optional<bool> is_first_microbatch) {
   const torch::Tensor rows = input_rows(input, in_features_per_partition);
   const ops::GemmShape shape = gemm_shape();
-  const std::vector<ops::GemmPlan> plans =
-      autograd::plan_layers(kModule, rows, {shape}, m_splits, options.gemm_backend());
+  const std::vector<ops::GemmPlan> plans = autograd::plan_layers(
+      kModule, rows, {shape}, m_splits, options.gemm_backend(), torch::Tensor(), fp8::enabled());
   const torch::Tensor output =
       run(rows, plans.front(), is_first_microbatch, torch::Tensor(), nullptr);
   if (input.dim() == 2) return output;  // a view would be one more autograd node per call
@@ -175,10 +178,31 @@ torch::Tensor GroupedLinearImpl::run(const torch::Tensor& rows, const ops::GemmP
   if (options.delay_wgrad_compute()) config->wgrad_queue = wgrad_queue_;
   if (activation != nullptr) config->input_activation = *activation;
   if (gather != nullptr) config->input_gather = *gather;
+  if (plan.fp8) config->fp8 = fp8_config(is_first_microbatch);
   const std::optional<torch::Tensor> row_scales =
       activation != nullptr ? std::optional<torch::Tensor>(scales.reshape({-1})) : std::nullopt;
   return autograd::grouped_linear(rows, row_scales, at::TensorList(weight_params_),
                                   at::TensorList(bias_params_), config);
+}
+
+autograd::Fp8Config GroupedLinearImpl::fp8_config(std::optional<bool> is_first_microbatch) const {
+  const std::optional<fp8::Recipe> recipe = fp8::current();
+  TORCH_INTERNAL_ASSERT(recipe.has_value(), "GroupedLinear: an FP8 plan outside fp8::Autocast");
+  if (const auto* delayed = std::get_if<fp8::DelayedScaling>(&*recipe)) {
+    TORCH_CHECK(fp8_state_, kModule, ": the DelayedScaling recipe keeps amax histories in the ",
+                "layer; build it with fp8_amax_history_len(", delayed->amax_history_len(),
+                ") (the recipe's amax_history_len)");
+    TORCH_CHECK(fp8_state_->options.amax_history_len() == delayed->amax_history_len(), kModule,
+                ": the DelayedScaling recipe's amax_history_len (", delayed->amax_history_len(),
+                ") must be the layer's fp8_amax_history_len (",
+                fp8_state_->options.amax_history_len(), ")");
+  }
+  autograd::Fp8Config config;
+  config.recipe = *recipe;
+  config.state = fp8_state_;
+  config.is_first_microbatch = is_first_microbatch;
+  config.weight_cache = fp8_weight_cache_;
+  return config;
 }
 
 void GroupedLinearImpl::backward_dw() {

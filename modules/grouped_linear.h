@@ -25,6 +25,8 @@ namespace torchmoe {
 namespace autograd {
 class WgradQueue;
 struct RowGather;
+struct Fp8Config;
+struct Fp8WeightCache;
 }  // namespace autograd
 namespace ops {
 struct GemmPlan;
@@ -175,12 +177,17 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
   // Checks an input of `width` features against the parameters; returns it as [rows, width].
   torch::Tensor input_rows(const torch::Tensor& input, int64_t width) const;
   void move_main_grads(torch::Device device);
+  // The FP8 part of a call's config: fp8::current()'s recipe (checked against the layer's FP8
+  // state) and the layer's state and weight cache.
+  autograd::Fp8Config fp8_config(std::optional<bool> is_first_microbatch) const;
 
   std::vector<torch::Tensor> weight_params_;  // as registered: G tensors, or one grouped tensor
   std::vector<torch::Tensor> bias_params_;
   std::vector<torch::Tensor> main_grads_;
   std::shared_ptr<autograd::WgradQueue> wgrad_queue_;
   fp8::Fp8State fp8_state_{nullptr};
+  // The FP8 weights of the last is_first_microbatch=true call, for the calls with false.
+  std::shared_ptr<autograd::Fp8WeightCache> fp8_weight_cache_;
 };
 
 /// A `ModuleHolder` subclass for `GroupedLinearImpl`; see `GroupedLinearImpl` and

@@ -5,6 +5,7 @@
 #include "torchmoe/autograd/glu_function.h"
 #include "torchmoe/autograd/grouped_linear_function.h"
 #include "torchmoe/autograd/token_permutation_function.h"
+#include "torchmoe/fp8/autocast.h"
 #include "torchmoe/modules/glu_options.h"
 
 namespace torchmoe {
@@ -86,7 +87,7 @@ torch::Tensor GroupedMLPImpl::forward(const torch::Tensor& x, const SplitSizes& 
   // device at most once.
   const std::vector<ops::GemmPlan> plans =
       autograd::plan_layers(kModule, rows, {fc1->gemm_shape(), fc2->gemm_shape()}, m_splits,
-                            options.linear().gemm_backend());
+                            options.linear().gemm_backend(), torch::Tensor(), fp8::enabled());
   return run_layers(rows, nullptr, plans, probs, is_first_microbatch);
 }
 
@@ -104,7 +105,7 @@ torch::Tensor GroupedMLPImpl::forward_routed(const torch::Tensor& tokens,
   const torch::Tensor source_rows = routed.sorted_slots.div(routed.row_map.size(1), "floor");
   const std::vector<ops::GemmPlan> plans =
       autograd::plan_layers(kModule, x, {fc1->gemm_shape(), fc2->gemm_shape()}, routed.m_splits,
-                            options.linear().gemm_backend(), source_rows);
+                            options.linear().gemm_backend(), source_rows, fp8::enabled());
   if (plans[0].backend == ops::Backend::kSm90) {
     const autograd::RowGather gather{source_rows, routed.row_map};
     return run_layers(x, &gather, plans, routed.probs, is_first_microbatch);

@@ -4,6 +4,7 @@
 #include "torchmoe/ops/grouped_gemm.h"
 
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -14,6 +15,7 @@
 namespace torchmoe::ops {
 namespace {
 
+using detail::check_groups;
 using detail::CheckedGroups;
 
 // ---- argument checks ---------------------------------------------------------------------------
@@ -79,67 +81,6 @@ void check_gathered_input(const char* op, const at::Tensor& input, const at::Ten
 // other than sm90 read no row map).
 at::Tensor gathered(const at::Tensor& input, const at::Tensor& gather_rows) {
   return gather_rows.defined() ? input.index_select(0, gather_rows) : input;
-}
-
-// Tensor g of a per-group list named `what`. The messages name it `what[g]` and are only
-// formatted on failure: building names for 128 experts on every call cost microseconds.
-void check_group_tensor(const char* op, const char* what, size_t g, const at::Tensor& t,
-                        const at::Tensor& like, c10::IntArrayRef shape, at::ScalarType dtype,
-                        const char* dtype_rule) {
-  TORCH_CHECK(t.defined(), op, ": ", what, "[", g, "] must be a defined tensor");
-  TORCH_CHECK(t.device() == like.device(), op, ": ", what, "[", g, "] must be on ", like.device(),
-              " like the input, got ", t.device());
-  TORCH_CHECK(t.sizes() == shape, op, ": ", what, "[", g, "] must have shape ", shape, ", got ",
-              t.sizes());
-  TORCH_CHECK(t.is_contiguous(), op, ": ", what, "[", g, "] must be contiguous");
-  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", what, "[", g, "] must have ", dtype_rule, " ",
-              dtype, ", got ", t.scalar_type());
-}
-
-// Checks the G tensors of `tensors` against shape and dtype and finds their layout in the same
-// pass: with 128 experts, separate passes over the list were a visible part of a call's host time.
-CheckedGroups check_groups(const char* op, const char* what, const GroupedTensors& tensors,
-                           size_t groups, const at::Tensor& like, c10::IntArrayRef shape,
-                           at::ScalarType dtype, const char* dtype_rule) {
-  TORCH_CHECK(tensors.size() == groups, op, ": ", what, " must hold one tensor per group (", groups,
-              "), got ", tensors.size());
-  CheckedGroups checked;
-  checked.tensors = tensors;
-  if (tensors.is_stacked()) {
-    const at::Tensor& all = tensors.stacked_tensor();
-    std::vector<int64_t> stacked_shape{static_cast<int64_t>(groups)};
-    stacked_shape.insert(stacked_shape.end(), shape.begin(), shape.end());
-    check_group_tensor(op, what, 0, all, like, stacked_shape, dtype, dtype_rule);
-    checked.group_bytes = all.numel() / static_cast<int64_t>(groups) * all.element_size();
-    checked.aligned = reinterpret_cast<uintptr_t>(all.const_data_ptr()) % 16 == 0 &&
-                      checked.group_bytes % 16 == 0;
-    if (checked.group_bytes > 0) {
-      checked.spaced.base = all.const_data_ptr();
-      checked.spaced.group_stride = static_cast<int64_t>(checked.group_bytes) / all.element_size();
-    }
-    return checked;
-  }
-  const at::TensorList list = tensors.separate();
-  intptr_t base = 0, step = 0;
-  bool spaced = true;
-  for (size_t g = 0; g < list.size(); ++g) {
-    check_group_tensor(op, what, g, list[g], like, shape, dtype, dtype_rule);
-    const auto address = reinterpret_cast<intptr_t>(list[g].const_data_ptr());
-    checked.aligned &= address % 16 == 0;
-    if (g == 0) {
-      base = address;
-      checked.group_bytes = list[0].numel() * list[0].element_size();
-      step = list.size() > 1 ? 0 : static_cast<intptr_t>(checked.group_bytes);
-    } else if (g == 1) {
-      step = address - base;
-    }
-    spaced &= address == base + static_cast<intptr_t>(g) * step;
-  }
-  if (spaced && step > 0 && step % 16 == 0) {
-    checked.spaced.base = list[0].const_data_ptr();
-    checked.spaced.group_stride = step / list[0].element_size();
-  }
-  return checked;
 }
 
 CheckedGroups check_weights(const char* op, const GemmPlan& plan, const GroupedTensors& weights,
@@ -230,15 +171,41 @@ Backend auto_backend(kernels::GemmKind kind, const at::Tensor& input, const Gemm
   TORCH_INTERNAL_ASSERT(false, "kAuto: per-group cuBLASLt refused a call");
 }
 
+Backend forced_backend(GemmBackend c) {
+  return c == GemmBackend::kCublasLt          ? Backend::kCublasLt
+         : c == GemmBackend::kSm90            ? Backend::kSm90
+         : c == GemmBackend::kCublasLtGrouped ? Backend::kCublasLtGrouped
+                                              : Backend::kReference;
+}
+
+// FP8 products run on per-group cuBLASLt FP8 matmuls only (the sm90 kernel and the grouped
+// matmul have no FP8 path yet); the environment's backend override is for 16/32-bit layers.
+ProductBackends select_fp8_backends(const char* op, const at::Tensor& input, const GemmShape& shape,
+                                    GemmBackend choice) {
+  const at::ScalarType dtype = input.scalar_type();
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      input.is_cuda() && (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16), op,
+      ": FP8 runs on CUDA float32, float16 or bfloat16 tensors, got ", dtype, " on ",
+      input.device());
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      choice == GemmBackend::kAuto || choice == GemmBackend::kCublasLt, op, ": the ",
+      backend_name(forced_backend(choice)),
+      " grouped GEMM backend has no FP8 path; FP8 runs on per-group cuBLASLt (gemm_backend kAuto "
+      "or kCublasLt)");
+  const cudaDeviceProp* props = at::cuda::getDeviceProperties(input.device().index());
+  TORCH_CHECK_NOT_IMPLEMENTED(props->major * 10 + props->minor >= 89, op,
+                              ": FP8 GEMMs need a GPU of compute capability 8.9 or newer, got ",
+                              props->major, ".", props->minor);
+  TORCH_CHECK_NOT_IMPLEMENTED(shape.n % 16 == 0 && shape.k % 16 == 0, op,
+                              ": FP8 needs in_features and out_features that are multiples of 16 "
+                              "(FP8 GEMM operands), got in_features ",
+                              shape.k, ", out_features ", shape.n);
+  return {Backend::kCublasLt, Backend::kCublasLt, Backend::kCublasLt};
+}
+
 ProductBackends select_backends(const char* op, const at::Tensor& input, const GemmShape& shape,
                                 int64_t rows, GemmBackend choice) {
   const at::ScalarType dtype = input.scalar_type();
-  auto forced_backend = [](GemmBackend c) {
-    return c == GemmBackend::kCublasLt          ? Backend::kCublasLt
-           : c == GemmBackend::kSm90            ? Backend::kSm90
-           : c == GemmBackend::kCublasLtGrouped ? Backend::kCublasLtGrouped
-                                                : Backend::kReference;
-  };
   if (input.is_cpu() && at::isFloatingType(dtype)) {
     TORCH_CHECK_NOT_IMPLEMENTED(
         choice == GemmBackend::kAuto, op, ": the ", backend_name(forced_backend(choice)),
@@ -300,12 +267,73 @@ const void* CheckedGroups::data(size_t g) const {
 
 void* CheckedGroups::mutable_data(size_t g) const { return const_cast<void*>(data(g)); }
 
+// Tensor g of a per-group list named `what`. The messages name it `what[g]` and are only
+// formatted on failure: building names for 128 experts on every call cost microseconds.
+void check_group_tensor(const char* op, const char* what, size_t g, const at::Tensor& t,
+                        const at::Tensor& like, c10::IntArrayRef shape, at::ScalarType dtype,
+                        const char* dtype_rule) {
+  TORCH_CHECK(t.defined(), op, ": ", what, "[", g, "] must be a defined tensor");
+  TORCH_CHECK(t.device() == like.device(), op, ": ", what, "[", g, "] must be on ", like.device(),
+              " like the input, got ", t.device());
+  TORCH_CHECK(t.sizes() == shape, op, ": ", what, "[", g, "] must have shape ", shape, ", got ",
+              t.sizes());
+  TORCH_CHECK(t.is_contiguous(), op, ": ", what, "[", g, "] must be contiguous");
+  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", what, "[", g, "] must have ", dtype_rule, " ",
+              dtype, ", got ", t.scalar_type());
+}
+
+// Checks the G tensors of `tensors` against shape and dtype and finds their layout in the same
+// pass: with 128 experts, separate passes over the list were a visible part of a call's host time.
+CheckedGroups check_groups(const char* op, const char* what, const GroupedTensors& tensors,
+                           size_t groups, const at::Tensor& like, c10::IntArrayRef shape,
+                           at::ScalarType dtype, const char* dtype_rule) {
+  TORCH_CHECK(tensors.size() == groups, op, ": ", what, " must hold one tensor per group (", groups,
+              "), got ", tensors.size());
+  CheckedGroups checked;
+  checked.tensors = tensors;
+  if (tensors.is_stacked()) {
+    const at::Tensor& all = tensors.stacked_tensor();
+    std::vector<int64_t> stacked_shape{static_cast<int64_t>(groups)};
+    stacked_shape.insert(stacked_shape.end(), shape.begin(), shape.end());
+    check_group_tensor(op, what, 0, all, like, stacked_shape, dtype, dtype_rule);
+    checked.group_bytes = all.numel() / static_cast<int64_t>(groups) * all.element_size();
+    checked.aligned = reinterpret_cast<uintptr_t>(all.const_data_ptr()) % 16 == 0 &&
+                      checked.group_bytes % 16 == 0;
+    if (checked.group_bytes > 0) {
+      checked.spaced.base = all.const_data_ptr();
+      checked.spaced.group_stride = static_cast<int64_t>(checked.group_bytes) / all.element_size();
+    }
+    return checked;
+  }
+  const at::TensorList list = tensors.separate();
+  intptr_t base = 0, step = 0;
+  bool spaced = true;
+  for (size_t g = 0; g < list.size(); ++g) {
+    check_group_tensor(op, what, g, list[g], like, shape, dtype, dtype_rule);
+    const auto address = reinterpret_cast<intptr_t>(list[g].const_data_ptr());
+    checked.aligned &= address % 16 == 0;
+    if (g == 0) {
+      base = address;
+      checked.group_bytes = list[0].numel() * list[0].element_size();
+      step = list.size() > 1 ? 0 : static_cast<intptr_t>(checked.group_bytes);
+    } else if (g == 1) {
+      step = address - base;
+    }
+    spaced &= address == base + static_cast<intptr_t>(g) * step;
+  }
+  if (spaced && step > 0 && step % 16 == 0) {
+    checked.spaced.base = list[0].const_data_ptr();
+    checked.spaced.group_stride = step / list[0].element_size();
+  }
+  return checked;
+}
+
 }  // namespace detail
 
 std::vector<GemmPlan> plan_grouped_gemms(const char* op, const at::Tensor& input,
                                          c10::ArrayRef<GemmShape> shapes,
                                          const SplitSizes& m_splits, GemmBackend choice,
-                                         const at::Tensor& gather_rows) {
+                                         const at::Tensor& gather_rows, bool fp8) {
   TORCH_INTERNAL_ASSERT(!shapes.empty(), "plan_grouped_gemms: no layer to plan");
   TORCH_CHECK(input.defined() && input.dim() == 2, op,
               ": the input must be a 2-D [rows, features] tensor");
@@ -320,7 +348,9 @@ std::vector<GemmPlan> plan_grouped_gemms(const char* op, const at::Tensor& input
   for (size_t i = 0; i < shapes.size(); ++i) {
     TORCH_INTERNAL_ASSERT(shapes[i].groups == groups,
                           "plan_grouped_gemms: layers differ in groups");
-    const ProductBackends backends = select_backends(op, input, shapes[i], rows, choice);
+    const ProductBackends backends = fp8 ? select_fp8_backends(op, input, shapes[i], choice)
+                                         : select_backends(op, input, shapes[i], rows, choice);
+    plans[i].fp8 = fp8;
     plans[i].backend = backends.fprop;
     plans[i].dgrad_backend = backends.dgrad;
     plans[i].wgrad_backend = backends.wgrad;

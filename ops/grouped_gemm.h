@@ -81,6 +81,8 @@ struct GemmPlan {
   Backend dgrad_backend = Backend::kReference;
   Backend wgrad_backend = Backend::kReference;
   GemmShape shape;
+  // The products run in FP8 (ops/grouped_gemm_fp8.h): operands quantized, per-group cuBLASLt.
+  bool fp8 = false;
   int64_t rows = 0;  // rows of every row-grouped operand (input, output, grad_output)
   at::ScalarType dtype = at::kFloat;  // of every operand but fp32 gradient buffers
   c10::Device device{c10::kCPU};
@@ -106,10 +108,14 @@ struct GemmPlan {
 // tensors; kCublasLtGrouped needs a loaded cuBLASLt >= 13.8 on sm_90+, n and k multiples of 8.
 // `op` names the caller in error messages (e.g. "GroupedLinear"). When the first layer reads
 // `input` through gather_rows (defined), the plans' rows are gather_rows' length, not input's.
+// fp8: plans for the FP8 products, whose table is
+//   CUDA fp32/fp16/bf16, sm_89+, n and k multiples of 16, kAuto or kCublasLt
+//                                            -> kCublasLt (per-group FP8 matmuls, host sizes)
+//   anything else                            -> NotImplementedError
 std::vector<GemmPlan> plan_grouped_gemms(const char* op, const at::Tensor& input,
                                          c10::ArrayRef<GemmShape> shapes,
                                          const SplitSizes& m_splits, GemmBackend choice,
-                                         const at::Tensor& gather_rows = {});
+                                         const at::Tensor& gather_rows = {}, bool fp8 = false);
 
 // y[rows of g] = x[rows of g] · W_gᵀ + b_g.
 //   input [rows, in] contiguous, or with gather_rows [rows] any [source rows, in] read through it

@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "torchmoe/kernels/grouped_gemm_cublaslt.h"
 #include "torchmoe/kernels/types.h"
 #include "torchmoe/ops/grouped_gemm.h"
 #include "torchmoe/ops/kernel_types.h"
@@ -35,6 +36,13 @@ struct CheckedGroups {
   const void* data(size_t g) const;
   void* mutable_data(size_t g) const;
 };
+
+// Checks the G tensors of `tensors` (each of `shape` and `dtype`, contiguous, on like's device;
+// `dtype_rule` says where the dtype comes from in messages, e.g. "the input's dtype") and finds
+// their layout in the same pass.
+CheckedGroups check_groups(const char* op, const char* what, const GroupedTensors& tensors,
+                           size_t groups, const at::Tensor& like, c10::IntArrayRef shape,
+                           at::ScalarType dtype, const char* dtype_rule);
 
 // Calls fn(g, first_row, rows) for every group of host sizes, in order.
 template <typename Fn>
@@ -58,6 +66,15 @@ void reference_dgrad(const GemmPlan& plan, const at::Tensor& grad_output,
                      const CheckedGroups& weights, at::Tensor& grad_input);
 void reference_wgrad(const GemmPlan& plan, const at::Tensor& input, const at::Tensor& grad_output,
                      const CheckedGroups& weight_grads, bool accumulate);
+
+// What a per-group cuBLASLt call runs with, on the current device (the caller sets it): the
+// current stream, side streams for up to `nonempty` matmuls, and a workspace from the caching
+// allocator (stream-ordered, recycled between calls), which `workspace` keeps alive.
+struct CublasLtLaunch {
+  kernels::CublasLtEnv env;
+  at::Tensor workspace;
+};
+CublasLtLaunch cublaslt_launch(const at::Tensor& like, size_t nonempty);
 
 void cublaslt_forward(const GemmPlan& plan, const at::Tensor& input, const CheckedGroups& weights,
                       const CheckedGroups& biases, at::Tensor& output);

@@ -30,29 +30,14 @@ size_t cublaslt_stream_count() {
   return count;
 }
 
-// Runs the groups on the current stream of the operands' device. The workspace is taken from the
-// caching allocator, so it is recycled between calls and stream-ordered.
+// Runs the groups on the current stream of the operands' device.
 kernels::GroupedGemmResult run(const at::Tensor& like, kernels::GroupedGemmParams params) {
   const c10::cuda::CUDAGuard guard(like.device());
   params.allow_tf32 = at::globalContext().allowTF32CuBLAS();
   size_t nonempty = 0;
   for (const auto& g : params.groups) nonempty += g.rows > 0;
-  const size_t num_streams = std::max<size_t>(1, std::min(cublaslt_stream_count(), nonempty));
-
-  kernels::CublasLtEnv env;
-  env.handle = at::cuda::getCurrentCUDABlasLtHandle();
-  env.stream = at::cuda::getCurrentCUDAStream().stream();
-  for (size_t i = 1; i < num_streams; ++i) {
-    env.side_streams.push_back(at::cuda::getStreamFromPool(false, like.device().index()).stream());
-  }
-  // cuBLASLt's Hopper kernels want up to 32 MiB each; older GPUs need far less.
-  const size_t per_stream =
-      at::cuda::getCurrentDeviceProperties()->major >= 9 ? (32u << 20) : (4u << 20);
-  const at::Tensor workspace =
-      at::empty({static_cast<int64_t>(per_stream * num_streams)}, like.options().dtype(at::kByte));
-  env.workspace = workspace.data_ptr();
-  env.workspace_bytes = per_stream * num_streams;
-  return kernels::run_grouped_gemm_cublaslt(params, env);
+  const CublasLtLaunch launch = cublaslt_launch(like, nonempty);
+  return kernels::run_grouped_gemm_cublaslt(params, launch.env);
 }
 
 const void* rows_at(const at::Tensor& t, int64_t row) {
@@ -76,6 +61,25 @@ kernels::GroupedGemmParams params_for(kernels::GemmKind kind, const GemmPlan& pl
 }
 
 }  // namespace
+
+CublasLtLaunch cublaslt_launch(const at::Tensor& like, size_t nonempty) {
+  const size_t num_streams = std::max<size_t>(1, std::min(cublaslt_stream_count(), nonempty));
+  CublasLtLaunch launch;
+  kernels::CublasLtEnv& env = launch.env;
+  env.handle = at::cuda::getCurrentCUDABlasLtHandle();
+  env.stream = at::cuda::getCurrentCUDAStream().stream();
+  for (size_t i = 1; i < num_streams; ++i) {
+    env.side_streams.push_back(at::cuda::getStreamFromPool(false, like.device().index()).stream());
+  }
+  // cuBLASLt's Hopper kernels want up to 32 MiB each; older GPUs need far less.
+  const size_t per_stream =
+      at::cuda::getCurrentDeviceProperties()->major >= 9 ? (32u << 20) : (4u << 20);
+  launch.workspace =
+      at::empty({static_cast<int64_t>(per_stream * num_streams)}, like.options().dtype(at::kByte));
+  env.workspace = launch.workspace.data_ptr();
+  env.workspace_bytes = per_stream * num_streams;
+  return launch;
+}
 
 void cublaslt_forward(const GemmPlan& plan, const at::Tensor& input, const CheckedGroups& weights,
                       const CheckedGroups& biases, at::Tensor& output) {

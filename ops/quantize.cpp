@@ -16,6 +16,7 @@ namespace {
 
 constexpr const char* kSplitOp = "torchmoe::split_quantize";
 constexpr const char* kUpdateOp = "torchmoe::update_delayed_scaling";
+constexpr const char* kWeightsOp = "torchmoe::quantize_weights";
 
 at::ScalarType fp8_dtype(Fp8Format format) {
   return format == Fp8Format::kE4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
@@ -33,23 +34,41 @@ void check_group_vector(const char* op, const char* name, const at::Tensor& t, i
   TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 
+// The options and the delayed-scaling tensors, for `groups` splits on `device`.
+void check_options(const SplitQuantizeOptions& o, int64_t groups, const at::Device& device,
+                   const at::Tensor& scale, const at::Tensor& amax) {
+  TORCH_CHECK(groups >= 1 && groups <= kernels::kSplitQuantizeMaxGroups, kSplitOp,
+              ": m_splits must have between 1 and ", kernels::kSplitQuantizeMaxGroups,
+              " sizes, got ", groups);
+  TORCH_CHECK(o.rowwise || o.columnwise, kSplitOp,
+              ": at least one of rowwise and columnwise must be requested");
+  TORCH_CHECK(std::isfinite(o.amax_epsilon) && o.amax_epsilon >= 0.0, kSplitOp,
+              ": amax_epsilon must be finite and non-negative, got ", o.amax_epsilon);
+  if (o.scaling == QuantizeScaling::kDelayed) {
+    check_group_vector(kSplitOp, "scale", scale, groups, device);
+    if (amax.defined()) check_group_vector(kSplitOp, "amax", amax, groups, device);
+  } else {
+    TORCH_CHECK(!scale.defined() && !amax.defined(), kSplitOp,
+                ": scale and amax are inputs of delayed scaling only");
+  }
+}
+
+void check_input_type(const char* op, at::ScalarType dtype, int64_t k) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op,
+              ": input must be float32, float16 or bfloat16, got ", dtype);
+  TORCH_CHECK(k % kernels::kQuantizeFeatureMultiple == 0, op, ": input's features must be a ",
+              "multiple of ", kernels::kQuantizeFeatureMultiple, " (FP8 GEMM operands), got ", k);
+}
+
 void check_split_inputs(const at::Tensor& input, const SplitSizes& m_splits,
                         const SplitQuantizeOptions& o, const at::Tensor& scale,
                         const at::Tensor& amax) {
   TORCH_CHECK(input.defined() && input.dim() == 2, kSplitOp,
               ": input must be a 2-D [rows, features] tensor",
               input.defined() ? ", got " + std::to_string(input.dim()) + "-D" : std::string());
-  const at::ScalarType dtype = input.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, kSplitOp,
-              ": input must be float32, float16 or bfloat16, got ", dtype);
   TORCH_CHECK(input.is_contiguous(), kSplitOp, ": input must be contiguous");
-  TORCH_CHECK(input.size(1) % kernels::kQuantizeFeatureMultiple == 0, kSplitOp,
-              ": input's features must be a multiple of ", kernels::kQuantizeFeatureMultiple,
-              " (FP8 GEMM operands), got ", input.size(1));
+  check_input_type(kSplitOp, input.scalar_type(), input.size(1));
   const int64_t groups = static_cast<int64_t>(m_splits.size());
-  TORCH_CHECK(groups >= 1 && groups <= kernels::kSplitQuantizeMaxGroups, kSplitOp,
-              ": m_splits must have between 1 and ", kernels::kSplitQuantizeMaxGroups,
-              " sizes, got ", groups);
   if (m_splits.has_host()) {
     int64_t sum = 0;
     for (int64_t g = 0; g < groups; ++g) {
@@ -64,55 +83,61 @@ void check_split_inputs(const at::Tensor& input, const SplitSizes& m_splits,
                 input.device(), " like the input, or on the host, got ",
                 m_splits.device().device());
   }
-  TORCH_CHECK(o.rowwise || o.columnwise, kSplitOp,
-              ": at least one of rowwise and columnwise must be requested");
-  TORCH_CHECK(std::isfinite(o.amax_epsilon) && o.amax_epsilon >= 0.0, kSplitOp,
-              ": amax_epsilon must be finite and non-negative, got ", o.amax_epsilon);
-  const bool delayed = o.scaling == QuantizeScaling::kDelayed;
-  if (delayed) {
-    check_group_vector(kSplitOp, "scale", scale, groups, input.device());
-    if (amax.defined()) check_group_vector(kSplitOp, "amax", amax, groups, input.device());
-  } else {
-    TORCH_CHECK(!scale.defined() && !amax.defined(), kSplitOp,
-                ": scale and amax are inputs of delayed scaling only");
-  }
+  check_options(o, groups, input.device(), scale, amax);
   TORCH_CHECK_NOT_IMPLEMENTED(input.is_cuda(), kSplitOp, ": no backend for ", input.device(),
                               " tensors (CUDA only)");
 }
 
-}  // namespace
+// Σ_g r16(m_g): the columnwise blocks' total width, exact with host sizes, else its bound.
+int64_t columnwise_rows(const SplitSizes& m_splits, int64_t rows) {
+  if (!m_splits.has_host()) {
+    return kernels::columnwise_elements(rows, 1, static_cast<int64_t>(m_splits.size()));
+  }
+  int64_t total = 0;
+  for (int64_t m : m_splits.host()) total += kernels::round_up_columnwise(m);
+  return total;
+}
 
-SplitQuantized split_quantize(const at::Tensor& input, const SplitSizes& m_splits,
-                              const SplitQuantizeOptions& o, const at::Tensor& scale,
-                              const at::Tensor& amax) {
-  check_split_inputs(input, m_splits, o, scale, amax);
-  const c10::cuda::CUDAGuard guard(input.device());
-  const int64_t rows = input.size(0), k = input.size(1);
-  const int groups = static_cast<int>(m_splits.size());
-  const at::Tensor x = detail::aligned_operand(input);
-  const at::Tensor splits = detail::device_splits(m_splits, input);
-  const at::TensorOptions fp8 = input.options().dtype(fp8_dtype(o.format));
-  const at::TensorOptions f32 = input.options().dtype(at::kFloat);
+// Allocation and launch for checked arguments: `rows` rows of width k split by m_splits, read
+// from `input` or, per split, from `split_inputs`; `like` gives the input's dtype and device.
+SplitQuantized launch(const at::Tensor& like, int64_t rows, int64_t k, const SplitSizes& m_splits,
+                      const SplitQuantizeOptions& o, const at::Tensor& scale,
+                      const at::Tensor& amax, const void* input,
+                      kernels::GroupAddress split_inputs) {
+  const c10::cuda::CUDAGuard guard(like.device());
+  const at::Tensor splits = detail::device_splits(m_splits, like);
+  const int groups = static_cast<int>(splits.numel());
+  const at::TensorOptions fp8 = like.options().dtype(fp8_dtype(o.format));
+  const at::TensorOptions f32 = like.options().dtype(at::kFloat);
   const bool block = kernels::is_block_scaling(o.scaling);
 
   SplitQuantized out;
-  if (o.rowwise) out.data = at::empty({rows, k}, fp8);
-  if (o.columnwise) out.columnwise_data = at::empty({rows * k}, fp8);
+  if (o.rowwise) {
+    // kBlock1x128: three rows of slack past the end, which a GEMM of the last split rounded up to
+    // a multiple of 4 rows reads (ops/grouped_gemm_fp8.cpp says why).
+    const int64_t slack = o.scaling == QuantizeScaling::kBlock1x128 ? 3 : 0;
+    out.data = at::empty({rows + slack, k}, fp8).narrow(0, 0, rows);
+  }
+  if (o.columnwise) out.columnwise_data = at::empty({k * columnwise_rows(m_splits, rows)}, fp8);
   if (!block) {
     out.scale_inv = at::empty({groups}, f32);
   } else {
+    // Zeroed: the layouts' padding entries are never written, and zeros there keep the buffers
+    // deterministic (they are 1/128 of the data or less).
     if (o.rowwise) {
-      out.scale_inv = at::empty({kernels::rowwise_block_scales(o.scaling, rows, k, groups)}, f32);
+      out.scale_inv = at::zeros({kernels::rowwise_block_scales(o.scaling, rows, k, groups)}, f32);
     }
     if (o.columnwise) {
       out.columnwise_scale_inv =
-          at::empty({kernels::columnwise_block_scales(o.scaling, rows, k, groups)}, f32);
+          at::zeros({kernels::columnwise_block_scales(o.scaling, rows, k, groups)}, f32);
     }
   }
   out.amax = amax.defined() ? amax : at::empty({groups}, f32);
+  out.format = o.format;
+  out.scaling = o.scaling;
 
   kernels::SplitQuantizeParams p;
-  p.input_type = kernel_type(input.scalar_type());
+  p.input_type = kernel_type(like.scalar_type());
   p.format = o.format;
   p.scaling = o.scaling;
   p.power_of_2_scales = o.power_of_2_scales;
@@ -122,7 +147,8 @@ SplitQuantized split_quantize(const at::Tensor& input, const SplitSizes& m_split
   p.k = k;
   p.m_splits = splits.const_data_ptr();
   p.splits_int32 = splits.scalar_type() == at::kInt;
-  p.input = x.const_data_ptr();
+  p.input = input;
+  p.split_inputs = split_inputs;
   p.rowwise = o.rowwise ? out.data.data_ptr() : nullptr;
   p.columnwise = o.columnwise ? out.columnwise_data.data_ptr() : nullptr;
   p.scale_inv = out.scale_inv.defined() ? out.scale_inv.data_ptr<float>() : nullptr;
@@ -133,6 +159,41 @@ SplitQuantized split_quantize(const at::Tensor& input, const SplitSizes& m_split
   p.accumulate_amax = amax.defined();
   kernels::launch_split_quantize(p, at::cuda::getCurrentCUDAStream().stream());
   return out;
+}
+
+}  // namespace
+
+SplitQuantized split_quantize(const at::Tensor& input, const SplitSizes& m_splits,
+                              const SplitQuantizeOptions& o, const at::Tensor& scale,
+                              const at::Tensor& amax) {
+  check_split_inputs(input, m_splits, o, scale, amax);
+  const c10::cuda::CUDAGuard guard(input.device());
+  const at::Tensor x = detail::aligned_operand(input);
+  return launch(input, input.size(0), input.size(1), m_splits, o, scale, amax, x.const_data_ptr(),
+                {});
+}
+
+SplitQuantized quantize_weights(const GroupedTensors& weights, const SplitQuantizeOptions& o,
+                                const at::Tensor& scale, const at::Tensor& amax) {
+  TORCH_CHECK(!weights.empty(), kWeightsOp, ": needs at least one weight");
+  const at::Tensor first = weights[0];
+  TORCH_CHECK(first.defined() && first.dim() == 2, kWeightsOp,
+              ": each weight must be a 2-D [out_features, in_features] tensor");
+  const int64_t groups = static_cast<int64_t>(weights.size()), n = first.size(0), k = first.size(1);
+  check_input_type(kWeightsOp, first.scalar_type(), k);
+  TORCH_CHECK(n % kernels::kColumnwiseRowMultiple == 0, kWeightsOp,
+              ": out_features must be a multiple of ", kernels::kColumnwiseRowMultiple,
+              " (the columnwise copy is dgrad's operand), got ", n);
+  const detail::CheckedGroups w =
+      detail::check_groups(kWeightsOp, "weights", weights, weights.size(), first, {n, k},
+                           first.scalar_type(), "weights[0]'s dtype");
+  TORCH_CHECK(w.aligned, kWeightsOp, ": weights must start on 16-byte boundaries");
+  check_options(o, groups, first.device(), scale, amax);
+  TORCH_CHECK_NOT_IMPLEMENTED(first.is_cuda(), kWeightsOp, ": no backend for ", first.device(),
+                              " tensors (CUDA only)");
+  const c10::cuda::CUDAGuard guard(first.device());
+  const SplitSizes sizes = SplitSizes(std::vector<int64_t>(static_cast<size_t>(groups), n));
+  return launch(first, groups * n, k, sizes, o, scale, amax, nullptr, detail::group_address(w));
 }
 
 void update_delayed_scaling(const at::Tensor& amax_history, const at::Tensor& amax,

@@ -6,6 +6,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "torchmoe/ops/grouped_gemm.h"
 #include "torchmoe/ops/types.h"
 
 namespace torchmoe::ops {
@@ -27,13 +28,18 @@ struct SplitQuantizeOptions {
 
 struct SplitQuantized {
   at::Tensor data;  // [M, K] float8 (e4m3fn or e5m2); undefined without rowwise
-  // [M·K] float8: split g's transpose [K, m_g] at element K·start_g; undefined without columnwise
+  // float8: split g's transpose [K, r16(m_g)] at element K·Σ_{h<g} r16(m_h), its columns past m_g
+  // zero (r16: rounded up to a multiple of 16); K·Σ_g r16(m_g) elements with host sizes, the
+  // bound K·(M + 15·G) with device sizes; undefined without columnwise
   at::Tensor columnwise_data;
   // float32. kCurrent, kDelayed: [G], shared by both copies. Block scalings: the rowwise copy's
-  // block scales, flat (layout in kernels/split_quantize.h); undefined without rowwise.
+  // block scales, flat (layout in kernels/split_quantize.h; padding entries 0); undefined without
+  // rowwise.
   at::Tensor scale_inv;
-  at::Tensor columnwise_scale_inv;  // block scalings: the columnwise copy's block scales, flat
-  at::Tensor amax;                  // [G] float32: max |x| per split (NaN ignored)
+  at::Tensor columnwise_scale_inv;      // block scalings: the columnwise copy's block scales, flat
+  at::Tensor amax;                      // [G] float32: max |x| per split (NaN ignored)
+  Fp8Format format = Fp8Format::kE4M3;  // of both copies
+  QuantizeScaling scaling = QuantizeScaling::kCurrent;
 };
 
 // input: [M, K] contiguous CUDA float32/float16/bfloat16 with K a multiple of 16. m_splits: G
@@ -45,6 +51,13 @@ struct SplitQuantized {
 SplitQuantized split_quantize(const at::Tensor& input, const SplitSizes& m_splits,
                               const SplitQuantizeOptions& options, const at::Tensor& scale = {},
                               const at::Tensor& amax = {});
+
+// A layer's G weights [n, k] (n a multiple of 16), quantized in one launch as the [G·n, k] tensor
+// of G splits of n rows that stacking them would give, without stacking them: split g is read
+// from weight g where it lies. The rowwise copy is fprop's operand, the columnwise one (W_gᵀ
+// [k, n] at element k·n·g) dgrad's. scale, amax: as split_quantize's, one entry per weight.
+SplitQuantized quantize_weights(const GroupedTensors& weights, const SplitQuantizeOptions& options,
+                                const at::Tensor& scale = {}, const at::Tensor& amax = {});
 
 struct DelayedScalingUpdateOptions {
   Fp8Format format = Fp8Format::kE4M3;  // sets fp8_max: 448 (e4m3) or 57344 (e5m2)

@@ -19,6 +19,7 @@
 
 using namespace torchmoe::test;
 using Catch::Matchers::Contains;
+using torchmoe::kernels::round_up_columnwise;
 using torchmoe::ops::AmaxComputeAlgo;
 using torchmoe::ops::Fp8Format;
 using torchmoe::ops::QuantizeScaling;
@@ -75,7 +76,7 @@ struct Expected {
   torch::Tensor data;       // [M, K] fp8 (rows past the splits: zero, never compared)
   torch::Tensor colwise;    // [M·K] fp8
   torch::Tensor scaled;     // [M, K] float: x·scale before rounding, rowwise copy
-  torch::Tensor scaled_t;   // [M·K] float: the same for the columnwise copy
+  torch::Tensor scaled_t;   // float: the same for the columnwise copy (its padding: 0)
   torch::Tensor scale_inv;  // per tensor [G]; blocks: rowwise block scales (padding 0)
   torch::Tensor colwise_scale_inv;
   torch::Tensor amax;  // [G]
@@ -107,7 +108,7 @@ Expected reference(const torch::Tensor& input, const std::vector<int64_t>& sizes
   const std::vector<Split> splits = clamp_splits(sizes, rows);
   Expected e;
   e.scaled = torch::zeros({rows, k});
-  e.scaled_t = torch::zeros({rows * k});
+  e.scaled_t = torch::zeros({torchmoe::kernels::columnwise_elements(rows, k, groups)});
   e.amax = torch::zeros({groups});
   const bool block = torchmoe::kernels::is_block_scaling(o.scaling);
   if (block) {
@@ -118,8 +119,8 @@ Expected reference(const torch::Tensor& input, const std::vector<int64_t>& sizes
   } else {
     e.scale_inv = torch::zeros({groups});
   }
-  // Σ_{h<g} r4(m_h), Σ_{h<g} ceil(m_h/128), Σ_{h<g} r4(ceil(m_h/128)).
-  int64_t rows4 = 0, tiles = 0, tiles4 = 0;
+  // Σ_{h<g} r4(m_h), Σ_{h<g} ceil(m_h/128), Σ_{h<g} r4(ceil(m_h/128)), Σ_{h<g} r16(m_h).
+  int64_t rows4 = 0, tiles = 0, tiles4 = 0, rows16 = 0;
   for (int64_t g = 0; g < groups; ++g) {
     const auto [start, m] = splits[g];
     const int64_t mb_count = ceil_div(m, kBlock);
@@ -172,7 +173,9 @@ Expected reference(const torch::Tensor& input, const std::vector<int64_t>& sizes
       scaled_cols = scaled_rows.t();
     }
     e.scaled.narrow(0, start, m).copy_(scaled_rows);
-    e.scaled_t.narrow(0, k * start, k * m).copy_(scaled_cols.contiguous().view(-1));
+    const int64_t m16 = round_up_columnwise(m);
+    e.scaled_t.narrow(0, k * rows16, k * m16).view({k, m16}).narrow(1, 0, m).copy_(scaled_cols);
+    rows16 += m16;
     rows4 += r4(m);
     tiles += mb_count;
     tiles4 += r4(mb_count);
@@ -255,19 +258,27 @@ std::pair<torch::Tensor, torch::Tensor> block_masks(const std::vector<int64_t>& 
   return {row_mask, col_mask};
 }
 
-// Rows [0, used) of the rowwise copy and the first used·K bytes of the columnwise one.
+// Σ_g r16(m_g) of the clamped splits: the columnwise blocks' total width.
+int64_t padded_rows(const std::vector<int64_t>& sizes, int64_t rows) {
+  int64_t total = 0;
+  for (const Split& s : clamp_splits(sizes, rows)) total += round_up_columnwise(s.rows);
+  return total;
+}
+
+// Rows [0, used) of the rowwise copy and the columnwise blocks, padding included.
 void check_against_reference(const SplitQuantized& q, const Expected& e,
                              const std::vector<int64_t>& sizes, const SplitQuantizeOptions& o,
                              int64_t rows, int64_t k) {
   int64_t used = 0;
   for (const Split& s : clamp_splits(sizes, rows)) used += s.rows;
+  const int64_t used_t = k * padded_rows(sizes, rows);
   if (o.rowwise) {
     check_fp8(q.data.narrow(0, 0, used), e.data.narrow(0, 0, used), e.scaled.narrow(0, 0, used),
               "rowwise data");
   }
   if (o.columnwise) {
-    check_fp8(q.columnwise_data.narrow(0, 0, used * k), e.colwise.narrow(0, 0, used * k),
-              e.scaled_t.narrow(0, 0, used * k), "columnwise data");
+    check_fp8(q.columnwise_data.narrow(0, 0, used_t), e.colwise.narrow(0, 0, used_t),
+              e.scaled_t.narrow(0, 0, used_t), "columnwise data");
   }
   CHECK(torch::equal(q.amax.cpu(), e.amax));
   if (torchmoe::kernels::is_block_scaling(o.scaling)) {
@@ -356,10 +367,16 @@ TEST_CASE("split_quantize: the columnwise copy is the transpose of the rowwise o
   const SplitQuantized q = run(make_input(rows, k, torch::kBFloat16, 9), sizes, o, scale);
   const torch::Tensor data = q.data.cpu().view(torch::kByte);
   const torch::Tensor colwise = q.columnwise_data.cpu().view(torch::kByte);
+  int64_t block_start = 0;
   for (const Split& s : clamp_splits(sizes, rows)) {
     INFO("split at row " << s.start << " of " << s.rows << " rows");
-    CHECK(torch::equal(colwise.narrow(0, k * s.start, k * s.rows).view({k, s.rows}),
-                       data.narrow(0, s.start, s.rows).t()));
+    const int64_t m16 = round_up_columnwise(s.rows);
+    const torch::Tensor block = colwise.narrow(0, k * block_start, k * m16).view({k, m16});
+    CHECK(torch::equal(block.narrow(1, 0, s.rows), data.narrow(0, s.start, s.rows).t()));
+    // The padding columns (m_g up to a multiple of 16) are zeros.
+    CHECK(torch::equal(block.narrow(1, s.rows, m16 - s.rows),
+                       torch::zeros({k, m16 - s.rows}, torch::kByte)));
+    block_start += m16;
   }
 }
 
@@ -387,8 +404,9 @@ TEST_CASE("split_quantize: device splits (int32, int64) give the host splits' re
       torch::tensor(sizes, torch::kLong).to(torch::kCUDA, split_type);
   const SplitQuantized device = torchmoe::ops::split_quantize(x, device_sizes, o, scale);
   CHECK(torch::equal(host.data.view(torch::kByte), device.data.view(torch::kByte)));
-  CHECK(torch::equal(host.columnwise_data.view(torch::kByte),
-                     device.columnwise_data.view(torch::kByte)));
+  const int64_t used_t = k * padded_rows(sizes, rows);  // past it: unwritten
+  CHECK(torch::equal(host.columnwise_data.narrow(0, 0, used_t).view(torch::kByte),
+                     device.columnwise_data.narrow(0, 0, used_t).view(torch::kByte)));
   CHECK(torch::equal(host.amax, device.amax));
   check_against_reference(device, reference(x, sizes, o, scale.defined() ? scale.cpu() : scale),
                           sizes, o, rows, k);
@@ -422,7 +440,9 @@ TEST_CASE("split_quantize: one copy alone equals that copy of both", "[ops][quan
   CHECK_FALSE(r.columnwise_data.defined());
   CHECK_FALSE(c.data.defined());
   CHECK(torch::equal(a.data.view(torch::kByte), r.data.view(torch::kByte)));
-  CHECK(torch::equal(a.columnwise_data.view(torch::kByte), c.columnwise_data.view(torch::kByte)));
+  const int64_t used_t = 128 * padded_rows(sizes, 129);
+  CHECK(torch::equal(a.columnwise_data.narrow(0, 0, used_t).view(torch::kByte),
+                     c.columnwise_data.narrow(0, 0, used_t).view(torch::kByte)));
   check_against_reference(r, reference(x, sizes, rows_only), sizes, rows_only, 129, 128);
   check_against_reference(c, reference(x, sizes, cols_only), sizes, cols_only, 129, 128);
 }
@@ -573,6 +593,20 @@ TEST_CASE("split_quantize and update_delayed_scaling reject bad arguments", "[op
                     Contains("scale and amax are inputs of delayed scaling only"));
   CHECK_THROWS_AS(split_quantize(x, {8}, o), c10::NotImplementedError);
   CHECK_THROWS_AS(split_quantize(x, {8}, delayed, torch::ones({1})), c10::NotImplementedError);
+
+  using torchmoe::ops::quantize_weights;
+  const std::vector<torch::Tensor> w = {torch::randn({16, 32}), torch::randn({16, 32})};
+  CHECK_THROWS_WITH(quantize_weights(std::vector<torch::Tensor>{}, o),
+                    Contains("needs at least one weight"));
+  CHECK_THROWS_WITH(quantize_weights(std::vector<torch::Tensor>{torch::randn({8, 32})}, o),
+                    Contains("out_features must be a multiple of 16 (the columnwise copy is "
+                             "dgrad's operand), got 8"));
+  CHECK_THROWS_WITH(quantize_weights(std::vector<torch::Tensor>{w[0], torch::randn({16, 48})}, o),
+                    Contains("weights[1] must have shape [16, 32], got [16, 48]"));
+  CHECK_THROWS_WITH(quantize_weights(std::vector<torch::Tensor>{w[0], w[1].to(torch::kHalf)}, o),
+                    Contains("weights[1] must have weights[0]'s dtype Float, got Half"));
+  CHECK_THROWS_WITH(quantize_weights(w, delayed), Contains("scale must be a defined tensor"));
+  CHECK_THROWS_AS(quantize_weights(w, o), c10::NotImplementedError);
 
   const torch::Tensor history = torch::zeros({4, 2}), v = torch::ones({2});
   CHECK_THROWS_WITH(update_delayed_scaling(history.view({-1}), v, v, v, {}),

@@ -1,0 +1,184 @@
+// GroupedLinear module throughput in FP8 next to bf16 on a GPU: the whole module (autograd,
+// quantization, GEMMs, the delayed-scaling update where there is one) of an MoE expert fc1 layer
+// (bf16 parameters, no bias, uniform splits, input requiring grad), forward + backward and
+// forward alone, per shape, in five columns measured in one run taking turns (bench_common.h):
+//
+//   bf16          gemm_backend kAuto (torchmoe's default: the sm90 kernel on H100/H200)
+//   bf16_cublaslt gemm_backend kCublasLt (per-group cuBLASLt: the FP8 path's GEMM engine)
+//   fp8_delayed   fp8::DelayedScaling (history 16) with fp8::update_delayed_scaling after each
+//                 forward (kForward) and backward (kBackward), as a training loop runs it
+//   fp8_current   fp8::CurrentScaling
+//   fp8_block     fp8::BlockScaling (1x128 input and grad, 128x128 weight)
+//
+//   bench_grouped_linear_fp8 [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
+//
+// Shapes (E, hidden, ffn, topk, tokens) from bench_common.h; fc1: N = 2·ffn, K = hidden,
+// M = tokens·topk rows in E splits of M/E (the last takes the remainder), given on the host and
+// the device. FLOPs: forward 2·M·N·K, forward + backward 3 × 2·M·N·K (fprop, dgrad, wgrad). Every
+// iteration drops the gradients (set to none, as optimizer.zero_grad()) so that none is
+// accumulated, and the weights are quantized every call (is_first_microbatch unset: one
+// micro-batch per step). Ceilings printed for reference: the H100 SXM's dense spec, 989 TFLOP/s
+// bf16 and 1979 FP8 (the 1979 / 3958 headline numbers are with 2:4 sparsity).
+
+#include <ATen/cuda/CUDAContext.h>
+#include <torchmoe/torchmoe.h>
+
+#include "bench_common.h"
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <fstream>
+#include <functional>
+#include <iomanip>
+#include <iostream>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace fp8 = torchmoe::fp8;
+using torchmoe::bench::median_ms_each;
+using torchmoe::bench::Shape;
+
+constexpr double kSpecBf16Dense = 989.0;  // H100 SXM, TFLOP/s, dense
+constexpr double kSpecFp8Dense = 1979.0;
+constexpr int64_t kHistory = 16;
+
+const char* const kColumns[] = {"bf16", "bf16_cublaslt", "fp8_delayed", "fp8_current", "fp8_block"};
+constexpr size_t kNumColumns = 5;
+
+struct Record {
+  std::string shape, pass;
+  int64_t experts, m, n, k;
+  std::vector<double> tflops;  // per column
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const torchmoe::bench::Setup setup = torchmoe::bench::setup(
+      argc, argv, "bench_grouped_linear_fp8", {"bench_grouped_linear_fp8.json", 20});
+  if (setup.exit_code != 0) return setup.exit_code;
+  const torchmoe::bench::Args& args = setup.args;
+  const std::string device = at::cuda::getCurrentDeviceProperties()->name;
+  std::cout << "device: " << device
+            << ", GroupedLinear module (bf16 params, no bias, uniform splits), TFLOP/s; "
+               "ceilings (H100 SXM spec, dense): bf16 "
+            << kSpecBf16Dense << ", FP8 " << kSpecFp8Dense << "\n"
+            << std::left << std::setw(17) << "shape" << std::setw(9) << "pass" << std::right;
+  for (const char* column : kColumns) std::cout << std::setw(15) << column;
+  std::cout << std::setw(10) << "dly/bf16" << std::setw(10) << "cur/bf16" << std::setw(10)
+            << "blk/bf16" << std::setw(10) << "cur/lt"
+            << "\n";
+
+  const fp8::DelayedScaling delayed = fp8::DelayedScaling().amax_history_len(kHistory);
+  const std::optional<fp8::Recipe> recipes[kNumColumns] = {
+      std::nullopt, std::nullopt, fp8::Recipe(delayed), fp8::Recipe(fp8::CurrentScaling()),
+      fp8::Recipe(fp8::BlockScaling())};
+  const auto bf16 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+  std::vector<Record> records;
+  for (const Shape& shape : torchmoe::bench::selected_shapes(args)) {
+    const int64_t m = shape.tokens * shape.topk, n = 2 * shape.ffn, k = shape.hidden;
+    std::vector<int64_t> host(shape.experts, m / shape.experts);
+    host.back() += m - m / shape.experts * shape.experts;
+    const torchmoe::SplitSizes splits(host, torch::tensor(host, torch::kLong).to(torch::kCUDA));
+    torch::manual_seed(0);
+    const auto options = torchmoe::GroupedLinearOptions(shape.experts, k, n)
+                             .bias(false)
+                             .params_dtype(torch::kBFloat16)
+                             .device(torch::kCUDA);
+    // One layer for kAuto, the FP8 columns (FP8 plans per-group cuBLASLt under kAuto) and its
+    // delayed-scaling state; one with the same weights forced to per-group cuBLASLt.
+    torchmoe::GroupedLinear layer(
+        torchmoe::GroupedLinearOptions(options).fp8_amax_history_len(kHistory));
+    torchmoe::GroupedLinear lt_layer(
+        torchmoe::GroupedLinearOptions(options).gemm_backend(torchmoe::GemmBackend::kCublasLt));
+    {
+      torch::NoGradGuard no_grad;
+      const std::vector<torch::Tensor> from = layer->expert_weights(),
+                                       to = lt_layer->expert_weights();
+      for (size_t e = 0; e < from.size(); ++e) to[e].copy_(from[e]);
+    }
+    const torch::Tensor x = torch::randn({m, k}, bf16).requires_grad_(true);
+    const torch::Tensor dy = torch::randn({m, n}, bf16);
+
+    // One training step of one column: forward (under its recipe), backward, the delayed update.
+    auto step = [&](size_t column, bool backward) {
+      torchmoe::GroupedLinear& l = column == 1 ? lt_layer : layer;
+      l->zero_grad();  // set to none: nothing accumulates
+      x.mutable_grad() = torch::Tensor();
+      torch::Tensor y;
+      {
+        const fp8::Autocast guard(recipes[column].value_or(fp8::Recipe(delayed)),
+                                  recipes[column].has_value());
+        y = l(x, splits);
+      }
+      if (backward) y.backward(dy);
+      if (column == 2) {
+        fp8::update_delayed_scaling(*l, delayed, fp8::Pass::kForward);
+        if (backward) fp8::update_delayed_scaling(*l, delayed, fp8::Pass::kBackward);
+      }
+      return y;
+    };
+
+    // One correctness look per shape: each FP8 column's output near bf16's (e4m3 quantization
+    // leaves ~0.04 relative error; a wrong scale is off by orders of magnitude). The delayed one
+    // after a calibration step (its first step casts with scale 1).
+    step(2, true);
+    const torch::Tensor reference = step(0, false).detach().to(torch::kFloat);
+    for (size_t column = 2; column < kNumColumns; ++column) {
+      const torch::Tensor y = step(column, false).detach().to(torch::kFloat);
+      const double rel = ((y - reference).norm() / reference.norm()).item<double>();
+      if (!(rel < 0.1)) {
+        std::cerr << "bench_grouped_linear_fp8: " << shape.name << " " << kColumns[column]
+                  << " output is off bf16 by " << rel << " (relative Frobenius)\n";
+        return 1;
+      }
+    }
+
+    const double gemm_flops = 2.0 * static_cast<double>(m) * n * k;
+    for (const bool backward : {false, true}) {
+      std::vector<std::function<void()>> fns;
+      for (size_t column = 0; column < kNumColumns; ++column) {
+        fns.push_back([&, column, backward] { step(column, backward); });
+      }
+      const std::vector<double> ms = median_ms_each(fns, args.iters, args.warmup);
+      const double flops = (backward ? 3.0 : 1.0) * gemm_flops;
+      Record r{shape.name, backward ? "fwd+bwd" : "fwd", shape.experts, m, n, k, {}};
+      for (double t : ms) r.tflops.push_back(flops / t * 1e-9);
+      const std::vector<double>& t = r.tflops;
+      std::cout << std::left << std::setw(17) << r.shape << std::setw(9) << r.pass << std::right
+                << std::fixed << std::setprecision(1);
+      for (double v : t) std::cout << std::setw(15) << v;
+      std::cout << std::setprecision(3) << std::setw(10) << t[2] / t[0] << std::setw(10)
+                << t[3] / t[0] << std::setw(10) << t[4] / t[0] << std::setw(10) << t[3] / t[1]
+                << "\n";
+      records.push_back(std::move(r));
+    }
+  }
+
+  std::ofstream json(args.json_path);
+  json << "{\n  \"device\": \"" << device
+       << "\",\n  \"params_dtype\": \"bfloat16\",\n  \"unit\": \"TFLOP/s\",\n"
+       << "  \"flops\": \"fwd: 2*M*N*K; fwd+bwd: 3*2*M*N*K\",\n"
+       << "  \"spec_dense_tflops\": {\"bf16\": " << kSpecBf16Dense << ", \"fp8\": " << kSpecFp8Dense
+       << ", \"device\": \"H100 SXM\"},\n  \"amax_history_len\": " << kHistory
+       << ",\n  \"results\": [\n";
+  for (size_t i = 0; i < records.size(); ++i) {
+    const Record& r = records[i];
+    json << "    {\"shape\": \"" << r.shape << "\", \"pass\": \"" << r.pass
+         << "\", \"experts\": " << r.experts << ", \"m\": " << r.m << ", \"n\": " << r.n
+         << ", \"k\": " << r.k;
+    for (size_t c = 0; c < kNumColumns; ++c) json << ", \"" << kColumns[c] << "\": " << r.tflops[c];
+    json << ", \"fp8_delayed_over_bf16\": " << r.tflops[2] / r.tflops[0]
+         << ", \"fp8_current_over_bf16\": " << r.tflops[3] / r.tflops[0]
+         << ", \"fp8_block_over_bf16\": " << r.tflops[4] / r.tflops[0]
+         << ", \"fp8_current_over_bf16_cublaslt\": " << r.tflops[3] / r.tflops[1] << "}"
+         << (i + 1 < records.size() ? "," : "") << "\n";
+  }
+  json << "  ]\n}\n";
+  std::cout << "wrote " << args.json_path << "\n";
+  return 0;
+}

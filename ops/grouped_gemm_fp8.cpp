@@ -1,0 +1,332 @@
+// The FP8 grouped linear products: operand checks, where each group's operand and scales start in
+// split_quantize's layouts, and one per-group cuBLASLt FP8 call per product.
+
+#include "torchmoe/ops/grouped_gemm_fp8.h"
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <string>
+#include <vector>
+
+#include "torchmoe/kernels/grouped_gemm_cublaslt.h"
+#include "torchmoe/kernels/split_quantize.h"
+#include "torchmoe/ops/grouped_gemm_backends.h"
+#include "torchmoe/ops/kernel_types.h"
+
+namespace torchmoe::ops {
+namespace {
+
+using kernels::is_block_scaling;
+
+constexpr const char* kForwardOp = "torchmoe::ops::grouped_linear_forward_fp8";
+constexpr const char* kDgradOp = "torchmoe::ops::grouped_linear_dgrad_fp8";
+constexpr const char* kWgradOp = "torchmoe::ops::grouped_linear_wgrad_fp8";
+
+at::ScalarType fp8_dtype(Fp8Format format) {
+  return format == Fp8Format::kE4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
+}
+
+const char* format_name(Fp8Format format) { return format == Fp8Format::kE4M3 ? "e4m3" : "e5m2"; }
+
+void check_plan(const char* op, const GemmPlan& plan) {
+  TORCH_CHECK(plan.fp8 && plan.backend == Backend::kCublasLt && plan.m_splits.has_host(), op,
+              ": needs an FP8 plan (plan_grouped_gemms with fp8 = true)");
+}
+
+// One copy of a quantized [rows, k] operand split by `sizes`: present, of split_quantize's sizes
+// and dtype, on the plan's device.
+void check_operand(const char* op, const char* name, const SplitQuantized& q, bool rowwise,
+                   int64_t rows, int64_t k, c10::IntArrayRef sizes, const c10::Device& device) {
+  const auto groups = static_cast<int64_t>(sizes.size());
+  const at::Tensor& data = rowwise ? q.data : q.columnwise_data;
+  const at::Tensor& scales =
+      rowwise || !is_block_scaling(q.scaling) ? q.scale_inv : q.columnwise_scale_inv;
+  const char* copy = rowwise ? "rowwise" : "columnwise";
+  TORCH_CHECK(data.defined(), op, ": ", name, " must have its ", copy,
+              " copy (split_quantize with ", copy, " = true)");
+  // The columnwise buffer is exact for host sizes and a bound for device sizes.
+  int64_t numel = rows * k;
+  if (!rowwise) {
+    numel = 0;
+    for (int64_t m : sizes) numel += k * kernels::round_up_columnwise(m);
+  }
+  TORCH_CHECK((rowwise ? data.numel() == numel : data.numel() >= numel) && data.is_contiguous(), op,
+              ": ", name, "'s ", copy, " data must be split_quantize's for [", rows, ", ", k,
+              "] in ", groups, " splits (", numel, " contiguous elements), got ", data.sizes());
+  TORCH_CHECK(data.scalar_type() == fp8_dtype(q.format), op, ": ", name, "'s data must be ",
+              fp8_dtype(q.format), " (its format), got ", data.scalar_type());
+  TORCH_CHECK(data.device() == device, op, ": ", name, " must be on ", device, ", got ",
+              data.device());
+  const int64_t scale_count =
+      !is_block_scaling(q.scaling)
+          ? groups
+          : (rowwise ? kernels::rowwise_block_scales(q.scaling, rows, k, groups)
+                     : kernels::columnwise_block_scales(q.scaling, rows, k, groups));
+  TORCH_CHECK(scales.defined() && scales.numel() == scale_count &&
+                  scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.device() == device,
+              op, ": ", name, "'s ", copy, " scale_inv must be ", scale_count,
+              " contiguous float32 values on ", device);
+}
+
+// The two operands of one product: FP8 kernels exist for e4m3 × e4m3, e4m3 × e5m2 and per-tensor
+// × per-tensor, 1x128 × 1x128 or 1x128 × 128×128 scales.
+void check_pair(const char* op, const char* a_name, const SplitQuantized& a, const char* b_name,
+                const SplitQuantized& b) {
+  TORCH_CHECK_NOT_IMPLEMENTED(a.format == Fp8Format::kE4M3 || b.format == Fp8Format::kE4M3, op,
+                              ": ", a_name, " and ", b_name,
+                              " are both e5m2; FP8 GEMMs need at least one e4m3 operand");
+  TORCH_CHECK_NOT_IMPLEMENTED(is_block_scaling(a.scaling) == is_block_scaling(b.scaling), op, ": ",
+                              a_name, " and ", b_name,
+                              " must both have per-tensor scales or both block scales");
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      !(a.scaling == QuantizeScaling::kBlock128x128 && b.scaling == QuantizeScaling::kBlock128x128),
+      op, ": ", a_name, " and ", b_name,
+      " both have 128x128 block scales; cuBLASLt multiplies 1x128 by 1x128 or 128x128 blocks only");
+}
+
+// Where each group's operand and scales start in one copy of split_quantize's layout, for
+// splits of `sizes` rows of width k (kernels/split_quantize.h).
+struct OperandGroups {
+  std::vector<const void*> data;
+  std::vector<const float*> scale_inv;
+  at::Tensor aligned_scales;  // per-tensor scalings: what scale_inv points into
+};
+
+OperandGroups operand_groups(const SplitQuantized& q, bool rowwise, c10::IntArrayRef sizes,
+                             int64_t k) {
+  using kernels::block_count;
+  using kernels::round_up4;
+  const auto* data =
+      static_cast<const uint8_t*>((rowwise ? q.data : q.columnwise_data).const_data_ptr());
+  OperandGroups out;
+  const float* scales = nullptr;
+  if (is_block_scaling(q.scaling)) {
+    // Every split's block scales start on a 16-byte boundary (the layouts' r4 padding).
+    scales = (rowwise ? q.scale_inv : q.columnwise_scale_inv).const_data_ptr<float>();
+  } else {
+    // cublasLtMatmul refuses scale pointers that are not 16-byte aligned (measured: status
+    // NOT_SUPPORTED at 4-byte offsets, cuBLAS 13.1, H100): each split's scale_inv goes to its own
+    // 16 bytes, one small copy per operand.
+    out.aligned_scales = at::constant_pad_nd(q.scale_inv.view({-1, 1}), {0, 3});
+    scales = out.aligned_scales.const_data_ptr<float>();
+  }
+  const int64_t kb = block_count(k);
+  out.data.reserve(sizes.size());
+  out.scale_inv.reserve(sizes.size());
+  // Running sums over the splits before g: rows, r16(rows), r4(rows), row blocks, r4(row blocks).
+  int64_t rows = 0, rows16 = 0, rows4 = 0, blocks = 0, blocks4 = 0;
+  for (size_t g = 0; g < sizes.size(); ++g) {
+    out.data.push_back(data + k * (rowwise ? rows : rows16));
+    int64_t offset = 4 * static_cast<int64_t>(g);  // per-tensor: one scale per 16 bytes
+    if (q.scaling == QuantizeScaling::kBlock1x128) {
+      offset = rowwise ? kb * rows4 : round_up4(k) * blocks;
+    } else if (q.scaling == QuantizeScaling::kBlock128x128) {
+      offset = rowwise ? round_up4(kb) * blocks : kb * blocks4;
+    }
+    out.scale_inv.push_back(scales + offset);
+    const int64_t m = sizes[g];
+    rows += m;
+    rows16 += kernels::round_up_columnwise(m);
+    rows4 += round_up4(m);
+    blocks += block_count(m);
+    blocks4 += round_up4(block_count(m));
+  }
+  return out;
+}
+
+kernels::Fp8GroupedGemmParams product_params(const SplitQuantized& a, const SplitQuantized& b,
+                                             int64_t n, at::ScalarType output_dtype) {
+  kernels::Fp8GroupedGemmParams p;
+  p.n = n;
+  p.a_format = a.format;
+  p.b_format = b.format;
+  p.a_scaling = a.scaling;
+  p.b_scaling = b.scaling;
+  p.output_type = kernel_type(output_dtype);
+  return p;
+}
+
+// Where fprop's and dgrad's output rows go. cublasLtMatmul has no algorithm for a 1x128-scaled
+// operand on the rows side whose row count is not a multiple of 4 (measured, cuBLAS 13.1, H100:
+// 36, 40, 44 rows run, 2, 37, 38, 129 do not; the scales' layout pads each split to a multiple of
+// 4 rows). Such a product runs every split as r4(m_g) rows into a padded output, and the real rows
+// are gathered from it: the extra rows read the next split's data (or the three rows of slack
+// split_quantize leaves past the last one) and land in rows that are dropped.
+struct OutputRows {
+  bool padded = false;
+  std::vector<int64_t> gemm_rows;  // rows each split's GEMM computes
+  std::vector<int64_t> first;      // each split's first row in the GEMM's output
+  int64_t total = 0;               // rows of the GEMM's output
+};
+
+OutputRows output_rows(const SplitQuantized& rows_operand, c10::IntArrayRef sizes) {
+  OutputRows out;
+  for (int64_t m : sizes) {
+    out.padded |= rows_operand.scaling == QuantizeScaling::kBlock1x128 && m % 4 != 0;
+  }
+  for (int64_t m : sizes) {
+    const int64_t rows = out.padded ? kernels::round_up4(m) : m;
+    out.gemm_rows.push_back(rows);
+    out.first.push_back(out.total);
+    out.total += rows;
+  }
+  return out;
+}
+
+// The [rows, n] result from a padded GEMM output: one gather of the real rows.
+at::Tensor unpad_rows(const at::Tensor& padded, const OutputRows& layout, c10::IntArrayRef sizes) {
+  std::vector<int64_t> index;
+  for (size_t g = 0; g < sizes.size(); ++g) {
+    for (int64_t r = 0; r < sizes[g]; ++r) index.push_back(layout.first[g] + r);
+  }
+  const at::Tensor device_index =
+      at::tensor(index, at::TensorOptions().dtype(at::kLong)).to(padded.device(), true);
+  return padded.index_select(0, device_index);
+}
+
+kernels::Fp8GemmResult run(const at::Tensor& like, const kernels::Fp8GroupedGemmParams& params) {
+  size_t nonempty = 0;
+  for (const auto& g : params.groups) nonempty += g.m > 0 && g.kk > 0;
+  const detail::CublasLtLaunch launch = detail::cublaslt_launch(like, nonempty);
+  return kernels::run_grouped_gemm_cublaslt_fp8(params, launch.env);
+}
+
+void check_output_dtype(const char* op, at::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op,
+              ": the output dtype must be float32, float16 or bfloat16, got ", dtype);
+}
+
+}  // namespace
+
+at::Tensor grouped_linear_forward_fp8(const GemmPlan& plan, const SplitQuantized& input,
+                                      const SplitQuantized& weights, const GroupedTensors& biases,
+                                      at::ScalarType output_dtype, bool fast_accumulation) {
+  check_plan(kForwardOp, plan);
+  check_output_dtype(kForwardOp, output_dtype);
+  const int64_t n = plan.shape.n, k = plan.shape.k, groups = plan.shape.groups;
+  const c10::IntArrayRef sizes = plan.m_splits.host();
+  const std::vector<int64_t> weight_sizes(static_cast<size_t>(groups), n);
+  check_operand(kForwardOp, "input", input, true, plan.rows, k, sizes, plan.device);
+  check_operand(kForwardOp, "weights", weights, true, groups * n, k, weight_sizes, plan.device);
+  check_pair(kForwardOp, "input", input, "weights", weights);
+  TORCH_CHECK(biases.empty() || biases.size() == static_cast<size_t>(groups), kForwardOp,
+              ": biases must be none or one per group (", groups, "), got ", biases.size());
+  for (size_t g = 0; g < biases.size(); ++g) {
+    const at::Tensor b = biases[g];
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == n && b.scalar_type() == output_dtype &&
+                    b.is_contiguous() && b.device() == plan.device,
+                kForwardOp, ": biases[", g, "] must be a contiguous [", n, "] ", output_dtype,
+                " tensor on ", plan.device, ", got ", b.scalar_type(), " ", b.sizes(), " on ",
+                b.device());
+  }
+  const c10::cuda::CUDAGuard guard(plan.device);
+  const OutputRows layout = output_rows(input, sizes);
+  at::Tensor output = at::empty({layout.total, n}, input.data.options().dtype(output_dtype));
+  const OperandGroups a = operand_groups(input, true, sizes, k);
+  const OperandGroups b = operand_groups(weights, true, weight_sizes, k);
+  kernels::Fp8GroupedGemmParams p = product_params(input, weights, n, output_dtype);
+  p.fast_accumulation = fast_accumulation;
+  const size_t out_size = output.element_size();
+  for (size_t g = 0; g < sizes.size(); ++g) {
+    kernels::Fp8GemmGroup group;
+    group.m = sizes[g] == 0 ? 0 : layout.gemm_rows[g];
+    group.kk = k;
+    group.a = a.data[g];
+    group.b = b.data[g];
+    group.a_scale_inv = a.scale_inv[g];
+    group.b_scale_inv = b.scale_inv[g];
+    group.output = static_cast<char*>(output.data_ptr()) + layout.first[g] * n * out_size;
+    group.bias = biases.empty() ? nullptr : biases[g].const_data_ptr();
+    p.groups.push_back(group);
+  }
+  const kernels::Fp8GemmResult result = run(output, p);
+  if (layout.padded) output = unpad_rows(output, layout, sizes);
+  if (!biases.empty() && !result.bias_applied) {
+    detail::for_each_group(sizes, [&](size_t g, int64_t first, int64_t rows) {
+      if (rows > 0) output.narrow(0, first, rows).add_(biases[g]);
+    });
+  }
+  return output;
+}
+
+at::Tensor grouped_linear_dgrad_fp8(const GemmPlan& plan, const SplitQuantized& grad_output,
+                                    const SplitQuantized& weights, at::ScalarType output_dtype) {
+  check_plan(kDgradOp, plan);
+  check_output_dtype(kDgradOp, output_dtype);
+  const int64_t n = plan.shape.n, k = plan.shape.k, groups = plan.shape.groups;
+  const c10::IntArrayRef sizes = plan.m_splits.host();
+  const std::vector<int64_t> weight_sizes(static_cast<size_t>(groups), n);
+  check_operand(kDgradOp, "grad_output", grad_output, true, plan.rows, n, sizes, plan.device);
+  check_operand(kDgradOp, "weights", weights, false, groups * n, k, weight_sizes, plan.device);
+  check_pair(kDgradOp, "grad_output", grad_output, "weights", weights);
+  const c10::cuda::CUDAGuard guard(plan.device);
+  const OutputRows layout = output_rows(grad_output, sizes);
+  at::Tensor grad_input =
+      at::empty({layout.total, k}, grad_output.data.options().dtype(output_dtype));
+  const OperandGroups a = operand_groups(grad_output, true, sizes, n);
+  const OperandGroups b = operand_groups(weights, false, weight_sizes, k);
+  kernels::Fp8GroupedGemmParams p = product_params(grad_output, weights, k, output_dtype);
+  const size_t out_size = grad_input.element_size();
+  for (size_t g = 0; g < sizes.size(); ++g) {
+    kernels::Fp8GemmGroup group;
+    group.m = sizes[g] == 0 ? 0 : layout.gemm_rows[g];
+    group.kk = n;
+    group.a = a.data[g];
+    group.b = b.data[g];
+    group.a_scale_inv = a.scale_inv[g];
+    group.b_scale_inv = b.scale_inv[g];
+    group.output = static_cast<char*>(grad_input.data_ptr()) + layout.first[g] * k * out_size;
+    p.groups.push_back(group);
+  }
+  run(grad_input, p);
+  return layout.padded ? unpad_rows(grad_input, layout, sizes) : grad_input;
+}
+
+void grouped_linear_wgrad_fp8(const GemmPlan& plan, const SplitQuantized& input,
+                              const SplitQuantized& grad_output,
+                              const GroupedTensors& weight_grads_out, bool accumulate) {
+  check_plan(kWgradOp, plan);
+  const int64_t n = plan.shape.n, k = plan.shape.k, groups = plan.shape.groups;
+  const c10::IntArrayRef sizes = plan.m_splits.host();
+  check_operand(kWgradOp, "grad_output", grad_output, false, plan.rows, n, sizes, plan.device);
+  check_operand(kWgradOp, "input", input, false, plan.rows, k, sizes, plan.device);
+  check_pair(kWgradOp, "grad_output", grad_output, "input", input);
+  TORCH_CHECK(weight_grads_out.size() == static_cast<size_t>(groups), kWgradOp,
+              ": weight_grads_out must hold one tensor per group (", groups, "), got ",
+              weight_grads_out.size());
+  const at::ScalarType out_dtype = weight_grads_out[0].scalar_type();
+  check_output_dtype(kWgradOp, out_dtype);
+  TORCH_CHECK(!accumulate || out_dtype == at::kFloat, kWgradOp,
+              ": accumulating needs float32 weight_grads_out (main-grad), got ", out_dtype);
+  std::vector<void*> outputs(static_cast<size_t>(groups));
+  for (int64_t g = 0; g < groups; ++g) {
+    const at::Tensor t = weight_grads_out[static_cast<size_t>(g)];
+    TORCH_CHECK(t.sizes() == at::IntArrayRef({n, k}) && t.scalar_type() == out_dtype &&
+                    t.is_contiguous() && t.device() == plan.device,
+                kWgradOp, ": weight_grads_out[", g, "] must be a contiguous [", n, ", ", k, "] ",
+                out_dtype, " tensor on ", plan.device, ", got ", t.scalar_type(), " ", t.sizes(),
+                " on ", t.device());
+    outputs[static_cast<size_t>(g)] = t.data_ptr();
+  }
+  const c10::cuda::CUDAGuard guard(plan.device);
+  const OperandGroups a = operand_groups(grad_output, false, sizes, n);
+  const OperandGroups b = operand_groups(input, false, sizes, k);
+  kernels::Fp8GroupedGemmParams p = product_params(grad_output, input, k, out_dtype);
+  p.accumulate = accumulate;
+  detail::for_each_group(sizes, [&](size_t g, int64_t, int64_t rows) {
+    kernels::Fp8GemmGroup group;
+    group.m = n;
+    group.kk = kernels::round_up_columnwise(rows);
+    group.a = a.data[g];
+    group.b = b.data[g];
+    group.a_scale_inv = a.scale_inv[g];
+    group.b_scale_inv = b.scale_inv[g];
+    group.output = outputs[g];
+    p.groups.push_back(group);
+  });
+  run(weight_grads_out[0], p);
+}
+
+}  // namespace torchmoe::ops

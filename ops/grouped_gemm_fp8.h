@@ -1,0 +1,40 @@
+#pragma once
+// FP8 grouped linear products: the three GEMMs of a grouped linear layer over operands that
+// split_quantize made (ops/quantize.h), as per-group cuBLASLt FP8 matmuls. Validation,
+// allocation and the kernel call; the TN layout of every product and which copy each reads are
+// in kernels/grouped_gemm_cublaslt.h, the numerics in docs/fp8.md.
+//
+// The plan must be an FP8 plan (plan_grouped_gemms(..., fp8=true)): CUDA, host split sizes,
+// in_features and out_features multiples of 16. Split sizes are any non-negative values: wgrad
+// reduces over each split's columnwise block, which split_quantize pads with zeros to a multiple
+// of 16 rows. An operand's scaling is any of split_quantize's; two block-scaled operands of one
+// product must not both be 128×128 (cuBLASLt has no such kernel), and e5m2 × e5m2 is refused.
+
+#include <ATen/core/Tensor.h>
+
+#include "torchmoe/ops/grouped_gemm.h"
+#include "torchmoe/ops/quantize.h"
+
+namespace torchmoe::ops {
+
+// y[rows of g] = x_g · W_gᵀ (+ b_g), dequantized, in output_dtype. input: the rowwise copy of the
+// [rows, k] input split by the plan's sizes; weights: quantize_weights' rowwise copy
+// (ops/quantize.h); biases: none or G × [n] of output_dtype. fast_accumulation: cuBLASLt's FP8 fast
+// accumulation (TE's choice for fprop; ignored by block scalings).
+at::Tensor grouped_linear_forward_fp8(const GemmPlan& plan, const SplitQuantized& input,
+                                      const SplitQuantized& weights, const GroupedTensors& biases,
+                                      at::ScalarType output_dtype, bool fast_accumulation = true);
+
+// dx[rows of g] = dy_g · W_g in output_dtype. grad_output: the rowwise copy of dy [rows, n];
+// weights: quantize_weights' columnwise copy.
+at::Tensor grouped_linear_dgrad_fp8(const GemmPlan& plan, const SplitQuantized& grad_output,
+                                    const SplitQuantized& weights, at::ScalarType output_dtype);
+
+// dW_g = dy_gᵀ · x_g from the columnwise copies of dy [rows, n] and x [rows, k], into
+// weight_grads_out (G × [n, k], any of float32/float16/bfloat16): overwritten, or added to when
+// `accumulate` (float32 only; an empty split then leaves its buffer as it is, else zeroes it).
+void grouped_linear_wgrad_fp8(const GemmPlan& plan, const SplitQuantized& input,
+                              const SplitQuantized& grad_output,
+                              const GroupedTensors& weight_grads_out, bool accumulate);
+
+}  // namespace torchmoe::ops

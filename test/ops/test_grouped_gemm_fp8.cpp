@@ -1,0 +1,665 @@
+// FP8 grouped linear products (ops/grouped_gemm_fp8.h) against a float64 reference computed from
+// the DEQUANTIZED operands: the FP8 bytes that split_quantize wrote, times their scale_inv, read
+// back through the layouts of kernels/split_quantize.h by a dequantizer of this file (never by the
+// op's own offset code). The only differences left are the GEMM's accumulation and the output's
+// rounding, so the tolerance is tight and any scale or layout mistake (a missing scale_inv, a
+// neighbouring block's scale, a split's offset) is many times over it.
+//
+// Axes (TE's tests/cpp/operator style):
+//   scalings   per tensor current; per tensor delayed (given scales, some saturating); block:
+//              1x128 input and grad with 128x128 weight (TE's Float8BlockScaling); block: all
+//              1x128
+//   shapes     splits {37, 0, 128, 5, 211} (an empty split, odd and prime sizes, sizes not
+//              multiples of 16 or 128, a split of one full and one short 128-row block) with
+//              K = 208, N = 144 (multiples of 16, not of 128: short last column blocks); and
+//              splits {128, 0, 256, 384} with K = 256, N = 384 (everything multiple of 128)
+//   outputs    bfloat16, float32
+//   formats    forward e4m3 × e4m3; dgrad grad_output e4m3 or e5m2 × weight e4m3; wgrad
+//              grad_output e4m3 or e5m2 × input e4m3
+//   forward    fast accumulation on and off
+// Plus: wgrad accumulation into fp32 buffers and its empty-split rule, biases, quantize_weights
+// on separate vs stacked weights, and the refusals of the ops and of FP8 planning (the CPU one
+// runs without a GPU).
+
+#include <torchmoe/kernels/split_quantize.h>
+#include <torchmoe/ops/grouped_gemm.h>
+#include <torchmoe/ops/grouped_gemm_fp8.h>
+#include <torchmoe/ops/quantize.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "test_utils.h"
+
+using namespace torchmoe::test;
+using Catch::Matchers::Contains;
+using torchmoe::GemmBackend;
+using torchmoe::SplitSizes;
+using torchmoe::kernels::round_up_columnwise;
+using torchmoe::ops::Fp8Format;
+using torchmoe::ops::GroupedTensors;
+using torchmoe::ops::QuantizeScaling;
+using torchmoe::ops::SplitQuantized;
+using torchmoe::ops::SplitQuantizeOptions;
+namespace ops = torchmoe::ops;
+
+namespace {
+
+constexpr int64_t kBlock = 128;
+constexpr auto kE4M3 = Fp8Format::kE4M3;
+constexpr auto kE5M2 = Fp8Format::kE5M2;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t r4(int64_t n) { return ceil_div(n, 4) * 4; }
+double format_max(Fp8Format f) { return f == kE4M3 ? 448.0 : 57344.0; }
+const char* format_name(Fp8Format f) { return f == kE4M3 ? "e4m3" : "e5m2"; }
+
+// ---- Dequantizer: split_quantize's layouts (kernels/split_quantize.h), read back ---------------
+
+// Which entries of a [m, kk] matrix (one split) each scale covers, expanded to one scale per
+// element: `per_block` [rows_of_blocks, cols_of_blocks] with blocks of `br` rows and `bc` columns.
+torch::Tensor expand_blocks(const torch::Tensor& per_block, int64_t br, int64_t bc, int64_t m,
+                            int64_t kk) {
+  const torch::Tensor rows = per_block.repeat_interleave(br, 0).narrow(0, 0, m);
+  return rows.repeat_interleave(bc, 1).narrow(1, 0, kk);
+}
+
+// The [rows, k] float64 matrix that one copy of `q` encodes (rows = Σ sizes): the rowwise copy as
+// it is, the columnwise copy (split g's transpose [k, r16(m_g)] at element k·Σ_{h<g} r16(m_h))
+// transposed back, each element times its scale_inv (per split, per 1x128 block or per 128×128
+// tile, at the offsets of the layout comment).
+torch::Tensor dequantize(const SplitQuantized& q, bool rowwise, const std::vector<int64_t>& sizes,
+                         int64_t k) {
+  const bool block = torchmoe::kernels::is_block_scaling(q.scaling);
+  const torch::Tensor data =
+      (rowwise ? q.data : q.columnwise_data).cpu().to(torch::kFloat).to(torch::kFloat64).view(-1);
+  const torch::Tensor scales =
+      (rowwise || !block ? q.scale_inv : q.columnwise_scale_inv).cpu().to(torch::kFloat64);
+  int64_t rows = 0;
+  for (int64_t m : sizes) rows += m;
+  torch::Tensor out = torch::zeros({rows, k}, torch::kFloat64);
+  const int64_t kb = ceil_div(k, kBlock);
+  // Σ_{h<g} of: m_h, r16(m_h), r4(m_h), ceil(m_h/128), r4(ceil(m_h/128)).
+  int64_t start = 0, rows16 = 0, rows4 = 0, tiles = 0, tiles4 = 0;
+  for (size_t g = 0; g < sizes.size(); ++g) {
+    const int64_t m = sizes[g], mb = ceil_div(m, kBlock), m16 = round_up_columnwise(m);
+    if (m > 0) {
+      const torch::Tensor values =
+          rowwise ? data.narrow(0, k * start, k * m).view({m, k})
+                  : data.narrow(0, k * rows16, k * m16).view({k, m16}).narrow(1, 0, m).t();
+      torch::Tensor s;  // [m, k]: each element's scale_inv
+      switch (q.scaling) {
+        case QuantizeScaling::kCurrent:
+        case QuantizeScaling::kDelayed:
+          s = scales[static_cast<int64_t>(g)].expand({m, k});
+          break;
+        case QuantizeScaling::kBlock1x128:
+          s = rowwise
+                  // [KB, r4(m)] at KB·Σ r4(m_h): s[kb][r] covers row r, columns of block kb
+                  ? expand_blocks(scales.narrow(0, kb * rows4, kb * r4(m))
+                                      .view({kb, r4(m)})
+                                      .narrow(1, 0, m)
+                                      .t(),
+                                  1, kBlock, m, k)
+                  // [MB, r4(k)] at r4(k)·Σ MB_h: s[mb][c] covers column c, rows of block mb
+                  : expand_blocks(scales.narrow(0, r4(k) * tiles, mb * r4(k))
+                                      .view({mb, r4(k)})
+                                      .narrow(1, 0, k),
+                                  kBlock, 1, m, k);
+          break;
+        case QuantizeScaling::kBlock128x128:
+          s = rowwise
+                  // [MB, r4(KB)] at r4(KB)·Σ MB_h: s[mb][kb]
+                  ? expand_blocks(scales.narrow(0, r4(kb) * tiles, mb * r4(kb))
+                                      .view({mb, r4(kb)})
+                                      .narrow(1, 0, kb),
+                                  kBlock, kBlock, m, k)
+                  // [KB, r4(MB)] at KB·Σ r4(MB_h): s[kb][mb], the same values transposed
+                  : expand_blocks(scales.narrow(0, kb * tiles4, kb * r4(mb))
+                                      .view({kb, r4(mb)})
+                                      .narrow(1, 0, mb)
+                                      .t(),
+                                  kBlock, kBlock, m, k);
+          break;
+      }
+      out.narrow(0, start, m).copy_(values * s);
+    }
+    start += m;
+    rows16 += m16;
+    rows4 += r4(m);
+    tiles += mb;
+    tiles4 += r4(mb);
+  }
+  return out;
+}
+
+// ---- Problems and their quantized operands -----------------------------------------------------
+
+struct ScalingCase {
+  const char* name;
+  QuantizeScaling input, weight, grad;
+};
+
+const ScalingCase kScalingCases[] = {
+    {"current", QuantizeScaling::kCurrent, QuantizeScaling::kCurrent, QuantizeScaling::kCurrent},
+    {"delayed", QuantizeScaling::kDelayed, QuantizeScaling::kDelayed, QuantizeScaling::kDelayed},
+    {"block: 1x128 input and grad, 128x128 weight", QuantizeScaling::kBlock1x128,
+     QuantizeScaling::kBlock128x128, QuantizeScaling::kBlock1x128},
+    {"block: all 1x128", QuantizeScaling::kBlock1x128, QuantizeScaling::kBlock1x128,
+     QuantizeScaling::kBlock1x128},
+};
+
+struct ShapeCase {
+  const char* name;
+  std::vector<int64_t> sizes;
+  int64_t n, k;
+};
+
+const ShapeCase kShapeCases[] = {
+    {"splits {37, 0, 128, 5, 211}, K 208, N 144", {37, 0, 128, 5, 211}, 144, 208},
+    {"splits {128, 0, 256, 384}, K 256, N 384", {128, 0, 256, 384}, 384, 256},
+};
+
+int64_t total(const std::vector<int64_t>& sizes) {
+  int64_t sum = 0;
+  for (int64_t m : sizes) sum += m;
+  return sum;
+}
+
+// [Σ sizes, cols] bf16 on the GPU: normal values times 2^[-3, 3] per row, per 32 columns and per
+// split, so that neighbouring rows, 128-column blocks, 128-row blocks and splits get different
+// scales and taking a neighbour's scale is far off.
+torch::Tensor spread(const std::vector<int64_t>& sizes, int64_t cols, double base, uint64_t seed) {
+  const auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const int64_t rows = total(sizes);
+  torch::Tensor x = torch::randn({rows, cols}, gen) * base;
+  x *= torch::pow(2.0, torch::randint(-3, 4, {rows, 1}, gen).to(torch::kFloat));
+  x *= torch::pow(2.0, torch::randint(-3, 4, {1, ceil_div(cols, 32)}, gen).to(torch::kFloat))
+           .repeat_interleave(32, 1)
+           .narrow(1, 0, cols);
+  int64_t start = 0;
+  for (size_t g = 0; g < sizes.size(); ++g) {
+    x.narrow(0, start, sizes[g]).mul_(std::pow(2.0, static_cast<double>(g % 4) - 1.5));
+    start += sizes[g];
+  }
+  return x.to(torch::kBFloat16).to(torch::kCUDA);
+}
+
+// Delayed scales as an amax history would give them, off by 2^-2 .. 2^1 per split: some splits
+// saturate, some use less of the range (the GEMM must dequantize with whatever scale was used).
+torch::Tensor delayed_scale(const torch::Tensor& t, const std::vector<int64_t>& sizes,
+                            Fp8Format f) {
+  std::vector<float> scale;
+  int64_t start = 0;
+  for (size_t g = 0; g < sizes.size(); ++g) {
+    const double amax =
+        sizes[g] == 0 ? 0.0 : t.narrow(0, start, sizes[g]).abs().max().item<double>();
+    scale.push_back(amax == 0.0
+                        ? 1.0f
+                        : static_cast<float>(format_max(f) / amax *
+                                             std::pow(2.0, static_cast<double>(g % 4) - 2)));
+    start += sizes[g];
+  }
+  return torch::tensor(scale, torch::kFloat).to(torch::kCUDA);
+}
+
+SplitQuantized quantize(const torch::Tensor& t, const std::vector<int64_t>& sizes,
+                        QuantizeScaling s, Fp8Format f, bool rowwise = true,
+                        bool columnwise = true) {
+  SplitQuantizeOptions o;
+  o.format = f;
+  o.scaling = s;
+  o.rowwise = rowwise;
+  o.columnwise = columnwise;
+  const torch::Tensor scale =
+      s == QuantizeScaling::kDelayed ? delayed_scale(t, sizes, f) : torch::Tensor();
+  return ops::split_quantize(t, sizes, o, scale);
+}
+
+// w: [G, n, k], quantized by quantize_weights (stacked).
+SplitQuantized quantize_w(const torch::Tensor& w, QuantizeScaling s, Fp8Format f = kE4M3,
+                          bool rowwise = true, bool columnwise = true) {
+  const int64_t groups = w.size(0), n = w.size(1), k = w.size(2);
+  SplitQuantizeOptions o;
+  o.format = f;
+  o.scaling = s;
+  o.rowwise = rowwise;
+  o.columnwise = columnwise;
+  const torch::Tensor scale =
+      s == QuantizeScaling::kDelayed
+          ? delayed_scale(w.view({groups * n, k}), std::vector<int64_t>(groups, n), f)
+          : torch::Tensor();
+  return ops::quantize_weights(GroupedTensors::stacked(w), o, scale);
+}
+
+ops::GemmPlan fp8_plan(const torch::Tensor& x, int64_t n, int64_t k,
+                       const std::vector<int64_t>& sizes) {
+  return ops::plan_grouped_gemms("test", x, {ops::GemmShape{n, k, sizes.size()}}, SplitSizes(sizes),
+                                 GemmBackend::kAuto, torch::Tensor(),
+                                 /*fp8=*/true)
+      .front();
+}
+
+struct Problem {
+  std::vector<int64_t> sizes;
+  int64_t n, k, groups;
+  torch::Tensor x, w, dy;  // [M, k], [G, n, k], [M, n] bf16 on the GPU
+};
+
+Problem make_problem(const ShapeCase& shape, uint64_t seed) {
+  Problem p{shape.sizes, shape.n, shape.k, static_cast<int64_t>(shape.sizes.size()), {}, {}, {}};
+  p.x = spread(p.sizes, p.k, 1.0, seed);
+  p.w = spread(std::vector<int64_t>(p.groups, p.n), p.k, 0.05, seed + 1).view({p.groups, p.n, p.k});
+  p.dy = spread(p.sizes, p.n, 0.2, seed + 2);
+  return p;
+}
+
+// ---- Reference products and the comparison -----------------------------------------------------
+
+// A product and Σ|a·b| per element (what the accumulation error scales with).
+struct Product {
+  torch::Tensor value, abs_sum;
+};
+
+// y rows of g = A_g · B_gᵀ: A [M, kk] in row blocks of `sizes`, B [G·nn, kk] in groups of nn rows.
+Product per_split_abt(const torch::Tensor& a, const torch::Tensor& b,
+                      const std::vector<int64_t>& sizes, int64_t nn) {
+  Product p{torch::zeros({a.size(0), nn}, torch::kFloat64),
+            torch::zeros({a.size(0), nn}, torch::kFloat64)};
+  int64_t start = 0;
+  for (size_t g = 0; g < sizes.size(); ++g) {
+    const torch::Tensor ag = a.narrow(0, start, sizes[g]);
+    const torch::Tensor bg = b.narrow(0, static_cast<int64_t>(g) * nn, nn);
+    p.value.narrow(0, start, sizes[g]).copy_(ag.mm(bg.t()));
+    p.abs_sum.narrow(0, start, sizes[g]).copy_(ag.abs().mm(bg.abs().t()));
+    start += sizes[g];
+  }
+  return p;
+}
+
+// dW_g = A_gᵀ · X_g over the rows of split g: [G, nn, kk].
+Product per_split_atb(const torch::Tensor& a, const torch::Tensor& x,
+                      const std::vector<int64_t>& sizes) {
+  const auto groups = static_cast<int64_t>(sizes.size());
+  Product p{torch::zeros({groups, a.size(1), x.size(1)}, torch::kFloat64),
+            torch::zeros({groups, a.size(1), x.size(1)}, torch::kFloat64)};
+  int64_t start = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const torch::Tensor ag = a.narrow(0, start, sizes[g]), xg = x.narrow(0, start, sizes[g]);
+    p.value[g].copy_(ag.t().mm(xg));
+    p.abs_sum[g].copy_(ag.abs().t().mm(xg.abs()));
+    start += sizes[g];
+  }
+  return p;
+}
+
+// The output's rounding: bf16 keeps 8 significant bits (relative error <= 2^-8 under
+// round-to-nearest), fp32 24 (with the scale multiplications, a few ulps).
+double output_rtol(torch::Dtype dtype) { return dtype == torch::kBFloat16 ? 4e-3 : 1e-6; }
+
+// The accumulation, per element relative to Σ|a·b|: Hopper's FP8 tensor cores keep their partial
+// sums with about 14 significant bits, truncating; without fast accumulation the partial sums
+// are promoted to fp32 every few instructions (and every 128-element block with block scales),
+// with fast accumulation (fprop's default) they stay in the tensor core across the whole K.
+// Measured on the H100: up to 6e-4 without fast accumulation for K <= 384. Wrong scales or
+// offsets give errors of the order of Σ|a·b| itself, hundreds of times over either bound.
+constexpr double kAccumulationTol = 2e-3;
+constexpr double kFastAccumulationTol = 4e-3;
+
+// |actual - expected| <= allowance elementwise, no NaN; reports the worst element.
+void check_within(const torch::Tensor& actual, const torch::Tensor& expected,
+                  const torch::Tensor& allowance, const std::string& what) {
+  INFO(what);
+  REQUIRE(actual.defined());
+  REQUIRE(actual.sizes() == expected.sizes());
+  const torch::Tensor a = actual.detach().to(torch::kCPU, torch::kFloat64);
+  REQUIRE_FALSE(a.isnan().any().item<bool>());
+  if (a.numel() == 0) return;
+  const torch::Tensor excess = ((a - expected).abs() - allowance).flatten();
+  const int64_t worst = excess.argmax().item<int64_t>();
+  INFO("worst element " << worst << ": actual " << a.flatten()[worst].item<double>()
+                        << ", expected " << expected.flatten()[worst].item<double>()
+                        << ", allowed difference " << allowance.flatten()[worst].item<double>());
+  CHECK(excess[worst].item<double>() <= 0.0);
+}
+
+void check_product(const torch::Tensor& actual, const Product& ref, torch::Dtype out_dtype,
+                   double acc_tol, const std::string& what) {
+  REQUIRE(actual.scalar_type() == out_dtype);
+  check_within(actual, ref.value, output_rtol(out_dtype) * ref.value.abs() + acc_tol * ref.abs_sum,
+               what);
+}
+
+std::string describe(const ScalingCase& s, const ShapeCase& shape) {
+  return std::string(s.name) + "; " + shape.name;
+}
+
+}  // namespace
+
+TEST_CASE("FP8 grouped forward matches the dequantized float64 reference", "[ops][fp8][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const ScalingCase& sc = kScalingCases[GENERATE(range(0, 4))];
+  const ShapeCase& shape = kShapeCases[GENERATE(0, 1)];
+  const torch::Dtype out_dtype = GENERATE(torch::kBFloat16, torch::kFloat);
+  const bool fast = GENERATE(true, false);
+  INFO(describe(sc, shape) << "; output " << out_dtype << "; fast accumulation " << fast);
+  const Problem p = make_problem(shape, 11);
+  const SplitQuantized xq = quantize(p.x, p.sizes, sc.input, kE4M3);
+  const SplitQuantized wq = quantize_w(p.w, sc.weight);
+  const ops::GemmPlan plan = fp8_plan(p.x, p.n, p.k, p.sizes);
+  const torch::Tensor y = ops::grouped_linear_forward_fp8(plan, xq, wq, {}, out_dtype, fast);
+  const std::vector<int64_t> weight_sizes(p.groups, p.n);
+  const Product ref = per_split_abt(dequantize(xq, true, p.sizes, p.k),
+                                    dequantize(wq, true, weight_sizes, p.k), p.sizes, p.n);
+  // Block scales have no fast-accumulation kernel (the flag is ignored there).
+  const bool fast_used = fast && !torchmoe::kernels::is_block_scaling(sc.input);
+  check_product(y, ref, out_dtype, fast_used ? kFastAccumulationTol : kAccumulationTol, "y");
+}
+
+TEST_CASE("FP8 grouped dgrad matches the dequantized float64 reference", "[ops][fp8][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const ScalingCase& sc = kScalingCases[GENERATE(range(0, 4))];
+  const ShapeCase& shape = kShapeCases[GENERATE(0, 1)];
+  const torch::Dtype out_dtype = GENERATE(torch::kBFloat16, torch::kFloat);
+  const Fp8Format grad_format = GENERATE(kE4M3, kE5M2);
+  INFO(describe(sc, shape) << "; output " << out_dtype << "; grad_output "
+                           << format_name(grad_format) << " x weight e4m3");
+  const Problem p = make_problem(shape, 12);
+  const SplitQuantized dyq = quantize(p.dy, p.sizes, sc.grad, grad_format);
+  const SplitQuantized wq = quantize_w(p.w, sc.weight);
+  const ops::GemmPlan plan = fp8_plan(p.x, p.n, p.k, p.sizes);
+  const torch::Tensor dx = ops::grouped_linear_dgrad_fp8(plan, dyq, wq, out_dtype);
+  REQUIRE(dx.sizes() == torch::IntArrayRef({total(p.sizes), p.k}));
+  // dx_g = dy_g · W_g = dy_g · (W_gᵀ)ᵀ with W_gᵀ [k, n] the weights' columnwise copy.
+  const torch::Tensor w_hat =
+      dequantize(wq, false, std::vector<int64_t>(p.groups, p.n), p.k);  // [G·n, k]
+  const Product ref =
+      per_split_abt(dequantize(dyq, true, p.sizes, p.n),
+                    w_hat.view({p.groups, p.n, p.k}).transpose(1, 2).reshape({p.groups * p.k, p.n}),
+                    p.sizes, p.k);
+  check_product(dx, ref, out_dtype, kAccumulationTol, "dx");
+}
+
+TEST_CASE("FP8 grouped wgrad matches the dequantized float64 reference", "[ops][fp8][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const ScalingCase& sc = kScalingCases[GENERATE(range(0, 4))];
+  const ShapeCase& shape = kShapeCases[GENERATE(0, 1)];
+  const torch::Dtype out_dtype = GENERATE(torch::kBFloat16, torch::kFloat);
+  const Fp8Format grad_format = GENERATE(kE4M3, kE5M2);
+  const bool stacked = GENERATE(false, true);
+  INFO(describe(sc, shape) << "; output " << out_dtype << "; grad_output "
+                           << format_name(grad_format) << " x input e4m3; stacked buffers "
+                           << stacked);
+  const Problem p = make_problem(shape, 13);
+  const SplitQuantized xq = quantize(p.x, p.sizes, sc.input, kE4M3);
+  const SplitQuantized dyq = quantize(p.dy, p.sizes, sc.grad, grad_format);
+  const ops::GemmPlan plan = fp8_plan(p.x, p.n, p.k, p.sizes);
+  // NaN-filled: every group must be written (the empty split's with zeros).
+  const torch::Tensor dw = torch::full(
+      {p.groups, p.n, p.k}, NAN, torch::TensorOptions().dtype(out_dtype).device(torch::kCUDA));
+  const std::vector<torch::Tensor> views = dw.unbind(0);
+  ops::grouped_linear_wgrad_fp8(plan, xq, dyq,
+                                stacked ? GroupedTensors::stacked(dw) : GroupedTensors(views),
+                                /*accumulate=*/false);
+  const Product ref = per_split_atb(dequantize(dyq, false, p.sizes, p.n),
+                                    dequantize(xq, false, p.sizes, p.k), p.sizes);
+  check_product(dw, ref, out_dtype, kAccumulationTol, "dW");
+}
+
+TEST_CASE("FP8 grouped wgrad accumulates into fp32 buffers; empty splits", "[ops][fp8][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const ScalingCase& sc = kScalingCases[GENERATE(0, 2)];
+  const bool stacked = GENERATE(false, true);
+  const ShapeCase& shape = kShapeCases[0];  // split 1 is empty
+  INFO(describe(sc, shape) << "; stacked buffers " << stacked);
+  const Problem p = make_problem(shape, 14);
+  const SplitQuantized xq = quantize(p.x, p.sizes, sc.input, kE4M3);
+  const SplitQuantized dyq = quantize(p.dy, p.sizes, sc.grad, kE5M2);
+  const ops::GemmPlan plan = fp8_plan(p.x, p.n, p.k, p.sizes);
+  const Product ref = per_split_atb(dequantize(dyq, false, p.sizes, p.n),
+                                    dequantize(xq, false, p.sizes, p.k), p.sizes);
+  const auto fp32 = torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA);
+  auto as_grouped = [&](const torch::Tensor& all, std::vector<torch::Tensor>& views) {
+    views = all.unbind(0);
+    return stacked ? GroupedTensors::stacked(all) : GroupedTensors(views);
+  };
+  std::vector<torch::Tensor> views;
+
+  SECTION("accumulate adds to what is there; an empty split's buffer is left as it is") {
+    const torch::Tensor old = torch::randn({p.groups, p.n, p.k}, fp32) * 10;
+    const torch::Tensor dw = old.clone();
+    ops::grouped_linear_wgrad_fp8(plan, xq, dyq, as_grouped(dw, views), /*accumulate=*/true);
+    const torch::Tensor old64 = old.cpu().to(torch::kFloat64);
+    const torch::Tensor expected = old64 + ref.value;
+    // fp32 sum of the old value and the product: a few ulps of both.
+    check_within(dw, expected,
+                 1e-6 * (old64.abs() + ref.value.abs()) + kAccumulationTol * ref.abs_sum,
+                 "dW += dyᵀ·x");
+    CHECK(torch::equal(dw[1], old[1]));
+  }
+  SECTION("overwrite zeroes an empty split's buffer") {
+    const torch::Tensor dw = torch::full({p.groups, p.n, p.k}, NAN, fp32);
+    ops::grouped_linear_wgrad_fp8(plan, xq, dyq, as_grouped(dw, views), /*accumulate=*/false);
+    CHECK(torch::equal(dw[1].cpu(), torch::zeros({p.n, p.k})));
+    check_product(dw, ref, torch::kFloat, kAccumulationTol, "dW = dyᵀ·x");
+  }
+  SECTION("accumulating into bf16 buffers is refused") {
+    const torch::Tensor dw = torch::zeros({p.groups, p.n, p.k}, fp32.dtype(torch::kBFloat16));
+    REQUIRE_THROWS_WITH(
+        ops::grouped_linear_wgrad_fp8(plan, xq, dyq, as_grouped(dw, views), /*accumulate=*/true),
+        Contains("accumulating needs float32"));
+  }
+}
+
+TEST_CASE("FP8 grouped forward adds the biases", "[ops][fp8][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const ScalingCase& sc = kScalingCases[GENERATE(0, 2)];
+  const torch::Dtype out_dtype = GENERATE(torch::kBFloat16, torch::kFloat);
+  const ShapeCase& shape = kShapeCases[0];
+  INFO(describe(sc, shape) << "; output and biases " << out_dtype);
+  const Problem p = make_problem(shape, 15);
+  const SplitQuantized xq = quantize(p.x, p.sizes, sc.input, kE4M3);
+  const SplitQuantized wq = quantize_w(p.w, sc.weight);
+  const ops::GemmPlan plan = fp8_plan(p.x, p.n, p.k, p.sizes);
+  std::vector<torch::Tensor> biases;
+  for (int64_t g = 0; g < p.groups; ++g) {
+    biases.push_back(
+        (torch::rand({p.n}, torch::kCUDA) * 4 - 2).to(out_dtype));  // as large as the products
+  }
+  const torch::Tensor y = ops::grouped_linear_forward_fp8(plan, xq, wq, biases, out_dtype);
+  Product ref =
+      per_split_abt(dequantize(xq, true, p.sizes, p.k),
+                    dequantize(wq, true, std::vector<int64_t>(p.groups, p.n), p.k), p.sizes, p.n);
+  torch::Tensor bias_rows = torch::zeros_like(ref.value);
+  int64_t start = 0;
+  for (int64_t g = 0; g < p.groups; ++g) {
+    bias_rows.narrow(0, start, p.sizes[g]).add_(biases[g].cpu().to(torch::kFloat64));
+    start += p.sizes[g];
+  }
+  // The bias may be added in the GEMM's epilogue (one rounding) or to the rounded product (two):
+  // allow the output's rounding of the product, of the bias and of the sum.
+  const double u = output_rtol(out_dtype);
+  const torch::Tensor expected = ref.value + bias_rows;
+  check_within(
+      y, expected,
+      u * (expected.abs() + ref.abs_sum + bias_rows.abs()) + kFastAccumulationTol * ref.abs_sum,
+      "y + b");
+}
+
+TEST_CASE("quantize_weights: separate and stacked weights give the same bytes",
+          "[ops][fp8][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const QuantizeScaling scaling =
+      GENERATE(QuantizeScaling::kCurrent, QuantizeScaling::kDelayed, QuantizeScaling::kBlock1x128,
+               QuantizeScaling::kBlock128x128);
+  const int64_t groups = 3, n = 144, k = 208;
+  const torch::Tensor w = spread(std::vector<int64_t>(groups, n), k, 0.05, 16).view({groups, n, k});
+  const std::vector<torch::Tensor> separate = w.clone().unbind(0);  // G separate allocations
+  SplitQuantizeOptions o;
+  o.scaling = scaling;
+  const torch::Tensor scale =
+      scaling == QuantizeScaling::kDelayed
+          ? delayed_scale(w.view({groups * n, k}), std::vector<int64_t>(groups, n), kE4M3)
+          : torch::Tensor();
+  const SplitQuantized a = ops::quantize_weights(GroupedTensors::stacked(w), o, scale);
+  const SplitQuantized b = ops::quantize_weights(separate, o, scale);
+  auto bytes = [](const torch::Tensor& t) { return t.cpu().contiguous().view(torch::kByte); };
+  CHECK(torch::equal(bytes(a.data), bytes(b.data)));
+  CHECK(torch::equal(bytes(a.columnwise_data), bytes(b.columnwise_data)));
+  CHECK(torch::equal(a.scale_inv.cpu(), b.scale_inv.cpu()));
+  CHECK(a.columnwise_scale_inv.defined() == b.columnwise_scale_inv.defined());
+  if (a.columnwise_scale_inv.defined()) {
+    CHECK(torch::equal(a.columnwise_scale_inv.cpu(), b.columnwise_scale_inv.cpu()));
+  }
+  CHECK(torch::equal(a.amax.cpu(), b.amax.cpu()));
+  CHECK(a.data.sizes() == torch::IntArrayRef({groups * n, k}));
+  // W_gᵀ [k, n] at element k·n·g (n is a multiple of 16: no padding), where both copies share
+  // their scales (per tensor, 128×128): the transpose of the rowwise bytes.
+  if (scaling != QuantizeScaling::kBlock1x128) {
+    for (int64_t g = 0; g < groups; ++g) {
+      INFO("weight " << g);
+      CHECK(torch::equal(bytes(a.columnwise_data).narrow(0, k * n * g, k * n).view({k, n}),
+                         bytes(a.data).view({groups, n, k})[g].t()));
+    }
+  }
+}
+
+TEST_CASE("FP8 grouped GEMM ops refuse bad operands", "[ops][fp8][cuda][errors]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const ShapeCase shape{"small", {40, 24}, 32, 64};
+  const Problem p = make_problem(shape, 17);
+  const ops::GemmPlan plan = fp8_plan(p.x, p.n, p.k, p.sizes);
+  const auto cur = QuantizeScaling::kCurrent;
+  const SplitQuantized xq = quantize(p.x, p.sizes, cur, kE4M3);
+  const SplitQuantized wq = quantize_w(p.w, cur);
+  const SplitQuantized dyq = quantize(p.dy, p.sizes, cur, kE5M2);
+  const auto fp32 = torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA);
+  const torch::Tensor dw = torch::zeros({p.groups, p.n, p.k}, fp32);
+  const GroupedTensors dw_out = GroupedTensors::stacked(dw);
+  const auto bf16 = torch::kBFloat16;
+
+  SECTION("a 16-bit plan") {
+    const ops::GemmPlan plain =
+        ops::plan_grouped_gemms("test", p.x, {ops::GemmShape{p.n, p.k, p.sizes.size()}},
+                                SplitSizes(p.sizes), GemmBackend::kCublasLt)
+            .front();
+    REQUIRE_FALSE(plain.fp8);
+    REQUIRE_THROWS_AS(ops::grouped_linear_forward_fp8(plain, xq, wq, {}, bf16), c10::Error);
+    REQUIRE_THROWS_WITH(ops::grouped_linear_forward_fp8(plain, xq, wq, {}, bf16),
+                        Contains("needs an FP8 plan"));
+    REQUIRE_THROWS_WITH(ops::grouped_linear_dgrad_fp8(plain, dyq, wq, bf16),
+                        Contains("needs an FP8 plan"));
+    REQUIRE_THROWS_WITH(ops::grouped_linear_wgrad_fp8(plain, xq, dyq, dw_out, false),
+                        Contains("needs an FP8 plan"));
+  }
+  SECTION("e5m2 x e5m2") {
+    const SplitQuantized x5 = quantize(p.x, p.sizes, cur, kE5M2);
+    const SplitQuantized w5 = quantize_w(p.w, cur, kE5M2);
+    REQUIRE_THROWS_AS(ops::grouped_linear_forward_fp8(plan, x5, w5, {}, bf16),
+                      c10::NotImplementedError);
+    REQUIRE_THROWS_WITH(ops::grouped_linear_forward_fp8(plan, x5, w5, {}, bf16),
+                        Contains("both e5m2"));
+    REQUIRE_THROWS_WITH(ops::grouped_linear_dgrad_fp8(plan, dyq, w5, bf16), Contains("both e5m2"));
+    REQUIRE_THROWS_WITH(ops::grouped_linear_wgrad_fp8(plan, x5, dyq, dw_out, false),
+                        Contains("both e5m2"));
+  }
+  SECTION("128x128 x 128x128") {
+    const auto tile = QuantizeScaling::kBlock128x128;
+    const SplitQuantized xt = quantize(p.x, p.sizes, tile, kE4M3);
+    const SplitQuantized wt = quantize_w(p.w, tile);
+    const SplitQuantized dyt = quantize(p.dy, p.sizes, tile, kE4M3);
+    REQUIRE_THROWS_AS(ops::grouped_linear_forward_fp8(plan, xt, wt, {}, bf16),
+                      c10::NotImplementedError);
+    REQUIRE_THROWS_WITH(ops::grouped_linear_forward_fp8(plan, xt, wt, {}, bf16),
+                        Contains("both have 128x128 block scales"));
+    REQUIRE_THROWS_WITH(ops::grouped_linear_dgrad_fp8(plan, dyt, wt, bf16),
+                        Contains("both have 128x128 block scales"));
+    REQUIRE_THROWS_WITH(ops::grouped_linear_wgrad_fp8(plan, xt, dyt, dw_out, false),
+                        Contains("both have 128x128 block scales"));
+  }
+  SECTION("per-tensor x block scales") {
+    const SplitQuantized wb = quantize_w(p.w, QuantizeScaling::kBlock1x128);
+    const SplitQuantized xb = quantize(p.x, p.sizes, QuantizeScaling::kBlock1x128, kE4M3);
+    const char* message = "both have per-tensor scales or both block scales";
+    REQUIRE_THROWS_AS(ops::grouped_linear_forward_fp8(plan, xq, wb, {}, bf16),
+                      c10::NotImplementedError);
+    REQUIRE_THROWS_WITH(ops::grouped_linear_forward_fp8(plan, xq, wb, {}, bf16), Contains(message));
+    REQUIRE_THROWS_WITH(ops::grouped_linear_dgrad_fp8(plan, dyq, wb, bf16), Contains(message));
+    REQUIRE_THROWS_WITH(ops::grouped_linear_wgrad_fp8(plan, xb, dyq, dw_out, false),
+                        Contains(message));
+  }
+  SECTION("a missing copy") {
+    const SplitQuantized x_cols = quantize(p.x, p.sizes, cur, kE4M3, false, true);
+    const SplitQuantized x_rows = quantize(p.x, p.sizes, cur, kE4M3, true, false);
+    const SplitQuantized w_rows = quantize_w(p.w, cur, kE4M3, true, false);
+    const SplitQuantized w_cols = quantize_w(p.w, cur, kE4M3, false, true);
+    const SplitQuantized dy_rows = quantize(p.dy, p.sizes, cur, kE5M2, true, false);
+    const SplitQuantized dy_cols = quantize(p.dy, p.sizes, cur, kE5M2, false, true);
+    REQUIRE_THROWS_WITH(ops::grouped_linear_forward_fp8(plan, x_cols, wq, {}, bf16),
+                        Contains("input must have its rowwise copy"));
+    REQUIRE_THROWS_WITH(ops::grouped_linear_forward_fp8(plan, xq, w_cols, {}, bf16),
+                        Contains("weights must have its rowwise copy"));
+    REQUIRE_THROWS_WITH(ops::grouped_linear_dgrad_fp8(plan, dyq, w_rows, bf16),
+                        Contains("weights must have its columnwise copy"));
+    REQUIRE_THROWS_WITH(ops::grouped_linear_dgrad_fp8(plan, dy_cols, wq, bf16),
+                        Contains("grad_output must have its rowwise copy"));
+    REQUIRE_THROWS_WITH(ops::grouped_linear_wgrad_fp8(plan, x_rows, dyq, dw_out, false),
+                        Contains("input must have its columnwise copy"));
+    REQUIRE_THROWS_WITH(ops::grouped_linear_wgrad_fp8(plan, xq, dy_rows, dw_out, false),
+                        Contains("grad_output must have its columnwise copy"));
+    // The copies each product reads are enough.
+    CHECK_NOTHROW(ops::grouped_linear_forward_fp8(plan, x_rows, w_rows, {}, bf16));
+    CHECK_NOTHROW(ops::grouped_linear_dgrad_fp8(plan, dy_rows, w_cols, bf16));
+    CHECK_NOTHROW(ops::grouped_linear_wgrad_fp8(plan, x_cols, dy_cols, dw_out, false));
+  }
+}
+
+TEST_CASE("plan_grouped_gemms: FP8 plans and their refusals", "[ops][fp8][cuda][errors]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const std::vector<int64_t> sizes = {40, 0, 24};
+  const auto groups = sizes.size();
+  const torch::Tensor x =
+      torch::randn({64, 64}, torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA));
+  auto plan = [&](int64_t n, int64_t k, GemmBackend backend) {
+    return ops::plan_grouped_gemms("test", x.narrow(1, 0, k).contiguous(),
+                                   {ops::GemmShape{n, k, groups}}, SplitSizes(sizes), backend,
+                                   torch::Tensor(), /*fp8=*/true)
+        .front();
+  };
+  SECTION("kAuto and kCublasLt plan per-group cuBLASLt FP8 products") {
+    const GemmBackend backend = GENERATE(GemmBackend::kAuto, GemmBackend::kCublasLt);
+    const ops::GemmPlan p = plan(32, 64, backend);
+    CHECK(p.fp8);
+    CHECK(p.backend == ops::Backend::kCublasLt);
+    CHECK(p.dgrad_backend == ops::Backend::kCublasLt);
+    CHECK(p.wgrad_backend == ops::Backend::kCublasLt);
+    REQUIRE(p.m_splits.has_host());
+    CHECK(p.m_splits.host().vec() == sizes);
+  }
+  SECTION("forced sm90 or cuBLASLt grouped") {
+    const GemmBackend backend = GENERATE(GemmBackend::kSm90, GemmBackend::kCublasLtGrouped);
+    REQUIRE_THROWS_AS(plan(32, 64, backend), c10::NotImplementedError);
+    REQUIRE_THROWS_WITH(plan(32, 64, backend), Contains("has no FP8 path"));
+  }
+  SECTION("n or k not a multiple of 16 (a multiple of 8: fine for 16-bit layers)") {
+    REQUIRE_THROWS_AS(plan(40, 64, GemmBackend::kAuto), c10::NotImplementedError);
+    REQUIRE_THROWS_WITH(plan(40, 64, GemmBackend::kAuto), Contains("multiples of 16"));
+    REQUIRE_THROWS_WITH(plan(32, 40, GemmBackend::kAuto), Contains("multiples of 16"));
+  }
+}
+
+TEST_CASE("plan_grouped_gemms refuses FP8 on the CPU", "[ops][fp8][errors]") {
+  const torch::Tensor x = torch::randn({16, 32}).to(torch::kBFloat16);
+  const std::vector<int64_t> sizes = {10, 6};
+  auto plan = [&] {
+    return ops::plan_grouped_gemms("test", x, {ops::GemmShape{16, 32, sizes.size()}},
+                                   SplitSizes(sizes), GemmBackend::kAuto, torch::Tensor(),
+                                   /*fp8=*/true);
+  };
+  REQUIRE_THROWS_AS(plan(), c10::NotImplementedError);
+  REQUIRE_THROWS_WITH(plan(), Contains("FP8 runs on CUDA"));
+  // Without fp8 the same call plans the CPU reference.
+  CHECK_NOTHROW(ops::plan_grouped_gemms("test", x, {ops::GemmShape{16, 32, sizes.size()}},
+                                        SplitSizes(sizes), GemmBackend::kAuto));
+}
