@@ -9,6 +9,8 @@
 //                 forward (kForward) and backward (kBackward), as a training loop runs it
 //   fp8_current   fp8::CurrentScaling
 //   fp8_block     fp8::BlockScaling (1x128 input and grad, 128x128 weight)
+//   fp8_cached    fp8_delayed with is_first_microbatch = false: the FP8 weights cached by an
+//                 earlier call (the later micro-batches of a step with gradient accumulation)
 //
 //   bench_grouped_linear_fp8 [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
 //
@@ -17,8 +19,8 @@
 // the device. FLOPs: forward 2·M·N·K, forward + backward 3 × 2·M·N·K (fprop, dgrad, wgrad). Every
 // iteration drops the gradients (set to none, as optimizer.zero_grad()) so that none is
 // accumulated, and the weights are quantized every call (is_first_microbatch unset: one
-// micro-batch per step). Ceilings printed for reference: the H100 SXM's dense spec, 989 TFLOP/s
-// bf16 and 1979 FP8 (the 1979 / 3958 headline numbers are with 2:4 sparsity).
+// micro-batch per step) except in fp8_cached. Ceilings printed for reference: the H100 SXM's dense
+// spec, 989 TFLOP/s bf16 and 1979 FP8 (the 1979 / 3958 headline numbers are with 2:4 sparsity).
 
 #include <ATen/cuda/CUDAContext.h>
 #include <torchmoe/torchmoe.h>
@@ -46,8 +48,10 @@ constexpr double kSpecBf16Dense = 989.0;  // H100 SXM, TFLOP/s, dense
 constexpr double kSpecFp8Dense = 1979.0;
 constexpr int64_t kHistory = 16;
 
-const char* const kColumns[] = {"bf16", "bf16_cublaslt", "fp8_delayed", "fp8_current", "fp8_block"};
-constexpr size_t kNumColumns = 5;
+const char* const kColumns[] = {"bf16",        "bf16_cublaslt", "fp8_delayed",
+                                "fp8_current", "fp8_block",     "fp8_cached"};
+constexpr size_t kNumColumns = 6;
+constexpr size_t kCachedColumn = 5;
 
 struct Record {
   std::string shape, pass;
@@ -70,13 +74,16 @@ int main(int argc, char** argv) {
             << std::left << std::setw(17) << "shape" << std::setw(9) << "pass" << std::right;
   for (const char* column : kColumns) std::cout << std::setw(15) << column;
   std::cout << std::setw(10) << "dly/bf16" << std::setw(10) << "cur/bf16" << std::setw(10)
-            << "blk/bf16" << std::setw(10) << "cur/lt"
+            << "blk/bf16" << std::setw(10) << "cch/bf16" << std::setw(10) << "cur/lt"
             << "\n";
 
   const fp8::DelayedScaling delayed = fp8::DelayedScaling().amax_history_len(kHistory);
-  const std::optional<fp8::Recipe> recipes[kNumColumns] = {
-      std::nullopt, std::nullopt, fp8::Recipe(delayed), fp8::Recipe(fp8::CurrentScaling()),
-      fp8::Recipe(fp8::BlockScaling())};
+  const std::optional<fp8::Recipe> recipes[kNumColumns] = {std::nullopt,
+                                                           std::nullopt,
+                                                           fp8::Recipe(delayed),
+                                                           fp8::Recipe(fp8::CurrentScaling()),
+                                                           fp8::Recipe(fp8::BlockScaling()),
+                                                           fp8::Recipe(delayed)};
   const auto bf16 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
   std::vector<Record> records;
   for (const Shape& shape : torchmoe::bench::selected_shapes(args)) {
@@ -113,10 +120,11 @@ int main(int argc, char** argv) {
       {
         const fp8::Autocast guard(recipes[column].value_or(fp8::Recipe(delayed)),
                                   recipes[column].has_value());
-        y = l(x, splits);
+        y = l(x, splits,
+              column == kCachedColumn ? std::optional<bool>(false) : std::optional<bool>());
       }
       if (backward) y.backward(dy);
-      if (column == 2) {
+      if (column == 2 || column == kCachedColumn) {
         fp8::update_delayed_scaling(*l, delayed, fp8::Pass::kForward);
         if (backward) fp8::update_delayed_scaling(*l, delayed, fp8::Pass::kBackward);
       }
@@ -127,6 +135,11 @@ int main(int argc, char** argv) {
     // leaves ~0.04 relative error; a wrong scale is off by orders of magnitude). The delayed one
     // after a calibration step (its first step casts with scale 1).
     step(2, true);
+    {
+      // fp8_cached's weights: the first micro-batch's call quantizes and keeps them.
+      const fp8::Autocast guard{fp8::Recipe(delayed)};
+      layer(x, splits, true);
+    }
     const torch::Tensor reference = step(0, false).detach().to(torch::kFloat);
     for (size_t column = 2; column < kNumColumns; ++column) {
       const torch::Tensor y = step(column, false).detach().to(torch::kFloat);
@@ -153,8 +166,8 @@ int main(int argc, char** argv) {
                 << std::fixed << std::setprecision(1);
       for (double v : t) std::cout << std::setw(15) << v;
       std::cout << std::setprecision(3) << std::setw(10) << t[2] / t[0] << std::setw(10)
-                << t[3] / t[0] << std::setw(10) << t[4] / t[0] << std::setw(10) << t[3] / t[1]
-                << "\n";
+                << t[3] / t[0] << std::setw(10) << t[4] / t[0] << std::setw(10) << t[5] / t[0]
+                << std::setw(10) << t[3] / t[1] << "\n";
       records.push_back(std::move(r));
     }
   }
@@ -175,6 +188,7 @@ int main(int argc, char** argv) {
     json << ", \"fp8_delayed_over_bf16\": " << r.tflops[2] / r.tflops[0]
          << ", \"fp8_current_over_bf16\": " << r.tflops[3] / r.tflops[0]
          << ", \"fp8_block_over_bf16\": " << r.tflops[4] / r.tflops[0]
+         << ", \"fp8_cached_over_bf16\": " << r.tflops[5] / r.tflops[0]
          << ", \"fp8_current_over_bf16_cublaslt\": " << r.tflops[3] / r.tflops[1] << "}"
          << (i + 1 < records.size() ? "," : "") << "\n";
   }
