@@ -11,6 +11,8 @@
 //   fp8_block     fp8::BlockScaling (1x128 input and grad, 128x128 weight)
 //   fp8_cached    fp8_delayed with is_first_microbatch = false: the FP8 weights cached by an
 //                 earlier call (the later micro-batches of a step with gradient accumulation)
+//   fp8_grouped   fp8_delayed on gemm_backend kCublasLtGrouped (one grouped FP8 matmul per
+//                 product; only when the process loaded cuBLASLt >= 13.8, else not measured)
 //
 //   bench_grouped_linear_fp8 [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
 //
@@ -48,10 +50,11 @@ constexpr double kSpecBf16Dense = 989.0;  // H100 SXM, TFLOP/s, dense
 constexpr double kSpecFp8Dense = 1979.0;
 constexpr int64_t kHistory = 16;
 
-const char* const kColumns[] = {"bf16",        "bf16_cublaslt", "fp8_delayed",
-                                "fp8_current", "fp8_block",     "fp8_cached"};
-constexpr size_t kNumColumns = 6;
+const char* const kColumns[] = {"bf16",      "bf16_cublaslt", "fp8_delayed", "fp8_current",
+                                "fp8_block", "fp8_cached",    "fp8_grouped"};
+constexpr size_t kNumColumns = 7;
 constexpr size_t kCachedColumn = 5;
+constexpr size_t kGroupedColumn = 6;
 
 struct Record {
   std::string shape, pass;
@@ -74,7 +77,8 @@ int main(int argc, char** argv) {
             << std::left << std::setw(17) << "shape" << std::setw(9) << "pass" << std::right;
   for (const char* column : kColumns) std::cout << std::setw(15) << column;
   std::cout << std::setw(10) << "dly/bf16" << std::setw(10) << "cur/bf16" << std::setw(10)
-            << "blk/bf16" << std::setw(10) << "cch/bf16" << std::setw(10) << "cur/lt"
+            << "blk/bf16" << std::setw(10) << "cch/bf16" << std::setw(10) << "grp/bf16"
+            << std::setw(10) << "cur/lt"
             << "\n";
 
   const fp8::DelayedScaling delayed = fp8::DelayedScaling().amax_history_len(kHistory);
@@ -83,7 +87,9 @@ int main(int argc, char** argv) {
                                                            fp8::Recipe(delayed),
                                                            fp8::Recipe(fp8::CurrentScaling()),
                                                            fp8::Recipe(fp8::BlockScaling()),
+                                                           fp8::Recipe(delayed),
                                                            fp8::Recipe(delayed)};
+  const bool grouped_loaded = torchmoe::loaded_cublaslt().grouped;
   const auto bf16 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
   std::vector<Record> records;
   for (const Shape& shape : torchmoe::bench::selected_shapes(args)) {
@@ -102,18 +108,25 @@ int main(int argc, char** argv) {
         torchmoe::GroupedLinearOptions(options).fp8_amax_history_len(kHistory));
     torchmoe::GroupedLinear lt_layer(
         torchmoe::GroupedLinearOptions(options).gemm_backend(torchmoe::GemmBackend::kCublasLt));
+    torchmoe::GroupedLinear grouped_layer(
+        torchmoe::GroupedLinearOptions(options).fp8_amax_history_len(kHistory).gemm_backend(
+            torchmoe::GemmBackend::kCublasLtGrouped));
     {
       torch::NoGradGuard no_grad;
-      const std::vector<torch::Tensor> from = layer->expert_weights(),
-                                       to = lt_layer->expert_weights();
-      for (size_t e = 0; e < from.size(); ++e) to[e].copy_(from[e]);
+      const std::vector<torch::Tensor> from = layer->expert_weights();
+      for (torchmoe::GroupedLinear* other : {&lt_layer, &grouped_layer}) {
+        const std::vector<torch::Tensor> to = (*other)->expert_weights();
+        for (size_t e = 0; e < from.size(); ++e) to[e].copy_(from[e]);
+      }
     }
     const torch::Tensor x = torch::randn({m, k}, bf16).requires_grad_(true);
     const torch::Tensor dy = torch::randn({m, n}, bf16);
 
     // One training step of one column: forward (under its recipe), backward, the delayed update.
     auto step = [&](size_t column, bool backward) {
-      torchmoe::GroupedLinear& l = column == 1 ? lt_layer : layer;
+      torchmoe::GroupedLinear& l = column == 1                ? lt_layer
+                                   : column == kGroupedColumn ? grouped_layer
+                                                              : layer;
       l->zero_grad();  // set to none: nothing accumulates
       x.mutable_grad() = torch::Tensor();
       torch::Tensor y;
@@ -124,7 +137,7 @@ int main(int argc, char** argv) {
               column == kCachedColumn ? std::optional<bool>(false) : std::optional<bool>());
       }
       if (backward) y.backward(dy);
-      if (column == 2 || column == kCachedColumn) {
+      if (column == 2 || column == kCachedColumn || column == kGroupedColumn) {
         fp8::update_delayed_scaling(*l, delayed, fp8::Pass::kForward);
         if (backward) fp8::update_delayed_scaling(*l, delayed, fp8::Pass::kBackward);
       }
@@ -135,6 +148,7 @@ int main(int argc, char** argv) {
     // leaves ~0.04 relative error; a wrong scale is off by orders of magnitude). The delayed one
     // after a calibration step (its first step casts with scale 1).
     step(2, true);
+    if (grouped_loaded) step(kGroupedColumn, true);
     {
       // fp8_cached's weights: the first micro-batch's call quantizes and keeps them.
       const fp8::Autocast guard{fp8::Recipe(delayed)};
@@ -142,6 +156,7 @@ int main(int argc, char** argv) {
     }
     const torch::Tensor reference = step(0, false).detach().to(torch::kFloat);
     for (size_t column = 2; column < kNumColumns; ++column) {
+      if (column == kGroupedColumn && !grouped_loaded) continue;
       const torch::Tensor y = step(column, false).detach().to(torch::kFloat);
       const double rel = ((y - reference).norm() / reference.norm()).item<double>();
       if (!(rel < 0.1)) {
@@ -155,9 +170,11 @@ int main(int argc, char** argv) {
     for (const bool backward : {false, true}) {
       std::vector<std::function<void()>> fns;
       for (size_t column = 0; column < kNumColumns; ++column) {
+        if (column == kGroupedColumn && !grouped_loaded) continue;
         fns.push_back([&, column, backward] { step(column, backward); });
       }
-      const std::vector<double> ms = median_ms_each(fns, args.iters, args.warmup);
+      std::vector<double> ms = median_ms_each(fns, args.iters, args.warmup);
+      if (!grouped_loaded) ms.push_back(NAN);  // not measured
       const double flops = (backward ? 3.0 : 1.0) * gemm_flops;
       Record r{shape.name, backward ? "fwd+bwd" : "fwd", shape.experts, m, n, k, {}};
       for (double t : ms) r.tflops.push_back(flops / t * 1e-9);
@@ -167,7 +184,7 @@ int main(int argc, char** argv) {
       for (double v : t) std::cout << std::setw(15) << v;
       std::cout << std::setprecision(3) << std::setw(10) << t[2] / t[0] << std::setw(10)
                 << t[3] / t[0] << std::setw(10) << t[4] / t[0] << std::setw(10) << t[5] / t[0]
-                << std::setw(10) << t[3] / t[1] << "\n";
+                << std::setw(10) << t[6] / t[0] << std::setw(10) << t[3] / t[1] << "\n";
       records.push_back(std::move(r));
     }
   }
@@ -184,7 +201,14 @@ int main(int argc, char** argv) {
     json << "    {\"shape\": \"" << r.shape << "\", \"pass\": \"" << r.pass
          << "\", \"experts\": " << r.experts << ", \"m\": " << r.m << ", \"n\": " << r.n
          << ", \"k\": " << r.k;
-    for (size_t c = 0; c < kNumColumns; ++c) json << ", \"" << kColumns[c] << "\": " << r.tflops[c];
+    for (size_t c = 0; c < kNumColumns; ++c) {
+      json << ", \"" << kColumns[c] << "\": ";
+      if (std::isnan(r.tflops[c])) {
+        json << "null";
+      } else {
+        json << r.tflops[c];
+      }
+    }
     json << ", \"fp8_delayed_over_bf16\": " << r.tflops[2] / r.tflops[0]
          << ", \"fp8_current_over_bf16\": " << r.tflops[3] / r.tflops[0]
          << ", \"fp8_block_over_bf16\": " << r.tflops[4] / r.tflops[0]

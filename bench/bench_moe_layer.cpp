@@ -12,6 +12,9 @@
 // layer in TFLOP/s of the expert GEMMs (6·M·hidden·3·ffn).
 //
 //   bench_moe_layer [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
+//
+// TORCHMOE_BENCH_TRACE=PREFIX also records a Kineto trace (CPU and CUDA) of 5 layer steps per
+// shape into PREFIX.<shape>.json, for scripts/trace_summary.py.
 
 #include <ATen/cuda/CUDAContext.h>
 #include <torchmoe/ops/token_permutation.h>
@@ -19,9 +22,12 @@
 
 #include "bench_common.h"
 
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/torch.h>
 
+#include <cstdlib>
 #include <fstream>
+#include <set>
 #include <iomanip>
 #include <iostream>
 #include <string>
@@ -101,6 +107,17 @@ int main(int argc, char** argv) {
     };
     const double layer_ms = median_ms([&] { layer_step(moe); }, args.iters, args.warmup);
     const double fused_ms = median_ms([&] { layer_step(moe_fused); }, args.iters, args.warmup);
+    if (const char* trace = std::getenv("TORCHMOE_BENCH_TRACE")) {
+      namespace profiler = torch::autograd::profiler;
+      const profiler::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
+      const std::set<torch::profiler::impl::ActivityType> activities{
+          torch::profiler::impl::ActivityType::CPU, torch::profiler::impl::ActivityType::CUDA};
+      profiler::prepareProfiler(config, activities);
+      profiler::enableProfiler(config, activities);
+      for (int step = 0; step < 5; ++step) layer_step(moe);
+      torch::cuda::synchronize();
+      profiler::disableProfiler()->save(std::string(trace) + "." + s.name + ".json");
+    }
 
     const double copy_gbs = 2.0 * 2 * m * s.hidden / copy_ms * 1e-6;
     const double permute_gbs = row_bytes / permute_ms * 1e-6;

@@ -8,6 +8,7 @@
 //   d_rows d_cols
 //   starts[G + 1]         int64   first row of each group (clamped), the last entry the end
 //   scalars[2]            fp32    alpha = 1 and beta (1 to accumulate, else 0), device pointer mode
+//   a_scale[G] b_scale[G] float*  FP8: each group's scale pointer for cuBLAS's A and B
 //
 // Group g of kind    A (rows × cols)      B (rows × cols)      D (rows × cols)
 //   kFprop  (TN)     W_g     (k × n)      x rows  (k × m_g)    y rows   (n × m_g)
@@ -76,7 +77,7 @@ const GroupedApi& grouped_api() {
 
 // Byte offsets of the arrays in env.arrays (see the file comment).
 struct ArrayLayout {
-  size_t a, b, c, d, ints, starts, scalars, total;
+  size_t a, b, c, d, ints, starts, scalars, a_scale, b_scale, total;
 };
 
 constexpr size_t align16(size_t bytes) { return (bytes + 15) / 16 * 16; }
@@ -91,7 +92,9 @@ ArrayLayout array_layout(int groups) {
   l.ints = l.d + align16(g * sizeof(void*));
   l.starts = l.ints + align16(6 * g * sizeof(int32_t));
   l.scalars = l.starts + align16((g + 1) * sizeof(int64_t));
-  l.total = l.scalars + align16(2 * sizeof(float));
+  l.a_scale = l.scalars + align16(2 * sizeof(float));
+  l.b_scale = l.a_scale + align16(g * sizeof(void*));
+  l.total = l.b_scale + align16(g * sizeof(void*));
   return l;
 }
 
@@ -103,6 +106,8 @@ struct GroupArrays {
   int32_t* ints;  // a_rows, a_cols, b_rows, b_cols, d_rows, d_cols, G each
   int64_t* starts;
   float* scalars;
+  const float** a_scale;
+  const float** b_scale;
 };
 
 GroupArrays group_arrays(void* base, int groups) {
@@ -116,6 +121,8 @@ GroupArrays group_arrays(void* base, int groups) {
   arrays.ints = reinterpret_cast<int32_t*>(p + l.ints);
   arrays.starts = reinterpret_cast<int64_t*>(p + l.starts);
   arrays.scalars = reinterpret_cast<float*>(p + l.scalars);
+  arrays.a_scale = reinterpret_cast<const float**>(p + l.a_scale);
+  arrays.b_scale = reinterpret_cast<const float**>(p + l.b_scale);
   return arrays;
 }
 
@@ -179,6 +186,77 @@ __global__ void __launch_bounds__(kSetupThreads)
       out.c[g] = out.d[g];
     }
     carry += chunk_total;
+  }
+  if (threadIdx.x == 0) {
+    out.starts[G] = min(carry, p.rows);
+    out.scalars[0] = 1.0f;
+    out.scalars[1] = p.accumulate ? 1.0f : 0.0f;
+  }
+}
+
+// The FP8 products' arrays (TN for every kind; see the header): like setup_groups_kernel, plus a
+// second running sum, of r16(m_g), which places the columnwise blocks, and the scale pointers.
+__global__ void __launch_bounds__(kSetupThreads)
+    setup_fp8_groups_kernel(const CublasLtGroupedFp8Params p, const GroupArrays out, size_t outs) {
+  using Scan = cub::BlockScan<int64_t, kSetupThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  const int G = p.num_groups;
+  int32_t* a_rows = out.ints;
+  int32_t* a_cols = a_rows + G;
+  int32_t* b_rows = a_cols + G;
+  int32_t* b_cols = b_rows + G;
+  int32_t* d_rows = b_cols + G;
+  int32_t* d_cols = d_rows + G;
+  const auto* a = static_cast<const char*>(p.a);
+  const auto* b = static_cast<const char*>(p.b);
+  int64_t carry = 0, carry16 = 0;
+  for (int base = 0; base < G; base += kSetupThreads) {
+    const int g = base + static_cast<int>(threadIdx.x);
+    const int64_t split = g < G ? split_at(p.m_splits, p.splits_int32, g) : 0;
+    int64_t before = 0, chunk_total = 0;
+    Scan(scan_storage).ExclusiveSum(split, before, chunk_total);
+    __syncthreads();
+    // r16 of the clamped sizes needs the clamped start first: a second scan over them.
+    const int64_t start = min(carry + before, p.rows);
+    const int64_t m = g < G ? max(int64_t{0}, min(split, p.rows - start)) : 0;
+    const int64_t m16 = (m + 15) / 16 * 16;
+    int64_t before16 = 0, chunk16 = 0;
+    Scan(scan_storage).ExclusiveSum(m16, before16, chunk16);
+    __syncthreads();
+    if (g < G) {
+      const int64_t start16 = carry16 + before16;
+      out.starts[g] = start;
+      int64_t kk = 0, n_out = 0, m_out = 0;
+      switch (p.kind) {
+        case GemmKind::kFprop:  // A' = W_g, B' = x rows, D = y rows
+          out.a[g] = b + static_cast<int64_t>(g) * p.n * p.k;
+          out.b[g] = a + start * p.k;
+          out.d[g] = static_cast<char*>(p.output) + start * p.n * outs;
+          kk = p.k, n_out = p.n, m_out = m;
+          break;
+        case GemmKind::kDgrad:  // A' = W_gᵀ (columnwise), B' = dy rows, D = dx rows
+          out.a[g] = b + static_cast<int64_t>(g) * p.n * p.k;
+          out.b[g] = a + start * p.n;
+          out.d[g] = static_cast<char*>(p.output) + start * p.k * outs;
+          kk = p.n, n_out = p.k, m_out = m;
+          break;
+        case GemmKind::kWgrad:  // A' = xᵀ block, B' = dyᵀ block, D = dW_g
+          out.a[g] = b + start16 * p.k;
+          out.b[g] = a + start16 * p.n;
+          out.d[g] = const_cast<char*>(group_bytes(p.weight_grad, g, outs));
+          kk = m16, n_out = p.k, m_out = p.n;
+          break;
+      }
+      a_rows[g] = static_cast<int32_t>(kk), a_cols[g] = static_cast<int32_t>(n_out);
+      b_rows[g] = static_cast<int32_t>(kk), b_cols[g] = static_cast<int32_t>(m_out);
+      d_rows[g] = static_cast<int32_t>(n_out), d_cols[g] = static_cast<int32_t>(m_out);
+      out.c[g] = out.d[g];
+      // cuBLAS's A is our B and its B our A (the product is computed transposed).
+      out.a_scale[g] = p.b_scale_inv + g;
+      out.b_scale[g] = p.a_scale_inv + g;
+    }
+    carry += chunk_total;
+    carry16 += chunk16;
   }
   if (threadIdx.x == 0) {
     out.starts[G] = min(carry, p.rows);
@@ -366,6 +444,105 @@ const char* kind_name(GemmKind kind) {
   return kind == GemmKind::kFprop ? "fprop" : kind == GemmKind::kDgrad ? "dgrad" : "wgrad";
 }
 
+// cuBLAS >= 13.5's per-group scalar scale mode (absent from older headers).
+constexpr int32_t kScalePerBatchScalar = 6;
+
+cudaDataType_t fp8_type(Fp8Format format) {
+  return format == Fp8Format::kE4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2;
+}
+
+void init_fp8_layouts(Layouts& l, const CublasLtGroupedFp8Params& p, const GroupArrays& arrays) {
+  const GroupedLayoutInit init = grouped_api().layout_init;
+  const cudaDataType_t a = fp8_type(p.b_format), b = fp8_type(p.a_format);
+  const cudaDataType_t out = cuda_type(p.output_type);
+  const int G = p.num_groups;
+  const int32_t* ints = arrays.ints;
+  TORCHMOE_CUBLASLT_CHECK(init(l.a.get(), sizeof(l.a.data), a, G, ints, ints + G, ints));
+  TORCHMOE_CUBLASLT_CHECK(
+      init(l.b.get(), sizeof(l.b.data), b, G, ints + 2 * G, ints + 3 * G, ints + 2 * G));
+  TORCHMOE_CUBLASLT_CHECK(
+      init(l.c.get(), sizeof(l.c.data), out, G, ints + 4 * G, ints + 5 * G, ints + 4 * G));
+  TORCHMOE_CUBLASLT_CHECK(
+      init(l.d.get(), sizeof(l.d.data), out, G, ints + 4 * G, ints + 5 * G, ints + 4 * G));
+}
+
+template <typename T>
+void set_desc(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const T& value) {
+  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(value)));
+}
+
+// The FP8 descriptor: TN, device pointer mode, per-group scalar scales through the pointer arrays.
+std::unique_ptr<Plan> make_fp8_plan(const CublasLtGroupedFp8Params& p, Layouts& layouts,
+                                    const GroupArrays& arrays, size_t workspace_bytes,
+                                    cublasLtHandle_t handle) {
+  auto plan = std::make_unique<Plan>();
+  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
+  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
+  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_POINTER_MODE, CUBLASLT_POINTER_MODE_DEVICE);
+  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, kScalePerBatchScalar);
+  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, kScalePerBatchScalar);
+  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, arrays.a_scale);
+  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, arrays.b_scale);
+  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t{p.fast_accumulation});
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const std::unique_ptr<std::remove_pointer_t<cublasLtMatmulPreference_t>,
+                        cublasStatus_t (*)(cublasLtMatmulPreference_t)>
+      pref_owner(pref, cublasLtMatmulPreferenceDestroy);
+  const uint64_t workspace = workspace_bytes;
+  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof(workspace)));
+  const uint32_t reductions = p.output_type == ScalarType::kFloat32
+                                  ? uint32_t{CUBLASLT_REDUCTION_SCHEME_MASK}
+                                  : uint32_t{CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE};
+  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reductions, sizeof(reductions)));
+  const int64_t mean_rows = std::max<int64_t>(1, p.rows / p.num_groups);
+  const bool wgrad = p.kind == GemmKind::kWgrad;
+  set_average(pref, kPrefAverageRowsD, p.kind == GemmKind::kFprop ? p.n : p.k);
+  set_average(pref, kPrefAverageColsD, wgrad ? p.n : mean_rows);
+  set_average(pref, kPrefAverageReduction,
+              wgrad ? mean_rows : (p.kind == GemmKind::kFprop ? p.k : p.n));
+
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t status =
+      cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, layouts.a.get(), layouts.b.get(),
+                                     layouts.c.get(), layouts.d.get(), pref, 1, &result, &found);
+  if (status != CUBLAS_STATUS_NOT_SUPPORTED) TORCHMOE_CUBLASLT_CHECK(status);
+  plan->found = status == CUBLAS_STATUS_SUCCESS && found > 0;
+  plan->algo = result.algo;
+  return plan;
+}
+
+const Plan& find_fp8_plan(const CublasLtGroupedFp8Params& p, Layouts& layouts,
+                          const GroupArrays& arrays, size_t workspace_bytes,
+                          cublasLtHandle_t handle) {
+  int device = 0;
+  TORCHMOE_CUDA_CHECK(cudaGetDevice(&device));
+  // Negative kinds keep these keys apart from the 16-bit plans' in a shared key space.
+  const PlanKey key{-1 - static_cast<int64_t>(p.kind),
+                    static_cast<int64_t>(p.a_format) * 2 + static_cast<int64_t>(p.b_format),
+                    static_cast<int64_t>(p.output_type),
+                    p.n,
+                    p.k,
+                    p.num_groups,
+                    p.rows / p.num_groups,
+                    p.fast_accumulation,
+                    static_cast<int64_t>(workspace_bytes),
+                    device,
+                    reinterpret_cast<int64_t>(handle)};
+  thread_local std::unordered_map<PlanKey, std::unique_ptr<Plan>, PlanKeyHash> cache;
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    if (cache.size() >= 4096) cache.clear();
+    it = cache.emplace(key, make_fp8_plan(p, layouts, arrays, workspace_bytes, handle)).first;
+  }
+  return *it->second;
+}
+
 }  // namespace
 
 const LoadedCublasLt& loaded_cublaslt() { return grouped_api().info; }
@@ -429,6 +606,47 @@ void run_grouped_gemm_cublaslt_grouped(const CublasLtGroupedParams& p,
     });
     TORCHMOE_CUDA_CHECK(cudaGetLastError());
   }
+}
+
+void run_grouped_gemm_cublaslt_grouped_fp8(const CublasLtGroupedFp8Params& p,
+                                           const CublasLtGroupedEnv& env) {
+  TORCH_INTERNAL_ASSERT(grouped_api().info.grouped,
+                        "run_grouped_gemm_cublaslt_grouped_fp8: no grouped matmul loaded");
+  TORCH_INTERNAL_ASSERT(
+      p.num_groups > 0 && p.n % 16 == 0 && p.k % 16 == 0 && p.n > 0 && p.k > 0 && p.rows > 0,
+      "run_grouped_gemm_cublaslt_grouped_fp8: bad call shape");
+  TORCH_INTERNAL_ASSERT(p.a_format == Fp8Format::kE4M3 || p.b_format == Fp8Format::kE4M3,
+                        "run_grouped_gemm_cublaslt_grouped_fp8: e5m2 × e5m2");
+  TORCH_INTERNAL_ASSERT(
+      aligned16(env.arrays) && reinterpret_cast<uintptr_t>(env.workspace) % 256 == 0,
+      "run_grouped_gemm_cublaslt_grouped_fp8: arrays or workspace misaligned");
+  const GroupArrays arrays = group_arrays(env.arrays, p.num_groups);
+  setup_fp8_groups_kernel<<<1, kSetupThreads, 0, env.stream>>>(p, arrays,
+                                                               element_size(p.output_type));
+  TORCHMOE_CUDA_CHECK(cudaGetLastError());
+  if (p.kind == GemmKind::kWgrad && !p.accumulate) {
+    const dim3 grid(kZeroBlocksPerGroup, p.num_groups);
+    const int32_t* reduction = arrays.ints;  // a_rows: r16(m_g)
+    zero_empty_groups_kernel<<<grid, 256, 0, env.stream>>>(
+        reduction, p.weight_grad, element_size(p.output_type),
+        p.n * p.k * static_cast<int64_t>(element_size(p.output_type)));
+    TORCHMOE_CUDA_CHECK(cudaGetLastError());
+  }
+  Layouts layouts;
+  init_fp8_layouts(layouts, p, arrays);
+  const Plan& plan = find_fp8_plan(p, layouts, arrays, env.workspace_bytes, env.handle);
+  TORCH_CHECK_NOT_IMPLEMENTED(plan.found, "torchmoe: cuBLASLt ", grouped_api().info.version,
+                              " has no grouped FP8 algorithm for ", kind_name(p.kind), " with ",
+                              p.num_groups, " groups, n=", p.n, ", k=", p.k);
+  // The pointer arrays are this call's (the plan may come from another call).
+  set_desc(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, arrays.a_scale);
+  set_desc(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, arrays.b_scale);
+  const float* alpha = arrays.scalars;
+  const float* beta = arrays.scalars + 1;
+  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmul(env.handle, plan.desc, alpha, arrays.a, layouts.a.get(),
+                                         arrays.b, layouts.b.get(), beta, arrays.d, layouts.d.get(),
+                                         arrays.d, layouts.d.get(), &plan.algo, env.workspace,
+                                         env.workspace_bytes, env.stream));
 }
 
 }  // namespace torchmoe::kernels

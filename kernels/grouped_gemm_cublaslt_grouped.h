@@ -83,4 +83,41 @@ size_t cublaslt_grouped_array_bytes(int num_groups);
 void run_grouped_gemm_cublaslt_grouped(const CublasLtGroupedParams& params,
                                        const CublasLtGroupedEnv& env);
 
+// FP8 products with one scale per group and operand (split_quantize's per-tensor scalings), as
+// one grouped matmul: the TN products of grouped_gemm_cublaslt.h's FP8 section, C[m, n] =
+// A[m, kk] · B[n, kk]ᵀ per group, with cuBLASLt's PER_BATCH_SCALAR_32F scale mode (a device array
+// of one scale pointer per group and operand; Hopper needs cuBLAS >= 13.5, below this backend's
+// 13.8). Operands in split_quantize's layouts (kernels/split_quantize.h):
+//
+//   kind    A (ours)                    B (ours)                      C             kk
+//   kFprop  x rowwise, rows of g        W rowwise, rows g·n ..        y rows of g   k
+//   kDgrad  dy rowwise, rows of g       W columnwise, at k·n·g        dx rows of g  n
+//   kWgrad  dy columnwise, block of g   x columnwise, block of g      dW_g          r16(m_g)
+//
+// (the columnwise block of split g starts at width·Σ_{h<g} r16(m_h)). Block scales are not
+// grouped here: ops runs them on per-group matmuls.
+struct CublasLtGroupedFp8Params {
+  GemmKind kind = GemmKind::kFprop;
+  Fp8Format a_format = Fp8Format::kE4M3, b_format = Fp8Format::kE4M3;  // not both e5m2
+  ScalarType output_type = ScalarType::kBFloat16;                      // fp32 to accumulate
+  int num_groups = 0;
+  int64_t rows = 0;  // rows of x / dy / y / dx (may exceed the split sum)
+  int64_t n = 0;     // out_features
+  int64_t k = 0;     // in_features, a multiple of 16 (as n)
+  const void* m_splits = nullptr;
+  bool splits_int32 = false;
+
+  const void* a = nullptr;
+  const void* b = nullptr;
+  const float* a_scale_inv = nullptr;  // [G] device
+  const float* b_scale_inv = nullptr;  // [G] device
+  void* output = nullptr;              // y / dx [rows, ·] (kFprop, kDgrad)
+  GroupAddress weight_grad;            // dW_g [n, k] (kWgrad)
+  bool accumulate = false;             // kWgrad: dW_g += product (fp32); empty groups untouched
+  bool fast_accumulation = false;
+};
+
+void run_grouped_gemm_cublaslt_grouped_fp8(const CublasLtGroupedFp8Params& params,
+                                           const CublasLtGroupedEnv& env);
+
 }  // namespace torchmoe::kernels

@@ -178,20 +178,20 @@ Backend forced_backend(GemmBackend c) {
                                               : Backend::kReference;
 }
 
-// FP8 products run on per-group cuBLASLt FP8 matmuls only (the sm90 kernel and the grouped
-// matmul have no FP8 path yet); the environment's backend override is for 16/32-bit layers.
+// FP8 products run on per-group cuBLASLt FP8 matmuls, or on the cuBLASLt grouped matmul when it is
+// asked for (the option or TORCHMOE_GROUPED_GEMM_BACKEND=cublaslt_grouped) and loaded; the sm90
+// kernel has no FP8 path yet, and the environment's sm90 choice applies to 16-bit layers only.
 ProductBackends select_fp8_backends(const char* op, const at::Tensor& input, const GemmShape& shape,
-                                    GemmBackend choice) {
+                                    int64_t rows, GemmBackend choice) {
   const at::ScalarType dtype = input.scalar_type();
   TORCH_CHECK_NOT_IMPLEMENTED(
       input.is_cuda() && (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16), op,
       ": FP8 runs on CUDA float32, float16 or bfloat16 tensors, got ", dtype, " on ",
       input.device());
   TORCH_CHECK_NOT_IMPLEMENTED(
-      choice == GemmBackend::kAuto || choice == GemmBackend::kCublasLt, op, ": the ",
-      backend_name(forced_backend(choice)),
-      " grouped GEMM backend has no FP8 path; FP8 runs on per-group cuBLASLt (gemm_backend kAuto "
-      "or kCublasLt)");
+      choice != GemmBackend::kSm90, op,
+      ": the sm90 grouped GEMM backend has no FP8 path; FP8 runs on per-group cuBLASLt "
+      "(gemm_backend kAuto or kCublasLt) or the cuBLASLt grouped matmul (kCublasLtGrouped)");
   const cudaDeviceProp* props = at::cuda::getDeviceProperties(input.device().index());
   TORCH_CHECK_NOT_IMPLEMENTED(props->major * 10 + props->minor >= 89, op,
                               ": FP8 GEMMs need a GPU of compute capability 8.9 or newer, got ",
@@ -200,6 +200,17 @@ ProductBackends select_fp8_backends(const char* op, const at::Tensor& input, con
                               ": FP8 needs in_features and out_features that are multiples of 16 "
                               "(FP8 GEMM operands), got in_features ",
                               shape.k, ", out_features ", shape.n);
+  if (choice == GemmBackend::kAuto && env_backend_choice() == GemmBackend::kCublasLtGrouped) {
+    choice = GemmBackend::kCublasLtGrouped;
+  }
+  if (choice == GemmBackend::kCublasLtGrouped) {
+    const char* why = detail::cublaslt_grouped_refusal(input, shape, rows);
+    TORCH_CHECK_NOT_IMPLEMENTED(why == nullptr, op,
+                                ": the cublaslt_grouped grouped GEMM backend cannot run this FP8 "
+                                "call: ",
+                                why);
+    return {Backend::kCublasLtGrouped, Backend::kCublasLtGrouped, Backend::kCublasLtGrouped};
+  }
   return {Backend::kCublasLt, Backend::kCublasLt, Backend::kCublasLt};
 }
 
@@ -348,7 +359,7 @@ std::vector<GemmPlan> plan_grouped_gemms(const char* op, const at::Tensor& input
   for (size_t i = 0; i < shapes.size(); ++i) {
     TORCH_INTERNAL_ASSERT(shapes[i].groups == groups,
                           "plan_grouped_gemms: layers differ in groups");
-    const ProductBackends backends = fp8 ? select_fp8_backends(op, input, shapes[i], choice)
+    const ProductBackends backends = fp8 ? select_fp8_backends(op, input, shapes[i], rows, choice)
                                          : select_backends(op, input, shapes[i], rows, choice);
     plans[i].fp8 = fp8;
     plans[i].backend = backends.fprop;

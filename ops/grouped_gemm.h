@@ -109,8 +109,13 @@ struct GemmPlan {
 // `op` names the caller in error messages (e.g. "GroupedLinear"). When the first layer reads
 // `input` through gather_rows (defined), the plans' rows are gather_rows' length, not input's.
 // fp8: plans for the FP8 products, whose table is
-//   CUDA fp32/fp16/bf16, sm_89+, n and k multiples of 16, kAuto or kCublasLt
-//                                            -> kCublasLt (per-group FP8 matmuls, host sizes)
+//   CUDA fp32/fp16/bf16, sm_89+, n and k multiples of 16:
+//     kAuto, kCublasLt                       -> kCublasLt (per-group FP8 matmuls, host sizes)
+//     kCublasLtGrouped (option, or the environment over kAuto)
+//                                            -> kCublasLtGrouped (one grouped FP8 matmul per
+//                                               product with per-tensor scales; block scales and
+//                                               biases run per group), or its refusal
+//     kSm90                                  -> NotImplementedError (no FP8 path yet)
 //   anything else                            -> NotImplementedError
 std::vector<GemmPlan> plan_grouped_gemms(const char* op, const at::Tensor& input,
                                          c10::ArrayRef<GemmShape> shapes,

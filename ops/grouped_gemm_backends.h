@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "torchmoe/kernels/grouped_gemm_cublaslt.h"
+#include "torchmoe/kernels/grouped_gemm_cublaslt_grouped.h"
 #include "torchmoe/kernels/types.h"
 #include "torchmoe/ops/grouped_gemm.h"
 #include "torchmoe/ops/kernel_types.h"
@@ -140,5 +141,8 @@ void cublaslt_grouped_dgrad(const GemmPlan& plan, const at::Tensor& grad_output,
 void cublaslt_grouped_wgrad(const GemmPlan& plan, const at::Tensor& input,
                             const at::Tensor& grad_output, const CheckedGroups& weight_grads,
                             bool accumulate);
+// One FP8 product as one grouped matmul (ops/grouped_gemm_fp8.cpp fills the parameters), on the
+// current stream of like's device.
+void cublaslt_grouped_fp8(const at::Tensor& like, const kernels::CublasLtGroupedFp8Params& p);
 
 }  // namespace torchmoe::ops::detail

@@ -28,17 +28,29 @@ kernels::CublasLtGroupedParams params_for(kernels::GemmKind kind, const GemmPlan
 // workspace is ATen's, kept per handle and stream for its own cuBLASLt matmuls: allocating 32 MiB
 // per call cost host time and, inside a captured graph, handed later buffers of the step memory
 // that this call's kernels write at replay.
-void launch(const at::Tensor& like, const kernels::CublasLtGroupedParams& p) {
-  const c10::cuda::CUDAGuard guard(like.device());
-  const at::Tensor arrays =
-      at::empty({static_cast<int64_t>(kernels::cublaslt_grouped_array_bytes(p.num_groups))},
-                like.options().dtype(at::kByte));
+struct Launch {
   kernels::CublasLtGroupedEnv env;
+  at::Tensor arrays;
+};
+
+Launch environment(const at::Tensor& like, int num_groups) {
+  Launch launch;
+  launch.arrays =
+      at::empty({static_cast<int64_t>(kernels::cublaslt_grouped_array_bytes(num_groups))},
+                like.options().dtype(at::kByte));
+  kernels::CublasLtGroupedEnv& env = launch.env;
   env.handle = at::cuda::getCurrentCUDABlasLtHandle();
   env.stream = at::cuda::getCurrentCUDAStream().stream();
-  env.arrays = arrays.data_ptr();
+  env.arrays = launch.arrays.data_ptr();
   env.workspace = at::cuda::getCUDABlasLtWorkspace();
   env.workspace_bytes = at::cuda::getCUDABlasLtWorkspaceSize();
+  return launch;
+}
+
+void launch(const at::Tensor& like, const kernels::CublasLtGroupedParams& p) {
+  const c10::cuda::CUDAGuard guard(like.device());
+  Launch launch = environment(like, p.num_groups);
+  kernels::CublasLtGroupedEnv& env = launch.env;
   at::Tensor product;  // a bias is added to the fp32 product (one rounding)
   if (p.kind == kernels::GemmKind::kFprop && !p.bias.empty()) {
     product = at::empty({p.rows, p.n}, like.options().dtype(at::kFloat));
@@ -133,6 +145,12 @@ void cublaslt_grouped_wgrad(const GemmPlan& plan, const at::Tensor& input,
   p.weight_grad = group_address(weight_grads);
   p.accumulate = accumulate;
   launch(x, p);
+}
+
+void cublaslt_grouped_fp8(const at::Tensor& like, const kernels::CublasLtGroupedFp8Params& p) {
+  const c10::cuda::CUDAGuard guard(like.device());
+  const Launch launch = environment(like, p.num_groups);
+  kernels::run_grouped_gemm_cublaslt_grouped_fp8(p, launch.env);
 }
 
 }  // namespace torchmoe::ops::detail

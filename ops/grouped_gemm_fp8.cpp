@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "torchmoe/kernels/grouped_gemm_cublaslt.h"
+#include "torchmoe/kernels/grouped_gemm_cublaslt_grouped.h"
 #include "torchmoe/kernels/split_quantize.h"
 #include "torchmoe/ops/grouped_gemm_backends.h"
 #include "torchmoe/ops/kernel_types.h"
@@ -30,15 +31,30 @@ at::ScalarType fp8_dtype(Fp8Format format) {
 const char* format_name(Fp8Format format) { return format == Fp8Format::kE4M3 ? "e4m3" : "e5m2"; }
 
 void check_plan(const char* op, const GemmPlan& plan) {
-  TORCH_CHECK(plan.fp8 && plan.backend == Backend::kCublasLt && plan.m_splits.has_host(), op,
+  const bool per_group = plan.backend == Backend::kCublasLt && plan.m_splits.has_host();
+  const bool grouped = plan.backend == Backend::kCublasLtGrouped && plan.m_splits.has_device();
+  TORCH_CHECK(plan.fp8 && (per_group || grouped), op,
               ": needs an FP8 plan (plan_grouped_gemms with fp8 = true)");
 }
 
-// One copy of a quantized [rows, k] operand split by `sizes`: present, of split_quantize's sizes
-// and dtype, on the plan's device.
+// The plan's host sizes, copied from the device when it has none (a grouped plan whose operands
+// the grouped matmul does not take: block scales, a bias).
+std::vector<int64_t> host_sizes(const GemmPlan& plan) {
+  if (plan.m_splits.has_host()) return plan.m_splits.host().vec();
+  const at::Tensor copy = plan.m_splits.device().to(at::kCPU, at::kLong);
+  return {copy.const_data_ptr<int64_t>(), copy.const_data_ptr<int64_t>() + copy.numel()};
+}
+
+// The sizes a check can see without a device-to-host copy: the host sizes, or none.
+c10::IntArrayRef known_sizes(const GemmPlan& plan) {
+  return plan.m_splits.has_host() ? plan.m_splits.host() : c10::IntArrayRef();
+}
+
+// One copy of a quantized [rows, k] operand of `groups` splits: present, of split_quantize's sizes
+// and dtype, on the plan's device. sizes: the host sizes, or empty when only the device has them.
 void check_operand(const char* op, const char* name, const SplitQuantized& q, bool rowwise,
-                   int64_t rows, int64_t k, c10::IntArrayRef sizes, const c10::Device& device) {
-  const auto groups = static_cast<int64_t>(sizes.size());
+                   int64_t rows, int64_t k, int64_t groups, c10::IntArrayRef sizes,
+                   const c10::Device& device) {
   const at::Tensor& data = rowwise ? q.data : q.columnwise_data;
   const at::Tensor& scales =
       rowwise || !is_block_scaling(q.scaling) ? q.scale_inv : q.columnwise_scale_inv;
@@ -48,7 +64,7 @@ void check_operand(const char* op, const char* name, const SplitQuantized& q, bo
   // The columnwise buffer is exact for host sizes and a bound for device sizes.
   int64_t numel = rows * k;
   if (!rowwise) {
-    numel = 0;
+    numel = sizes.empty() ? kernels::columnwise_elements(rows, k, groups) : 0;
     for (int64_t m : sizes) numel += k * kernels::round_up_columnwise(m);
   }
   TORCH_CHECK((rowwise ? data.numel() == numel : data.numel() >= numel) && data.is_contiguous(), op,
@@ -186,6 +202,37 @@ at::Tensor unpad_rows(const at::Tensor& padded, const OutputRows& layout, c10::I
   return padded.index_select(0, device_index);
 }
 
+// Whether a product runs as one grouped matmul: a grouped plan, per-tensor scales (block scales
+// are not grouped here) and no bias (the grouped matmul has no bias epilogue).
+bool runs_grouped(const GemmPlan& plan, const SplitQuantized& a, const SplitQuantized& b,
+                  bool bias) {
+  return plan.backend == Backend::kCublasLtGrouped && !is_block_scaling(a.scaling) &&
+         !is_block_scaling(b.scaling) && !bias;
+}
+
+kernels::CublasLtGroupedFp8Params grouped_params(kernels::GemmKind kind, const GemmPlan& plan,
+                                                 const SplitQuantized& a, bool a_rowwise,
+                                                 const SplitQuantized& b, bool b_rowwise,
+                                                 at::ScalarType output_dtype) {
+  const at::Tensor& splits = plan.m_splits.device();
+  kernels::CublasLtGroupedFp8Params p;
+  p.kind = kind;
+  p.a_format = a.format;
+  p.b_format = b.format;
+  p.output_type = kernel_type(output_dtype);
+  p.num_groups = static_cast<int>(plan.shape.groups);
+  p.rows = plan.rows;
+  p.n = plan.shape.n;
+  p.k = plan.shape.k;
+  p.m_splits = splits.const_data_ptr();
+  p.splits_int32 = splits.scalar_type() == at::kInt;
+  p.a = (a_rowwise ? a.data : a.columnwise_data).const_data_ptr();
+  p.b = (b_rowwise ? b.data : b.columnwise_data).const_data_ptr();
+  p.a_scale_inv = a.scale_inv.const_data_ptr<float>();
+  p.b_scale_inv = b.scale_inv.const_data_ptr<float>();
+  return p;
+}
+
 kernels::Fp8GemmResult run(const at::Tensor& like, const kernels::Fp8GroupedGemmParams& params) {
   size_t nonempty = 0;
   for (const auto& g : params.groups) nonempty += g.m > 0 && g.kk > 0;
@@ -206,10 +253,11 @@ at::Tensor grouped_linear_forward_fp8(const GemmPlan& plan, const SplitQuantized
   check_plan(kForwardOp, plan);
   check_output_dtype(kForwardOp, output_dtype);
   const int64_t n = plan.shape.n, k = plan.shape.k, groups = plan.shape.groups;
-  const c10::IntArrayRef sizes = plan.m_splits.host();
   const std::vector<int64_t> weight_sizes(static_cast<size_t>(groups), n);
-  check_operand(kForwardOp, "input", input, true, plan.rows, k, sizes, plan.device);
-  check_operand(kForwardOp, "weights", weights, true, groups * n, k, weight_sizes, plan.device);
+  check_operand(kForwardOp, "input", input, true, plan.rows, k, groups, known_sizes(plan),
+                plan.device);
+  check_operand(kForwardOp, "weights", weights, true, groups * n, k, groups, weight_sizes,
+                plan.device);
   check_pair(kForwardOp, "input", input, "weights", weights);
   TORCH_CHECK(biases.empty() || biases.size() == static_cast<size_t>(groups), kForwardOp,
               ": biases must be none or one per group (", groups, "), got ", biases.size());
@@ -222,6 +270,16 @@ at::Tensor grouped_linear_forward_fp8(const GemmPlan& plan, const SplitQuantized
                 b.device());
   }
   const c10::cuda::CUDAGuard guard(plan.device);
+  if (runs_grouped(plan, input, weights, !biases.empty())) {
+    at::Tensor output = at::empty({plan.rows, n}, input.data.options().dtype(output_dtype));
+    kernels::CublasLtGroupedFp8Params p =
+        grouped_params(kernels::GemmKind::kFprop, plan, input, true, weights, true, output_dtype);
+    p.output = output.data_ptr();
+    p.fast_accumulation = fast_accumulation;
+    if (plan.rows > 0) detail::cublaslt_grouped_fp8(output, p);
+    return output;
+  }
+  const std::vector<int64_t> sizes = host_sizes(plan);
   const OutputRows layout = output_rows(input, sizes);
   at::Tensor output = at::empty({layout.total, n}, input.data.options().dtype(output_dtype));
   const OperandGroups a = operand_groups(input, true, sizes, k);
@@ -256,12 +314,23 @@ at::Tensor grouped_linear_dgrad_fp8(const GemmPlan& plan, const SplitQuantized& 
   check_plan(kDgradOp, plan);
   check_output_dtype(kDgradOp, output_dtype);
   const int64_t n = plan.shape.n, k = plan.shape.k, groups = plan.shape.groups;
-  const c10::IntArrayRef sizes = plan.m_splits.host();
   const std::vector<int64_t> weight_sizes(static_cast<size_t>(groups), n);
-  check_operand(kDgradOp, "grad_output", grad_output, true, plan.rows, n, sizes, plan.device);
-  check_operand(kDgradOp, "weights", weights, false, groups * n, k, weight_sizes, plan.device);
+  check_operand(kDgradOp, "grad_output", grad_output, true, plan.rows, n, groups, known_sizes(plan),
+                plan.device);
+  check_operand(kDgradOp, "weights", weights, false, groups * n, k, groups, weight_sizes,
+                plan.device);
   check_pair(kDgradOp, "grad_output", grad_output, "weights", weights);
   const c10::cuda::CUDAGuard guard(plan.device);
+  if (runs_grouped(plan, grad_output, weights, false)) {
+    at::Tensor grad_input =
+        at::empty({plan.rows, k}, grad_output.data.options().dtype(output_dtype));
+    kernels::CublasLtGroupedFp8Params p = grouped_params(
+        kernels::GemmKind::kDgrad, plan, grad_output, true, weights, false, output_dtype);
+    p.output = grad_input.data_ptr();
+    if (plan.rows > 0) detail::cublaslt_grouped_fp8(grad_input, p);
+    return grad_input;
+  }
+  const std::vector<int64_t> sizes = host_sizes(plan);
   const OutputRows layout = output_rows(grad_output, sizes);
   at::Tensor grad_input =
       at::empty({layout.total, k}, grad_output.data.options().dtype(output_dtype));
@@ -289,9 +358,10 @@ void grouped_linear_wgrad_fp8(const GemmPlan& plan, const SplitQuantized& input,
                               const GroupedTensors& weight_grads_out, bool accumulate) {
   check_plan(kWgradOp, plan);
   const int64_t n = plan.shape.n, k = plan.shape.k, groups = plan.shape.groups;
-  const c10::IntArrayRef sizes = plan.m_splits.host();
-  check_operand(kWgradOp, "grad_output", grad_output, false, plan.rows, n, sizes, plan.device);
-  check_operand(kWgradOp, "input", input, false, plan.rows, k, sizes, plan.device);
+  check_operand(kWgradOp, "grad_output", grad_output, false, plan.rows, n, groups,
+                known_sizes(plan), plan.device);
+  check_operand(kWgradOp, "input", input, false, plan.rows, k, groups, known_sizes(plan),
+                plan.device);
   check_pair(kWgradOp, "grad_output", grad_output, "input", input);
   TORCH_CHECK(weight_grads_out.size() == static_cast<size_t>(groups), kWgradOp,
               ": weight_grads_out must hold one tensor per group (", groups, "), got ",
@@ -311,6 +381,25 @@ void grouped_linear_wgrad_fp8(const GemmPlan& plan, const SplitQuantized& input,
     outputs[static_cast<size_t>(g)] = t.data_ptr();
   }
   const c10::cuda::CUDAGuard guard(plan.device);
+  if (runs_grouped(plan, grad_output, input, false)) {
+    if (plan.rows == 0) {  // nothing to read: every group is empty
+      if (!accumulate) {
+        for (int64_t g = 0; g < groups; ++g) weight_grads_out[static_cast<size_t>(g)].zero_();
+      }
+      return;
+    }
+    const detail::CheckedGroups checked = detail::check_groups(
+        kWgradOp, "weight_grads_out", weight_grads_out, static_cast<size_t>(groups),
+        weight_grads_out[0], {n, k}, out_dtype, "weight_grads_out[0]'s dtype");
+    TORCH_CHECK(checked.aligned, kWgradOp, ": weight_grads_out must start on 16-byte boundaries");
+    kernels::CublasLtGroupedFp8Params p = grouped_params(
+        kernels::GemmKind::kWgrad, plan, grad_output, false, input, false, out_dtype);
+    p.weight_grad = detail::group_address(checked);
+    p.accumulate = accumulate;
+    detail::cublaslt_grouped_fp8(weight_grads_out[0], p);
+    return;
+  }
+  const std::vector<int64_t> sizes = host_sizes(plan);
   const OperandGroups a = operand_groups(grad_output, false, sizes, n);
   const OperandGroups b = operand_groups(input, false, sizes, k);
   kernels::Fp8GroupedGemmParams p = product_params(grad_output, input, k, out_dtype);

@@ -233,12 +233,19 @@ SplitQuantized quantize_w(const torch::Tensor& w, QuantizeScaling s, Fp8Format f
   return ops::quantize_weights(GroupedTensors::stacked(w), o, scale);
 }
 
+// backend: kAuto (per-group cuBLASLt) or kCublasLtGrouped (one grouped matmul per product for
+// per-tensor scales; block scales still run per group).
 ops::GemmPlan fp8_plan(const torch::Tensor& x, int64_t n, int64_t k,
-                       const std::vector<int64_t>& sizes) {
+                       const std::vector<int64_t>& sizes,
+                       GemmBackend backend = GemmBackend::kAuto) {
   return ops::plan_grouped_gemms("test", x, {ops::GemmShape{n, k, sizes.size()}}, SplitSizes(sizes),
-                                 GemmBackend::kAuto, torch::Tensor(),
+                                 backend, torch::Tensor(),
                                  /*fp8=*/true)
       .front();
+}
+
+const char* backend_name(GemmBackend backend) {
+  return backend == GemmBackend::kCublasLtGrouped ? "cuBLASLt grouped" : "per-group cuBLASLt";
 }
 
 struct Problem {
@@ -343,11 +350,14 @@ TEST_CASE("FP8 grouped forward matches the dequantized float64 reference", "[ops
   const ShapeCase& shape = kShapeCases[GENERATE(0, 1)];
   const torch::Dtype out_dtype = GENERATE(torch::kBFloat16, torch::kFloat);
   const bool fast = GENERATE(true, false);
-  INFO(describe(sc, shape) << "; output " << out_dtype << "; fast accumulation " << fast);
+  const GemmBackend backend = GENERATE(GemmBackend::kAuto, GemmBackend::kCublasLtGrouped);
+  TORCHMOE_REQUIRE_GEMM_BACKEND(backend);
+  INFO(describe(sc, shape) << "; output " << out_dtype << "; fast accumulation " << fast << "; "
+                           << backend_name(backend));
   const Problem p = make_problem(shape, 11);
   const SplitQuantized xq = quantize(p.x, p.sizes, sc.input, kE4M3);
   const SplitQuantized wq = quantize_w(p.w, sc.weight);
-  const ops::GemmPlan plan = fp8_plan(p.x, p.n, p.k, p.sizes);
+  const ops::GemmPlan plan = fp8_plan(p.x, p.n, p.k, p.sizes, backend);
   const torch::Tensor y = ops::grouped_linear_forward_fp8(plan, xq, wq, {}, out_dtype, fast);
   const std::vector<int64_t> weight_sizes(p.groups, p.n);
   const Product ref = per_split_abt(dequantize(xq, true, p.sizes, p.k),
@@ -363,12 +373,15 @@ TEST_CASE("FP8 grouped dgrad matches the dequantized float64 reference", "[ops][
   const ShapeCase& shape = kShapeCases[GENERATE(0, 1)];
   const torch::Dtype out_dtype = GENERATE(torch::kBFloat16, torch::kFloat);
   const Fp8Format grad_format = GENERATE(kE4M3, kE5M2);
+  const GemmBackend backend = GENERATE(GemmBackend::kAuto, GemmBackend::kCublasLtGrouped);
+  TORCHMOE_REQUIRE_GEMM_BACKEND(backend);
   INFO(describe(sc, shape) << "; output " << out_dtype << "; grad_output "
-                           << format_name(grad_format) << " x weight e4m3");
+                           << format_name(grad_format) << " x weight e4m3; "
+                           << backend_name(backend));
   const Problem p = make_problem(shape, 12);
   const SplitQuantized dyq = quantize(p.dy, p.sizes, sc.grad, grad_format);
   const SplitQuantized wq = quantize_w(p.w, sc.weight);
-  const ops::GemmPlan plan = fp8_plan(p.x, p.n, p.k, p.sizes);
+  const ops::GemmPlan plan = fp8_plan(p.x, p.n, p.k, p.sizes, backend);
   const torch::Tensor dx = ops::grouped_linear_dgrad_fp8(plan, dyq, wq, out_dtype);
   REQUIRE(dx.sizes() == torch::IntArrayRef({total(p.sizes), p.k}));
   // dx_g = dy_g · W_g = dy_g · (W_gᵀ)ᵀ with W_gᵀ [k, n] the weights' columnwise copy.
@@ -388,13 +401,15 @@ TEST_CASE("FP8 grouped wgrad matches the dequantized float64 reference", "[ops][
   const torch::Dtype out_dtype = GENERATE(torch::kBFloat16, torch::kFloat);
   const Fp8Format grad_format = GENERATE(kE4M3, kE5M2);
   const bool stacked = GENERATE(false, true);
+  const GemmBackend backend = GENERATE(GemmBackend::kAuto, GemmBackend::kCublasLtGrouped);
+  TORCHMOE_REQUIRE_GEMM_BACKEND(backend);
   INFO(describe(sc, shape) << "; output " << out_dtype << "; grad_output "
                            << format_name(grad_format) << " x input e4m3; stacked buffers "
-                           << stacked);
+                           << stacked << "; " << backend_name(backend));
   const Problem p = make_problem(shape, 13);
   const SplitQuantized xq = quantize(p.x, p.sizes, sc.input, kE4M3);
   const SplitQuantized dyq = quantize(p.dy, p.sizes, sc.grad, grad_format);
-  const ops::GemmPlan plan = fp8_plan(p.x, p.n, p.k, p.sizes);
+  const ops::GemmPlan plan = fp8_plan(p.x, p.n, p.k, p.sizes, backend);
   // NaN-filled: every group must be written (the empty split's with zeros).
   const torch::Tensor dw = torch::full(
       {p.groups, p.n, p.k}, NAN, torch::TensorOptions().dtype(out_dtype).device(torch::kCUDA));
@@ -411,12 +426,14 @@ TEST_CASE("FP8 grouped wgrad accumulates into fp32 buffers; empty splits", "[ops
   TORCHMOE_REQUIRE_CUDA();
   const ScalingCase& sc = kScalingCases[GENERATE(0, 2)];
   const bool stacked = GENERATE(false, true);
+  const GemmBackend backend = GENERATE(GemmBackend::kAuto, GemmBackend::kCublasLtGrouped);
+  TORCHMOE_REQUIRE_GEMM_BACKEND(backend);
   const ShapeCase& shape = kShapeCases[0];  // split 1 is empty
-  INFO(describe(sc, shape) << "; stacked buffers " << stacked);
+  INFO(describe(sc, shape) << "; stacked buffers " << stacked << "; " << backend_name(backend));
   const Problem p = make_problem(shape, 14);
   const SplitQuantized xq = quantize(p.x, p.sizes, sc.input, kE4M3);
   const SplitQuantized dyq = quantize(p.dy, p.sizes, sc.grad, kE5M2);
-  const ops::GemmPlan plan = fp8_plan(p.x, p.n, p.k, p.sizes);
+  const ops::GemmPlan plan = fp8_plan(p.x, p.n, p.k, p.sizes, backend);
   const Product ref = per_split_atb(dequantize(dyq, false, p.sizes, p.n),
                                     dequantize(xq, false, p.sizes, p.k), p.sizes);
   const auto fp32 = torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA);
@@ -637,10 +654,21 @@ TEST_CASE("plan_grouped_gemms: FP8 plans and their refusals", "[ops][fp8][cuda][
     REQUIRE(p.m_splits.has_host());
     CHECK(p.m_splits.host().vec() == sizes);
   }
-  SECTION("forced sm90 or cuBLASLt grouped") {
-    const GemmBackend backend = GENERATE(GemmBackend::kSm90, GemmBackend::kCublasLtGrouped);
-    REQUIRE_THROWS_AS(plan(32, 64, backend), c10::NotImplementedError);
-    REQUIRE_THROWS_WITH(plan(32, 64, backend), Contains("has no FP8 path"));
+  SECTION("forced sm90") {
+    REQUIRE_THROWS_AS(plan(32, 64, GemmBackend::kSm90), c10::NotImplementedError);
+    REQUIRE_THROWS_WITH(plan(32, 64, GemmBackend::kSm90), Contains("has no FP8 path"));
+  }
+  SECTION("forced cuBLASLt grouped: planned where loaded, else refused with the reason") {
+    if (torchmoe::loaded_cublaslt().grouped) {
+      const ops::GemmPlan p = plan(32, 64, GemmBackend::kCublasLtGrouped);
+      CHECK(p.backend == ops::Backend::kCublasLtGrouped);
+      CHECK(p.wgrad_backend == ops::Backend::kCublasLtGrouped);
+      CHECK(p.m_splits.has_device());
+    } else {
+      REQUIRE_THROWS_AS(plan(32, 64, GemmBackend::kCublasLtGrouped), c10::NotImplementedError);
+      REQUIRE_THROWS_WITH(plan(32, 64, GemmBackend::kCublasLtGrouped),
+                          Contains("cannot run this FP8 call: it needs cuBLASLt >= 13.8"));
+    }
   }
   SECTION("n or k not a multiple of 16 (a multiple of 8: fine for 16-bit layers)") {
     REQUIRE_THROWS_AS(plan(40, 64, GemmBackend::kAuto), c10::NotImplementedError);
