@@ -178,9 +178,9 @@ Backend forced_backend(GemmBackend c) {
                                               : Backend::kReference;
 }
 
-// FP8 products run on per-group cuBLASLt FP8 matmuls, or on the cuBLASLt grouped matmul when it is
-// asked for (the option or TORCHMOE_GROUPED_GEMM_BACKEND=cublaslt_grouped) and loaded; the sm90
-// kernel has no FP8 path yet, and the environment's sm90 choice applies to 16-bit layers only.
+// FP8 products run on the cuBLASLt grouped matmul (when loaded) or per-group cuBLASLt FP8 matmuls;
+// the sm90 kernel has no FP8 path yet, and the environment's sm90 choice applies to 16-bit layers
+// only.
 ProductBackends select_fp8_backends(const char* op, const at::Tensor& input, const GemmShape& shape,
                                     int64_t rows, GemmBackend choice) {
   const at::ScalarType dtype = input.scalar_type();
@@ -200,8 +200,17 @@ ProductBackends select_fp8_backends(const char* op, const at::Tensor& input, con
                               ": FP8 needs in_features and out_features that are multiples of 16 "
                               "(FP8 GEMM operands), got in_features ",
                               shape.k, ", out_features ", shape.n);
-  if (choice == GemmBackend::kAuto && env_backend_choice() == GemmBackend::kCublasLtGrouped) {
-    choice = GemmBackend::kCublasLtGrouped;
+  if (choice == GemmBackend::kAuto) {
+    // kAuto's FP8 table: the grouped matmul where it is loaded and takes the call (measured
+    // ahead of per-group matmuls on every benchmark shape, 1.02-2.3×: docs/performance.md), else
+    // per-group cuBLASLt; the environment may name either.
+    const GemmBackend env = env_backend_choice();
+    if (env == GemmBackend::kCublasLt || env == GemmBackend::kCublasLtGrouped) {
+      choice = env;
+    } else {
+      const bool grouped = detail::cublaslt_grouped_refusal(input, shape, rows) == nullptr;
+      choice = grouped ? GemmBackend::kCublasLtGrouped : GemmBackend::kCublasLt;
+    }
   }
   if (choice == GemmBackend::kCublasLtGrouped) {
     const char* why = detail::cublaslt_grouped_refusal(input, shape, rows);

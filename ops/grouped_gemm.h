@@ -110,12 +110,14 @@ struct GemmPlan {
 // `input` through gather_rows (defined), the plans' rows are gather_rows' length, not input's.
 // fp8: plans for the FP8 products, whose table is
 //   CUDA fp32/fp16/bf16, sm_89+, n and k multiples of 16:
-//     kAuto, kCublasLt                       -> kCublasLt (per-group FP8 matmuls, host sizes)
-//     kCublasLtGrouped (option, or the environment over kAuto)
+//     kCublasLtGrouped, or kAuto where the grouped matmul can run the call
 //                                            -> kCublasLtGrouped (one grouped FP8 matmul per
-//                                               product with per-tensor scales; block scales and
-//                                               biases run per group), or its refusal
+//                                               product with per-tensor scales, device sizes;
+//                                               block scales and biases run per group), or the
+//                                               forced backend's refusal
+//     kCublasLt, or kAuto otherwise          -> kCublasLt (per-group FP8 matmuls, host sizes)
 //     kSm90                                  -> NotImplementedError (no FP8 path yet)
+//   (TORCHMOE_GROUPED_GEMM_BACKEND=cublaslt|cublaslt_grouped overrides kAuto here too)
 //   anything else                            -> NotImplementedError
 std::vector<GemmPlan> plan_grouped_gemms(const char* op, const at::Tensor& input,
                                          c10::ArrayRef<GemmShape> shapes,

@@ -233,11 +233,11 @@ SplitQuantized quantize_w(const torch::Tensor& w, QuantizeScaling s, Fp8Format f
   return ops::quantize_weights(GroupedTensors::stacked(w), o, scale);
 }
 
-// backend: kAuto (per-group cuBLASLt) or kCublasLtGrouped (one grouped matmul per product for
+// backend: kCublasLt (per-group matmuls) or kCublasLtGrouped (one grouped matmul per product for
 // per-tensor scales; block scales still run per group).
 ops::GemmPlan fp8_plan(const torch::Tensor& x, int64_t n, int64_t k,
                        const std::vector<int64_t>& sizes,
-                       GemmBackend backend = GemmBackend::kAuto) {
+                       GemmBackend backend = GemmBackend::kCublasLt) {
   return ops::plan_grouped_gemms("test", x, {ops::GemmShape{n, k, sizes.size()}}, SplitSizes(sizes),
                                  backend, torch::Tensor(),
                                  /*fp8=*/true)
@@ -350,7 +350,7 @@ TEST_CASE("FP8 grouped forward matches the dequantized float64 reference", "[ops
   const ShapeCase& shape = kShapeCases[GENERATE(0, 1)];
   const torch::Dtype out_dtype = GENERATE(torch::kBFloat16, torch::kFloat);
   const bool fast = GENERATE(true, false);
-  const GemmBackend backend = GENERATE(GemmBackend::kAuto, GemmBackend::kCublasLtGrouped);
+  const GemmBackend backend = GENERATE(GemmBackend::kCublasLt, GemmBackend::kCublasLtGrouped);
   TORCHMOE_REQUIRE_GEMM_BACKEND(backend);
   INFO(describe(sc, shape) << "; output " << out_dtype << "; fast accumulation " << fast << "; "
                            << backend_name(backend));
@@ -373,7 +373,7 @@ TEST_CASE("FP8 grouped dgrad matches the dequantized float64 reference", "[ops][
   const ShapeCase& shape = kShapeCases[GENERATE(0, 1)];
   const torch::Dtype out_dtype = GENERATE(torch::kBFloat16, torch::kFloat);
   const Fp8Format grad_format = GENERATE(kE4M3, kE5M2);
-  const GemmBackend backend = GENERATE(GemmBackend::kAuto, GemmBackend::kCublasLtGrouped);
+  const GemmBackend backend = GENERATE(GemmBackend::kCublasLt, GemmBackend::kCublasLtGrouped);
   TORCHMOE_REQUIRE_GEMM_BACKEND(backend);
   INFO(describe(sc, shape) << "; output " << out_dtype << "; grad_output "
                            << format_name(grad_format) << " x weight e4m3; "
@@ -401,7 +401,7 @@ TEST_CASE("FP8 grouped wgrad matches the dequantized float64 reference", "[ops][
   const torch::Dtype out_dtype = GENERATE(torch::kBFloat16, torch::kFloat);
   const Fp8Format grad_format = GENERATE(kE4M3, kE5M2);
   const bool stacked = GENERATE(false, true);
-  const GemmBackend backend = GENERATE(GemmBackend::kAuto, GemmBackend::kCublasLtGrouped);
+  const GemmBackend backend = GENERATE(GemmBackend::kCublasLt, GemmBackend::kCublasLtGrouped);
   TORCHMOE_REQUIRE_GEMM_BACKEND(backend);
   INFO(describe(sc, shape) << "; output " << out_dtype << "; grad_output "
                            << format_name(grad_format) << " x input e4m3; stacked buffers "
@@ -426,7 +426,7 @@ TEST_CASE("FP8 grouped wgrad accumulates into fp32 buffers; empty splits", "[ops
   TORCHMOE_REQUIRE_CUDA();
   const ScalingCase& sc = kScalingCases[GENERATE(0, 2)];
   const bool stacked = GENERATE(false, true);
-  const GemmBackend backend = GENERATE(GemmBackend::kAuto, GemmBackend::kCublasLtGrouped);
+  const GemmBackend backend = GENERATE(GemmBackend::kCublasLt, GemmBackend::kCublasLtGrouped);
   TORCHMOE_REQUIRE_GEMM_BACKEND(backend);
   const ShapeCase& shape = kShapeCases[0];  // split 1 is empty
   INFO(describe(sc, shape) << "; stacked buffers " << stacked << "; " << backend_name(backend));
@@ -644,13 +644,16 @@ TEST_CASE("plan_grouped_gemms: FP8 plans and their refusals", "[ops][fp8][cuda][
                                    torch::Tensor(), /*fp8=*/true)
         .front();
   };
-  SECTION("kAuto and kCublasLt plan per-group cuBLASLt FP8 products") {
+  SECTION("kCublasLt plans per-group cuBLASLt FP8 products, kAuto too without a grouped matmul") {
     const GemmBackend backend = GENERATE(GemmBackend::kAuto, GemmBackend::kCublasLt);
     const ops::GemmPlan p = plan(32, 64, backend);
     CHECK(p.fp8);
-    CHECK(p.backend == ops::Backend::kCublasLt);
-    CHECK(p.dgrad_backend == ops::Backend::kCublasLt);
-    CHECK(p.wgrad_backend == ops::Backend::kCublasLt);
+    const bool grouped = backend == GemmBackend::kAuto && torchmoe::loaded_cublaslt().grouped;
+    const ops::Backend expected =
+        grouped ? ops::Backend::kCublasLtGrouped : ops::Backend::kCublasLt;
+    CHECK(p.backend == expected);
+    CHECK(p.dgrad_backend == expected);
+    CHECK(p.wgrad_backend == expected);
     REQUIRE(p.m_splits.has_host());
     CHECK(p.m_splits.host().vec() == sizes);
   }
