@@ -2,12 +2,15 @@
 // Shared by the benchmark programs: the MoE shapes they measure and the timing rule.
 
 #include <ATen/cuda/CUDAEvent.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/cuda.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <iostream>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -143,6 +146,22 @@ inline std::vector<double> median_ms_each(const std::vector<std::function<void()
 
 inline double median_ms(const std::function<void()>& fn, int iters, int warmup = 3) {
   return median_ms_each({fn}, iters, warmup)[0];
+}
+
+// With TORCHMOE_BENCH_TRACE=PREFIX set, records a Kineto trace (CPU and CUDA) of 5 runs of `step`
+// into PREFIX.<name>.json, for scripts/trace_summary.py and scripts/cpu_ops_summary.py.
+inline void trace_if_asked(const std::string& name, const std::function<void()>& step) {
+  const char* prefix = std::getenv("TORCHMOE_BENCH_TRACE");
+  if (prefix == nullptr) return;
+  namespace profiler = torch::autograd::profiler;
+  const profiler::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
+  const std::set<torch::profiler::impl::ActivityType> activities{
+      torch::profiler::impl::ActivityType::CPU, torch::profiler::impl::ActivityType::CUDA};
+  profiler::prepareProfiler(config, activities);
+  profiler::enableProfiler(config, activities);
+  for (int i = 0; i < 5; ++i) step();
+  torch::cuda::synchronize();
+  profiler::disableProfiler()->save(std::string(prefix) + "." + name + ".json");
 }
 
 }  // namespace torchmoe::bench

@@ -22,12 +22,9 @@
 
 #include "bench_common.h"
 
-#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/torch.h>
 
-#include <cstdlib>
 #include <fstream>
-#include <set>
 #include <iomanip>
 #include <iostream>
 #include <string>
@@ -107,17 +104,7 @@ int main(int argc, char** argv) {
     };
     const double layer_ms = median_ms([&] { layer_step(moe); }, args.iters, args.warmup);
     const double fused_ms = median_ms([&] { layer_step(moe_fused); }, args.iters, args.warmup);
-    if (const char* trace = std::getenv("TORCHMOE_BENCH_TRACE")) {
-      namespace profiler = torch::autograd::profiler;
-      const profiler::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
-      const std::set<torch::profiler::impl::ActivityType> activities{
-          torch::profiler::impl::ActivityType::CPU, torch::profiler::impl::ActivityType::CUDA};
-      profiler::prepareProfiler(config, activities);
-      profiler::enableProfiler(config, activities);
-      for (int step = 0; step < 5; ++step) layer_step(moe);
-      torch::cuda::synchronize();
-      profiler::disableProfiler()->save(std::string(trace) + "." + s.name + ".json");
-    }
+    torchmoe::bench::trace_if_asked(s.name, [&] { layer_step(moe); });
 
     const double copy_gbs = 2.0 * 2 * m * s.hidden / copy_ms * 1e-6;
     const double permute_gbs = row_bytes / permute_ms * 1e-6;

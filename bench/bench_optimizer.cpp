@@ -30,14 +30,14 @@ std::vector<std::vector<int64_t>> example_shapes() {
   const int64_t layers = 8, hidden = 1024, experts = 32, ffn = 1024, vocab = 256, seq = 1024;
   std::vector<std::vector<int64_t>> shapes = {{vocab, hidden}, {seq, hidden}};
   for (int64_t l = 0; l < layers; ++l) {
-    for (const std::vector<int64_t>& s : std::vector<std::vector<int64_t>>{
-             {hidden},
-             {3 * hidden, hidden},
-             {hidden, hidden},
-             {hidden},
-             {experts, hidden},
-             {experts, 2 * ffn, hidden},
-             {experts, hidden, ffn}}) {
+    for (const std::vector<int64_t>& s :
+         std::vector<std::vector<int64_t>>{{hidden},
+                                           {3 * hidden, hidden},
+                                           {hidden, hidden},
+                                           {hidden},
+                                           {experts, hidden},
+                                           {experts, 2 * ffn, hidden},
+                                           {experts, hidden, ffn}}) {
       shapes.push_back(s);
     }
   }
@@ -73,20 +73,22 @@ int main(int argc, char** argv) {
   torch::optim::AdamW reference(torch_masters, torch::optim::AdamWOptions(1e-4));
 
   const double bytes = 34.0 * static_cast<double>(params);
-  const torch::Tensor copy_src = torch::empty({params}, fp32), copy_dst = torch::empty_like(copy_src);
-  const std::vector<double> ms = torchmoe::bench::median_ms_each(
-      {[&] {
-         fused.clip_grad_norm(1.0);
-         fused.step();
-       },
-       [&] {
-         torch::nn::utils::clip_grad_norm_(torch_masters, 1.0);
-         reference.step();
-         const torch::NoGradGuard no_grad;
-         for (size_t i = 0; i < torch_masters.size(); ++i) torch_copies[i].copy_(torch_masters[i]);
-       },
-       [&] { copy_dst.copy_(copy_src); }},
-      args.iters, args.warmup);
+  const torch::Tensor copy_src = torch::empty({params}, fp32),
+                      copy_dst = torch::empty_like(copy_src);
+  const std::vector<double> ms =
+      torchmoe::bench::median_ms_each({[&] {
+                                         fused.clip_grad_norm(1.0);
+                                         fused.step();
+                                       },
+                                       [&] {
+                                         torch::nn::utils::clip_grad_norm_(torch_masters, 1.0);
+                                         reference.step();
+                                         const torch::NoGradGuard no_grad;
+                                         for (size_t i = 0; i < torch_masters.size(); ++i)
+                                           torch_copies[i].copy_(torch_masters[i]);
+                                       },
+                                       [&] { copy_dst.copy_(copy_src); }},
+                                      args.iters, args.warmup);
   const double copy_gbs = 2.0 * 4.0 * params / (ms[2] * 1e6);  // read + write
   const double floor_ms = bytes / (copy_gbs * 1e6);
   std::cout << "device: " << at::cuda::getCurrentDeviceProperties()->name << ", " << params / 1e6
@@ -102,8 +104,7 @@ int main(int argc, char** argv) {
   json << "{\n  \"device\": \"" << at::cuda::getCurrentDeviceProperties()->name
        << "\",\n  \"parameters\": " << params << ",\n  \"tensors\": " << fused_masters.size()
        << ",\n  \"fused_ms\": " << ms[0] << ",\n  \"torch_ms\": " << ms[1]
-       << ",\n  \"copy_gb_per_s\": " << copy_gbs << ",\n  \"one_pass_ms\": " << floor_ms
-       << "\n}\n";
+       << ",\n  \"copy_gb_per_s\": " << copy_gbs << ",\n  \"one_pass_ms\": " << floor_ms << "\n}\n";
   std::cout << "wrote " << args.json_path << "\n";
   return 0;
 }

@@ -13,8 +13,9 @@ namespace torchmoe {
 
 /// A c10d process group (Gloo for CPU tensors, NCCL for CUDA tensors; e.g. from
 /// torchmoe::distributed::init_process_group) and the timeout of every collective torchmoe runs
-/// on it: each c10d Work is waited for at most `timeout`, so a peer that failed or never joins
-/// surfaces as an error on the others instead of a hang.
+/// on it, so that a peer that failed or never joins surfaces as an error on the others instead of
+/// a hang: Gloo work is waited for on the host for at most `timeout`; NCCL work is waited for by
+/// the current stream (the host goes on), with `timeout` enforced by NCCL's watchdog.
 ///
 /// Example:
 /// ```

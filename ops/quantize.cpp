@@ -192,7 +192,10 @@ SplitQuantized quantize_weights(const GroupedTensors& weights, const SplitQuanti
   TORCH_CHECK_NOT_IMPLEMENTED(first.is_cuda(), kWeightsOp, ": no backend for ", first.device(),
                               " tensors (CUDA only)");
   const c10::cuda::CUDAGuard guard(first.device());
-  const SplitSizes sizes = SplitSizes(std::vector<int64_t>(static_cast<size_t>(groups), n));
+  // The device sizes filled on the device (no host-to-device copy of the host ones: this op runs
+  // on every FP8 forward, and a copy from pageable memory cannot be captured in a CUDA graph).
+  const SplitSizes sizes(std::vector<int64_t>(static_cast<size_t>(groups), n),
+                         at::full({groups}, n, first.options().dtype(at::kLong)));
   return launch(first, groups * n, k, sizes, o, scale, amax, nullptr, detail::group_address(w));
 }
 
