@@ -127,6 +127,11 @@ std::vector<Flag> flag_table(Flags& f) {
        "run; scripts/trace_summary.py sums its GPU time by part",
        text(f.trace)},
       {"--trace-steps", "N", "steps --trace records (default 5)", integer(f.trace_steps, 1)},
+      {"--fp8", "RECIPE",
+       "train the experts' GEMMs in FP8 with TransformerEngine's recipe delayed (amax history "
+       "1024), current or block scaling (CUDA; docs/fp8.md); the rest of the model stays in "
+       "--dtype",
+       text(f.fp8)},
       {"--ep", "N",
        "expert parallelism over the N processes torchrun launches (WORLD_SIZE = N): each holds "
        "--experts / N experts of every MoE layer and trains on --batch / N sequences of every "
@@ -207,6 +212,16 @@ std::optional<Flags> parse_flags(int argc, char** argv) {
   if (f.save_every && f.save.empty()) throw std::invalid_argument("--save-every needs --save PATH");
   if (f.cuda_graph && f.device == "cpu")
     throw std::invalid_argument("--cuda-graph needs --device cuda (or auto with a GPU)");
+  if (!f.fp8.empty() && f.fp8 != "delayed" && f.fp8 != "current" && f.fp8 != "block")
+    throw std::invalid_argument("--fp8 must be delayed, current or block, got '" + f.fp8 + "'");
+  if (!f.fp8.empty() && f.device == "cpu")
+    throw std::invalid_argument(
+        "--fp8 needs --device cuda (or auto with a GPU): FP8 GEMMs are CUDA only");
+  if (!f.fp8.empty() && f.cuda_graph)
+    throw std::invalid_argument(
+        "--fp8 does not work with --cuda-graph yet: the FP8 products' engine (per-group cuBLASLt "
+        "with "
+        "the torch wheel's cuBLAS) copies the MoE layers' split sizes to the host");
   if (!f.merge_checkpoint.empty() && (!f.ep || f.save.empty()))
     throw std::invalid_argument(
         "--merge-checkpoint needs --ep N (the run's number of ranks) and --save OUT");

@@ -40,7 +40,8 @@ struct Flags {
   bool cuda_graph = false;
   std::string trace;
   int64_t trace_steps = 5;
-  int64_t ep = 0;  // expert-parallel ranks; 0: one process
+  int64_t ep = 0;   // expert-parallel ranks; 0: one process
+  std::string fp8;  // "", delayed, current or block: the experts' FP8 recipe
   std::string merge_checkpoint;
 
   // The processes a training run spans: --ep, or 1.

@@ -398,7 +398,10 @@ int run(const Flags& flags_in) {
                       : "a single-process checkpoint"));
   }
   torch::manual_seed(f.seed);
-  MoETransformer model(f.model, torch::TensorOptions(dtype).device(device), group);
+  // --fp8 delayed: the experts keep amax histories of the recipe's length (TE's default 1024).
+  const int64_t fp8_history =
+      f.fp8 == "delayed" ? torchmoe::fp8::DelayedScaling().amax_history_len() : 0;
+  MoETransformer model(f.model, torch::TensorOptions(dtype).device(device), group, fp8_history);
   Trainer trainer(model, f);
   if (checkpoint) trainer.load(*checkpoint);
   if (f.generate) {
@@ -475,6 +478,7 @@ int run(const Flags& flags_in) {
       aux_sum = micro == 0 ? r.aux_loss.clone() : aux_sum + r.aux_loss;
       if (micro == 0) loads = torch::stack(r.tokens_per_expert);  // [layers, E]
     }
+    runner.finish_step();
     const double grad_norm = trainer.step(lr);
     if (f.expert_bias) {
       for (auto& moe : model->moe_layers()) moe->router->update_expert_bias();

@@ -114,8 +114,11 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x) {
 
 MoETransformerImpl::MoETransformerImpl(
     ModelConfig config_, torch::TensorOptions options_,
-    std::optional<torchmoe::ProcessGroupOptions> expert_parallel_)
-    : config(std::move(config_)), options(options_), expert_parallel(std::move(expert_parallel_)) {
+    std::optional<torchmoe::ProcessGroupOptions> expert_parallel_, int64_t fp8_amax_history_len_)
+    : config(std::move(config_)),
+      options(options_),
+      expert_parallel(std::move(expert_parallel_)),
+      fp8_amax_history_len(fp8_amax_history_len_) {
   reset();
 }
 
@@ -148,6 +151,7 @@ void MoETransformerImpl::reset() {
     moe.params_dtype(dtype).device(device);
     moe.router().aux_loss_coeff(c.aux_loss_coeff).z_loss_coeff(c.z_loss_coeff);
     moe.experts().linear().fuse_wgrad_accumulation(true).single_grouped_weight(true);
+    moe.experts().linear().fp8_amax_history_len(fp8_amax_history_len);
     // The experts are initialised below, from the layer's own seeds: the default would draw
     // E/ep experts from the stream the other parameters come from, which would then differ
     // between the single-process model and its shards.

@@ -75,8 +75,10 @@ class MoETransformerImpl : public torch::nn::Cloneable<MoETransformerImpl> {
   /// expert_parallel: the MoE layers' experts sharded over this group (config.experts divisible
   /// by its size). A rank's experts start as the same experts of the single-process model made
   /// with the same seed.
+  /// fp8_amax_history_len: the experts' delayed-scaling state (GroupedLinearOptions'), 0 for none.
   MoETransformerImpl(ModelConfig config, torch::TensorOptions options,
-                     std::optional<torchmoe::ProcessGroupOptions> expert_parallel = std::nullopt);
+                     std::optional<torchmoe::ProcessGroupOptions> expert_parallel = std::nullopt,
+                     int64_t fp8_amax_history_len = 0);
   void reset() override;
 
   /// tokens [B, S] int64 with S <= config.seq. is_first_microbatch: true makes the experts'
@@ -90,6 +92,7 @@ class MoETransformerImpl : public torch::nn::Cloneable<MoETransformerImpl> {
   ModelConfig config;
   torch::TensorOptions options;
   std::optional<torchmoe::ProcessGroupOptions> expert_parallel;
+  int64_t fp8_amax_history_len = 0;
   torch::nn::Embedding token_embedding{nullptr}, position_embedding{nullptr};
   torch::nn::ModuleList attention_norms{nullptr}, attentions{nullptr}, moe_norms{nullptr},
       moes{nullptr};

@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <variant>
 
 namespace moe_lm {
 
@@ -22,8 +23,18 @@ std::string error_message(const std::exception& e) {
   return e.what();
 }
 
+namespace fp8 = torchmoe::fp8;
+
+// --fp8's recipe: TransformerEngine's defaults (delayed: amax history 1024, the max over it).
+std::optional<fp8::Recipe> fp8_recipe(const std::string& name) {
+  if (name == "delayed") return fp8::Recipe(fp8::DelayedScaling());
+  if (name == "current") return fp8::Recipe(fp8::CurrentScaling());
+  if (name == "block") return fp8::Recipe(fp8::BlockScaling());
+  return std::nullopt;
+}
+
 MicroBatchRunner::MicroBatchRunner(MoETransformer& model, Trainer& trainer, const Flags& f)
-    : model_(model), trainer_(trainer), flags_(f) {
+    : model_(model), trainer_(trainer), flags_(f), fp8_(fp8_recipe(f.fp8)) {
   // Capture needs a stream of its own: the legacy default stream cannot be captured.
   if (flags_.cuda_graph && c10::cuda::getCurrentCUDAStream() == c10::cuda::getDefaultCUDAStream())
     throw std::logic_error("--cuda-graph: the training loop must run on a side stream");
@@ -31,7 +42,13 @@ MicroBatchRunner::MicroBatchRunner(MoETransformer& model, Trainer& trainer, cons
 
 MicroBatchResult MicroBatchRunner::forward_backward(const torch::Tensor& input,
                                                     const torch::Tensor& target, bool first) {
-  const ModelOutput out = model_(input, first);
+  ModelOutput out;
+  {
+    // The experts run their GEMMs in FP8 inside the guard; backward follows the recipe each layer
+    // captured at forward.
+    const fp8::Autocast guard(fp8_.value_or(fp8::Recipe(fp8::CurrentScaling())), fp8_.has_value());
+    out = model_(input, first);
+  }
   const torch::Tensor loss = lm_loss(out, target);
   // With --ep each rank backpropagates its share of the global batch's loss: its part's mean LM
   // loss / N (the batch's mean is the mean of N equal parts' means), and its router losses, which
@@ -77,6 +94,14 @@ MicroBatchResult MicroBatchRunner::run(const Batch& batch, int64_t step, int64_t
   // Capturing recorded the work without running it; every micro-batch from here is a replay.
   graphs_[index]->replay();
   return graph_results_[index];
+}
+
+void MicroBatchRunner::finish_step() {
+  if (!fp8_) return;
+  if (const auto* delayed = std::get_if<fp8::DelayedScaling>(&*fp8_)) {
+    fp8::update_delayed_scaling(*model_, *delayed, fp8::Pass::kForward);
+    fp8::update_delayed_scaling(*model_, *delayed, fp8::Pass::kBackward);
+  }
 }
 
 }  // namespace moe_lm

@@ -1,6 +1,7 @@
 #pragma once
-// One micro-batch of training: forward, loss, backward, and the gradients' move into the
-// trainer's fp32 sums, run eagerly or replayed from a CUDA graph (--cuda-graph).
+// One micro-batch of training: forward (in FP8 for the experts with --fp8), loss, backward, and
+// the gradients' move into the trainer's fp32 sums, run eagerly or replayed from a CUDA graph
+// (--cuda-graph).
 //
 // With --cuda-graph the first kEagerSteps steps run eagerly (they warm up the allocator, cuBLAS
 // and the GEMMs' tensor-map tables on the stream that will be captured); then the micro-batch is
@@ -19,8 +20,11 @@
 #include <cstdint>
 #include <exception>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
+
+#include <torchmoe/fp8/autocast.h>
 
 #include "data.h"
 #include "flags.h"
@@ -53,6 +57,10 @@ class MicroBatchRunner {
   // at step kEagerSteps).
   MicroBatchResult run(const Batch& batch, int64_t step, int64_t micro);
 
+  // After a step's micro-batches: with --fp8 delayed, the delayed-scaling update of every expert
+  // layer (input and weight amaxes, then grad_output's), once per step.
+  void finish_step();
+
  private:
   MicroBatchResult forward_backward(const torch::Tensor& input, const torch::Tensor& target,
                                     bool first);
@@ -60,6 +68,7 @@ class MicroBatchRunner {
   MoETransformer& model_;
   Trainer& trainer_;
   const Flags& flags_;
+  std::optional<torchmoe::fp8::Recipe> fp8_;  // --fp8's recipe, or none
   // [0]: the first micro-batch of a step, [1]: the others.
   std::array<std::unique_ptr<at::cuda::CUDAGraph>, 2> graphs_;
   std::array<MicroBatchResult, 2> graph_results_;
