@@ -28,7 +28,6 @@ at::ScalarType fp8_dtype(Fp8Format format) {
   return format == Fp8Format::kE4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
 }
 
-const char* format_name(Fp8Format format) { return format == Fp8Format::kE4M3 ? "e4m3" : "e5m2"; }
 
 void check_plan(const char* op, const GemmPlan& plan) {
   const bool per_group = plan.backend == Backend::kCublasLt && plan.m_splits.has_host();
