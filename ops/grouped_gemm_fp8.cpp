@@ -24,11 +24,6 @@ constexpr const char* kForwardOp = "torchmoe::ops::grouped_linear_forward_fp8";
 constexpr const char* kDgradOp = "torchmoe::ops::grouped_linear_dgrad_fp8";
 constexpr const char* kWgradOp = "torchmoe::ops::grouped_linear_wgrad_fp8";
 
-at::ScalarType fp8_dtype(Fp8Format format) {
-  return format == Fp8Format::kE4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
-}
-
-
 void check_plan(const char* op, const GemmPlan& plan) {
   const bool per_group = plan.backend == Backend::kCublasLt && plan.m_splits.has_host();
   const bool grouped = plan.backend == Backend::kCublasLtGrouped && plan.m_splits.has_device();

@@ -1,5 +1,5 @@
 #pragma once
-// ATen dtype -> kernel-layer element type, for the ops that launch torchmoe's kernels.
+// ATen dtype <-> kernel-layer element types, for the ops that launch torchmoe's kernels.
 
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
@@ -20,6 +20,11 @@ inline kernels::ScalarType kernel_type(c10::ScalarType type) {
     default:
       TORCH_INTERNAL_ASSERT(false, "kernel_type: dtype ", type, " has no kernel element type");
   }
+}
+
+// The ATen dtype of an FP8 format's tensors.
+inline c10::ScalarType fp8_dtype(kernels::Fp8Format format) {
+  return format == kernels::Fp8Format::kE4M3 ? c10::kFloat8_e4m3fn : c10::kFloat8_e5m2;
 }
 
 }  // namespace torchmoe::ops

@@ -18,10 +18,6 @@ constexpr const char* kSplitOp = "torchmoe::split_quantize";
 constexpr const char* kUpdateOp = "torchmoe::update_delayed_scaling";
 constexpr const char* kWeightsOp = "torchmoe::quantize_weights";
 
-at::ScalarType fp8_dtype(Fp8Format format) {
-  return format == Fp8Format::kE4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
-}
-
 // A [G] float32 vector on `device`.
 void check_group_vector(const char* op, const char* name, const at::Tensor& t, int64_t groups,
                         const at::Device& device) {
