@@ -364,6 +364,51 @@ void set_average(cublasLtMatmulPreference_t pref, cublasLtMatmulPreferenceAttrib
   TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &value, sizeof(value)));
 }
 
+// What the heuristic is told of a call besides its descriptor and layouts.
+struct CallShape {
+  GemmKind kind;
+  ScalarType output_type;
+  int64_t n, k, rows;
+  int groups;
+};
+
+// The algorithm for a descriptor (16-bit or FP8) and layouts: plan.found says whether there is
+// one.
+void choose_algorithm(Plan& plan, Layouts& layouts, const CallShape& c, size_t workspace_bytes,
+                      cublasLtHandle_t handle) {
+  cublasLtMatmulPreference_t pref = nullptr;
+  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const std::unique_ptr<std::remove_pointer_t<cublasLtMatmulPreference_t>,
+                        cublasStatus_t (*)(cublasLtMatmulPreference_t)>
+      pref_owner(pref, cublasLtMatmulPreferenceDestroy);
+  const uint64_t workspace = workspace_bytes;
+  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof(workspace)));
+  // As in the per-group backend: split-K partial sums only in fp32 for 16-bit outputs.
+  const uint32_t reductions = c.output_type == ScalarType::kFloat32
+                                  ? uint32_t{CUBLASLT_REDUCTION_SCHEME_MASK}
+                                  : uint32_t{CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE};
+  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reductions, sizeof(reductions)));
+  // The averages steer the heuristic; the split sizes stay on the device, so the mean group is
+  // rows / G.
+  const int64_t mean_rows = std::max<int64_t>(1, c.rows / c.groups);
+  const bool wgrad = c.kind == GemmKind::kWgrad;
+  set_average(pref, kPrefAverageRowsD, c.kind == GemmKind::kFprop ? c.n : c.k);
+  set_average(pref, kPrefAverageColsD, wgrad ? c.n : mean_rows);
+  set_average(pref, kPrefAverageReduction,
+              wgrad ? mean_rows : (c.kind == GemmKind::kFprop ? c.k : c.n));
+
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t status =
+      cublasLtMatmulAlgoGetHeuristic(handle, plan.desc, layouts.a.get(), layouts.b.get(),
+                                     layouts.c.get(), layouts.d.get(), pref, 1, &result, &found);
+  if (status != CUBLAS_STATUS_NOT_SUPPORTED) TORCHMOE_CUBLASLT_CHECK(status);
+  plan.found = status == CUBLAS_STATUS_SUCCESS && found > 0;
+  plan.algo = result.algo;
+}
+
 std::unique_ptr<Plan> make_plan(const CublasLtGroupedParams& p, Layouts& layouts,
                                 size_t workspace_bytes, cublasLtHandle_t handle) {
   auto plan = std::make_unique<Plan>();
@@ -381,38 +426,23 @@ std::unique_ptr<Plan> make_plan(const CublasLtGroupedParams& p, Layouts& layouts
   TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(
       plan->desc, CUBLASLT_MATMUL_DESC_POINTER_MODE, &pointer_mode, sizeof(pointer_mode)));
 
-  cublasLtMatmulPreference_t pref = nullptr;
-  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  const std::unique_ptr<std::remove_pointer_t<cublasLtMatmulPreference_t>,
-                        cublasStatus_t (*)(cublasLtMatmulPreference_t)>
-      pref_owner(pref, cublasLtMatmulPreferenceDestroy);
-  const uint64_t workspace = workspace_bytes;
-  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof(workspace)));
-  // As in the per-group backend: split-K partial sums only in fp32 for 16-bit outputs.
-  const uint32_t reductions = p.output_type == ScalarType::kFloat32
-                                  ? uint32_t{CUBLASLT_REDUCTION_SCHEME_MASK}
-                                  : uint32_t{CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE};
-  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reductions, sizeof(reductions)));
-  // The averages steer the heuristic; the split sizes stay on the device, so the mean group is
-  // rows / G.
-  const int64_t mean_rows = std::max<int64_t>(1, p.rows / p.num_groups);
-  const bool wgrad = p.kind == GemmKind::kWgrad;
-  set_average(pref, kPrefAverageRowsD, p.kind == GemmKind::kFprop ? p.n : p.k);
-  set_average(pref, kPrefAverageColsD, wgrad ? p.n : mean_rows);
-  set_average(pref, kPrefAverageReduction,
-              wgrad ? mean_rows : (p.kind == GemmKind::kFprop ? p.k : p.n));
-
-  cublasLtMatmulHeuristicResult_t result{};
-  int found = 0;
-  const cublasStatus_t status =
-      cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, layouts.a.get(), layouts.b.get(),
-                                     layouts.c.get(), layouts.d.get(), pref, 1, &result, &found);
-  if (status != CUBLAS_STATUS_NOT_SUPPORTED) TORCHMOE_CUBLASLT_CHECK(status);
-  plan->found = status == CUBLAS_STATUS_SUCCESS && found > 0;
-  plan->algo = result.algo;
+  choose_algorithm(*plan, layouts, {p.kind, p.output_type, p.n, p.k, p.rows, p.num_groups},
+                   workspace_bytes, handle);
   return plan;
+}
+
+// The plan for `key`, made by `make` on a miss. Per host thread, so no locking; bounded because
+// MoE row counts may change every step. The 16-bit and FP8 keys share it (their kinds differ in
+// sign). A call uses the returned plan before it looks up another, so a clear cannot free it.
+template <typename Make>
+const Plan& cached_plan(const PlanKey& key, Make&& make) {
+  thread_local std::unordered_map<PlanKey, std::unique_ptr<Plan>, PlanKeyHash> cache;
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    if (cache.size() >= 4096) cache.clear();
+    it = cache.emplace(key, make()).first;
+  }
+  return *it->second;
 }
 
 const Plan& find_plan(const CublasLtGroupedParams& p, Layouts& layouts, size_t workspace_bytes,
@@ -430,14 +460,7 @@ const Plan& find_plan(const CublasLtGroupedParams& p, Layouts& layouts, size_t w
                     static_cast<int64_t>(workspace_bytes),
                     device,
                     reinterpret_cast<int64_t>(handle)};
-  // Per host thread, so no locking; bounded because MoE row counts may change every step.
-  thread_local std::unordered_map<PlanKey, std::unique_ptr<Plan>, PlanKeyHash> cache;
-  auto it = cache.find(key);
-  if (it == cache.end()) {
-    if (cache.size() >= 4096) cache.clear();
-    it = cache.emplace(key, make_plan(p, layouts, workspace_bytes, handle)).first;
-  }
-  return *it->second;
+  return cached_plan(key, [&] { return make_plan(p, layouts, workspace_bytes, handle); });
 }
 
 const char* kind_name(GemmKind kind) {
@@ -486,34 +509,8 @@ std::unique_ptr<Plan> make_fp8_plan(const CublasLtGroupedFp8Params& p, Layouts& 
   set_desc(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, arrays.b_scale);
   set_desc(plan->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t{p.fast_accumulation});
 
-  cublasLtMatmulPreference_t pref = nullptr;
-  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  const std::unique_ptr<std::remove_pointer_t<cublasLtMatmulPreference_t>,
-                        cublasStatus_t (*)(cublasLtMatmulPreference_t)>
-      pref_owner(pref, cublasLtMatmulPreferenceDestroy);
-  const uint64_t workspace = workspace_bytes;
-  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof(workspace)));
-  const uint32_t reductions = p.output_type == ScalarType::kFloat32
-                                  ? uint32_t{CUBLASLT_REDUCTION_SCHEME_MASK}
-                                  : uint32_t{CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE};
-  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reductions, sizeof(reductions)));
-  const int64_t mean_rows = std::max<int64_t>(1, p.rows / p.num_groups);
-  const bool wgrad = p.kind == GemmKind::kWgrad;
-  set_average(pref, kPrefAverageRowsD, p.kind == GemmKind::kFprop ? p.n : p.k);
-  set_average(pref, kPrefAverageColsD, wgrad ? p.n : mean_rows);
-  set_average(pref, kPrefAverageReduction,
-              wgrad ? mean_rows : (p.kind == GemmKind::kFprop ? p.k : p.n));
-
-  cublasLtMatmulHeuristicResult_t result{};
-  int found = 0;
-  const cublasStatus_t status =
-      cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, layouts.a.get(), layouts.b.get(),
-                                     layouts.c.get(), layouts.d.get(), pref, 1, &result, &found);
-  if (status != CUBLAS_STATUS_NOT_SUPPORTED) TORCHMOE_CUBLASLT_CHECK(status);
-  plan->found = status == CUBLAS_STATUS_SUCCESS && found > 0;
-  plan->algo = result.algo;
+  choose_algorithm(*plan, layouts, {p.kind, p.output_type, p.n, p.k, p.rows, p.num_groups},
+                   workspace_bytes, handle);
   return plan;
 }
 
@@ -522,7 +519,7 @@ const Plan& find_fp8_plan(const CublasLtGroupedFp8Params& p, Layouts& layouts,
                           cublasLtHandle_t handle) {
   int device = 0;
   TORCHMOE_CUDA_CHECK(cudaGetDevice(&device));
-  // Negative kinds keep these keys apart from the 16-bit plans' in a shared key space.
+  // Negative kinds keep these keys apart from the 16-bit plans' (cached_plan).
   const PlanKey key{-1 - static_cast<int64_t>(p.kind),
                     static_cast<int64_t>(p.a_format) * 2 + static_cast<int64_t>(p.b_format),
                     static_cast<int64_t>(p.output_type),
@@ -534,13 +531,8 @@ const Plan& find_fp8_plan(const CublasLtGroupedFp8Params& p, Layouts& layouts,
                     static_cast<int64_t>(workspace_bytes),
                     device,
                     reinterpret_cast<int64_t>(handle)};
-  thread_local std::unordered_map<PlanKey, std::unique_ptr<Plan>, PlanKeyHash> cache;
-  auto it = cache.find(key);
-  if (it == cache.end()) {
-    if (cache.size() >= 4096) cache.clear();
-    it = cache.emplace(key, make_fp8_plan(p, layouts, arrays, workspace_bytes, handle)).first;
-  }
-  return *it->second;
+  return cached_plan(key,
+                     [&] { return make_fp8_plan(p, layouts, arrays, workspace_bytes, handle); });
 }
 
 }  // namespace
