@@ -1,20 +1,24 @@
 // GroupedLinear module throughput in FP8 next to bf16 on a GPU: the whole module (autograd,
 // quantization, GEMMs, the delayed-scaling update where there is one) of an MoE expert fc1 layer
 // (bf16 parameters, no bias, uniform splits, input requiring grad), forward + backward and
-// forward alone, per shape, in five columns measured in one run taking turns (bench_common.h):
+// forward alone, per shape, in eight columns measured in one run taking turns (bench_common.h):
 //
 //   bf16          gemm_backend kAuto (torchmoe's default: the sm90 kernel on H100/H200)
-//   bf16_cublaslt gemm_backend kCublasLt (per-group cuBLASLt: the FP8 path's GEMM engine)
+//   bf16_cublaslt gemm_backend kCublasLt (per-group cuBLASLt)
 //   fp8_delayed   fp8::DelayedScaling (history 16) with fp8::update_delayed_scaling after each
-//                 forward (kForward) and backward (kBackward), as a training loop runs it
-//   fp8_current   fp8::CurrentScaling
-//   fp8_block     fp8::BlockScaling (1x128 input and grad, 128x128 weight)
+//                 forward (kForward) and backward (kBackward), as a training loop runs it; kAuto
+//                 (the sm90 kernel's FP8 path on H100/H200)
+//   fp8_current   fp8::CurrentScaling, kAuto
+//   fp8_block     fp8::BlockScaling (1x128 input and grad, 128x128 weight), kAuto (block scales
+//                 run as per-group cuBLASLt FP8 matmuls on every backend)
 //   fp8_cached    fp8_delayed with is_first_microbatch = false: the FP8 weights cached by an
 //                 earlier call (the later micro-batches of a step with gradient accumulation)
+//   fp8_cublaslt  fp8_delayed on gemm_backend kCublasLt (per-group cuBLASLt FP8 matmuls)
 //   fp8_grouped   fp8_delayed on gemm_backend kCublasLtGrouped (one grouped FP8 matmul per
 //                 product; only when the process loaded cuBLASLt >= 13.8, else not measured)
 //
 //   bench_grouped_linear_fp8 [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
+//   (TORCHMOE_BENCH_TRACE=PREFIX: also a Kineto trace of 5 fp8_delayed steps per shape)
 //
 // Shapes (E, hidden, ffn, topk, tokens) from bench_common.h; fc1: N = 2·ffn, K = hidden,
 // M = tokens·topk rows in E splits of M/E (the last takes the remainder), given on the host and
@@ -50,11 +54,12 @@ constexpr double kSpecBf16Dense = 989.0;  // H100 SXM, TFLOP/s, dense
 constexpr double kSpecFp8Dense = 1979.0;
 constexpr int64_t kHistory = 16;
 
-const char* const kColumns[] = {"bf16",      "bf16_cublaslt", "fp8_delayed", "fp8_current",
-                                "fp8_block", "fp8_cached",    "fp8_grouped"};
-constexpr size_t kNumColumns = 7;
+const char* const kColumns[] = {"bf16",      "bf16_cublaslt", "fp8_delayed",  "fp8_current",
+                                "fp8_block", "fp8_cached",    "fp8_cublaslt", "fp8_grouped"};
+constexpr size_t kNumColumns = 8;
 constexpr size_t kCachedColumn = 5;
-constexpr size_t kGroupedColumn = 6;
+constexpr size_t kPerGroupColumn = 6;
+constexpr size_t kGroupedColumn = 7;  // last: not measured without a grouped matmul
 
 struct Record {
   std::string shape, pass;
@@ -78,7 +83,7 @@ int main(int argc, char** argv) {
   for (const char* column : kColumns) std::cout << std::setw(15) << column;
   std::cout << std::setw(10) << "dly/bf16" << std::setw(10) << "cur/bf16" << std::setw(10)
             << "blk/bf16" << std::setw(10) << "cch/bf16" << std::setw(10) << "grp/bf16"
-            << std::setw(10) << "cur/lt"
+            << std::setw(10) << "dly/lt8"
             << "\n";
 
   const fp8::DelayedScaling delayed = fp8::DelayedScaling().amax_history_len(kHistory);
@@ -87,6 +92,7 @@ int main(int argc, char** argv) {
                                                            fp8::Recipe(delayed),
                                                            fp8::Recipe(fp8::CurrentScaling()),
                                                            fp8::Recipe(fp8::BlockScaling()),
+                                                           fp8::Recipe(delayed),
                                                            fp8::Recipe(delayed),
                                                            fp8::Recipe(delayed)};
   const bool grouped_loaded = torchmoe::loaded_cublaslt().grouped;
@@ -102,12 +108,13 @@ int main(int argc, char** argv) {
                              .bias(false)
                              .params_dtype(torch::kBFloat16)
                              .device(torch::kCUDA);
-    // One layer for kAuto, the FP8 columns (FP8 plans per-group cuBLASLt under kAuto) and its
-    // delayed-scaling state; one with the same weights forced to per-group cuBLASLt.
+    // One layer for kAuto and its delayed-scaling state; ones with the same weights forced to
+    // per-group cuBLASLt and to the grouped matmul.
     torchmoe::GroupedLinear layer(
         torchmoe::GroupedLinearOptions(options).fp8_amax_history_len(kHistory));
     torchmoe::GroupedLinear lt_layer(
-        torchmoe::GroupedLinearOptions(options).gemm_backend(torchmoe::GemmBackend::kCublasLt));
+        torchmoe::GroupedLinearOptions(options).fp8_amax_history_len(kHistory).gemm_backend(
+            torchmoe::GemmBackend::kCublasLt));
     torchmoe::GroupedLinear grouped_layer(
         torchmoe::GroupedLinearOptions(options).fp8_amax_history_len(kHistory).gemm_backend(
             torchmoe::GemmBackend::kCublasLtGrouped));
@@ -124,9 +131,9 @@ int main(int argc, char** argv) {
 
     // One training step of one column: forward (under its recipe), backward, the delayed update.
     auto step = [&](size_t column, bool backward) {
-      torchmoe::GroupedLinear& l = column == 1                ? lt_layer
-                                   : column == kGroupedColumn ? grouped_layer
-                                                              : layer;
+      torchmoe::GroupedLinear& l = column == 1 || column == kPerGroupColumn ? lt_layer
+                                   : column == kGroupedColumn               ? grouped_layer
+                                                                            : layer;
       l->zero_grad();  // set to none: nothing accumulates
       x.mutable_grad() = torch::Tensor();
       torch::Tensor y;
@@ -137,7 +144,7 @@ int main(int argc, char** argv) {
               column == kCachedColumn ? std::optional<bool>(false) : std::optional<bool>());
       }
       if (backward) y.backward(dy);
-      if (column == 2 || column == kCachedColumn || column == kGroupedColumn) {
+      if (column == 2 || column >= kCachedColumn) {
         fp8::update_delayed_scaling(*l, delayed, fp8::Pass::kForward);
         if (backward) fp8::update_delayed_scaling(*l, delayed, fp8::Pass::kBackward);
       }
@@ -148,6 +155,7 @@ int main(int argc, char** argv) {
     // leaves ~0.04 relative error; a wrong scale is off by orders of magnitude). The delayed one
     // after a calibration step (its first step casts with scale 1).
     step(2, true);
+    step(kPerGroupColumn, true);
     if (grouped_loaded) step(kGroupedColumn, true);
     {
       // fp8_cached's weights: the first micro-batch's call quantizes and keeps them.
@@ -165,6 +173,9 @@ int main(int argc, char** argv) {
         return 1;
       }
     }
+
+    // TORCHMOE_BENCH_TRACE: a Kineto trace of fp8_delayed's training steps (the kernels' times).
+    torchmoe::bench::trace_if_asked(shape.name, [&] { step(2, true); });
 
     const double gemm_flops = 2.0 * static_cast<double>(m) * n * k;
     for (const bool backward : {false, true}) {
@@ -184,7 +195,7 @@ int main(int argc, char** argv) {
       for (double v : t) std::cout << std::setw(15) << v;
       std::cout << std::setprecision(3) << std::setw(10) << t[2] / t[0] << std::setw(10)
                 << t[3] / t[0] << std::setw(10) << t[4] / t[0] << std::setw(10) << t[5] / t[0]
-                << std::setw(10) << t[6] / t[0] << std::setw(10) << t[3] / t[1] << "\n";
+                << std::setw(10) << t[7] / t[0] << std::setw(10) << t[2] / t[6] << "\n";
       records.push_back(std::move(r));
     }
   }
@@ -213,7 +224,7 @@ int main(int argc, char** argv) {
          << ", \"fp8_current_over_bf16\": " << r.tflops[3] / r.tflops[0]
          << ", \"fp8_block_over_bf16\": " << r.tflops[4] / r.tflops[0]
          << ", \"fp8_cached_over_bf16\": " << r.tflops[5] / r.tflops[0]
-         << ", \"fp8_current_over_bf16_cublaslt\": " << r.tflops[3] / r.tflops[1] << "}"
+         << ", \"fp8_delayed_over_fp8_cublaslt\": " << r.tflops[2] / r.tflops[6] << "}"
          << (i + 1 < records.size() ? "," : "") << "\n";
   }
   json << "  ]\n}\n";

@@ -19,13 +19,17 @@
 #include "torchmoe/kernels/device_types.cuh"
 #include "torchmoe/kernels/grouped_gemm_sm90_kernel.cuh"
 #include "torchmoe/kernels/grouped_gemm_sm90_layout.cuh"
+#include "torchmoe/kernels/split_quantize.h"
 
 namespace torchmoe::kernels {
 namespace {
 
 // The device side's names that the launcher uses.
+using sm90::E4M3;
+using sm90::E5M2;
 using sm90::grouped_gemm_sm90_kernel;
-using sm90::kBlockK;
+using sm90::kBlockKBytes;
+using sm90::kBlockKOf;
 using sm90::kBlockM;
 using sm90::kBlockN;
 using sm90::kEpilogueRowBytes;
@@ -65,17 +69,26 @@ void bind_current_context() {
   TORCHMOE_CUDA_CHECK(cudaSetDevice(device));
 }
 
-CUtensorMapDataType map_type(ScalarType type) {
+// A tensor map's element type and its size in bytes.
+struct MapType {
+  CUtensorMapDataType type;
+  int64_t bytes;
+};
+
+MapType map_type(ScalarType type) {
   switch (type) {
     case ScalarType::kBFloat16:
-      return CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+      return {CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2};
     case ScalarType::kFloat16:
-      return CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+      return {CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2};
     case ScalarType::kFloat32:
-      return CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+      return {CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4};
   }
   TORCH_INTERNAL_ASSERT(false, "sm90 grouped GEMM: unknown element type");
 }
+
+// FP8 operands are moved as bytes: TMA does not look at the values.
+constexpr MapType kFp8MapType{CU_TENSOR_MAP_DATA_TYPE_UINT8, 1};
 
 // Operand boxes are 128 bytes wide (128-byte swizzle, as wgmma reads them); epilogue boxes are
 // 64 bytes wide (64-byte swizzle, as the consumers write them).
@@ -84,7 +97,9 @@ struct MapBox {
   CUtensorMapSwizzle swizzle;
 };
 
-MapBox operand_box(int rows) { return {64, rows, CU_TENSOR_MAP_SWIZZLE_128B}; }
+MapBox operand_box(MapType type, int rows) {
+  return {kBlockKBytes / static_cast<int>(type.bytes), rows, CU_TENSOR_MAP_SWIZZLE_128B};
+}
 
 MapBox output_box(ScalarType type) {
   return {kEpilogueRowBytes / static_cast<int>(element_size(type)), 64, CU_TENSOR_MAP_SWIZZLE_64B};
@@ -92,9 +107,9 @@ MapBox output_box(ScalarType type) {
 
 // A row-major [groups, rows, inner] tensor (groups = 1 for a matrix) in boxes of
 // {box.inner, box.rows, 1}; out-of-range elements read as zero and are not written.
-CUtensorMap encode_map(ScalarType type, const void* base, int64_t inner, int64_t rows,
-                       int64_t groups, int64_t group_stride, MapBox box) {
-  const auto bytes = static_cast<int64_t>(element_size(type));
+CUtensorMap encode_map(MapType type, const void* base, int64_t inner, int64_t rows, int64_t groups,
+                       int64_t group_stride, MapBox box) {
+  const int64_t bytes = type.bytes;
   TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(base) % 16 == 0 && inner * bytes % 16 == 0 &&
                             group_stride * bytes % 16 == 0,
                         "sm90 grouped GEMM: tensors must be 16-byte aligned");
@@ -108,8 +123,8 @@ CUtensorMap encode_map(ScalarType type, const void* base, int64_t inner, int64_t
                                   static_cast<cuuint32_t>(box.rows), 1};
   const cuuint32_t element_strides[3] = {1, 1, 1};
   const CUresult status =
-      tensor_map_encoder()(&map, map_type(type), 3, const_cast<void*>(base), dims, strides,
-                           box_dims, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, box.swizzle,
+      tensor_map_encoder()(&map, type.type, 3, const_cast<void*>(base), dims, strides, box_dims,
+                           element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, box.swizzle,
                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(status == CUDA_SUCCESS, "sm90 grouped GEMM: cuTensorMapEncodeTiled failed (CUresult ",
               static_cast<int>(status), ") for a [", groups, ", ", rows, ", ", inner, "] tensor");
@@ -118,7 +133,7 @@ CUtensorMap encode_map(ScalarType type, const void* base, int64_t inner, int64_t
 
 // Everything a tensor map is a function of.
 struct MapKey {
-  ScalarType type;
+  CUtensorMapDataType type;
   const void* base;
   int64_t inner, rows, groups, group_stride;
   int box_inner, box_rows;
@@ -147,11 +162,12 @@ struct MapKeyHash {
 // (parameters, and activations in the caching allocator's recycled blocks), so after the first
 // step the launches find their maps here. The table is dropped whole at kMaxCachedMaps entries,
 // which bounds it when addresses keep changing.
-CUtensorMap cached_map(ScalarType type, const void* base, int64_t inner, int64_t rows,
-                       int64_t groups, int64_t group_stride, MapBox box) {
+CUtensorMap cached_map(MapType type, const void* base, int64_t inner, int64_t rows, int64_t groups,
+                       int64_t group_stride, MapBox box) {
   constexpr size_t kMaxCachedMaps = 4096;
   thread_local std::unordered_map<MapKey, CUtensorMap, MapKeyHash> maps;
-  const MapKey key{type, base, inner, rows, groups, group_stride, box.inner, box.rows, box.swizzle};
+  const MapKey key{type.type,    base,      inner,    rows,       groups,
+                   group_stride, box.inner, box.rows, box.swizzle};
   if (const auto it = maps.find(key); it != maps.end()) return it->second;
   const CUtensorMap map = encode_map(type, base, inner, rows, groups, group_stride, box);
   if (maps.size() == kMaxCachedMaps) maps.clear();
@@ -160,14 +176,17 @@ CUtensorMap cached_map(ScalarType type, const void* base, int64_t inner, int64_t
 }
 
 // The weight box: K-major {64 k, 256 n} for fprop, MN-major {64 k, 64 n} for dgrad.
-MapBox weight_box(GemmKind kind) { return operand_box(kind == GemmKind::kFprop ? kBlockN : 64); }
+MapBox weight_box(GemmKind kind, MapType type) {
+  return operand_box(type, kind == GemmKind::kFprop ? kBlockN : 64);
+}
 
 constexpr int kMaxDevices = 64;
 
-template <GemmKind kKind, typename T, typename OutT>
-void launch(const Sm90GemmParams& p, cudaStream_t stream) {
-  auto* kernel = grouped_gemm_sm90_kernel<kKind, T, OutT>;
-  // The shared-memory opt-in is per device.
+// The kernel's dynamic shared memory is above the default limit: the opt-in is per kernel and
+// per device.
+template <GemmKind kKind, typename TA, typename TB, typename OutT>
+auto* configured_kernel() {
+  auto* kernel = grouped_gemm_sm90_kernel<kKind, TA, TB, OutT>;
   static std::once_flag configured[kMaxDevices];
   int device = 0;
   TORCHMOE_CUDA_CHECK(cudaGetDevice(&device));
@@ -176,39 +195,170 @@ void launch(const Sm90GemmParams& p, cudaStream_t stream) {
     TORCHMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              static_cast<int>(Smem<kKind>::kBytes)));
   });
+  return kernel;
+}
+
+template <GemmKind kKind>
+void zero_tile_counter(int* counter, cudaStream_t stream) {
+  if constexpr (kKind == GemmKind::kWgrad) {
+    TORCHMOE_CUDA_CHECK(cudaMemsetAsync(counter, 0, sizeof(int), stream));
+  }
+}
+
+template <GemmKind kKind, typename T, typename OutT>
+void launch(const Sm90GemmParams& p, cudaStream_t stream) {
+  auto* kernel = configured_kernel<kKind, T, T, OutT>();
   KernelArgs args;
   std::memset(&args, 0, sizeof(args));
   args.p = p;
-  const ScalarType in = p.input_type;
+  const MapType in = map_type(p.input_type);
   // Gathered x is copied by the producer warp, through no tensor map.
   const bool gather = p.gather_rows != nullptr;
   if constexpr (kKind == GemmKind::kFprop) {
-    if (!gather) args.a_map = cached_map(in, p.input, p.k, p.rows, 1, 0, operand_box(kBlockM));
-    args.out_map = cached_map(in, p.output, p.n, p.rows, 1, 0, output_box(in));
+    if (!gather) args.a_map = cached_map(in, p.input, p.k, p.rows, 1, 0, operand_box(in, kBlockM));
+    args.out_map = cached_map(in, p.output, p.n, p.rows, 1, 0, output_box(p.input_type));
     args.out_tma = true;
   } else if constexpr (kKind == GemmKind::kDgrad) {
-    args.a_map = cached_map(in, p.grad_output, p.n, p.rows, 1, 0, operand_box(kBlockM));
-    args.out_map = cached_map(in, p.output, p.k, p.rows, 1, 0, output_box(in));
+    args.a_map = cached_map(in, p.grad_output, p.n, p.rows, 1, 0, operand_box(in, kBlockM));
+    args.out_map = cached_map(in, p.output, p.k, p.rows, 1, 0, output_box(p.input_type));
     args.out_tma = true;
   } else {
-    args.a_map = cached_map(in, p.grad_output, p.n, p.rows, 1, 0, operand_box(kBlockK));
-    if (!gather) args.b_map = cached_map(in, p.input, p.k, p.rows, 1, 0, operand_box(kBlockK));
+    const int block_k = kBlockKOf<T>;
+    args.a_map = cached_map(in, p.grad_output, p.n, p.rows, 1, 0, operand_box(in, block_k));
+    if (!gather) {
+      args.b_map = cached_map(in, p.input, p.k, p.rows, 1, 0, operand_box(in, block_k));
+    }
     // Equally spaced gradients are one 3-D map; a pointer table's are stored from registers.
     args.out_tma = p.weight_grad.table == nullptr;
     if (args.out_tma) {
-      args.out_map = cached_map(p.output_type, p.weight_grad.base, p.k, p.n, p.num_groups,
+      args.out_map = cached_map(map_type(p.output_type), p.weight_grad.base, p.k, p.n, p.num_groups,
                                 p.weight_grad.group_stride, output_box(p.output_type));
     }
   }
   if constexpr (kKind != GemmKind::kWgrad) {
     if (p.weight_maps == nullptr) {
       args.b_map = cached_map(in, p.weight.base, p.k, p.n, p.num_groups, p.weight.group_stride,
-                              weight_box(kKind));
+                              weight_box(kKind, in));
     }
   }
-  if constexpr (kKind == GemmKind::kWgrad) {
-    TORCHMOE_CUDA_CHECK(cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream));
+  zero_tile_counter<kKind>(p.tile_counter, stream);
+  kernel<<<sm_count(), kThreads, Smem<kKind>::kBytes, stream>>>(args);
+  TORCHMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+// FP8 wgrad's per-group maps: a warp scans the clamped split sizes as split_quantize places the
+// columnwise blocks (kernels/split_quantize.h) and writes, for group g, the templates with the
+// block's address, width r16(m_g) and row stride (maps 2g: dyᵀ [n, ·], 2g + 1: xᵀ [k, ·]). A map
+// is edited in shared memory (tensormap.replace) and copied out whole; the release fence orders
+// the copies before the GEMM's TMA reads them through the tensormap proxy.
+__global__ void build_wgrad_maps(const __grid_constant__ CUtensorMap a_template,
+                                 const __grid_constant__ CUtensorMap b_template,
+                                 const void* m_splits, bool splits_int32, int num_groups,
+                                 int64_t rows, const uint8_t* a, const uint8_t* b, int64_t n,
+                                 int64_t k, CUtensorMap* maps) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  __shared__ alignas(128) CUtensorMap edit[kWarpSize];
+  const int lane = threadIdx.x;
+  const int per_lane = (num_groups + kWarpSize - 1) / kWarpSize;
+  const int first = min(num_groups, lane * per_lane), last = min(num_groups, first + per_lane);
+  // Exclusive scans of the raw sizes (for the clamping) and of the padded widths.
+  int64_t raw = 0;
+  for (int g = first; g < last; ++g) raw += split_at(m_splits, splits_int32, g);
+  int64_t raw_prefix = raw;
+  for (int offset = 1; offset < kWarpSize; offset *= 2) {
+    const int64_t other = __shfl_up_sync(0xffffffffu, raw_prefix, offset);
+    if (lane >= offset) raw_prefix += other;
   }
+  int64_t start = raw_prefix - raw;
+  int64_t width = 0;
+  for (int g = first; g < last; ++g) {
+    const int64_t split = split_at(m_splits, splits_int32, g);
+    const int64_t begin = min(start, rows);
+    width += round_up_columnwise(min(split, rows - begin));
+    start += split;
+  }
+  int64_t column = width;
+  for (int offset = 1; offset < kWarpSize; offset *= 2) {
+    const int64_t other = __shfl_up_sync(0xffffffffu, column, offset);
+    if (lane >= offset) column += other;
+  }
+  column -= width;
+  start = raw_prefix - raw;
+  const uint64_t edit_address = reinterpret_cast<uint64_t>(&edit[lane]);
+  for (int g = first; g < last; ++g) {
+    const int64_t split = split_at(m_splits, splits_int32, g);
+    const int64_t begin = min(start, rows);
+    const int64_t padded = round_up_columnwise(min(split, rows - begin));
+    start += split;
+    // An empty group's maps are never read; they still get a valid width.
+    const uint32_t dim = static_cast<uint32_t>(max(padded, int64_t{16}));
+    for (int which = 0; which < 2; ++which) {
+      edit[lane] = which == 0 ? a_template : b_template;
+      const uint8_t* base = which == 0 ? a + n * column : b + k * column;
+      asm volatile(
+          "tensormap.replace.tile.global_address.shared::cta.b1024.b64 [%0], %1;\n"
+          "tensormap.replace.tile.global_dim.shared::cta.b1024.b32 [%0], 0, %2;\n"
+          "tensormap.replace.tile.global_stride.shared::cta.b1024.b64 [%0], 0, %3;" ::"l"(
+              edit_address),
+          "l"(reinterpret_cast<uint64_t>(base)), "r"(dim), "l"(static_cast<uint64_t>(dim))
+          : "memory");
+      maps[2 * g + which] = edit[lane];
+    }
+    column += padded;
+  }
+  sm90::tensormap_release();
+#else
+  __trap();
+#endif
+}
+
+template <GemmKind kKind, typename TA, typename TB, typename OutT>
+void launch_fp8(const Sm90Fp8GemmParams& f, cudaStream_t stream) {
+  auto* kernel = configured_kernel<kKind, TA, TB, OutT>();
+  KernelArgs args;
+  std::memset(&args, 0, sizeof(args));
+  Sm90GemmParams& p = args.p;
+  p.kind = kKind;
+  p.output_type = f.output_type;
+  p.num_groups = f.num_groups;
+  p.rows = f.rows;
+  p.n = f.n;
+  p.k = f.k;
+  p.m_splits = f.m_splits;
+  p.splits_int32 = f.splits_int32;
+  p.output = f.output;
+  p.bias = f.bias;
+  p.weight_grad = f.weight_grad;
+  p.accumulate = f.accumulate;
+  p.tile_counter = f.tile_counter;
+  args.a_scale_inv = f.a_scale_inv;
+  args.b_scale_inv = f.b_scale_inv;
+  const MapBox out_box = output_box(f.output_type);
+  if constexpr (kKind == GemmKind::kFprop) {
+    args.a_map = cached_map(kFp8MapType, f.a, f.k, f.rows, 1, 0, operand_box(kFp8MapType, kBlockM));
+    args.b_map = cached_map(kFp8MapType, f.b, f.k, f.n, f.num_groups, f.n * f.k,
+                            weight_box(GemmKind::kFprop, kFp8MapType));
+    args.out_map = cached_map(map_type(f.output_type), f.output, f.n, f.rows, 1, 0, out_box);
+    args.out_tma = true;
+  } else {
+    // Templates: a block of width 16 at the copy's start; build_wgrad_maps sets each group's.
+    const CUtensorMap a_template =
+        cached_map(kFp8MapType, f.a, 16, f.n, 1, 0, operand_box(kFp8MapType, kBlockM));
+    const CUtensorMap b_template =
+        cached_map(kFp8MapType, f.b, 16, f.k, 1, 0, operand_box(kFp8MapType, kBlockN));
+    auto* maps = static_cast<CUtensorMap*>(f.group_maps);
+    build_wgrad_maps<<<1, kWarpSize, 0, stream>>>(
+        a_template, b_template, f.m_splits, f.splits_int32, f.num_groups, f.rows,
+        static_cast<const uint8_t*>(f.a), static_cast<const uint8_t*>(f.b), f.n, f.k, maps);
+    TORCHMOE_CUDA_CHECK(cudaGetLastError());
+    args.group_maps = maps;
+    args.out_tma = f.weight_grad.table == nullptr;
+    if (args.out_tma) {
+      args.out_map = cached_map(map_type(f.output_type), f.weight_grad.base, f.k, f.n, f.num_groups,
+                                f.weight_grad.group_stride, out_box);
+    }
+  }
+  zero_tile_counter<kKind>(f.tile_counter, stream);
   kernel<<<sm_count(), kThreads, Smem<kKind>::kBytes, stream>>>(args);
   TORCHMOE_CUDA_CHECK(cudaGetLastError());
 }
@@ -232,9 +382,8 @@ bool sm90_grouped_gemm_available() {
     if (major != 9 || minor != 0) return;
     cudaFuncAttributes attributes{};
     if (cudaFuncGetAttributes(
-            &attributes,
-            grouped_gemm_sm90_kernel<GemmKind::kFprop, __nv_bfloat16, __nv_bfloat16>) !=
-        cudaSuccess) {
+            &attributes, grouped_gemm_sm90_kernel<GemmKind::kFprop, __nv_bfloat16, __nv_bfloat16,
+                                                  __nv_bfloat16>) != cudaSuccess) {
       (void)cudaGetLastError();  // no sm_90a image in this build (not a sticky error)
       return;
     }
@@ -248,7 +397,8 @@ std::vector<uint8_t> encode_weight_maps(GemmKind kind, ScalarType input_type, in
   TORCH_INTERNAL_ASSERT(kind != GemmKind::kWgrad, "encode_weight_maps: fprop or dgrad only");
   std::vector<uint8_t> bytes(weights.size() * sizeof(CUtensorMap));
   for (size_t g = 0; g < weights.size(); ++g) {
-    const CUtensorMap map = encode_map(input_type, weights[g], k, n, 1, n * k, weight_box(kind));
+    const MapType type = map_type(input_type);
+    const CUtensorMap map = encode_map(type, weights[g], k, n, 1, n * k, weight_box(kind, type));
     std::memcpy(bytes.data() + g * sizeof(CUtensorMap), &map, sizeof(CUtensorMap));
   }
   return bytes;
@@ -278,6 +428,36 @@ void launch_grouped_gemm_sm90(const Sm90GemmParams& p, cudaStream_t stream) {
     }
   };
   bf16 ? with_type(__nv_bfloat16{}) : with_type(__half{});
+}
+
+void launch_grouped_gemm_sm90_fp8(const Sm90Fp8GemmParams& p, cudaStream_t stream) {
+  const bool wgrad = p.kind == GemmKind::kWgrad;
+  TORCH_INTERNAL_ASSERT((p.kind == GemmKind::kFprop || p.kind == GemmKind::kWgrad) &&
+                            p.num_groups > 0 && p.num_groups <= kSm90MaxGroups && p.rows > 0 &&
+                            p.rows <= INT_MAX && p.n % 16 == 0 && p.k % 16 == 0 &&
+                            p.b_format == Fp8Format::kE4M3 &&
+                            (!wgrad || (p.tile_counter != nullptr && p.group_maps != nullptr &&
+                                        reinterpret_cast<uintptr_t>(p.group_maps) % 128 == 0)) &&
+                            (!p.accumulate || p.output_type == ScalarType::kFloat32),
+                        "launch_grouped_gemm_sm90_fp8: unchecked arguments");
+  // The B operand is e4m3 in every recipe (weights, and x in wgrad): two A formats.
+  auto with_output = [&](auto a_tag, auto out_tag) {
+    using TA = decltype(a_tag);
+    using OutT = decltype(out_tag);
+    return wgrad ? launch_fp8<GemmKind::kWgrad, TA, E4M3, OutT>(p, stream)
+                 : launch_fp8<GemmKind::kFprop, TA, E4M3, OutT>(p, stream);
+  };
+  auto with_a = [&](auto a_tag) {
+    switch (p.output_type) {
+      case ScalarType::kBFloat16:
+        return with_output(a_tag, __nv_bfloat16{});
+      case ScalarType::kFloat16:
+        return with_output(a_tag, __half{});
+      case ScalarType::kFloat32:
+        return with_output(a_tag, float{});
+    }
+  };
+  p.a_format == Fp8Format::kE4M3 ? with_a(E4M3{}) : with_a(E5M2{});
 }
 
 }  // namespace torchmoe::kernels

@@ -79,4 +79,49 @@ std::vector<uint8_t> encode_weight_maps(GemmKind kind, ScalarType input_type, in
 
 void launch_grouped_gemm_sm90(const Sm90GemmParams& params, cudaStream_t stream);
 
+// FP8 products on the same kernel (ops/grouped_gemm_fp8.h). wgmma reads FP8 only K-major, so both
+// operands are split_quantize copies (kernels/split_quantize.h) that are contiguous along the
+// reduction, and every group has one scale_inv per operand (per-tensor scalings), applied to its
+// fp32 accumulators before the bias and the store:
+//
+//   kFprop  y[rows of g, n] = sa_g·sb_g · a[rows of g, k] · b_g[n, k]ᵀ (+ bias_g[n])
+//           a: the rowwise copy of x (fprop) or dy (dgrad); b: [G, n, k], the weights' rowwise
+//           copy (fprop) or their columnwise copy (dgrad, as this product with n = in_features
+//           and k = out_features)
+//   kWgrad  dW_g[n, k] = sa_g·sb_g · a_g[n, r16(m_g)] · b_g[k, r16(m_g)]ᵀ (+= dW_g)
+//           a, b: the columnwise copies of dy [rows, n] and x [rows, k]; group g's block starts
+//           at element n·Σ_{h<g} r16(m_h) (resp. k·…), in split_quantize's clamping of the sizes
+//
+// A kWgrad launch first writes two tensor maps per group into `group_maps` on the device (the
+// blocks' sizes are known there only), so device split sizes need no host copy and the call can
+// be captured in a CUDA graph.
+struct Sm90Fp8GemmParams {
+  GemmKind kind = GemmKind::kFprop;  // kFprop or kWgrad
+  Fp8Format a_format = Fp8Format::kE4M3;
+  Fp8Format b_format = Fp8Format::kE4M3;
+  ScalarType output_type = ScalarType::kBFloat16;  // y / dW (and bias): any of the three
+  int num_groups = 0;
+  int64_t rows = 0;                // rows of the quantized tensors (x, dy, y)
+  int64_t n = 0;                   // kFprop: output columns; kWgrad: dW rows
+  int64_t k = 0;                   // kFprop: reduction; kWgrad: dW columns
+  const void* m_splits = nullptr;  // device, num_groups integers
+  bool splits_int32 = false;
+  const void* a = nullptr;
+  const void* b = nullptr;
+  const float* a_scale_inv = nullptr;  // [num_groups]
+  const float* b_scale_inv = nullptr;  // [num_groups]
+  void* output = nullptr;              // kFprop: y [rows, n]
+  GroupAddress bias;                   // kFprop: b_g [n] of output_type (empty: no bias)
+  GroupAddress weight_grad;            // kWgrad: dW_g [n, k]
+  bool accumulate = false;             // kWgrad: dW_g += product (fp32 only)
+  int* tile_counter = nullptr;         // kWgrad: device workspace for one int
+  void* group_maps = nullptr;          // kWgrad: device workspace of kSm90Fp8MapBytes per group
+};
+
+// The FP8 kWgrad workspace per group (two 128-byte tensor maps); its start must be 128-byte
+// aligned.
+inline constexpr size_t kSm90Fp8MapBytes = 256;
+
+void launch_grouped_gemm_sm90_fp8(const Sm90Fp8GemmParams& params, cudaStream_t stream);
+
 }  // namespace torchmoe::kernels

@@ -6,6 +6,12 @@
 // grouped_gemm_sm90_ptx.cuh. Included by grouped_gemm_sm90.cu only, which instantiates and
 // launches the kernel.
 //
+// FP8 (operand types E4M3/E5M2): the same blocks, with 128 FP8 elements per reduction block (the
+// same 128 bytes) and k32 instructions. wgmma reads FP8 K-major only, so wgrad takes the
+// columnwise copies: both operands K-major, loaded as fprop's are, each group through its own
+// pair of tensor maps (its block's width differs). The epilogue multiplies each group's
+// accumulators by its two scale_inv.
+//
 // Epilogue: each consumer writes its 64 × 256 result into its buffer in boxes of 64 rows × 64
 // bytes (64-byte swizzle: the 8 rows a warp writes at once land in distinct banks), then one
 // thread issues a TMA store per box (a TMA add for fp32 accumulation), in rounds of as many
@@ -95,7 +101,7 @@ __device__ __forceinline__ void gather_wgrad_b(const Sm90GemmParams& p, const in
   const bool in_row = byte < row_bytes;
   const uint32_t box = smem_u32(b + (lane / 8) * kBoxBytes) + chunk * 16;
 #pragma unroll
-  for (int q = 0; q < kBlockK / kWarpSize; ++q) {
+  for (int q = 0; q < kBlockKOf<T> / kWarpSize; ++q) {
 #pragma unroll
     for (int jj = 0; jj < kWarpSize; ++jj) {
       const int j = q * kWarpSize + jj;
@@ -107,22 +113,32 @@ __device__ __forceinline__ void gather_wgrad_b(const Sm90GemmParams& p, const in
 }
 
 // The producer warp: lane 0 issues the TMA loads and the tile handoff, all lanes copy gathered
-// rows.
+// rows. FP8 wgrad loads both operands K-major, as fprop does, each group through its own maps.
 template <GemmKind kKind, typename T>
 __device__ void produce(const KernelArgs& args, const GroupTable& t, const TileRing& ring,
                         uint8_t* smem, uint64_t* full, uint64_t* empty) {
+  constexpr bool kGroupMaps = kIsFp8<T> && kKind == GemmKind::kWgrad;
   const Sm90GemmParams& p = args.p;
   const int lane = threadIdx.x % kWarpSize;
-  const bool gather = kKind != GemmKind::kDgrad && p.gather_rows != nullptr;
+  const bool gather = !kIsFp8<T> && kKind != GemmKind::kDgrad && p.gather_rows != nullptr;
   // The bytes TMA delivers per stage: all, or the operand that is not gathered (W, or dy).
   const uint32_t tma_bytes = !gather ? kStageBytes : kKind == GemmKind::kFprop ? kBBytes : kABytes;
   int stage = 0;
   uint32_t phase = 0;
-  claim_tiles<kKind>(p, t, ring, [&](const Tile& tile) {
+  int acquired = -1;  // the group whose maps this thread last acquired
+  claim_tiles<kKind, kBlockKOf<T>>(p, t, ring, [&](const Tile& tile) {
     const CUtensorMap* w_map = p.weight_maps != nullptr
                                    ? static_cast<const CUtensorMap*>(p.weight_maps) + tile.group
                                    : &args.b_map;
     const int w_group = p.weight_maps != nullptr ? 0 : tile.group;
+    const CUtensorMap* group_a = kGroupMaps ? args.group_maps + 2 * tile.group : nullptr;
+    if constexpr (kGroupMaps) {
+      if (lane == 0 && tile.group != acquired) {
+        tensormap_acquire(group_a);
+        tensormap_acquire(group_a + 1);
+        acquired = tile.group;
+      }
+    }
     // fprop: the sources of the tile's rows, read once per tile.
     int tile_rows[4] = {-1, -1, -1, -1};
     if constexpr (kKind == GemmKind::kFprop) {
@@ -135,7 +151,7 @@ __device__ void produce(const KernelArgs& args, const GroupTable& t, const TileR
       }
     }
     for (int kb = 0; kb < tile.k_blocks; ++kb) {
-      const int r = kb * kBlockK;  // reduction offset
+      const int r = kb * kBlockKOf<T>;  // reduction offset
       // wgrad: the sources of this block's reduction rows, read before waiting for the slot so
       // that the wait hides the loads.
       int block_rows[2] = {-1, -1};
@@ -157,6 +173,9 @@ __device__ void produce(const KernelArgs& args, const GroupTable& t, const TileR
         if constexpr (kKind == GemmKind::kFprop) {
           if (!gather) tma_load_3d(a, &args.a_map, &full[stage], r, tile.row0, 0);
           tma_load_3d(b, w_map, &full[stage], r, tile.col0, w_group);
+        } else if constexpr (kGroupMaps) {
+          tma_load_3d(a, group_a, &full[stage], r, tile.row0, 0);
+          tma_load_3d(b, group_a + 1, &full[stage], r, tile.col0, 0);
         } else if constexpr (kKind == GemmKind::kDgrad) {
           tma_load_3d(a, &args.a_map, &full[stage], r, tile.row0, 0);
           for (int h = 0; h < kBlockN / 64; ++h) {
@@ -190,18 +209,19 @@ __device__ void produce(const KernelArgs& args, const GroupTable& t, const TileR
 }
 
 // Where an output tile goes and what is added to it (see Tile).
-template <typename T, typename OutT>
+template <typename OutT>
 struct TileOutput {
   OutT* out;         // row 0, column 0 of the tile's matrix (y / dx, or dW_g)
   int64_t cols;      // the matrix's columns (its row stride)
-  const T* bias;     // fprop: b_g, else null
+  float scale;       // FP8: the group's two scale_inv multiplied; else 1
+  const OutT* bias;  // fprop: b_g, else null
   int map_group;     // the tile's group in out_map's coordinates (its rows: Tile::row0)
   int64_t map_rows;  // out_map's rows: boxes starting past them are not issued
 };
 
 // The bias of output columns col and col + 1 (zeros without a bias or past the last column).
-template <typename T, typename OutT>
-__device__ __forceinline__ float2 bias_pair(const TileOutput<T, OutT>& o, int64_t col) {
+template <typename OutT>
+__device__ __forceinline__ float2 bias_pair(const TileOutput<OutT>& o, int64_t col) {
   if (o.bias == nullptr || col >= o.cols) return make_float2(0.0f, 0.0f);
   return make_float2(to_float(o.bias[col]), to_float(o.bias[col + 1]));
 }
@@ -211,8 +231,8 @@ __device__ __forceinline__ float2 bias_pair(const TileOutput<T, OutT>& o, int64_
 // stores (16 boxes for fp32, 8 for 16-bit outputs, in as many rounds as the buffer needs). A
 // round waits until the previous round's stores have read the buffer; the last round's drain
 // during the next tile's main loop.
-template <int kEpilogueBoxes, typename T, typename OutT>
-__device__ __forceinline__ void store_tile_tma(const KernelArgs& args, const TileOutput<T, OutT>& o,
+template <int kEpilogueBoxes, typename OutT>
+__device__ __forceinline__ void store_tile_tma(const KernelArgs& args, const TileOutput<OutT>& o,
                                                const Tile& tile, const float (&acc)[128],
                                                uint8_t* buffer, int consumer) {
   constexpr int kChunkCols = kEpilogueRowBytes / static_cast<int>(sizeof(OutT));  // 32 or 16
@@ -239,7 +259,8 @@ __device__ __forceinline__ void store_tile_tma(const KernelArgs& args, const Til
           // 64-byte swizzle: 16-byte unit u of row r sits at unit u ^ ((r / 2) % 4).
           const int unit = (byte / 16) ^ ((r / 2) % 4);
           store2(reinterpret_cast<OutT*>(box_base + r * kEpilogueRowBytes + unit * 16 + byte % 16),
-                 acc[4 * j + 2 * half] + bias.x, acc[4 * j + 2 * half + 1] + bias.y);
+                 acc[4 * j + 2 * half] * o.scale + bias.x,
+                 acc[4 * j + 2 * half + 1] * o.scale + bias.y);
         }
       }
     }
@@ -265,9 +286,9 @@ __device__ __forceinline__ void store_tile_tma(const KernelArgs& args, const Til
 
 // Stores this warpgroup's accumulators straight from registers, masking rows past the tile's
 // valid rows (fp32 accumulation: read, add, write).
-template <typename T, typename OutT>
+template <typename OutT>
 __device__ __forceinline__ void store_tile_direct(const Sm90GemmParams& p,
-                                                  const TileOutput<T, OutT>& o, const Tile& tile,
+                                                  const TileOutput<OutT>& o, const Tile& tile,
                                                   const float (&acc)[128], int consumer) {
   // Accumulator layout of m64nN: warp w holds rows 16w..16w+15; lane l holds rows l/4 and
   // l/4 + 8 of those, columns 8j + 2(l%4) + {0, 1} in registers 4j + {0, 1} / {2, 3}.
@@ -283,7 +304,8 @@ __device__ __forceinline__ void store_tile_direct(const Sm90GemmParams& p,
       const int r = row_in_tile + half * 8;
       if (r >= tile.valid_rows) continue;
       OutT* dst = o.out + static_cast<int64_t>(r) * o.cols + col;
-      float v0 = acc[4 * j + 2 * half] + bias.x, v1 = acc[4 * j + 2 * half + 1] + bias.y;
+      float v0 = acc[4 * j + 2 * half] * o.scale + bias.x;
+      float v1 = acc[4 * j + 2 * half + 1] * o.scale + bias.y;
       if constexpr (std::is_same_v<OutT, float>) {
         if (p.accumulate) {
           const float2 old = *reinterpret_cast<const float2*>(dst);
@@ -296,24 +318,26 @@ __device__ __forceinline__ void store_tile_direct(const Sm90GemmParams& p,
   }
 }
 
-template <GemmKind kKind, typename T, typename OutT>
+// TA, TB: the operands' types (one 16-bit type twice, or FP8 formats, both K-major).
+template <GemmKind kKind, typename TA, typename TB, typename OutT>
 __device__ void consume(const KernelArgs& args, const GroupTable& t, const TileRing& ring,
                         uint8_t* smem, uint64_t* full, uint64_t* empty, uint8_t* epilogue,
                         int consumer) {
-  constexpr int kTransA = kKind == GemmKind::kWgrad ? 1 : 0;
-  constexpr int kTransB = kKind == GemmKind::kFprop ? 0 : 1;
-  // Per-k16 start-address steps and the LBO/SBO of each operand (see
-  // grouped_gemm_sm90_layout.cuh).
+  constexpr bool kFp8 = kIsFp8<TA>;
+  constexpr int kTransA = !kFp8 && kKind == GemmKind::kWgrad ? 1 : 0;
+  constexpr int kTransB = !kFp8 && kKind != GemmKind::kFprop ? 1 : 0;
+  // Per-instruction (k16, or k32 in FP8: 32 bytes either way) start-address steps and the LBO/SBO
+  // of each operand (see grouped_gemm_sm90_layout.cuh).
   constexpr uint32_t kStepA = kTransA ? 2048 : 32, kStepB = kTransB ? 2048 : 32;
   const Sm90GemmParams& p = args.p;
   const int thread = threadIdx.x % 128, lane = thread % kWarpSize;
-  const bool gather = kKind != GemmKind::kDgrad && p.gather_rows != nullptr;
+  const bool gather = !kFp8 && kKind != GemmKind::kDgrad && p.gather_rows != nullptr;
   uint8_t* buffer = epilogue + consumer * Smem<kKind>::kEpilogueBytes;
   int stage = 0;
   uint32_t phase = 0;
   float acc[128];
 
-  receive_tiles<kKind>(p, t, ring, [&](const Tile& tile) {
+  receive_tiles<kKind, kBlockKOf<TA>>(p, t, ring, [&](const Tile& tile) {
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
     int previous = -1;
@@ -324,9 +348,11 @@ __device__ void consume(const KernelArgs& args, const GroupTable& t, const TileR
       if (gather) fence_proxy_async();
       uint8_t* a = smem + stage * kStageBytes;
       uint8_t* b = a + kABytes;
-      if constexpr (kKind == GemmKind::kWgrad) {
+      if constexpr (kKind == GemmKind::kWgrad && !kFp8) {
         // The last block of a group reads rows of the next group (or padding): zero them in all
         // six boxes (A and B are adjacent), then make the generic-proxy stores visible to wgmma.
+        // (FP8 wgrad's group maps end at the group: TMA fills the rest with zeros.)
+        constexpr int kBlockK = kBlockKOf<TA>;
         const int valid = min(kBlockK, tile.reduction_rows - kb * kBlockK);
         if (valid < kBlockK) {
           constexpr int kBoxes = kStageBytes / kBoxBytes;
@@ -345,12 +371,16 @@ __device__ void consume(const KernelArgs& args, const GroupTable& t, const TileR
       const uint8_t* a_tile = a + consumer * kBoxBytes;
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kBlockK / 16; ++kk) {
+      for (int kk = 0; kk < kBlockKBytes / 32; ++kk) {
         const uint64_t da = kTransA ? smem_desc(a_tile + kk * kStepA, kBoxBytes, 1024)
                                     : smem_desc(a_tile + kk * kStepA, 16, 1024);
         const uint64_t db = kTransB ? smem_desc(b + kk * kStepB, kBoxBytes, 1024)
                                     : smem_desc(b + kk * kStepB, 16, 1024);
-        wgmma_m64n256k16<T, kTransA, kTransB>(acc, da, db);
+        if constexpr (kFp8) {
+          wgmma_m64n256k32<TA, TB>(acc, da, db);
+        } else {
+          wgmma_m64n256k16<TA, kTransA, kTransB>(acc, da, db);
+        }
       }
       wgmma_commit();
       wgmma_wait<1>();  // the previous block's wgmma are done: its slot can be refilled
@@ -364,7 +394,8 @@ __device__ void consume(const KernelArgs& args, const GroupTable& t, const TileR
     wgmma_wait<0>();
     if (previous >= 0 && lane == 0) mbar_arrive(&empty[previous]);
 
-    TileOutput<T, OutT> o{};
+    TileOutput<OutT> o{};
+    o.scale = kFp8 ? args.a_scale_inv[tile.group] * args.b_scale_inv[tile.group] : 1.0f;
     bool tma = args.out_tma;
     if constexpr (kKind == GemmKind::kWgrad) {
       if (tile.k_blocks == 0 && p.accumulate) return;  // empty group: main-grad left untouched
@@ -378,7 +409,7 @@ __device__ void consume(const KernelArgs& args, const GroupTable& t, const TileR
       o.out = static_cast<OutT*>(p.output) + static_cast<int64_t>(tile.row0) * o.cols;
       if constexpr (kKind == GemmKind::kFprop) {
         if (p.bias.base != nullptr || p.bias.table != nullptr)
-          o.bias = group_ptr<T>(p.bias, tile.group);
+          o.bias = group_ptr<OutT>(p.bias, tile.group);
       }
       o.map_group = 0;
       o.map_rows = p.rows;
@@ -386,16 +417,16 @@ __device__ void consume(const KernelArgs& args, const GroupTable& t, const TileR
       tma = tma && tile.valid_rows >= (consumer + 1) * 64;
     }
     if (tma) {
-      store_tile_tma<Smem<kKind>::kEpilogueBoxes, T, OutT>(args, o, tile, acc, buffer, consumer);
+      store_tile_tma<Smem<kKind>::kEpilogueBoxes, OutT>(args, o, tile, acc, buffer, consumer);
     } else {
-      store_tile_direct<T, OutT>(p, o, tile, acc, consumer);
+      store_tile_direct<OutT>(p, o, tile, acc, consumer);
     }
   });
   // Shared memory must outlive the stores still reading it.
   if (thread == 0) bulk_wait_all();
 }
 
-template <GemmKind kKind, typename T, typename OutT>
+template <GemmKind kKind, typename TA, typename TB, typename OutT>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_sm90_kernel(const __grid_constant__ KernelArgs args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -416,7 +447,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x < kWarpSize) build_group_table<kKind>(args.p, table);
   if (threadIdx.x == kWarpSize) {
     // Gathered rows: lane 0's expect_tx and the 32 lanes' cp.async arrivals (see produce).
-    const bool gather = kKind != GemmKind::kDgrad && args.p.gather_rows != nullptr;
+    const bool gather = !kIsFp8<TA> && kKind != GemmKind::kDgrad && args.p.gather_rows != nullptr;
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], gather ? 1 + kWarpSize : 1);
       mbar_init(&empty[s], kConsumerWarps);
@@ -432,10 +463,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters));
-    if (threadIdx.x < kWarpSize) produce<kKind, T>(args, table, ring, smem, full, empty);
+    if (threadIdx.x < kWarpSize) produce<kKind, TA>(args, table, ring, smem, full, empty);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegisters));
-    consume<kKind, T, OutT>(args, table, ring, smem, full, empty, epilogue, threadIdx.x / 128 - 1);
+    consume<kKind, TA, TB, OutT>(args, table, ring, smem, full, empty, epilogue,
+                                 threadIdx.x / 128 - 1);
   }
 #else
   __trap();  // this library was built without sm_90a code, and the host side checks for it

@@ -39,7 +39,11 @@
 namespace torchmoe::kernels::sm90 {
 
 constexpr int kThreads = 384;
-constexpr int kBlockM = 128, kBlockN = 256, kBlockK = 64;
+constexpr int kBlockM = 128, kBlockN = 256;
+// A reduction block is 128 bytes of every operand row: 64 16-bit or 128 FP8 elements.
+constexpr int kBlockKBytes = 128;
+template <typename T>
+constexpr int kBlockKOf = kBlockKBytes / static_cast<int>(sizeof(T));
 constexpr int kBoxBytes = 64 * 128;                  // one 64 × 64 box: 8 KB
 constexpr int kABytes = (kBlockM / 64) * kBoxBytes;  // 16 KB
 constexpr int kBBytes = (kBlockN / 64) * kBoxBytes;  // 32 KB
@@ -78,6 +82,12 @@ struct KernelArgs {
   CUtensorMap out_map;  // y / dx [1, rows, cols] or equally spaced dW [G, n, k]; see out_tma
   bool out_tma;         // out_map is valid (else every tile is stored from registers)
   Sm90GemmParams p;
+  // FP8 (Sm90Fp8GemmParams): each group's dequantization scales, multiplied into its tiles, and
+  // for wgrad the per-group maps of the columnwise operands (group g: maps 2g and 2g + 1, written
+  // on the device by build_wgrad_maps; a_map and b_map are unused).
+  const float* a_scale_inv;
+  const float* b_scale_inv;
+  const CUtensorMap* group_maps;
 };
 
 }  // namespace torchmoe::kernels::sm90

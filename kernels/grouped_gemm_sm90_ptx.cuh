@@ -93,15 +93,24 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
 }
 
-// d[64 × 256] += A[64 × 16] · B[256 × 16]ᵀ, both from shared memory; kTransA / kTransB select the
-// MN-major layouts.
-template <typename T, int kTransA, int kTransB>
-__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a,
-                                                 uint64_t desc_b) {
-#define TORCHMOE_WGMMA(TYPE)                                                                       \
+// The FP8 operand types of the sm90 kernel: one byte per element, named by format so that
+// wgmma's type suffix follows from the type.
+struct E4M3 {
+  uint8_t bits;
+};
+struct E5M2 {
+  uint8_t bits;
+};
+template <typename T>
+constexpr bool kIsFp8 = std::is_same_v<T, E4M3> || std::is_same_v<T, E5M2>;
+
+// The 128 accumulator registers of an m64n256 wgmma and its operands. TYPES: the A and B type
+// suffixes; TAIL: what follows scale-d (the A/B scale immediates and, for 16-bit types, the
+// transpose immediates).
+#define TORCHMOE_WGMMA_N256(SHAPE, TYPES, TAIL, ...)                                               \
   asm volatile(                                                                                    \
       "{\n .reg .pred p;\n setp.ne.b32 p, %130, 0;\n"                                              \
-      " wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE                                \
+      " wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPES                                         \
       " {"                                                                                         \
       "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "      \
       "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "      \
@@ -111,7 +120,7 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_
       "%87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, "        \
       "%103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, "       \
       "%117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127},"                         \
-      " %128, %129, p, 1, 1, %131, %132;\n}"                                                       \
+      " %128, %129, p, " TAIL ";\n}"                                                               \
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),        \
         "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),    \
         "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
@@ -131,13 +140,46 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_
         "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),        \
         "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),        \
         "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])         \
-      : "l"(desc_a), "l"(desc_b), "r"(1), "n"(kTransA), "n"(kTransB))
+      : "l"(desc_a), "l"(desc_b), "r"(1), ##__VA_ARGS__)
+
+// d[64 × 256] += A[64 × 16] · B[256 × 16]ᵀ, both from shared memory; kTransA / kTransB select the
+// MN-major layouts.
+template <typename T, int kTransA, int kTransB>
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a,
+                                                 uint64_t desc_b) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    TORCHMOE_WGMMA("bf16");
+    TORCHMOE_WGMMA_N256("m64n256k16", "bf16.bf16", "1, 1, %131, %132", "n"(kTransA), "n"(kTransB));
   } else {
-    TORCHMOE_WGMMA("f16");
+    TORCHMOE_WGMMA_N256("m64n256k16", "f16.f16", "1, 1, %131, %132", "n"(kTransA), "n"(kTransB));
   }
-#undef TORCHMOE_WGMMA
+}
+
+// d[64 × 256] += A[64 × 32] · B[256 × 32]ᵀ in FP8, both K-major in shared memory (FP8 wgmma has
+// no transposed layouts). The accumulation is the tensor core's own, as cuBLASLt's "fast
+// accumulation" (docs/fp8.md, "Numerics").
+template <typename TA, typename TB>
+__device__ __forceinline__ void wgmma_m64n256k32(float (&d)[128], uint64_t desc_a,
+                                                 uint64_t desc_b) {
+  constexpr bool kA4 = std::is_same_v<TA, E4M3>, kB4 = std::is_same_v<TB, E4M3>;
+  if constexpr (kA4 && kB4) {
+    TORCHMOE_WGMMA_N256("m64n256k32", "e4m3.e4m3", "1, 1");
+  } else if constexpr (kA4) {
+    TORCHMOE_WGMMA_N256("m64n256k32", "e4m3.e5m2", "1, 1");
+  } else if constexpr (kB4) {
+    TORCHMOE_WGMMA_N256("m64n256k32", "e5m2.e4m3", "1, 1");
+  } else {
+    TORCHMOE_WGMMA_N256("m64n256k32", "e5m2.e5m2", "1, 1");
+  }
+}
+#undef TORCHMOE_WGMMA_N256
+
+// Tensor maps written by a kernel (tensormap.replace) are read by TMA through the tensormap
+// proxy: the writer releases its generic-proxy writes, the reader acquires the 128-byte map.
+__device__ __forceinline__ void tensormap_release() {
+  asm volatile("fence.proxy.tensormap::generic.release.gpu;" ::: "memory");
+}
+__device__ __forceinline__ void tensormap_acquire(const void* map) {
+  asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(map) : "memory");
 }
 
 // TMA store (or element-wise add, for fp32 accumulation) of a shared-memory box into a 3-D

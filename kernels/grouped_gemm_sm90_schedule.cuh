@@ -96,7 +96,8 @@ struct Tile {
 // 132 row tiles of dy into one wave.
 constexpr int kPanelRows = 16;
 
-template <GemmKind kKind>
+// kBlockRed: the reduction elements of one block (kBlockKOf of the operand type).
+template <GemmKind kKind, int kBlockRed>
 __device__ __forceinline__ Tile tile_at(const Sm90GemmParams& p, const GroupTable& t, int g,
                                         int index) {
   const int local = index - t.tiles[g];
@@ -114,11 +115,11 @@ __device__ __forceinline__ Tile tile_at(const Sm90GemmParams& p, const GroupTabl
   if constexpr (kKind == GemmKind::kWgrad) {
     tile.row0 = m * kBlockM;
     tile.reduction_rows = t.count[g];
-    tile.k_blocks = (t.count[g] + kBlockK - 1) / kBlockK;
+    tile.k_blocks = (t.count[g] + kBlockRed - 1) / kBlockRed;
   } else {
     tile.row0 = t.start[g] + m * kBlockM;
     const int64_t reduction = kKind == GemmKind::kFprop ? p.k : p.n;
-    tile.k_blocks = static_cast<int>((reduction + kBlockK - 1) / kBlockK);
+    tile.k_blocks = static_cast<int>((reduction + kBlockRed - 1) / kBlockRed);
     tile.reduction_rows = 0;
   }
   return tile;
@@ -144,7 +145,7 @@ struct TileRing {
   uint64_t* empty;  // [kTileSlots]: one arrival per consumer warp
 };
 
-template <GemmKind kKind, typename Fn>
+template <GemmKind kKind, int kBlockRed, typename Fn>
 __device__ __forceinline__ void claim_tiles(const Sm90GemmParams& p, const GroupTable& t,
                                             const TileRing& ring, Fn&& fn) {
   const int total = t.tiles[p.num_groups];
@@ -173,12 +174,12 @@ __device__ __forceinline__ void claim_tiles(const Sm90GemmParams& p, const Group
     }
     if (index >= total) return;
     while (index >= t.tiles[g + 1]) ++g;  // a block's indices only grow
-    fn(tile_at<kKind>(p, t, g, index));
+    fn(tile_at<kKind, kBlockRed>(p, t, g, index));
     index = kKind == GemmKind::kWgrad ? __shfl_sync(0xffffffffu, next, 0) : next;
   }
 }
 
-template <GemmKind kKind, typename Fn>
+template <GemmKind kKind, int kBlockRed, typename Fn>
 __device__ __forceinline__ void receive_tiles(const Sm90GemmParams& p, const GroupTable& t,
                                               const TileRing& ring, Fn&& fn) {
   const int total = t.tiles[p.num_groups];
@@ -196,7 +197,7 @@ __device__ __forceinline__ void receive_tiles(const Sm90GemmParams& p, const Gro
     }
     if (index >= total) return;
     while (index >= t.tiles[g + 1]) ++g;
-    fn(tile_at<kKind>(p, t, g, index));
+    fn(tile_at<kKind, kBlockRed>(p, t, g, index));
   }
 }
 

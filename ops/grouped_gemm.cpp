@@ -178,9 +178,8 @@ Backend forced_backend(GemmBackend c) {
                                               : Backend::kReference;
 }
 
-// FP8 products run on the cuBLASLt grouped matmul (when loaded) or per-group cuBLASLt FP8 matmuls;
-// the sm90 kernel has no FP8 path yet, and the environment's sm90 choice applies to 16-bit layers
-// only.
+// FP8 products (ops/grouped_gemm_fp8.h) run on the sm90 kernel, the cuBLASLt grouped matmul (when
+// loaded) or per-group cuBLASLt FP8 matmuls; all three products of a call on the same one.
 ProductBackends select_fp8_backends(const char* op, const at::Tensor& input, const GemmShape& shape,
                                     int64_t rows, GemmBackend choice) {
   const at::ScalarType dtype = input.scalar_type();
@@ -188,10 +187,6 @@ ProductBackends select_fp8_backends(const char* op, const at::Tensor& input, con
       input.is_cuda() && (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16), op,
       ": FP8 runs on CUDA float32, float16 or bfloat16 tensors, got ", dtype, " on ",
       input.device());
-  TORCH_CHECK_NOT_IMPLEMENTED(
-      choice != GemmBackend::kSm90, op,
-      ": the sm90 grouped GEMM backend has no FP8 path; FP8 runs on per-group cuBLASLt "
-      "(gemm_backend kAuto or kCublasLt) or the cuBLASLt grouped matmul (kCublasLtGrouped)");
   const cudaDeviceProp* props = at::cuda::getDeviceProperties(input.device().index());
   TORCH_CHECK_NOT_IMPLEMENTED(props->major * 10 + props->minor >= 89, op,
                               ": FP8 GEMMs need a GPU of compute capability 8.9 or newer, got ",
@@ -200,27 +195,27 @@ ProductBackends select_fp8_backends(const char* op, const at::Tensor& input, con
                               ": FP8 needs in_features and out_features that are multiples of 16 "
                               "(FP8 GEMM operands), got in_features ",
                               shape.k, ", out_features ", shape.n);
+  if (choice == GemmBackend::kAuto) choice = env_backend_choice();
   if (choice == GemmBackend::kAuto) {
-    // kAuto's FP8 table: the grouped matmul where it is loaded and takes the call (measured
-    // ahead of per-group matmuls on every benchmark shape, 1.02-2.3×: docs/performance.md), else
-    // per-group cuBLASLt; the environment may name either.
-    const GemmBackend env = env_backend_choice();
-    if (env == GemmBackend::kCublasLt || env == GemmBackend::kCublasLtGrouped) {
-      choice = env;
+    // kAuto's FP8 table, from bench_grouped_linear_fp8 on the H100 (docs/performance.md, "FP8
+    // GroupedLinear"): the first of sm90, the grouped matmul and per-group matmuls that can run
+    // the call.
+    if (detail::sm90_refusal(input, shape, rows, /*fp8=*/true) == nullptr) {
+      choice = GemmBackend::kSm90;
+    } else if (detail::cublaslt_grouped_refusal(input, shape, rows) == nullptr) {
+      choice = GemmBackend::kCublasLtGrouped;
     } else {
-      const bool grouped = detail::cublaslt_grouped_refusal(input, shape, rows) == nullptr;
-      choice = grouped ? GemmBackend::kCublasLtGrouped : GemmBackend::kCublasLt;
+      choice = GemmBackend::kCublasLt;
     }
   }
-  if (choice == GemmBackend::kCublasLtGrouped) {
-    const char* why = detail::cublaslt_grouped_refusal(input, shape, rows);
-    TORCH_CHECK_NOT_IMPLEMENTED(why == nullptr, op,
-                                ": the cublaslt_grouped grouped GEMM backend cannot run this FP8 "
-                                "call: ",
-                                why);
-    return {Backend::kCublasLtGrouped, Backend::kCublasLtGrouped, Backend::kCublasLtGrouped};
-  }
-  return {Backend::kCublasLt, Backend::kCublasLt, Backend::kCublasLt};
+  const Backend backend = forced_backend(choice);
+  if (backend == Backend::kCublasLt) return {backend, backend, backend};
+  const char* why = backend == Backend::kSm90
+                        ? detail::sm90_refusal(input, shape, rows, /*fp8=*/true)
+                        : detail::cublaslt_grouped_refusal(input, shape, rows);
+  TORCH_CHECK_NOT_IMPLEMENTED(why == nullptr, op, ": the ", backend_name(backend),
+                              " grouped GEMM backend cannot run this FP8 call: ", why);
+  return {backend, backend, backend};
 }
 
 ProductBackends select_backends(const char* op, const at::Tensor& input, const GemmShape& shape,

@@ -81,7 +81,7 @@ struct GemmPlan {
   Backend dgrad_backend = Backend::kReference;
   Backend wgrad_backend = Backend::kReference;
   GemmShape shape;
-  // The products run in FP8 (ops/grouped_gemm_fp8.h): operands quantized, per-group cuBLASLt.
+  // The products run in FP8 (ops/grouped_gemm_fp8.h) on `backend`: operands quantized.
   bool fp8 = false;
   int64_t rows = 0;  // rows of every row-grouped operand (input, output, grad_output)
   at::ScalarType dtype = at::kFloat;  // of every operand but fp32 gradient buffers
@@ -108,16 +108,19 @@ struct GemmPlan {
 // tensors; kCublasLtGrouped needs a loaded cuBLASLt >= 13.8 on sm_90+, n and k multiples of 8.
 // `op` names the caller in error messages (e.g. "GroupedLinear"). When the first layer reads
 // `input` through gather_rows (defined), the plans' rows are gather_rows' length, not input's.
-// fp8: plans for the FP8 products, whose table is
+// fp8: plans for the FP8 products (all three on one backend), whose table is
 //   CUDA fp32/fp16/bf16, sm_89+, n and k multiples of 16:
+//     kSm90, or kAuto where the sm90 kernel can run the call (as above, any floating dtype)
+//                                            -> kSm90 (one launch per product with per-tensor
+//                                               scales, device sizes; block scales run per
+//                                               group), or the forced backend's refusal
 //     kCublasLtGrouped, or kAuto where the grouped matmul can run the call
 //                                            -> kCublasLtGrouped (one grouped FP8 matmul per
 //                                               product with per-tensor scales, device sizes;
 //                                               block scales and biases run per group), or the
 //                                               forced backend's refusal
 //     kCublasLt, or kAuto otherwise          -> kCublasLt (per-group FP8 matmuls, host sizes)
-//     kSm90                                  -> NotImplementedError (no FP8 path yet)
-//   (TORCHMOE_GROUPED_GEMM_BACKEND=cublaslt|cublaslt_grouped overrides kAuto here too)
+//   (TORCHMOE_GROUPED_GEMM_BACKEND overrides kAuto here too)
 //   anything else                            -> NotImplementedError
 std::vector<GemmPlan> plan_grouped_gemms(const char* op, const at::Tensor& input,
                                          c10::ArrayRef<GemmShape> shapes,

@@ -16,6 +16,7 @@
 
 #include "torchmoe/kernels/grouped_gemm_cublaslt.h"
 #include "torchmoe/kernels/grouped_gemm_cublaslt_grouped.h"
+#include "torchmoe/kernels/grouped_gemm_sm90.h"
 #include "torchmoe/kernels/types.h"
 #include "torchmoe/ops/grouped_gemm.h"
 #include "torchmoe/ops/kernel_types.h"
@@ -93,15 +94,13 @@ at::Tensor aligned_operand(const at::Tensor& t);
 // pointers cached for the life of the process (the same tensors give the same table).
 kernels::GroupAddress group_address(const CheckedGroups& groups);
 
-// The fields that both device-split backends' kernel parameters (kernels::Sm90GemmParams,
-// kernels::CublasLtGroupedParams) take from a plan: kind, types, shape and the device sizes.
+// The fields that every device-split kernel's parameters (16-bit and FP8, sm90 and cuBLASLt
+// grouped) take from a plan: kind, shape and the device sizes.
 template <typename Params>
-Params device_split_params(kernels::GemmKind kind, const GemmPlan& plan) {
+Params device_split_fields(kernels::GemmKind kind, const GemmPlan& plan) {
   const at::Tensor& splits = plan.m_splits.device();
   Params p;
   p.kind = kind;
-  p.input_type = kernel_type(plan.dtype);
-  p.output_type = p.input_type;
   p.num_groups = static_cast<int>(plan.shape.groups);
   p.rows = plan.rows;
   p.n = plan.shape.n;
@@ -111,9 +110,21 @@ Params device_split_params(kernels::GemmKind kind, const GemmPlan& plan) {
   return p;
 }
 
+// device_split_fields and the 16-bit kernels' types (kernels::Sm90GemmParams,
+// kernels::CublasLtGroupedParams): the plan's dtype in and out.
+template <typename Params>
+Params device_split_params(kernels::GemmKind kind, const GemmPlan& plan) {
+  auto p = device_split_fields<Params>(kind, plan);
+  p.input_type = kernel_type(plan.dtype);
+  p.output_type = p.input_type;
+  return p;
+}
+
 // Why the sm90 kernel cannot run a layer of this dtype and shape on the input's device, or
-// nullptr when it can. rows: of the grouped operands (the input's, or its gathered rows').
-const char* sm90_refusal(const at::Tensor& input, const GemmShape& shape, int64_t rows);
+// nullptr when it can. rows: of the grouped operands (the input's, or its gathered rows'). fp8:
+// the FP8 products, whose operands are quantized from any floating dtype.
+const char* sm90_refusal(const at::Tensor& input, const GemmShape& shape, int64_t rows,
+                         bool fp8 = false);
 // The split sizes as the device-split backends read them, on the input's device: the device sizes
 // (int32 or int64) as given, else one asynchronous upload of the host sizes.
 at::Tensor device_splits(const SplitSizes& m_splits, const at::Tensor& input);
@@ -144,5 +155,8 @@ void cublaslt_grouped_wgrad(const GemmPlan& plan, const at::Tensor& input,
 // One FP8 product as one grouped matmul (ops/grouped_gemm_fp8.cpp fills the parameters), on the
 // current stream of like's device.
 void cublaslt_grouped_fp8(const at::Tensor& like, const kernels::CublasLtGroupedFp8Params& p);
+// One FP8 product on the sm90 kernel (ops/grouped_gemm_fp8.cpp fills the parameters but the
+// workspaces), on the current stream of like's device.
+void sm90_fp8(const at::Tensor& like, kernels::Sm90Fp8GemmParams p);
 
 }  // namespace torchmoe::ops::detail

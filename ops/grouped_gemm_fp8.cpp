@@ -11,6 +11,7 @@
 
 #include "torchmoe/kernels/grouped_gemm_cublaslt.h"
 #include "torchmoe/kernels/grouped_gemm_cublaslt_grouped.h"
+#include "torchmoe/kernels/grouped_gemm_sm90.h"
 #include "torchmoe/kernels/split_quantize.h"
 #include "torchmoe/ops/grouped_gemm_backends.h"
 #include "torchmoe/ops/kernel_types.h"
@@ -26,8 +27,10 @@ constexpr const char* kWgradOp = "torchmoe::ops::grouped_linear_wgrad_fp8";
 
 void check_plan(const char* op, const GemmPlan& plan) {
   const bool per_group = plan.backend == Backend::kCublasLt && plan.m_splits.has_host();
-  const bool grouped = plan.backend == Backend::kCublasLtGrouped && plan.m_splits.has_device();
-  TORCH_CHECK(plan.fp8 && (per_group || grouped), op,
+  const bool device_splits =
+      (plan.backend == Backend::kCublasLtGrouped || plan.backend == Backend::kSm90) &&
+      plan.m_splits.has_device();
+  TORCH_CHECK(plan.fp8 && (per_group || device_splits), op,
               ": needs an FP8 plan (plan_grouped_gemms with fp8 = true)");
 }
 
@@ -196,30 +199,32 @@ at::Tensor unpad_rows(const at::Tensor& padded, const OutputRows& layout, c10::I
   return padded.index_select(0, device_index);
 }
 
-// Whether a product runs as one grouped matmul: a grouped plan, per-tensor scales (block scales
-// are not grouped here) and no bias (the grouped matmul has no bias epilogue).
-bool runs_grouped(const GemmPlan& plan, const SplitQuantized& a, const SplitQuantized& b,
-                  bool bias) {
-  return plan.backend == Backend::kCublasLtGrouped && !is_block_scaling(a.scaling) &&
-         !is_block_scaling(b.scaling) && !bias;
+// Who runs one product: the plan's device-split backend where it takes the operands, else one
+// cuBLASLt FP8 matmul per group (host sizes). The sm90 kernel takes per-tensor scales with an
+// e4m3 B operand (every recipe's weights and wgrad input) and a bias; the grouped matmul takes
+// per-tensor scales and no bias (it has no bias epilogue). Block scales run per group.
+enum class Engine { kPerGroup, kGrouped, kSm90 };
+
+Engine engine_of(const GemmPlan& plan, const SplitQuantized& a, const SplitQuantized& b,
+                 bool bias) {
+  const bool per_tensor = !is_block_scaling(a.scaling) && !is_block_scaling(b.scaling);
+  if (plan.backend == Backend::kSm90 && per_tensor && b.format == Fp8Format::kE4M3) {
+    return Engine::kSm90;
+  }
+  if (plan.backend == Backend::kCublasLtGrouped && per_tensor && !bias) return Engine::kGrouped;
+  return Engine::kPerGroup;
 }
 
-kernels::CublasLtGroupedFp8Params grouped_params(kernels::GemmKind kind, const GemmPlan& plan,
-                                                 const SplitQuantized& a, bool a_rowwise,
-                                                 const SplitQuantized& b, bool b_rowwise,
-                                                 at::ScalarType output_dtype) {
-  const at::Tensor& splits = plan.m_splits.device();
-  kernels::CublasLtGroupedFp8Params p;
-  p.kind = kind;
+// The fields of a device-split FP8 product (kernels::Sm90Fp8GemmParams,
+// kernels::CublasLtGroupedFp8Params): kind, formats, shape, sizes, operands and their scales.
+template <typename Params>
+Params device_fp8_params(kernels::GemmKind kind, const GemmPlan& plan, const SplitQuantized& a,
+                         bool a_rowwise, const SplitQuantized& b, bool b_rowwise,
+                         at::ScalarType output_dtype) {
+  auto p = detail::device_split_fields<Params>(kind, plan);
   p.a_format = a.format;
   p.b_format = b.format;
   p.output_type = kernel_type(output_dtype);
-  p.num_groups = static_cast<int>(plan.shape.groups);
-  p.rows = plan.rows;
-  p.n = plan.shape.n;
-  p.k = plan.shape.k;
-  p.m_splits = splits.const_data_ptr();
-  p.splits_int32 = splits.scalar_type() == at::kInt;
   p.a = (a_rowwise ? a.data : a.columnwise_data).const_data_ptr();
   p.b = (b_rowwise ? b.data : b.columnwise_data).const_data_ptr();
   p.a_scale_inv = a.scale_inv.const_data_ptr<float>();
@@ -264,10 +269,25 @@ at::Tensor grouped_linear_forward_fp8(const GemmPlan& plan, const SplitQuantized
                 b.device());
   }
   const c10::cuda::CUDAGuard guard(plan.device);
-  if (runs_grouped(plan, input, weights, !biases.empty())) {
+  const Engine engine = engine_of(plan, input, weights, !biases.empty());
+  if (engine == Engine::kSm90) {
     at::Tensor output = at::empty({plan.rows, n}, input.data.options().dtype(output_dtype));
-    kernels::CublasLtGroupedFp8Params p =
-        grouped_params(kernels::GemmKind::kFprop, plan, input, true, weights, true, output_dtype);
+    if (plan.rows == 0) return output;
+    auto p = device_fp8_params<kernels::Sm90Fp8GemmParams>(kernels::GemmKind::kFprop, plan, input,
+                                                           true, weights, true, output_dtype);
+    p.output = output.data_ptr();
+    if (!biases.empty()) {
+      p.bias = detail::group_address(detail::check_groups(kForwardOp, "biases", biases,
+                                                          biases.size(), output, {n}, output_dtype,
+                                                          "the output dtype"));
+    }
+    detail::sm90_fp8(output, p);
+    return output;
+  }
+  if (engine == Engine::kGrouped) {
+    at::Tensor output = at::empty({plan.rows, n}, input.data.options().dtype(output_dtype));
+    auto p = device_fp8_params<kernels::CublasLtGroupedFp8Params>(
+        kernels::GemmKind::kFprop, plan, input, true, weights, true, output_dtype);
     p.output = output.data_ptr();
     p.fast_accumulation = fast_accumulation;
     if (plan.rows > 0) detail::cublaslt_grouped_fp8(output, p);
@@ -315,13 +335,25 @@ at::Tensor grouped_linear_dgrad_fp8(const GemmPlan& plan, const SplitQuantized& 
                 plan.device);
   check_pair(kDgradOp, "grad_output", grad_output, "weights", weights);
   const c10::cuda::CUDAGuard guard(plan.device);
-  if (runs_grouped(plan, grad_output, weights, false)) {
+  const Engine engine = engine_of(plan, grad_output, weights, false);
+  if (engine != Engine::kPerGroup) {
     at::Tensor grad_input =
         at::empty({plan.rows, k}, grad_output.data.options().dtype(output_dtype));
-    kernels::CublasLtGroupedFp8Params p = grouped_params(
-        kernels::GemmKind::kDgrad, plan, grad_output, true, weights, false, output_dtype);
-    p.output = grad_input.data_ptr();
-    if (plan.rows > 0) detail::cublaslt_grouped_fp8(grad_input, p);
+    if (plan.rows == 0) return grad_input;
+    if (engine == Engine::kSm90) {
+      // dgrad is the fprop product over the weights' columnwise copy, [G, k, n]: k output
+      // columns, a reduction over n.
+      auto p = device_fp8_params<kernels::Sm90Fp8GemmParams>(
+          kernels::GemmKind::kFprop, plan, grad_output, true, weights, false, output_dtype);
+      std::swap(p.n, p.k);
+      p.output = grad_input.data_ptr();
+      detail::sm90_fp8(grad_input, p);
+    } else {
+      auto p = device_fp8_params<kernels::CublasLtGroupedFp8Params>(
+          kernels::GemmKind::kDgrad, plan, grad_output, true, weights, false, output_dtype);
+      p.output = grad_input.data_ptr();
+      detail::cublaslt_grouped_fp8(grad_input, p);
+    }
     return grad_input;
   }
   const std::vector<int64_t> sizes = host_sizes(plan);
@@ -375,7 +407,8 @@ void grouped_linear_wgrad_fp8(const GemmPlan& plan, const SplitQuantized& input,
     outputs[static_cast<size_t>(g)] = t.data_ptr();
   }
   const c10::cuda::CUDAGuard guard(plan.device);
-  if (runs_grouped(plan, grad_output, input, false)) {
+  const Engine engine = engine_of(plan, grad_output, input, false);
+  if (engine != Engine::kPerGroup) {
     if (plan.rows == 0) {  // nothing to read: every group is empty
       if (!accumulate) {
         for (int64_t g = 0; g < groups; ++g) weight_grads_out[static_cast<size_t>(g)].zero_();
@@ -386,11 +419,19 @@ void grouped_linear_wgrad_fp8(const GemmPlan& plan, const SplitQuantized& input,
         kWgradOp, "weight_grads_out", weight_grads_out, static_cast<size_t>(groups),
         weight_grads_out[0], {n, k}, out_dtype, "weight_grads_out[0]'s dtype");
     TORCH_CHECK(checked.aligned, kWgradOp, ": weight_grads_out must start on 16-byte boundaries");
-    kernels::CublasLtGroupedFp8Params p = grouped_params(
-        kernels::GemmKind::kWgrad, plan, grad_output, false, input, false, out_dtype);
-    p.weight_grad = detail::group_address(checked);
-    p.accumulate = accumulate;
-    detail::cublaslt_grouped_fp8(weight_grads_out[0], p);
+    if (engine == Engine::kSm90) {
+      auto p = device_fp8_params<kernels::Sm90Fp8GemmParams>(
+          kernels::GemmKind::kWgrad, plan, grad_output, false, input, false, out_dtype);
+      p.weight_grad = detail::group_address(checked);
+      p.accumulate = accumulate;
+      detail::sm90_fp8(weight_grads_out[0], p);
+    } else {
+      auto p = device_fp8_params<kernels::CublasLtGroupedFp8Params>(
+          kernels::GemmKind::kWgrad, plan, grad_output, false, input, false, out_dtype);
+      p.weight_grad = detail::group_address(checked);
+      p.accumulate = accumulate;
+      detail::cublaslt_grouped_fp8(weight_grads_out[0], p);
+    }
     return;
   }
   const std::vector<int64_t> sizes = host_sizes(plan);

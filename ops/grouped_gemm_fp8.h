@@ -1,11 +1,14 @@
 #pragma once
 // FP8 grouped linear products: the three GEMMs of a grouped linear layer over operands that
-// split_quantize made (ops/quantize.h), as per-group cuBLASLt FP8 matmuls. Validation,
-// allocation and the kernel call; the TN layout of every product and which copy each reads are
-// in kernels/grouped_gemm_cublaslt.h, the numerics in docs/fp8.md.
+// split_quantize made (ops/quantize.h), on the plan's backend: the sm90 kernel
+// (kernels/grouped_gemm_sm90.h) or the cuBLASLt grouped matmul with device sizes where they take
+// the operands (per-tensor scales), else per-group cuBLASLt FP8 matmuls with host sizes (copied
+// from the device when the plan has none). Validation, allocation and the kernel call; the TN
+// layout of every product and which copy each reads are in kernels/grouped_gemm_cublaslt.h and
+// kernels/grouped_gemm_sm90.h, the numerics in docs/fp8.md.
 //
-// The plan must be an FP8 plan (plan_grouped_gemms(..., fp8=true)): CUDA, host split sizes,
-// in_features and out_features multiples of 16. Split sizes are any non-negative values: wgrad
+// The plan must be an FP8 plan (plan_grouped_gemms(..., fp8=true)): CUDA, in_features and
+// out_features multiples of 16. Split sizes are any non-negative values: wgrad
 // reduces over each split's columnwise block, which split_quantize pads with zeros to a multiple
 // of 16 rows. An operand's scaling is any of split_quantize's; two block-scaled operands of one
 // product must not both be 128×128 (cuBLASLt has no such kernel), and e5m2 × e5m2 is refused.

@@ -130,8 +130,8 @@ void launch(const at::Tensor& like, kernels::Sm90GemmParams params) {
 
 }  // namespace
 
-const char* sm90_refusal(const at::Tensor& input, const GemmShape& shape, int64_t rows) {
-  if (input.scalar_type() != at::kBFloat16 && input.scalar_type() != at::kHalf) {
+const char* sm90_refusal(const at::Tensor& input, const GemmShape& shape, int64_t rows, bool fp8) {
+  if (!fp8 && input.scalar_type() != at::kBFloat16 && input.scalar_type() != at::kHalf) {
     return "it takes bfloat16 and float16 operands only";
   }
   if (!kernels::sm90_grouped_gemm_available()) {
@@ -202,6 +202,21 @@ void sm90_wgrad(const GemmPlan& plan, const at::Tensor& input, const at::Tensor&
   p.weight_grad = group_address(weight_grads);
   p.accumulate = accumulate;
   launch(x, p);
+}
+
+void sm90_fp8(const at::Tensor& like, kernels::Sm90Fp8GemmParams p) {
+  const c10::cuda::CUDAGuard guard(like.device());
+  // wgrad's group maps and tile counter: one buffer from the caching allocator, as launch()'s
+  // counter. The allocator's blocks start 512-byte aligned, as the maps need.
+  at::Tensor workspace;
+  if (p.kind == kernels::GemmKind::kWgrad) {
+    const int64_t map_bytes = p.num_groups * static_cast<int64_t>(kernels::kSm90Fp8MapBytes);
+    workspace =
+        at::empty({map_bytes + static_cast<int64_t>(sizeof(int))}, like.options().dtype(at::kByte));
+    p.group_maps = workspace.data_ptr();
+    p.tile_counter = reinterpret_cast<int*>(workspace.data_ptr<uint8_t>() + map_bytes);
+  }
+  kernels::launch_grouped_gemm_sm90_fp8(p, at::cuda::getCurrentCUDAStream().stream());
 }
 
 void device_bias_grad(const GemmPlan& plan, const at::Tensor& grad_output,

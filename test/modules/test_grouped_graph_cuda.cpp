@@ -6,6 +6,7 @@
 
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <torchmoe/fp8/autocast.h>
 #include <torchmoe/modules/grouped_linear.h>
 #include <torchmoe/modules/grouped_mlp.h>
 #include <torchmoe/modules/moe_layer.h>
@@ -127,6 +128,52 @@ TEST_CASE("GroupedLinear with device splits replays in a CUDA graph",
   };
   s.leaves = {x};
   s.params = layer->parameters();
+  check_graph_matches_eager(s, refill);
+}
+
+TEST_CASE("FP8 GroupedLinear with device splits replays in a CUDA graph",
+          "[modules][grouped_linear][fp8][cuda][graph]") {
+  // The quantizes read the device sizes; the products run on the sm90 kernel or the cuBLASLt
+  // grouped matmul, both with device sizes. Delayed scaling's amaxes are collected but the
+  // scales not updated inside the step, so replays and eager steps use the same scales.
+  const auto backend =
+      GENERATE(torchmoe::GemmBackend::kSm90, torchmoe::GemmBackend::kCublasLtGrouped);
+  TORCHMOE_REQUIRE_GEMM_BACKEND(backend);
+  const bool delayed = GENERATE(false, true);
+  INFO("backend " << static_cast<int>(backend) << ", delayed scaling " << delayed);
+  torch::manual_seed(23);
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+  torchmoe::GroupedLinear layer(torchmoe::GroupedLinearOptions(6, 128, 256)
+                                    .params_dtype(torch::kBFloat16)
+                                    .device(torch::kCUDA)
+                                    .fp8_amax_history_len(delayed ? 4 : 0)
+                                    .gemm_backend(backend));
+  const torch::Tensor x = torch::zeros({kRows, 128}, cuda).requires_grad_();
+  const torch::Tensor dy = torch::zeros({kRows, 256}, cuda);
+  const torch::Tensor splits = torch::zeros({6}, cuda.dtype(torch::kLong));
+  auto refill = [&](int trial) {
+    const torch::NoGradGuard no_grad;
+    x.detach().copy_(torch::randn({kRows, 128}, cuda));
+    dy.copy_(torch::randn({kRows, 256}, cuda));
+    splits.copy_(torch::tensor(kTrialSplits[trial], torch::kLong));
+    return std::accumulate(kTrialSplits[trial].begin(), kTrialSplits[trial].end(), int64_t{0});
+  };
+  const torchmoe::fp8::Recipe recipe =
+      delayed ? torchmoe::fp8::Recipe(torchmoe::fp8::DelayedScaling().amax_history_len(4))
+              : torchmoe::fp8::Recipe(torchmoe::fp8::CurrentScaling());
+  GraphStep s;
+  s.step = [&] {
+    torch::Tensor y;
+    {
+      const torchmoe::fp8::Autocast fp8(recipe);
+      y = layer(x, torchmoe::SplitSizes(splits));
+    }
+    y.backward(dy);
+    return y;
+  };
+  s.leaves = {x};
+  s.params = layer->parameters();
+  s.padding_kept = false;  // the quantizes' temporaries precede y in the graph's pool
   check_graph_matches_eager(s, refill);
 }
 

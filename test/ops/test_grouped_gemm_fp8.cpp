@@ -233,8 +233,8 @@ SplitQuantized quantize_w(const torch::Tensor& w, QuantizeScaling s, Fp8Format f
   return ops::quantize_weights(GroupedTensors::stacked(w), o, scale);
 }
 
-// backend: kCublasLt (per-group matmuls) or kCublasLtGrouped (one grouped matmul per product for
-// per-tensor scales; block scales still run per group).
+// backend: kCublasLt (per-group matmuls), kCublasLtGrouped (one grouped matmul per product for
+// per-tensor scales) or kSm90 (our kernel, per-tensor scales); block scales run per group on all.
 ops::GemmPlan fp8_plan(const torch::Tensor& x, int64_t n, int64_t k,
                        const std::vector<int64_t>& sizes,
                        GemmBackend backend = GemmBackend::kCublasLt) {
@@ -245,7 +245,9 @@ ops::GemmPlan fp8_plan(const torch::Tensor& x, int64_t n, int64_t k,
 }
 
 const char* backend_name(GemmBackend backend) {
-  return backend == GemmBackend::kCublasLtGrouped ? "cuBLASLt grouped" : "per-group cuBLASLt";
+  return backend == GemmBackend::kCublasLtGrouped ? "cuBLASLt grouped"
+         : backend == GemmBackend::kSm90          ? "sm90"
+                                                  : "per-group cuBLASLt";
 }
 
 struct Problem {
@@ -314,6 +316,14 @@ double output_rtol(torch::Dtype dtype) { return dtype == torch::kBFloat16 ? 4e-3
 constexpr double kAccumulationTol = 2e-3;
 constexpr double kFastAccumulationTol = 4e-3;
 
+// The sm90 kernel accumulates in the tensor cores across the whole reduction, as fast
+// accumulation does, for all three products; block scales run per group (cuBLASLt).
+double accumulation_tol(GemmBackend backend, bool fast, const ScalingCase& sc) {
+  const bool block = torchmoe::kernels::is_block_scaling(sc.input);
+  if (block) return kAccumulationTol;  // no fast-accumulation kernel for block scales
+  return fast || backend == GemmBackend::kSm90 ? kFastAccumulationTol : kAccumulationTol;
+}
+
 // |actual - expected| <= allowance elementwise, no NaN; reports the worst element.
 void check_within(const torch::Tensor& actual, const torch::Tensor& expected,
                   const torch::Tensor& allowance, const std::string& what) {
@@ -350,7 +360,8 @@ TEST_CASE("FP8 grouped forward matches the dequantized float64 reference", "[ops
   const ShapeCase& shape = kShapeCases[GENERATE(0, 1)];
   const torch::Dtype out_dtype = GENERATE(torch::kBFloat16, torch::kFloat);
   const bool fast = GENERATE(true, false);
-  const GemmBackend backend = GENERATE(GemmBackend::kCublasLt, GemmBackend::kCublasLtGrouped);
+  const GemmBackend backend =
+      GENERATE(GemmBackend::kCublasLt, GemmBackend::kCublasLtGrouped, GemmBackend::kSm90);
   TORCHMOE_REQUIRE_GEMM_BACKEND(backend);
   INFO(describe(sc, shape) << "; output " << out_dtype << "; fast accumulation " << fast << "; "
                            << backend_name(backend));
@@ -362,9 +373,7 @@ TEST_CASE("FP8 grouped forward matches the dequantized float64 reference", "[ops
   const std::vector<int64_t> weight_sizes(p.groups, p.n);
   const Product ref = per_split_abt(dequantize(xq, true, p.sizes, p.k),
                                     dequantize(wq, true, weight_sizes, p.k), p.sizes, p.n);
-  // Block scales have no fast-accumulation kernel (the flag is ignored there).
-  const bool fast_used = fast && !torchmoe::kernels::is_block_scaling(sc.input);
-  check_product(y, ref, out_dtype, fast_used ? kFastAccumulationTol : kAccumulationTol, "y");
+  check_product(y, ref, out_dtype, accumulation_tol(backend, fast, sc), "y");
 }
 
 TEST_CASE("FP8 grouped dgrad matches the dequantized float64 reference", "[ops][fp8][cuda]") {
@@ -373,7 +382,8 @@ TEST_CASE("FP8 grouped dgrad matches the dequantized float64 reference", "[ops][
   const ShapeCase& shape = kShapeCases[GENERATE(0, 1)];
   const torch::Dtype out_dtype = GENERATE(torch::kBFloat16, torch::kFloat);
   const Fp8Format grad_format = GENERATE(kE4M3, kE5M2);
-  const GemmBackend backend = GENERATE(GemmBackend::kCublasLt, GemmBackend::kCublasLtGrouped);
+  const GemmBackend backend =
+      GENERATE(GemmBackend::kCublasLt, GemmBackend::kCublasLtGrouped, GemmBackend::kSm90);
   TORCHMOE_REQUIRE_GEMM_BACKEND(backend);
   INFO(describe(sc, shape) << "; output " << out_dtype << "; grad_output "
                            << format_name(grad_format) << " x weight e4m3; "
@@ -391,7 +401,7 @@ TEST_CASE("FP8 grouped dgrad matches the dequantized float64 reference", "[ops][
       per_split_abt(dequantize(dyq, true, p.sizes, p.n),
                     w_hat.view({p.groups, p.n, p.k}).transpose(1, 2).reshape({p.groups * p.k, p.n}),
                     p.sizes, p.k);
-  check_product(dx, ref, out_dtype, kAccumulationTol, "dx");
+  check_product(dx, ref, out_dtype, accumulation_tol(backend, false, sc), "dx");
 }
 
 TEST_CASE("FP8 grouped wgrad matches the dequantized float64 reference", "[ops][fp8][cuda]") {
@@ -401,7 +411,8 @@ TEST_CASE("FP8 grouped wgrad matches the dequantized float64 reference", "[ops][
   const torch::Dtype out_dtype = GENERATE(torch::kBFloat16, torch::kFloat);
   const Fp8Format grad_format = GENERATE(kE4M3, kE5M2);
   const bool stacked = GENERATE(false, true);
-  const GemmBackend backend = GENERATE(GemmBackend::kCublasLt, GemmBackend::kCublasLtGrouped);
+  const GemmBackend backend =
+      GENERATE(GemmBackend::kCublasLt, GemmBackend::kCublasLtGrouped, GemmBackend::kSm90);
   TORCHMOE_REQUIRE_GEMM_BACKEND(backend);
   INFO(describe(sc, shape) << "; output " << out_dtype << "; grad_output "
                            << format_name(grad_format) << " x input e4m3; stacked buffers "
@@ -419,14 +430,60 @@ TEST_CASE("FP8 grouped wgrad matches the dequantized float64 reference", "[ops][
                                 /*accumulate=*/false);
   const Product ref = per_split_atb(dequantize(dyq, false, p.sizes, p.n),
                                     dequantize(xq, false, p.sizes, p.k), p.sizes);
-  check_product(dw, ref, out_dtype, kAccumulationTol, "dW");
+  check_product(dw, ref, out_dtype, accumulation_tol(backend, false, sc), "dW");
+}
+
+// Long reductions, where the tensor cores' accumulation error grows (K 4096 in fprop, 4096 rows
+// per split in wgrad, out_features 4096 in dgrad): every product of the sm90 kernel and of
+// per-group cuBLASLt (fast accumulation in fprop only) within its bound. Prints the largest
+// error relative to Σ|a·b| per product ("-s" shows it).
+TEST_CASE("FP8 products over long reductions stay within the accumulation bounds",
+          "[ops][fp8][cuda][long]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const GemmBackend backend = GENERATE(GemmBackend::kCublasLt, GemmBackend::kSm90);
+  TORCHMOE_REQUIRE_GEMM_BACKEND(backend);
+  const bool tall = GENERATE(false, true);  // n 512, k 4096, or n 4096, k 512
+  const ShapeCase shape{"long", {4096, 0, 1000}, tall ? 4096 : 512, tall ? 512 : 4096};
+  INFO(backend_name(backend) << "; n " << shape.n << ", k " << shape.k);
+  const ScalingCase& sc = kScalingCases[0];
+  const Problem p = make_problem(shape, 16);
+  const SplitQuantized xq = quantize(p.x, p.sizes, sc.input, kE4M3);
+  const SplitQuantized wq = quantize_w(p.w, sc.weight);
+  const SplitQuantized dyq = quantize(p.dy, p.sizes, sc.grad, kE5M2);
+  const ops::GemmPlan plan = fp8_plan(p.x, p.n, p.k, p.sizes, backend);
+  const std::vector<int64_t> weight_sizes(p.groups, p.n);
+  const torch::Tensor x_hat = dequantize(xq, true, p.sizes, p.k);
+  const torch::Tensor dy_hat = dequantize(dyq, true, p.sizes, p.n);
+  const torch::Tensor w_hat = dequantize(wq, true, weight_sizes, p.k);  // [G·n, k]
+  auto worst = [](const torch::Tensor& actual, const Product& ref) {
+    const torch::Tensor a = actual.to(torch::kCPU, torch::kFloat64);
+    return ((a - ref.value).abs() / ref.abs_sum.clamp_min(1e-30)).max().item<double>();
+  };
+  const torch::Tensor y = ops::grouped_linear_forward_fp8(plan, xq, wq, {}, torch::kFloat, true);
+  const Product y_ref = per_split_abt(x_hat, w_hat, p.sizes, p.n);
+  const torch::Tensor dx = ops::grouped_linear_dgrad_fp8(plan, dyq, wq, torch::kFloat);
+  const Product dx_ref = per_split_abt(
+      dy_hat, w_hat.view({p.groups, p.n, p.k}).transpose(1, 2).reshape({p.groups * p.k, p.n}),
+      p.sizes, p.k);
+  const torch::Tensor dw =
+      torch::empty({p.groups, p.n, p.k}, x_hat.options().dtype(torch::kFloat).device(torch::kCUDA));
+  ops::grouped_linear_wgrad_fp8(plan, xq, dyq, GroupedTensors::stacked(dw), false);
+  const Product dw_ref = per_split_atb(dequantize(dyq, false, p.sizes, p.n),
+                                       dequantize(xq, false, p.sizes, p.k), p.sizes);
+  WARN(backend_name(backend) << ", n " << p.n << ", k " << p.k
+                             << ": largest error / sum|a*b|: fprop " << worst(y, y_ref)
+                             << ", dgrad " << worst(dx, dx_ref) << ", wgrad " << worst(dw, dw_ref));
+  check_product(y, y_ref, torch::kFloat, kFastAccumulationTol, "y");
+  check_product(dx, dx_ref, torch::kFloat, accumulation_tol(backend, false, sc), "dx");
+  check_product(dw, dw_ref, torch::kFloat, accumulation_tol(backend, false, sc), "dW");
 }
 
 TEST_CASE("FP8 grouped wgrad accumulates into fp32 buffers; empty splits", "[ops][fp8][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
   const ScalingCase& sc = kScalingCases[GENERATE(0, 2)];
   const bool stacked = GENERATE(false, true);
-  const GemmBackend backend = GENERATE(GemmBackend::kCublasLt, GemmBackend::kCublasLtGrouped);
+  const GemmBackend backend =
+      GENERATE(GemmBackend::kCublasLt, GemmBackend::kCublasLtGrouped, GemmBackend::kSm90);
   TORCHMOE_REQUIRE_GEMM_BACKEND(backend);
   const ShapeCase& shape = kShapeCases[0];  // split 1 is empty
   INFO(describe(sc, shape) << "; stacked buffers " << stacked << "; " << backend_name(backend));
@@ -450,16 +507,17 @@ TEST_CASE("FP8 grouped wgrad accumulates into fp32 buffers; empty splits", "[ops
     const torch::Tensor old64 = old.cpu().to(torch::kFloat64);
     const torch::Tensor expected = old64 + ref.value;
     // fp32 sum of the old value and the product: a few ulps of both.
-    check_within(dw, expected,
-                 1e-6 * (old64.abs() + ref.value.abs()) + kAccumulationTol * ref.abs_sum,
-                 "dW += dyᵀ·x");
+    check_within(
+        dw, expected,
+        1e-6 * (old64.abs() + ref.value.abs()) + accumulation_tol(backend, false, sc) * ref.abs_sum,
+        "dW += dyᵀ·x");
     CHECK(torch::equal(dw[1], old[1]));
   }
   SECTION("overwrite zeroes an empty split's buffer") {
     const torch::Tensor dw = torch::full({p.groups, p.n, p.k}, NAN, fp32);
     ops::grouped_linear_wgrad_fp8(plan, xq, dyq, as_grouped(dw, views), /*accumulate=*/false);
     CHECK(torch::equal(dw[1].cpu(), torch::zeros({p.n, p.k})));
-    check_product(dw, ref, torch::kFloat, kAccumulationTol, "dW = dyᵀ·x");
+    check_product(dw, ref, torch::kFloat, accumulation_tol(backend, false, sc), "dW = dyᵀ·x");
   }
   SECTION("accumulating into bf16 buffers is refused") {
     const torch::Tensor dw = torch::zeros({p.groups, p.n, p.k}, fp32.dtype(torch::kBFloat16));
@@ -473,12 +531,14 @@ TEST_CASE("FP8 grouped forward adds the biases", "[ops][fp8][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
   const ScalingCase& sc = kScalingCases[GENERATE(0, 2)];
   const torch::Dtype out_dtype = GENERATE(torch::kBFloat16, torch::kFloat);
+  const GemmBackend backend = GENERATE(GemmBackend::kCublasLt, GemmBackend::kSm90);
+  TORCHMOE_REQUIRE_GEMM_BACKEND(backend);
   const ShapeCase& shape = kShapeCases[0];
-  INFO(describe(sc, shape) << "; output and biases " << out_dtype);
+  INFO(describe(sc, shape) << "; output and biases " << out_dtype << "; " << backend_name(backend));
   const Problem p = make_problem(shape, 15);
   const SplitQuantized xq = quantize(p.x, p.sizes, sc.input, kE4M3);
   const SplitQuantized wq = quantize_w(p.w, sc.weight);
-  const ops::GemmPlan plan = fp8_plan(p.x, p.n, p.k, p.sizes);
+  const ops::GemmPlan plan = fp8_plan(p.x, p.n, p.k, p.sizes, backend);
   std::vector<torch::Tensor> biases;
   for (int64_t g = 0; g < p.groups; ++g) {
     biases.push_back(
@@ -644,22 +704,32 @@ TEST_CASE("plan_grouped_gemms: FP8 plans and their refusals", "[ops][fp8][cuda][
                                    torch::Tensor(), /*fp8=*/true)
         .front();
   };
-  SECTION("kCublasLt plans per-group cuBLASLt FP8 products, kAuto too without a grouped matmul") {
+  SECTION("kCublasLt plans per-group cuBLASLt FP8 products; kAuto sm90 where it runs") {
     const GemmBackend backend = GENERATE(GemmBackend::kAuto, GemmBackend::kCublasLt);
     const ops::GemmPlan p = plan(32, 64, backend);
     CHECK(p.fp8);
-    const bool grouped = backend == GemmBackend::kAuto && torchmoe::loaded_cublaslt().grouped;
+    const bool automatic = backend == GemmBackend::kAuto;
     const ops::Backend expected =
-        grouped ? ops::Backend::kCublasLtGrouped : ops::Backend::kCublasLt;
+        automatic && torchmoe::test::sm90_available()      ? ops::Backend::kSm90
+        : automatic && torchmoe::loaded_cublaslt().grouped ? ops::Backend::kCublasLtGrouped
+                                                           : ops::Backend::kCublasLt;
     CHECK(p.backend == expected);
     CHECK(p.dgrad_backend == expected);
     CHECK(p.wgrad_backend == expected);
     REQUIRE(p.m_splits.has_host());
     CHECK(p.m_splits.host().vec() == sizes);
   }
-  SECTION("forced sm90") {
-    REQUIRE_THROWS_AS(plan(32, 64, GemmBackend::kSm90), c10::NotImplementedError);
-    REQUIRE_THROWS_WITH(plan(32, 64, GemmBackend::kSm90), Contains("has no FP8 path"));
+  SECTION("forced sm90: planned on sm_90 with device sizes, else refused with the reason") {
+    if (torchmoe::test::sm90_available()) {
+      const ops::GemmPlan p = plan(32, 64, GemmBackend::kSm90);
+      CHECK(p.backend == ops::Backend::kSm90);
+      CHECK(p.wgrad_backend == ops::Backend::kSm90);
+      CHECK(p.m_splits.has_device());
+    } else {
+      REQUIRE_THROWS_AS(plan(32, 64, GemmBackend::kSm90), c10::NotImplementedError);
+      REQUIRE_THROWS_WITH(plan(32, 64, GemmBackend::kSm90),
+                          Contains("the sm90 grouped GEMM backend cannot run this FP8 call"));
+    }
   }
   SECTION("forced cuBLASLt grouped: planned where loaded, else refused with the reason") {
     if (torchmoe::loaded_cublaslt().grouped) {
