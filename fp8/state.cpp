@@ -1,5 +1,6 @@
 #include "torchmoe/fp8/state.h"
 
+#include <ATen/ATen.h>
 #include <torch/utils.h>
 
 #include <algorithm>
@@ -7,6 +8,7 @@
 #include <vector>
 
 #include "torchmoe/fp8/quantize_options.h"
+#include "torchmoe/ops/expert_parallel.h"
 
 namespace torchmoe::fp8 {
 namespace {
@@ -27,6 +29,52 @@ std::array<std::pair<std::string, torch::Tensor>, 3> named(TensorRole role,
   return {{{prefix + "_amax_history", t.amax_history},
            {prefix + "_scale", t.scale},
            {prefix + "_scale_inv", t.scale_inv}}};
+}
+
+void check_recipe(const Fp8StateOptions& options, const DelayedScaling& recipe) {
+  TORCH_CHECK(recipe.amax_history_len() == options.amax_history_len(), kModule,
+              "::update: the recipe's amax_history_len must be the state's ",
+              options.amax_history_len(), " (the layer's fp8_amax_history_len), got ",
+              recipe.amax_history_len());
+}
+
+// The FP8 states in `model`, in apply's (registration) order: the same order on every rank that
+// built the same model, which is what lets their amaxes share one collective buffer.
+std::vector<Fp8StateImpl*> states_in(torch::nn::Module& model) {
+  std::vector<Fp8StateImpl*> states;
+  model.apply([&](torch::nn::Module& module) {
+    if (auto* state = dynamic_cast<Fp8StateImpl*>(&module)) states.push_back(state);
+  });
+  return states;
+}
+
+// Row 0 of the histories of `pass`'s roles of `states`, maxed over the group in one all-reduce:
+// of the row itself when there is one (a contiguous view), else of their concatenation, copied
+// back with one multi-tensor copy. TE likewise reduces all amaxes of a step as one buffer: the
+// collective's latency, not its few bytes, is its cost.
+void reduce_rows(const char* fn, const std::vector<Fp8StateImpl*>& states, Pass pass,
+                 const ProcessGroupOptions& group) {
+  TORCH_CHECK(group.group(), fn, ": the process group must be defined, got a null group");
+  if (states.empty() || group.group()->getSize() == 1) return;
+  std::vector<torch::Tensor> rows;
+  for (const Fp8StateImpl* state : states) {
+    for (TensorRole role : pass_roles(pass)) rows.push_back(state->tensors(role).amax_history[0]);
+  }
+  const torch::Device device = rows.front().device();
+  for (const torch::Tensor& row : rows) {
+    TORCH_CHECK(row.device() == device, fn, ": every FP8 state must be on one device, got ", device,
+                " and ", row.device());
+  }
+  torch::NoGradGuard no_grad;
+  if (rows.size() == 1) {
+    ops::all_reduce_max_(rows.front(), group);
+    return;
+  }
+  torch::Tensor buffer = torch::cat(rows);
+  ops::all_reduce_max_(buffer, group);
+  std::vector<int64_t> sizes;
+  for (const torch::Tensor& row : rows) sizes.push_back(row.numel());
+  at::_foreach_copy_(rows, buffer.split_with_sizes(sizes));
 }
 
 }  // namespace
@@ -60,17 +108,20 @@ const DelayedScalingTensors& Fp8StateImpl::tensors(TensorRole role) const {
   return roles_[static_cast<int>(role)];
 }
 
-void Fp8StateImpl::update(const DelayedScaling& recipe, Pass pass) {
-  TORCH_CHECK(recipe.amax_history_len() == options.amax_history_len(), kModule,
-              "::update: the recipe's amax_history_len must be the state's ",
-              options.amax_history_len(), " (the layer's fp8_amax_history_len), got ",
-              recipe.amax_history_len());
+void Fp8StateImpl::update(const DelayedScaling& recipe, Pass pass,
+                          const std::optional<ProcessGroupOptions>& group) {
+  check_recipe(options, recipe);
+  if (group && recipe.reduce_amax()) reduce_amax(pass, *group);
   for (TensorRole role : pass_roles(pass)) {
     const DelayedScalingTensors& t = tensors(role);
     // Row 0 is this step's amax; the op reads it before rolling the history over it.
     ops::update_delayed_scaling(t.amax_history, t.amax_history[0], t.scale, t.scale_inv,
                                 delayed_update_options(recipe, role));
   }
+}
+
+void Fp8StateImpl::reduce_amax(Pass pass, const ProcessGroupOptions& group) {
+  reduce_rows("fp8::Fp8State::reduce_amax", {this}, pass, group);
 }
 
 void Fp8StateImpl::to(torch::Device device, torch::Dtype /*dtype*/, bool non_blocking) {
@@ -116,15 +167,21 @@ void Fp8StateImpl::load(torch::serialize::InputArchive& archive) {
   load_state_dict(state);
 }
 
-int64_t update_delayed_scaling(torch::nn::Module& model, const DelayedScaling& recipe, Pass pass) {
-  int64_t updated = 0;
-  model.apply([&](torch::nn::Module& module) {
-    if (auto* state = dynamic_cast<Fp8StateImpl*>(&module)) {
-      state->update(recipe, pass);
-      ++updated;
-    }
-  });
-  return updated;
+int64_t update_delayed_scaling(torch::nn::Module& model, const DelayedScaling& recipe, Pass pass,
+                               const std::optional<ProcessGroupOptions>& group) {
+  const std::vector<Fp8StateImpl*> states = states_in(model);
+  // Every state's recipe is checked before the collective: a bad recipe fails before any rank
+  // communicates, and leaves every state as it was.
+  for (const Fp8StateImpl* state : states) check_recipe(state->options, recipe);
+  if (group && recipe.reduce_amax()) reduce_rows("fp8::reduce_amax", states, pass, *group);
+  for (Fp8StateImpl* state : states) state->update(recipe, pass);
+  return static_cast<int64_t>(states.size());
+}
+
+int64_t reduce_amax(torch::nn::Module& model, Pass pass, const ProcessGroupOptions& group) {
+  const std::vector<Fp8StateImpl*> states = states_in(model);
+  reduce_rows("fp8::reduce_amax", states, pass, group);
+  return static_cast<int64_t>(states.size());
 }
 
 }  // namespace torchmoe::fp8

@@ -13,11 +13,13 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <unordered_map>
 
 #include "torchmoe/fp8/recipe.h"
+#include "torchmoe/ops/process_group.h"
 
 namespace torchmoe::fp8 {
 
@@ -62,9 +64,19 @@ class Fp8StateImpl : public torch::nn::Cloneable<Fp8StateImpl> {
 
   /// Runs the delayed-scaling update of `pass`'s roles in place (ops::update_delayed_scaling, one
   /// launch per role): row 0 becomes the newest history entry and the scales follow `recipe`.
-  /// CUDA only: on the CPU it is the op's NotImplementedError. The recipe's amax_history_len must
-  /// be the state's.
-  void update(const DelayedScaling& recipe, Pass pass);
+  /// With `group` and the recipe's reduce_amax (TE's default), row 0 is first maxed over the
+  /// group's ranks (reduce_amax below), so that replicas keep equal scales; without a group, or
+  /// with reduce_amax false, each rank keeps its own amaxes. CUDA only: on the CPU it is the op's
+  /// NotImplementedError (raised after the reduction). The recipe's amax_history_len must be the
+  /// state's.
+  void update(const DelayedScaling& recipe, Pass pass,
+              const std::optional<ProcessGroupOptions>& group = std::nullopt);
+
+  /// All-reduces this step's amaxes of `pass`'s roles (row 0 of their histories) with MAX over
+  /// `group`'s ranks, in place and in one collective; the other rows and the scales are left as
+  /// they are. Every rank of the group must call it, with a state of the same num_gemms. A group
+  /// of one rank reduces nothing. CPU (Gloo) and CUDA (NCCL, waited for by the current stream).
+  void reduce_amax(Pass pass, const ProcessGroupOptions& group);
 
   /// The state stays float32 whatever dtype its layer is converted to: the scales are fp32 in
   /// every FP8 GEMM, and a bf16 amax history would round the scales.
@@ -89,7 +101,17 @@ class Fp8StateImpl : public torch::nn::Cloneable<Fp8StateImpl> {
 TORCH_MODULE(Fp8State);
 
 /// Runs Fp8StateImpl::update on every FP8 state in `model` (itself and all its descendants:
-/// GroupedLinear, GroupedMLP, MoELayer or a user's model) and returns how many it updated.
-int64_t update_delayed_scaling(torch::nn::Module& model, const DelayedScaling& recipe, Pass pass);
+/// GroupedLinear, GroupedMLP, MoELayer or a user's model) and returns how many it updated. With
+/// `group` and the recipe's reduce_amax, the amaxes of all of them are maxed over the group's
+/// ranks first, in one collective for the whole model (fp8::reduce_amax).
+int64_t update_delayed_scaling(torch::nn::Module& model, const DelayedScaling& recipe, Pass pass,
+                               const std::optional<ProcessGroupOptions>& group = std::nullopt);
+
+/// Fp8StateImpl::reduce_amax for every FP8 state in `model`, as one all-reduce of one buffer (row
+/// 0 of each state's `pass` histories, in module order) rather than one per layer; returns how
+/// many states it reduced. Every rank of the group must call it with the same model structure
+/// (the same FP8 layers with the same num_gemms, in the same order), and all the states must be
+/// on one device. A group of one rank, or a model without FP8 state, runs no collective.
+int64_t reduce_amax(torch::nn::Module& model, Pass pass, const ProcessGroupOptions& group);
 
 }  // namespace torchmoe::fp8

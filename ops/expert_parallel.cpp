@@ -46,6 +46,19 @@ void wait(const char* op, c10d::ProcessGroup& pg, const c10::intrusive_ptr<c10d:
               pg.getSize());
 }
 
+// In place: tensor = `reduce` over the group's ranks; the all-reduces below name their op.
+void all_reduce_in_place(const char* op, at::Tensor& tensor, const ProcessGroupOptions& group,
+                         c10d::ReduceOp::RedOpType reduce) {
+  TORCH_CHECK(tensor.defined() && tensor.is_contiguous(), op,
+              ": tensor must be a defined contiguous tensor");
+  c10d::ProcessGroup& pg = checked_group(op, group, tensor);
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::AllreduceOptions options;
+  options.reduceOp = reduce;
+  options.timeout = group.timeout();
+  wait(op, pg, pg.allreduce(tensors, options), group, tensor);
+}
+
 }  // namespace
 
 ExpertParallelSplits exchange_split_sizes(const at::Tensor& rows_per_expert,
@@ -176,15 +189,11 @@ at::Tensor all_to_all_rows(const at::Tensor& rows, c10::IntArrayRef send_splits,
 }
 
 void all_reduce_sum_(at::Tensor& tensor, const ProcessGroupOptions& group) {
-  constexpr const char* kOp = "all_reduce_sum_";
-  TORCH_CHECK(tensor.defined() && tensor.is_contiguous(), kOp,
-              ": tensor must be a defined contiguous tensor");
-  c10d::ProcessGroup& pg = checked_group(kOp, group, tensor);
-  std::vector<at::Tensor> tensors{tensor};
-  c10d::AllreduceOptions options;
-  options.reduceOp = c10d::ReduceOp::SUM;
-  options.timeout = group.timeout();
-  wait(kOp, pg, pg.allreduce(tensors, options), group, tensor);
+  all_reduce_in_place("all_reduce_sum_", tensor, group, c10d::ReduceOp::SUM);
+}
+
+void all_reduce_max_(at::Tensor& tensor, const ProcessGroupOptions& group) {
+  all_reduce_in_place("all_reduce_max_", tensor, group, c10d::ReduceOp::MAX);
 }
 
 }  // namespace torchmoe::ops

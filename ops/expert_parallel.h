@@ -1,8 +1,9 @@
 #pragma once
 // The collectives of expert parallelism (EP) on a c10d process group: the split-size exchange
 // (the one host synchronisation of a dropless EP layer), the variable-split all-to-all of rows,
-// and a sum all-reduce. Every c10d Work is waited for at most the group's timeout, and a failure
-// on any rank (a peer that exited, a timeout) is rethrown here, naming the op.
+// and the sum and max all-reduces (the max for FP8's amaxes, fp8/state.h). Every c10d Work is
+// waited for at most the group's timeout, and a failure on any rank (a peer that exited, a
+// timeout) is rethrown here, naming the op.
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
@@ -54,5 +55,8 @@ at::Tensor all_to_all_rows(const at::Tensor& rows, c10::IntArrayRef send_splits,
 
 // In place: tensor = Σ over the group's ranks.
 void all_reduce_sum_(at::Tensor& tensor, const ProcessGroupOptions& group);
+
+// In place: tensor = its elementwise max over the group's ranks (the FP8 amax reduction).
+void all_reduce_max_(at::Tensor& tensor, const ProcessGroupOptions& group);
 
 }  // namespace torchmoe::ops

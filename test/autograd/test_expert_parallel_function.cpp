@@ -1,8 +1,8 @@
 // The collectives of expert parallelism, run as 2 and 4 processes over Gloo: the split-size
-// exchange, the variable-split all-to-all and its backward (the reverse exchange), the
-// receive-side grouping; argument errors; and a peer that exits or never joins makes the others
-// fail with an error within the timeout ([ep_peer_exits], [ep_peer_absent]: ctest runs those
-// alone).
+// exchange, the variable-split all-to-all and its backward (the reverse exchange), the max
+// all-reduce, the receive-side grouping; argument errors; and a peer that exits or never joins
+// makes the others fail with an error within the timeout ([ep_peer_exits], [ep_peer_absent]:
+// ctest runs those alone).
 
 #include <torch/torch.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -64,6 +64,21 @@ TEST_CASE("all_to_all_rows: rows reach their rank; the gradient takes the revers
   // gradient must equal x.
   (y * y.detach()).sum().backward();
   REQUIRE(torch::equal(x.grad(), x.detach()));
+}
+
+TEST_CASE("all_reduce_max_: the elementwise max over the ranks, in place", "[ep]") {
+  const int64_t ep = test_world(), rank = test_rank();
+  // Column 0 is largest on the last rank, column 1 on rank 0, column 2 on rank 1.
+  torch::Tensor t = torch::tensor({static_cast<float>(rank), static_cast<float>(-rank),
+                                   static_cast<float>((rank + ep - 2) % ep)});
+  const void* data = t.const_data_ptr();
+  torchmoe::ops::all_reduce_max_(t, test_group());
+  REQUIRE(t.const_data_ptr() == data);
+  REQUIRE(torch::equal(
+      t, torch::tensor({static_cast<float>(ep - 1), 0.0f, static_cast<float>(ep - 1)})));
+  torch::Tensor strided = torch::zeros({4}).slice(0, 0, 4, 2);
+  REQUIRE_THROWS_WITH(torchmoe::ops::all_reduce_max_(strided, test_group()),
+                      Contains("all_reduce_max_: tensor must be a defined contiguous tensor"));
 }
 
 TEST_CASE("permute_received groups the received chunks by local expert", "[ep]") {

@@ -1,10 +1,12 @@
 // FP8 delayed-scaling state: its buffers in GroupedLinear and GroupedMLP, the checkpoint round
-// trip through torch::save / torch::load and load_state_dict, dtype and clone behaviour, and the
-// update through the module helper ([cuda]).
+// trip through torch::save / torch::load and load_state_dict, dtype and clone behaviour, the
+// update through the module helper ([cuda]), and the amax reduction's checks in one process (its
+// collective runs in test_reduce_amax_ep.cpp).
 
 #include <torchmoe/fp8/state.h>
 #include <torchmoe/modules/grouped_linear.h>
 #include <torchmoe/modules/grouped_mlp.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <sstream>
 #include <string>
@@ -229,6 +231,63 @@ TEST_CASE("fp8::update_delayed_scaling checks the recipe and is CUDA only",
       c10::NotImplementedError);
   GroupedLinear plain(GroupedLinearOptions(2, 16, 8));
   CHECK(update_delayed_scaling(*plain, DelayedScaling(), Pass::kForward) == 0);
+}
+
+TEST_CASE("fp8::reduce_amax: the group's checks, and when no collective runs",
+          "[fp8][state][errors]") {
+  GroupedMLP mlp(
+      GroupedMLPOptions(2, 16, 32).linear(GroupedLinearOptions(1, 1, 1).fp8_amax_history_len(4)));
+  fill_state(*mlp->fc1->fp8_state());
+  const auto before = mlp->fc1->fp8_state()->clone();
+  const auto same_as_before = [&] {
+    check_same_state(*mlp->fc1->fp8_state(), *std::dynamic_pointer_cast<Fp8StateImpl>(before));
+  };
+  // Groups of this one process without a backend, as a CUDA-only (NCCL) group is for CPU state:
+  // any collective on them is an error, so a call that passes ran none.
+  const auto group_of = [](int size) {
+    return torchmoe::ProcessGroupOptions(
+        c10::make_intrusive<c10d::ProcessGroup>(c10::make_intrusive<c10d::HashStore>(), 0, size));
+  };
+  const auto recipe = DelayedScaling().amax_history_len(4);
+
+  CHECK_THROWS_WITH(reduce_amax(*mlp, Pass::kForward, group_of(2)),
+                    Contains("all_reduce_max_: the process group must have a backend for the "
+                             "data's device cpu (Gloo for CPU, NCCL for CUDA)"));
+  CHECK_THROWS_WITH(
+      reduce_amax(*mlp, Pass::kForward, c10::intrusive_ptr<c10d::ProcessGroup>()),
+      Contains("fp8::reduce_amax: the process group must be defined, got a null group"));
+  CHECK_THROWS_WITH(
+      mlp->fc1->fp8_state()->reduce_amax(Pass::kBackward, c10::intrusive_ptr<c10d::ProcessGroup>()),
+      Contains("fp8::Fp8State::reduce_amax: the process group must be defined, got a null group"));
+  // One rank: nothing to reduce.
+  CHECK(reduce_amax(*mlp, Pass::kForward, group_of(1)) == 2);
+  mlp->fc1->fp8_state()->reduce_amax(Pass::kBackward, group_of(1));
+  // reduce_amax(false), or no group: the update runs no collective (and stops at the CPU op).
+  CHECK_THROWS_AS(update_delayed_scaling(*mlp, DelayedScaling(recipe).reduce_amax(false),
+                                         Pass::kForward, group_of(2)),
+                  c10::NotImplementedError);
+  CHECK_THROWS_AS(update_delayed_scaling(*mlp, recipe, Pass::kForward), c10::NotImplementedError);
+  // A bad recipe is an error before the collective.
+  CHECK_THROWS_WITH(update_delayed_scaling(*mlp, DelayedScaling().amax_history_len(5),
+                                           Pass::kForward, group_of(2)),
+                    Contains("the recipe's amax_history_len must be the state's 4"));
+  // With reduce_amax and a group, the update reduces first.
+  CHECK_THROWS_WITH(update_delayed_scaling(*mlp, recipe, Pass::kBackward, group_of(2)),
+                    Contains("all_reduce_max_: the process group must have a backend"));
+  CHECK_THROWS_WITH(mlp->fc2->fp8_state()->update(recipe, Pass::kBackward, group_of(2)),
+                    Contains("all_reduce_max_: the process group must have a backend"));
+  same_as_before();
+
+  // The states of one model are reduced as one buffer, so they must be on one device.
+  torch::nn::Module model;
+  model.register_module("cpu", Fp8State(Fp8StateOptions(2, 4)));
+  model.register_module("meta", Fp8State(Fp8StateOptions(2, 4).device(torch::kMeta)));
+  CHECK_THROWS_WITH(
+      reduce_amax(model, Pass::kForward, group_of(2)),
+      Contains("fp8::reduce_amax: every FP8 state must be on one device, got cpu and meta"));
+  // A model without FP8 state runs no collective.
+  GroupedLinear plain(GroupedLinearOptions(2, 16, 8));
+  CHECK(reduce_amax(*plain, Pass::kForward, group_of(2)) == 0);
 }
 
 TEST_CASE("fp8::update_delayed_scaling updates every layer's state on CUDA", "[fp8][state][cuda]") {
