@@ -49,9 +49,9 @@ class DelayedScaling {
   /// kMax: the history's largest amax sets the scale; kMostRecent: the newest one.
   TORCH_ARG(kernels::AmaxComputeAlgo, amax_compute_algo) = kernels::AmaxComputeAlgo::kMax;
   TORCH_ARG(Format, format) = Format::kHybrid;
-  /// Take the max of every rank's amaxes (data- and expert-parallel groups) before the update, so
-  /// that all replicas keep the same scales (TE's default). Applied by the updates that are given
-  /// a process group (fp8::update_delayed_scaling's `group`, fp8/state.h): one all-reduce per
+  /// Take the max of every rank's amaxes (the group of data-parallel replicas) before the update,
+  /// so that all replicas keep the same scales (TE's default). Applied by the updates that are
+  /// given a process group (fp8::update_delayed_scaling's `group`, fp8/state.h): one all-reduce per
   /// pass; without a group each process keeps its own amaxes.
   TORCH_ARG(bool, reduce_amax) = true;
 

@@ -99,12 +99,11 @@ MicroBatchResult MicroBatchRunner::run(const Batch& batch, int64_t step, int64_t
 void MicroBatchRunner::finish_step() {
   if (!fp8_) return;
   if (const auto* delayed = std::get_if<fp8::DelayedScaling>(&*fp8_)) {
-    // With --ep the recipe's reduce_amax (TE's default) first maxes the amaxes over the ranks, one
-    // all-reduce per pass, as TE does over an fp8_group that spans the expert-parallel ranks. The
-    // ranks hold different experts, so local expert l takes the largest amax of the experts at
-    // index l on all ranks (a scale at most as large as its own), and the ranks keep equal scales.
-    fp8::update_delayed_scaling(*model_, *delayed, fp8::Pass::kForward, model_->expert_parallel);
-    fp8::update_delayed_scaling(*model_, *delayed, fp8::Pass::kBackward, model_->expert_parallel);
+    // No amax group, also with --ep: the ranks hold different experts, not replicas of the same
+    // ones, so each expert's scales follow its own amaxes (reduce_amax is for data-parallel
+    // replicas of a layer: docs/fp8.md, "Across ranks").
+    fp8::update_delayed_scaling(*model_, *delayed, fp8::Pass::kForward);
+    fp8::update_delayed_scaling(*model_, *delayed, fp8::Pass::kBackward);
   }
 }
 

@@ -58,8 +58,7 @@ class MicroBatchRunner {
   MicroBatchResult run(const Batch& batch, int64_t step, int64_t micro);
 
   // After a step's micro-batches: with --fp8 delayed, the delayed-scaling update of every expert
-  // layer (input and weight amaxes, then grad_output's), once per step; with --ep the amaxes are
-  // maxed over the ranks first.
+  // layer (input and weight amaxes, then grad_output's), once per step.
   void finish_step();
 
  private:
