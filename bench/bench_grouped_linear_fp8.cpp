@@ -1,24 +1,26 @@
 // GroupedLinear module throughput in FP8 next to bf16 on a GPU: the whole module (autograd,
 // quantization, GEMMs, the delayed-scaling update where there is one) of an MoE expert fc1 layer
 // (bf16 parameters, no bias, uniform splits, input requiring grad), forward + backward and
-// forward alone, per shape, in eight columns measured in one run taking turns (bench_common.h):
+// forward alone, per shape, in nine columns measured in one run taking turns (bench_common.h):
 //
 //   bf16          gemm_backend kAuto (torchmoe's default: the sm90 kernel on H100/H200)
 //   bf16_cublaslt gemm_backend kCublasLt (per-group cuBLASLt)
 //   fp8_delayed   fp8::DelayedScaling (history 16) with fp8::update_delayed_scaling after each
 //                 forward (kForward) and backward (kBackward), as a training loop runs it; kAuto
-//                 (the sm90 kernel's FP8 path on H100/H200)
+//                 (here with host sizes: per-group cuBLASLt for large experts, else the sm90
+//                 kernel's FP8 path on H100/H200)
 //   fp8_current   fp8::CurrentScaling, kAuto
 //   fp8_block     fp8::BlockScaling (1x128 input and grad, 128x128 weight), kAuto (block scales
 //                 run as per-group cuBLASLt FP8 matmuls on every backend)
 //   fp8_cached    fp8_delayed with is_first_microbatch = false: the FP8 weights cached by an
 //                 earlier call (the later micro-batches of a step with gradient accumulation)
 //   fp8_cublaslt  fp8_delayed on gemm_backend kCublasLt (per-group cuBLASLt FP8 matmuls)
+//   fp8_sm90      fp8_delayed on gemm_backend kSm90 (the sm90 kernel, one launch per product)
 //   fp8_grouped   fp8_delayed on gemm_backend kCublasLtGrouped (one grouped FP8 matmul per
 //                 product; only when the process loaded cuBLASLt >= 13.8, else not measured)
 //
 //   bench_grouped_linear_fp8 [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
-//   (TORCHMOE_BENCH_TRACE=PREFIX: also a Kineto trace of 5 fp8_delayed steps per shape)
+//   (TORCHMOE_BENCH_TRACE=PREFIX: also Kineto traces of 5 bf16 and 5 fp8_sm90 steps per shape)
 //
 // Shapes (E, hidden, ffn, topk, tokens) from bench_common.h; fc1: N = 2·ffn, K = hidden,
 // M = tokens·topk rows in E splits of M/E (the last takes the remainder), given on the host and
@@ -54,12 +56,14 @@ constexpr double kSpecBf16Dense = 989.0;  // H100 SXM, TFLOP/s, dense
 constexpr double kSpecFp8Dense = 1979.0;
 constexpr int64_t kHistory = 16;
 
-const char* const kColumns[] = {"bf16",      "bf16_cublaslt", "fp8_delayed",  "fp8_current",
-                                "fp8_block", "fp8_cached",    "fp8_cublaslt", "fp8_grouped"};
-constexpr size_t kNumColumns = 8;
+const char* const kColumns[] = {"bf16",         "bf16_cublaslt", "fp8_delayed",
+                                "fp8_current",  "fp8_block",     "fp8_cached",
+                                "fp8_cublaslt", "fp8_sm90",      "fp8_grouped"};
+constexpr size_t kNumColumns = 9;
 constexpr size_t kCachedColumn = 5;
 constexpr size_t kPerGroupColumn = 6;
-constexpr size_t kGroupedColumn = 7;  // last: not measured without a grouped matmul
+constexpr size_t kSm90Column = 7;
+constexpr size_t kGroupedColumn = 8;  // last: not measured without a grouped matmul
 
 struct Record {
   std::string shape, pass;
@@ -83,7 +87,7 @@ int main(int argc, char** argv) {
   for (const char* column : kColumns) std::cout << std::setw(15) << column;
   std::cout << std::setw(10) << "dly/bf16" << std::setw(10) << "cur/bf16" << std::setw(10)
             << "blk/bf16" << std::setw(10) << "cch/bf16" << std::setw(10) << "grp/bf16"
-            << std::setw(10) << "dly/lt8"
+            << std::setw(10) << "sm90/lt8"
             << "\n";
 
   const fp8::DelayedScaling delayed = fp8::DelayedScaling().amax_history_len(kHistory);
@@ -92,6 +96,7 @@ int main(int argc, char** argv) {
                                                            fp8::Recipe(delayed),
                                                            fp8::Recipe(fp8::CurrentScaling()),
                                                            fp8::Recipe(fp8::BlockScaling()),
+                                                           fp8::Recipe(delayed),
                                                            fp8::Recipe(delayed),
                                                            fp8::Recipe(delayed),
                                                            fp8::Recipe(delayed)};
@@ -115,13 +120,16 @@ int main(int argc, char** argv) {
     torchmoe::GroupedLinear lt_layer(
         torchmoe::GroupedLinearOptions(options).fp8_amax_history_len(kHistory).gemm_backend(
             torchmoe::GemmBackend::kCublasLt));
+    torchmoe::GroupedLinear sm90_layer(
+        torchmoe::GroupedLinearOptions(options).fp8_amax_history_len(kHistory).gemm_backend(
+            torchmoe::GemmBackend::kSm90));
     torchmoe::GroupedLinear grouped_layer(
         torchmoe::GroupedLinearOptions(options).fp8_amax_history_len(kHistory).gemm_backend(
             torchmoe::GemmBackend::kCublasLtGrouped));
     {
       torch::NoGradGuard no_grad;
       const std::vector<torch::Tensor> from = layer->expert_weights();
-      for (torchmoe::GroupedLinear* other : {&lt_layer, &grouped_layer}) {
+      for (torchmoe::GroupedLinear* other : {&lt_layer, &sm90_layer, &grouped_layer}) {
         const std::vector<torch::Tensor> to = (*other)->expert_weights();
         for (size_t e = 0; e < from.size(); ++e) to[e].copy_(from[e]);
       }
@@ -132,6 +140,7 @@ int main(int argc, char** argv) {
     // One training step of one column: forward (under its recipe), backward, the delayed update.
     auto step = [&](size_t column, bool backward) {
       torchmoe::GroupedLinear& l = column == 1 || column == kPerGroupColumn ? lt_layer
+                                   : column == kSm90Column                  ? sm90_layer
                                    : column == kGroupedColumn               ? grouped_layer
                                                                             : layer;
       l->zero_grad();  // set to none: nothing accumulates
@@ -156,6 +165,7 @@ int main(int argc, char** argv) {
     // after a calibration step (its first step casts with scale 1).
     step(2, true);
     step(kPerGroupColumn, true);
+    step(kSm90Column, true);
     if (grouped_loaded) step(kGroupedColumn, true);
     {
       // fp8_cached's weights: the first micro-batch's call quantizes and keeps them.
@@ -174,8 +184,10 @@ int main(int argc, char** argv) {
       }
     }
 
-    // TORCHMOE_BENCH_TRACE: a Kineto trace of fp8_delayed's training steps (the kernels' times).
-    torchmoe::bench::trace_if_asked(shape.name, [&] { step(2, true); });
+    // TORCHMOE_BENCH_TRACE: Kineto traces of bf16's and fp8_sm90's training steps (the
+    // kernels' times).
+    torchmoe::bench::trace_if_asked(shape.name + ".bf16", [&] { step(0, true); });
+    torchmoe::bench::trace_if_asked(shape.name + ".fp8_sm90", [&] { step(kSm90Column, true); });
 
     const double gemm_flops = 2.0 * static_cast<double>(m) * n * k;
     for (const bool backward : {false, true}) {
@@ -195,7 +207,7 @@ int main(int argc, char** argv) {
       for (double v : t) std::cout << std::setw(15) << v;
       std::cout << std::setprecision(3) << std::setw(10) << t[2] / t[0] << std::setw(10)
                 << t[3] / t[0] << std::setw(10) << t[4] / t[0] << std::setw(10) << t[5] / t[0]
-                << std::setw(10) << t[7] / t[0] << std::setw(10) << t[2] / t[6] << "\n";
+                << std::setw(10) << t[8] / t[0] << std::setw(10) << t[7] / t[6] << "\n";
       records.push_back(std::move(r));
     }
   }
@@ -224,7 +236,7 @@ int main(int argc, char** argv) {
          << ", \"fp8_current_over_bf16\": " << r.tflops[3] / r.tflops[0]
          << ", \"fp8_block_over_bf16\": " << r.tflops[4] / r.tflops[0]
          << ", \"fp8_cached_over_bf16\": " << r.tflops[5] / r.tflops[0]
-         << ", \"fp8_delayed_over_fp8_cublaslt\": " << r.tflops[2] / r.tflops[6] << "}"
+         << ", \"fp8_sm90_over_fp8_cublaslt\": " << r.tflops[7] / r.tflops[6] << "}"
          << (i + 1 < records.size() ? "," : "") << "\n";
   }
   json << "  ]\n}\n";

@@ -1,6 +1,8 @@
 // GroupedMLP forward+backward time per step on the benchmark MoE shapes (bf16, uniform splits),
 // next to the sum of its parts timed alone in the same process: fc1 (GroupedLinear fwd+bwd),
-// ScaledSwiGLU (fwd+bwd), fc2 (GroupedLinear fwd+bwd).
+// ScaledSwiGLU (fwd+bwd), fc2 (GroupedLinear fwd+bwd); and the same step with both layers' GEMMs in
+// FP8 (fp8::DelayedScaling, amax history 16, the weights quantized every step, the
+// delayed-scaling update after the step as a training loop runs it).
 //
 //   bench_grouped_mlp [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
 
@@ -20,8 +22,11 @@
 #include <string>
 #include <vector>
 
+namespace fp8 = torchmoe::fp8;
 using torchmoe::bench::median_ms;
 using torchmoe::bench::Shape;
+
+constexpr int64_t kHistory = 16;
 
 int main(int argc, char** argv) {
   const torchmoe::bench::Setup setup =
@@ -32,7 +37,8 @@ int main(int argc, char** argv) {
             << ", bf16, uniform splits, forward+backward per step (ms)\n"
             << std::left << std::setw(17) << "shape" << std::right << std::setw(10) << "mlp"
             << std::setw(10) << "fc1" << std::setw(10) << "act" << std::setw(10) << "fc2"
-            << std::setw(10) << "parts" << std::setw(12) << "TFLOP/s\n";
+            << std::setw(10) << "parts" << std::setw(11) << "TFLOP/s" << std::setw(10) << "fp8"
+            << std::setw(10) << "bf16/fp8\n";
   std::ofstream json(args.json_path);
   json << "{\n  \"device\": \"" << at::cuda::getCurrentDeviceProperties()->name
        << "\",\n  \"unit\": \"ms\",\n  \"results\": [";
@@ -42,6 +48,7 @@ int main(int argc, char** argv) {
     const int64_t m = shape.tokens * shape.topk, h = shape.hidden, f = shape.ffn;
     torchmoe::GroupedMLPOptions options(shape.experts, h, f);
     options.params_dtype(torch::kBFloat16).device(torch::kCUDA).linear().bias(false);
+    options.linear().fp8_amax_history_len(kHistory);  // the FP8 step's state; bf16 ignores it
     torchmoe::GroupedMLP mlp(options);
     const std::vector<int64_t> splits(shape.experts, m / shape.experts);
     const torch::Tensor x = torch::randn({m, h}, bf16).requires_grad_(true);
@@ -67,15 +74,32 @@ int main(int argc, char** argv) {
                   args.iters, args.warmup);
     const double fc2_ms =
         median_ms(step([&] { return mlp->fc2(a, splits); }, dy), args.iters, args.warmup);
+    const fp8::DelayedScaling delayed = fp8::DelayedScaling().amax_history_len(kHistory);
+    const double fp8_ms = median_ms(
+        [&] {
+          mlp->zero_grad();
+          for (const torch::Tensor* leaf : {&x, &probs}) leaf->mutable_grad().reset();
+          torch::Tensor y;
+          {
+            const fp8::Autocast guard{fp8::Recipe(delayed)};
+            y = mlp(x, splits, probs);
+          }
+          y.backward(dy);
+          fp8::update_delayed_scaling(*mlp, delayed, fp8::Pass::kForward);
+          fp8::update_delayed_scaling(*mlp, delayed, fp8::Pass::kBackward);
+        },
+        args.iters, args.warmup);
     const double tflops = 3 * 2.0 * m * (2 * f * h + f * h) / mlp_ms * 1e-9;
     std::cout << std::left << std::setw(17) << shape.name << std::right << std::fixed
               << std::setprecision(2) << std::setw(10) << mlp_ms << std::setw(10) << fc1_ms
               << std::setw(10) << act_ms << std::setw(10) << fc2_ms << std::setw(10)
               << fc1_ms + act_ms + fc2_ms << std::setprecision(0) << std::setw(11) << tflops
+              << std::setprecision(2) << std::setw(10) << fp8_ms << std::setw(10) << mlp_ms / fp8_ms
               << "\n";
     json << (first ? "\n" : ",\n") << "    {\"shape\": \"" << shape.name
          << "\", \"mlp\": " << mlp_ms << ", \"fc1\": " << fc1_ms << ", \"act\": " << act_ms
-         << ", \"fc2\": " << fc2_ms << ", \"tflops\": " << tflops << "}";
+         << ", \"fc2\": " << fc2_ms << ", \"tflops\": " << tflops
+         << ", \"mlp_fp8_delayed\": " << fp8_ms << "}";
     first = false;
   }
   json << "\n  ]\n}\n";

@@ -184,9 +184,9 @@ constexpr int kMaxDevices = 64;
 
 // The kernel's dynamic shared memory is above the default limit: the opt-in is per kernel and
 // per device.
-template <GemmKind kKind, typename TA, typename TB, typename OutT>
+template <GemmKind kKind, typename TA, typename TB, typename OutT, bool kSplit = false>
 auto* configured_kernel() {
-  auto* kernel = grouped_gemm_sm90_kernel<kKind, TA, TB, OutT>;
+  auto* kernel = grouped_gemm_sm90_kernel<kKind, TA, TB, OutT, kSplit>;
   static std::once_flag configured[kMaxDevices];
   int device = 0;
   TORCHMOE_CUDA_CHECK(cudaGetDevice(&device));
@@ -312,9 +312,9 @@ __global__ void build_wgrad_maps(const __grid_constant__ CUtensorMap a_template,
 #endif
 }
 
-template <GemmKind kKind, typename TA, typename TB, typename OutT>
+template <GemmKind kKind, typename TA, typename TB, typename OutT, bool kSplit>
 void launch_fp8(const Sm90Fp8GemmParams& f, cudaStream_t stream) {
-  auto* kernel = configured_kernel<kKind, TA, TB, OutT>();
+  auto* kernel = configured_kernel<kKind, TA, TB, OutT, kSplit>();
   KernelArgs args;
   std::memset(&args, 0, sizeof(args));
   Sm90GemmParams& p = args.p;
@@ -444,8 +444,12 @@ void launch_grouped_gemm_sm90_fp8(const Sm90Fp8GemmParams& p, cudaStream_t strea
   auto with_output = [&](auto a_tag, auto out_tag) {
     using TA = decltype(a_tag);
     using OutT = decltype(out_tag);
-    return wgrad ? launch_fp8<GemmKind::kWgrad, TA, E4M3, OutT>(p, stream)
-                 : launch_fp8<GemmKind::kFprop, TA, E4M3, OutT>(p, stream);
+    if (wgrad) {
+      return p.fast_accumulation ? launch_fp8<GemmKind::kWgrad, TA, E4M3, OutT, false>(p, stream)
+                                 : launch_fp8<GemmKind::kWgrad, TA, E4M3, OutT, true>(p, stream);
+    }
+    return p.fast_accumulation ? launch_fp8<GemmKind::kFprop, TA, E4M3, OutT, false>(p, stream)
+                               : launch_fp8<GemmKind::kFprop, TA, E4M3, OutT, true>(p, stream);
   };
   auto with_a = [&](auto a_tag) {
     switch (p.output_type) {

@@ -318,8 +318,16 @@ __device__ __forceinline__ void store_tile_direct(const Sm90GemmParams& p,
   }
 }
 
-// TA, TB: the operands' types (one 16-bit type twice, or FP8 formats, both K-major).
-template <GemmKind kKind, typename TA, typename TB, typename OutT>
+// TA, TB: the operands' types (one 16-bit type twice, or FP8 formats, both K-major). kSplit
+// (FP8): split accumulation, as cuBLASLt's FP8 GEMMs without fast accumulation. The tensor cores
+// keep FP8 products' partial sums with about 14 significant bits; here each 128-deep block's
+// products are summed by wgmma alone (one n128 half of the tile at a time, into 64 registers
+// besides the tile's 128) and then added to the fp32 accumulators, so that the truncation error
+// does not grow with the reduction's length. A warpgroup waits for each half before adding it, so
+// the two consumers take turns issuing their halves (two named barriers, ping-pong): the tensor
+// cores run one consumer's half while the other waits for and adds its own, instead of both
+// waiting at once.
+template <GemmKind kKind, typename TA, typename TB, typename OutT, bool kSplit>
 __device__ void consume(const KernelArgs& args, const GroupTable& t, const TileRing& ring,
                         uint8_t* smem, uint64_t* full, uint64_t* empty, uint8_t* epilogue,
                         int consumer) {
@@ -336,6 +344,12 @@ __device__ void consume(const KernelArgs& args, const GroupTable& t, const TileR
   int stage = 0;
   uint32_t phase = 0;
   float acc[128];
+  // Split accumulation's turns: consumer c issues after bar.sync on 4 + c; the other consumer
+  // arrives there once it has issued. Consumer 0 goes first.
+  constexpr int kTurnBarrier = 4;
+  if constexpr (kSplit) {
+    if (consumer == 1) named_barrier_arrive(kTurnBarrier, 256);
+  }
 
   receive_tiles<kKind, kBlockKOf<TA>>(p, t, ring, [&](const Tile& tile) {
 #pragma unroll
@@ -369,6 +383,32 @@ __device__ void consume(const KernelArgs& args, const GroupTable& t, const TileR
       // This warpgroup's 64 rows start 8 KB in for both layouts: 64 K-major rows of 128 B, or the
       // second 64-row MN-major box.
       const uint8_t* a_tile = a + consumer * kBoxBytes;
+      if constexpr (kSplit) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float part[64];
+          named_barrier(kTurnBarrier + consumer, 256);
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < kBlockKBytes / 32; ++kk) {
+            // B's rows 128·half on: 16 KB in (a multiple of the 1024-byte swizzle atom).
+            wgmma_m64n128k32<TA, TB>(part, smem_desc(a_tile + kk * 32, 16, 1024),
+                                     smem_desc(b + half * 16384 + kk * 32, 16, 1024), kk > 0);
+          }
+          wgmma_commit();
+          named_barrier_arrive(kTurnBarrier + 1 - consumer, 256);
+          wgmma_wait<0>();
+#pragma unroll
+          for (int i = 0; i < 64; ++i) acc[64 * half + i] += part[i];
+        }
+        // Both halves have read the slot.
+        if (lane == 0) mbar_arrive(&empty[stage]);
+        if (++stage == Smem<kKind>::kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+        continue;
+      }
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBlockKBytes / 32; ++kk) {
@@ -422,11 +462,15 @@ __device__ void consume(const KernelArgs& args, const GroupTable& t, const TileR
       store_tile_direct<OutT>(p, o, tile, acc, consumer);
     }
   });
+  // Consumer 1's last arrival is still pending on consumer 0's barrier: consume it.
+  if constexpr (kSplit) {
+    if (consumer == 0) named_barrier(kTurnBarrier, 256);
+  }
   // Shared memory must outlive the stores still reading it.
   if (thread == 0) bulk_wait_all();
 }
 
-template <GemmKind kKind, typename TA, typename TB, typename OutT>
+template <GemmKind kKind, typename TA, typename TB, typename OutT, bool kSplit = false>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_sm90_kernel(const __grid_constant__ KernelArgs args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -466,8 +510,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x < kWarpSize) produce<kKind, TA>(args, table, ring, smem, full, empty);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegisters));
-    consume<kKind, TA, TB, OutT>(args, table, ring, smem, full, empty, epilogue,
-                                 threadIdx.x / 128 - 1);
+    consume<kKind, TA, TB, OutT, kSplit>(args, table, ring, smem, full, empty, epilogue,
+                                         threadIdx.x / 128 - 1);
   }
 #else
   __trap();  // this library was built without sm_90a code, and the host side checks for it

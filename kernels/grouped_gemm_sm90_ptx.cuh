@@ -155,8 +155,8 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_
 }
 
 // d[64 × 256] += A[64 × 32] · B[256 × 32]ᵀ in FP8, both K-major in shared memory (FP8 wgmma has
-// no transposed layouts). The accumulation is the tensor core's own, as cuBLASLt's "fast
-// accumulation" (docs/fp8.md, "Numerics").
+// no transposed layouts). The accumulation across the whole reduction is the tensor core's own,
+// as cuBLASLt's "fast accumulation" (docs/fp8.md, "Numerics").
 template <typename TA, typename TB>
 __device__ __forceinline__ void wgmma_m64n256k32(float (&d)[128], uint64_t desc_a,
                                                  uint64_t desc_b) {
@@ -172,6 +172,47 @@ __device__ __forceinline__ void wgmma_m64n256k32(float (&d)[128], uint64_t desc_
   }
 }
 #undef TORCHMOE_WGMMA_N256
+
+// d[64 × 128] (+)= A[64 × 32] · B[128 × 32]ᵀ in FP8, both K-major: d = the product alone when
+// `accumulate` is 0. The split-accumulation path sums a block's products here and adds them to
+// its fp32 accumulators itself (grouped_gemm_sm90_kernel.cuh).
+#define TORCHMOE_WGMMA_N128(TYPES)                                                                 \
+  asm volatile(                                                                                    \
+      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"                                               \
+      " wgmma.mma_async.sync.aligned.m64n128k32.f32." TYPES                                        \
+      " {"                                                                                         \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "      \
+      "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "      \
+      "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "      \
+      "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63},"                                    \
+      " %64, %65, p, 1, 1;\n}"                                                                     \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),        \
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),    \
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), \
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), \
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), \
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), \
+        "+f"(d[63])                                                                                \
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate))
+
+template <typename TA, typename TB>
+__device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
+                                                 int accumulate) {
+  constexpr bool kA4 = std::is_same_v<TA, E4M3>, kB4 = std::is_same_v<TB, E4M3>;
+  if constexpr (kA4 && kB4) {
+    TORCHMOE_WGMMA_N128("e4m3.e4m3");
+  } else if constexpr (kA4) {
+    TORCHMOE_WGMMA_N128("e4m3.e5m2");
+  } else if constexpr (kB4) {
+    TORCHMOE_WGMMA_N128("e5m2.e4m3");
+  } else {
+    TORCHMOE_WGMMA_N128("e5m2.e5m2");
+  }
+}
+#undef TORCHMOE_WGMMA_N128
 
 // Tensor maps written by a kernel (tensormap.replace) are read by TMA through the tensormap
 // proxy: the writer releases its generic-proxy writes, the reader acquires the 128-byte map.
@@ -216,6 +257,10 @@ __device__ __forceinline__ void fence_proxy_async() {
 }
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+// Arrives on a named barrier without waiting (the other threads of its count wait with bar.sync).
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 }  // namespace torchmoe::kernels::sm90

@@ -178,10 +178,15 @@ Backend forced_backend(GemmBackend c) {
                                               : Backend::kReference;
 }
 
+// kAuto's FP8 threshold: experts of at least this many weight elements run per group when host
+// sizes are at hand (see select_fp8_backends).
+constexpr int64_t kFp8LargeExpert = int64_t{1} << 24;
+
 // FP8 products (ops/grouped_gemm_fp8.h) run on the sm90 kernel, the cuBLASLt grouped matmul (when
 // loaded) or per-group cuBLASLt FP8 matmuls; all three products of a call on the same one.
+// host_sizes: the call's split sizes are known on the host.
 ProductBackends select_fp8_backends(const char* op, const at::Tensor& input, const GemmShape& shape,
-                                    int64_t rows, GemmBackend choice) {
+                                    int64_t rows, GemmBackend choice, bool host_sizes) {
   const at::ScalarType dtype = input.scalar_type();
   TORCH_CHECK_NOT_IMPLEMENTED(
       input.is_cuda() && (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16), op,
@@ -198,9 +203,15 @@ ProductBackends select_fp8_backends(const char* op, const at::Tensor& input, con
   if (choice == GemmBackend::kAuto) choice = env_backend_choice();
   if (choice == GemmBackend::kAuto) {
     // kAuto's FP8 table, from bench_grouped_linear_fp8 on the H100 (docs/performance.md, "FP8
-    // GroupedLinear"): the first of sm90, the grouped matmul and per-group matmuls that can run
-    // the call.
-    if (detail::sm90_refusal(input, shape, rows, /*fp8=*/true) == nullptr) {
+    // GroupedLinear"): large experts (mixtral's and deepseek-v3's, 117 M and 29 M weight elements)
+    // run per group when the sizes are on the host: the sm90 kernel's split accumulation in dgrad
+    // and wgrad makes it 0.87-0.89x per-group cuBLASLt there, against 1.6-3.3x on small experts
+    // (4.2 M and fewer); with device sizes alone, per-group matmuls would need a host sync.
+    // Otherwise the first of sm90, the grouped matmul and per-group matmuls that can run the call.
+    const bool large = shape.n * shape.k >= kFp8LargeExpert;
+    if (large && host_sizes) {
+      choice = GemmBackend::kCublasLt;
+    } else if (detail::sm90_refusal(input, shape, rows, /*fp8=*/true) == nullptr) {
       choice = GemmBackend::kSm90;
     } else if (detail::cublaslt_grouped_refusal(input, shape, rows) == nullptr) {
       choice = GemmBackend::kCublasLtGrouped;
@@ -363,8 +374,9 @@ std::vector<GemmPlan> plan_grouped_gemms(const char* op, const at::Tensor& input
   for (size_t i = 0; i < shapes.size(); ++i) {
     TORCH_INTERNAL_ASSERT(shapes[i].groups == groups,
                           "plan_grouped_gemms: layers differ in groups");
-    const ProductBackends backends = fp8 ? select_fp8_backends(op, input, shapes[i], rows, choice)
-                                         : select_backends(op, input, shapes[i], rows, choice);
+    const ProductBackends backends =
+        fp8 ? select_fp8_backends(op, input, shapes[i], rows, choice, m_splits.has_host())
+            : select_backends(op, input, shapes[i], rows, choice);
     plans[i].fp8 = fp8;
     plans[i].backend = backends.fprop;
     plans[i].dgrad_backend = backends.dgrad;

@@ -110,6 +110,8 @@ struct GemmPlan {
 // `input` through gather_rows (defined), the plans' rows are gather_rows' length, not input's.
 // fp8: plans for the FP8 products (all three on one backend), whose table is
 //   CUDA fp32/fp16/bf16, sm_89+, n and k multiples of 16:
+//     kAuto, host sizes and experts of >= 2^24 weight elements
+//                                            -> kCublasLt (measured faster there)
 //     kSm90, or kAuto where the sm90 kernel can run the call (as above, any floating dtype)
 //                                            -> kSm90 (one launch per product with per-tensor
 //                                               scales, device sizes; block scales run per

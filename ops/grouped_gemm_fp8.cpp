@@ -276,6 +276,7 @@ at::Tensor grouped_linear_forward_fp8(const GemmPlan& plan, const SplitQuantized
     auto p = device_fp8_params<kernels::Sm90Fp8GemmParams>(kernels::GemmKind::kFprop, plan, input,
                                                            true, weights, true, output_dtype);
     p.output = output.data_ptr();
+    p.fast_accumulation = fast_accumulation;
     if (!biases.empty()) {
       p.bias = detail::group_address(detail::check_groups(kForwardOp, "biases", biases,
                                                           biases.size(), output, {n}, output_dtype,

@@ -1,18 +1,61 @@
 #!/usr/bin/env python3
-"""Plots a moe_lm training CSV (--csv) as a PNG: train/validation loss and the expert load range.
+"""Plots a moe_lm training CSV (--csv) as a PNG: train/validation loss and the expert load range;
+or, with --compare, the losses of several runs (e.g. bf16 and each --fp8 recipe) in one PNG, each
+run labelled by its file name.
 
 usage: scripts/plot_training.py TRAIN.csv [OUT.png]      (needs matplotlib: pip install matplotlib)
+       scripts/plot_training.py --compare OUT.png A.csv B.csv ...
 """
 import csv
 import sys
 
 
+def read_rows(path):
+    """The CSV's rows, or None after printing why not."""
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+    except OSError as e:
+        print(f"plot_training.py: cannot read {path}: {e.strerror}", file=sys.stderr)
+        return None
+    if not rows or "loss" not in rows[0]:
+        print(f"plot_training.py: {path} is not a moe_lm CSV (no rows or no 'loss' column)", file=sys.stderr)
+        return None
+    return rows
+
+
+def compare(plt, out, paths, window=50):
+    """Train loss (mean over `window` steps) and validation loss of each run on one axis."""
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for path in paths:
+        rows = read_rows(path)
+        if rows is None:
+            return 1
+        label = path.rsplit("/", 1)[-1].rsplit(".", 1)[0]
+        step = [int(r["step"]) for r in rows]
+        loss = [float(r["loss"]) for r in rows]
+        mean = [sum(loss[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(loss))]
+        line = ax.plot(step, mean, label=f"{label}: train (mean of {window} steps)", linewidth=1)[0]
+        val = [(int(r["step"]), float(r["val_loss"])) for r in rows if r["val_loss"]]
+        if val:
+            ax.plot(*zip(*val), "o--", color=line.get_color(), label=f"{label}: validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("nats/byte")
+    ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle("moe_lm: loss per run")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv):
-    if len(argv) not in (2, 3) or argv[1] in ("-h", "--help"):
+    comparing = len(argv) >= 4 and argv[1] == "--compare"
+    if not comparing and (len(argv) not in (2, 3) or argv[1] in ("-h", "--help", "--compare")):
         print(__doc__.strip(), file=sys.stderr)
         return 2
-    path = argv[1]
-    out = argv[2] if len(argv) == 3 else path.rsplit(".", 1)[0] + ".png"
     try:
         import matplotlib
 
@@ -21,14 +64,12 @@ def main(argv):
     except ImportError:
         print("plot_training.py needs matplotlib: python3 -m pip install matplotlib", file=sys.stderr)
         return 1
-    try:
-        with open(path, newline="") as f:
-            rows = list(csv.DictReader(f))
-    except OSError as e:
-        print(f"plot_training.py: cannot read {path}: {e.strerror}", file=sys.stderr)
-        return 1
-    if not rows or "loss" not in rows[0]:
-        print(f"plot_training.py: {path} is not a moe_lm CSV (no rows or no 'loss' column)", file=sys.stderr)
+    if comparing:
+        return compare(plt, argv[2], argv[3:])
+    path = argv[1]
+    out = argv[2] if len(argv) == 3 else path.rsplit(".", 1)[0] + ".png"
+    rows = read_rows(path)
+    if rows is None:
         return 1
 
     step = [int(r["step"]) for r in rows]
