@@ -116,7 +116,7 @@ struct Sm90Fp8GemmParams {
   bool accumulate = false;             // kWgrad: dW_g += product (fp32 only)
   // The tensor cores' accumulation across the whole reduction (cuBLASLt's fast accumulation,
   // TE's choice for fprop), or split accumulation: each 128-deep block's sum added to fp32
-  // accumulators (TE's choice for dgrad and wgrad; measured 1.05-1.2x the time).
+  // accumulators (TE's choice for dgrad and wgrad; measured 1.1-1.2x the time).
   bool fast_accumulation = false;
   int* tile_counter = nullptr;  // kWgrad: device workspace for one int
   void* group_maps = nullptr;   // kWgrad: device workspace of kSm90Fp8MapBytes per group
