@@ -86,6 +86,18 @@ __device__ __forceinline__ T warp_sum(T v) {
   return v;
 }
 
+// The sum of v over lanes 0..this lane (all 32 lanes take part).
+template <typename T>
+__device__ __forceinline__ T warp_inclusive_scan(T v) {
+  const int lane = threadIdx.x % kWarpSize;
+#pragma unroll
+  for (int offset = 1; offset < kWarpSize; offset *= 2) {
+    const T other = __shfl_up_sync(0xffffffffu, v, offset);
+    if (lane >= offset) v += other;
+  }
+  return v;
+}
+
 // A warp covers a row in chunks of 32·V elements; chunk c of row `row` starts at the returned
 // element. Each row starts at a different chunk: with every warp at the same in-row offset, rows
 // of a power-of-two (or otherwise unlucky) byte stride put all warps on the same DRAM partitions

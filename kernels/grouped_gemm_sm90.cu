@@ -264,12 +264,8 @@ __global__ void build_wgrad_maps(const __grid_constant__ CUtensorMap a_template,
   // Exclusive scans of the raw sizes (for the clamping) and of the padded widths.
   int64_t raw = 0;
   for (int g = first; g < last; ++g) raw += split_at(m_splits, splits_int32, g);
-  int64_t raw_prefix = raw;
-  for (int offset = 1; offset < kWarpSize; offset *= 2) {
-    const int64_t other = __shfl_up_sync(0xffffffffu, raw_prefix, offset);
-    if (lane >= offset) raw_prefix += other;
-  }
-  int64_t start = raw_prefix - raw;
+  const int64_t raw_start = warp_inclusive_scan(raw) - raw;
+  int64_t start = raw_start;
   int64_t width = 0;
   for (int g = first; g < last; ++g) {
     const int64_t split = split_at(m_splits, splits_int32, g);
@@ -277,13 +273,8 @@ __global__ void build_wgrad_maps(const __grid_constant__ CUtensorMap a_template,
     width += round_up_columnwise(min(split, rows - begin));
     start += split;
   }
-  int64_t column = width;
-  for (int offset = 1; offset < kWarpSize; offset *= 2) {
-    const int64_t other = __shfl_up_sync(0xffffffffu, column, offset);
-    if (lane >= offset) column += other;
-  }
-  column -= width;
-  start = raw_prefix - raw;
+  int64_t column = warp_inclusive_scan(width) - width;
+  start = raw_start;
   const uint64_t edit_address = reinterpret_cast<uint64_t>(&edit[lane]);
   for (int g = first; g < last; ++g) {
     const int64_t split = split_at(m_splits, splits_int32, g);

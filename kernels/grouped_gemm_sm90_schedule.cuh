@@ -48,12 +48,7 @@ __device__ void build_group_table(const Sm90GemmParams& p, GroupTable t) {
 
   int64_t rows = 0;
   for (int g = first; g < last; ++g) rows += split_at(p.m_splits, p.splits_int32, g);
-  int64_t row_prefix = rows;  // inclusive scan over lanes
-  for (int offset = 1; offset < kWarpSize; offset *= 2) {
-    const int64_t other = __shfl_up_sync(0xffffffffu, row_prefix, offset);
-    if (lane >= offset) row_prefix += other;
-  }
-  int64_t row = row_prefix - rows;
+  int64_t row = warp_inclusive_scan(rows) - rows;
   int tiles = 0;
   for (int g = first; g < last; ++g) {
     const int64_t split = split_at(p.m_splits, p.splits_int32, g);
@@ -64,11 +59,7 @@ __device__ void build_group_table(const Sm90GemmParams& p, GroupTable t) {
     row += split;
     tiles += tiles_of(size);
   }
-  int tile_prefix = tiles;
-  for (int offset = 1; offset < kWarpSize; offset *= 2) {
-    const int other = __shfl_up_sync(0xffffffffu, tile_prefix, offset);
-    if (lane >= offset) tile_prefix += other;
-  }
+  const int tile_prefix = warp_inclusive_scan(tiles);
   int tile = tile_prefix - tiles;
   for (int g = first; g < last; ++g) {
     t.tiles[g] = tile;

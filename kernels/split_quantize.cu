@@ -57,17 +57,6 @@ size_t layout_bytes(int groups) {
   return static_cast<size_t>(groups + 1) * (2 * sizeof(int64_t) + 3 * sizeof(int32_t));
 }
 
-template <typename V>
-__device__ __forceinline__ V warp_inclusive_scan(V v) {
-  const int lane = threadIdx.x % kWarpSize;
-#pragma unroll
-  for (int offset = 1; offset < kWarpSize; offset *= 2) {
-    const V other = __shfl_up_sync(kFullMask, v, offset);
-    if (lane >= offset) v += other;
-  }
-  return v;
-}
-
 // Warp 0 scans the split sizes 32 at a time; the block waits for it.
 __device__ SplitLayout build_layout(const SplitQuantizeParams& p, char* shared) {
   const int groups = p.num_groups;

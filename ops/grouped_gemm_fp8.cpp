@@ -239,6 +239,45 @@ kernels::Fp8GemmResult run(const at::Tensor& like, const kernels::Fp8GroupedGemm
   return kernels::run_grouped_gemm_cublaslt_fp8(params, launch.env);
 }
 
+// fprop and dgrad as one cuBLASLt FP8 matmul per split, with host sizes: out[rows of g, width] =
+// a_g [m_g, reduction] · b_g[width, reduction]ᵀ, a the rowwise copy of x or dy, b the weights'
+// rowwise (fprop) or columnwise (dgrad) copy; biases (fprop) none or one per group. Runs 1x128
+// row operands padded to 4 rows (OutputRows) and returns the real rows.
+at::Tensor per_group_rows_product(const SplitQuantized& a, const SplitQuantized& weights,
+                                  bool weights_rowwise, c10::IntArrayRef sizes, int64_t width,
+                                  int64_t reduction, at::ScalarType output_dtype,
+                                  bool fast_accumulation, const GroupedTensors& biases) {
+  const std::vector<int64_t> weight_sizes(sizes.size(), weights_rowwise ? width : reduction);
+  const OutputRows layout = output_rows(a, sizes);
+  at::Tensor output = at::empty({layout.total, width}, a.data.options().dtype(output_dtype));
+  const OperandGroups ag = operand_groups(a, true, sizes, reduction);
+  const OperandGroups bg =
+      operand_groups(weights, weights_rowwise, weight_sizes, weights_rowwise ? reduction : width);
+  kernels::Fp8GroupedGemmParams p = product_params(a, weights, width, output_dtype);
+  p.fast_accumulation = fast_accumulation;
+  const size_t out_size = output.element_size();
+  for (size_t g = 0; g < sizes.size(); ++g) {
+    kernels::Fp8GemmGroup group;
+    group.m = sizes[g] == 0 ? 0 : layout.gemm_rows[g];
+    group.kk = reduction;
+    group.a = ag.data[g];
+    group.b = bg.data[g];
+    group.a_scale_inv = ag.scale_inv[g];
+    group.b_scale_inv = bg.scale_inv[g];
+    group.output = static_cast<char*>(output.data_ptr()) + layout.first[g] * width * out_size;
+    group.bias = biases.empty() ? nullptr : biases[g].const_data_ptr();
+    p.groups.push_back(group);
+  }
+  const kernels::Fp8GemmResult result = run(output, p);
+  if (layout.padded) output = unpad_rows(output, layout, sizes);
+  if (!biases.empty() && !result.bias_applied) {
+    detail::for_each_group(sizes, [&](size_t g, int64_t first, int64_t rows) {
+      if (rows > 0) output.narrow(0, first, rows).add_(biases[g]);
+    });
+  }
+  return output;
+}
+
 void check_output_dtype(const char* op, at::ScalarType dtype) {
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op,
               ": the output dtype must be float32, float16 or bfloat16, got ", dtype);
@@ -294,34 +333,8 @@ at::Tensor grouped_linear_forward_fp8(const GemmPlan& plan, const SplitQuantized
     if (plan.rows > 0) detail::cublaslt_grouped_fp8(output, p);
     return output;
   }
-  const std::vector<int64_t> sizes = host_sizes(plan);
-  const OutputRows layout = output_rows(input, sizes);
-  at::Tensor output = at::empty({layout.total, n}, input.data.options().dtype(output_dtype));
-  const OperandGroups a = operand_groups(input, true, sizes, k);
-  const OperandGroups b = operand_groups(weights, true, weight_sizes, k);
-  kernels::Fp8GroupedGemmParams p = product_params(input, weights, n, output_dtype);
-  p.fast_accumulation = fast_accumulation;
-  const size_t out_size = output.element_size();
-  for (size_t g = 0; g < sizes.size(); ++g) {
-    kernels::Fp8GemmGroup group;
-    group.m = sizes[g] == 0 ? 0 : layout.gemm_rows[g];
-    group.kk = k;
-    group.a = a.data[g];
-    group.b = b.data[g];
-    group.a_scale_inv = a.scale_inv[g];
-    group.b_scale_inv = b.scale_inv[g];
-    group.output = static_cast<char*>(output.data_ptr()) + layout.first[g] * n * out_size;
-    group.bias = biases.empty() ? nullptr : biases[g].const_data_ptr();
-    p.groups.push_back(group);
-  }
-  const kernels::Fp8GemmResult result = run(output, p);
-  if (layout.padded) output = unpad_rows(output, layout, sizes);
-  if (!biases.empty() && !result.bias_applied) {
-    detail::for_each_group(sizes, [&](size_t g, int64_t first, int64_t rows) {
-      if (rows > 0) output.narrow(0, first, rows).add_(biases[g]);
-    });
-  }
-  return output;
+  return per_group_rows_product(input, weights, true, host_sizes(plan), n, k, output_dtype,
+                                fast_accumulation, biases);
 }
 
 at::Tensor grouped_linear_dgrad_fp8(const GemmPlan& plan, const SplitQuantized& grad_output,
@@ -357,27 +370,8 @@ at::Tensor grouped_linear_dgrad_fp8(const GemmPlan& plan, const SplitQuantized& 
     }
     return grad_input;
   }
-  const std::vector<int64_t> sizes = host_sizes(plan);
-  const OutputRows layout = output_rows(grad_output, sizes);
-  at::Tensor grad_input =
-      at::empty({layout.total, k}, grad_output.data.options().dtype(output_dtype));
-  const OperandGroups a = operand_groups(grad_output, true, sizes, n);
-  const OperandGroups b = operand_groups(weights, false, weight_sizes, k);
-  kernels::Fp8GroupedGemmParams p = product_params(grad_output, weights, k, output_dtype);
-  const size_t out_size = grad_input.element_size();
-  for (size_t g = 0; g < sizes.size(); ++g) {
-    kernels::Fp8GemmGroup group;
-    group.m = sizes[g] == 0 ? 0 : layout.gemm_rows[g];
-    group.kk = n;
-    group.a = a.data[g];
-    group.b = b.data[g];
-    group.a_scale_inv = a.scale_inv[g];
-    group.b_scale_inv = b.scale_inv[g];
-    group.output = static_cast<char*>(grad_input.data_ptr()) + layout.first[g] * k * out_size;
-    p.groups.push_back(group);
-  }
-  run(grad_input, p);
-  return layout.padded ? unpad_rows(grad_input, layout, sizes) : grad_input;
+  return per_group_rows_product(grad_output, weights, false, host_sizes(plan), k, n, output_dtype,
+                                /*fast_accumulation=*/false, {});
 }
 
 void grouped_linear_wgrad_fp8(const GemmPlan& plan, const SplitQuantized& input,
@@ -397,16 +391,9 @@ void grouped_linear_wgrad_fp8(const GemmPlan& plan, const SplitQuantized& input,
   check_output_dtype(kWgradOp, out_dtype);
   TORCH_CHECK(!accumulate || out_dtype == at::kFloat, kWgradOp,
               ": accumulating needs float32 weight_grads_out (main-grad), got ", out_dtype);
-  std::vector<void*> outputs(static_cast<size_t>(groups));
-  for (int64_t g = 0; g < groups; ++g) {
-    const at::Tensor t = weight_grads_out[static_cast<size_t>(g)];
-    TORCH_CHECK(t.sizes() == at::IntArrayRef({n, k}) && t.scalar_type() == out_dtype &&
-                    t.is_contiguous() && t.device() == plan.device,
-                kWgradOp, ": weight_grads_out[", g, "] must be a contiguous [", n, ", ", k, "] ",
-                out_dtype, " tensor on ", plan.device, ", got ", t.scalar_type(), " ", t.sizes(),
-                " on ", t.device());
-    outputs[static_cast<size_t>(g)] = t.data_ptr();
-  }
+  const detail::CheckedGroups checked = detail::check_groups(
+      kWgradOp, "weight_grads_out", weight_grads_out, static_cast<size_t>(groups),
+      input.columnwise_data, {n, k}, out_dtype, "weight_grads_out[0]'s dtype");
   const c10::cuda::CUDAGuard guard(plan.device);
   const Engine engine = engine_of(plan, grad_output, input, false);
   if (engine != Engine::kPerGroup) {
@@ -416,9 +403,6 @@ void grouped_linear_wgrad_fp8(const GemmPlan& plan, const SplitQuantized& input,
       }
       return;
     }
-    const detail::CheckedGroups checked = detail::check_groups(
-        kWgradOp, "weight_grads_out", weight_grads_out, static_cast<size_t>(groups),
-        weight_grads_out[0], {n, k}, out_dtype, "weight_grads_out[0]'s dtype");
     TORCH_CHECK(checked.aligned, kWgradOp, ": weight_grads_out must start on 16-byte boundaries");
     if (engine == Engine::kSm90) {
       auto p = device_fp8_params<kernels::Sm90Fp8GemmParams>(
@@ -448,7 +432,7 @@ void grouped_linear_wgrad_fp8(const GemmPlan& plan, const SplitQuantized& input,
     group.b = b.data[g];
     group.a_scale_inv = a.scale_inv[g];
     group.b_scale_inv = b.scale_inv[g];
-    group.output = outputs[g];
+    group.output = checked.mutable_data(g);
     p.groups.push_back(group);
   });
   run(weight_grads_out[0], p);

@@ -13,6 +13,7 @@
 
 #include <functional>
 #include <numeric>
+#include <optional>
 
 #include "test_utils.h"
 
@@ -92,24 +93,11 @@ void check_graph_matches_eager(const GraphStep& s, const std::function<int64_t(i
 const std::vector<std::vector<int64_t>> kTrialSplits = {
     {40, 0, 100, 7, 60, 33}, {1, 90, 0, 0, 120, 50}, {0, 0, 0, 250, 0, 9}};
 
-}  // namespace
-
-TEST_CASE("GroupedLinear with device splits replays in a CUDA graph",
-          "[modules][grouped_linear][cuda][graph]") {
-  // Device splits: the sm90 kernel, or the cuBLASLt grouped matmul (cuBLASLt >= 13.8 loaded).
-  const auto backend =
-      GENERATE(torchmoe::GemmBackend::kSm90, torchmoe::GemmBackend::kCublasLtGrouped);
-  TORCHMOE_REQUIRE_GEMM_BACKEND(backend);
-  const bool single = GENERATE(false, true);
-  INFO("backend " << static_cast<int>(backend) << ", single_grouped_weight " << single);
-  torch::manual_seed(21);
+// A GroupedLinear [6 experts, 128 → 256] step on static buffers, under `recipe` when it has one.
+void check_linear_graph(const torchmoe::GroupedLinearOptions& options,
+                        const std::optional<torchmoe::fp8::Recipe>& recipe) {
   const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
-  torchmoe::GroupedLinear layer(torchmoe::GroupedLinearOptions(6, 128, 256)
-                                    .params_dtype(torch::kBFloat16)
-                                    .device(torch::kCUDA)
-                                    .single_grouped_weight(single)
-                                    .single_grouped_bias(single)
-                                    .gemm_backend(backend));
+  torchmoe::GroupedLinear layer(options);
   const torch::Tensor x = torch::zeros({kRows, 128}, cuda).requires_grad_();
   const torch::Tensor dy = torch::zeros({kRows, 256}, cuda);
   const torch::Tensor splits = torch::zeros({6}, cuda.dtype(torch::kLong));
@@ -122,13 +110,40 @@ TEST_CASE("GroupedLinear with device splits replays in a CUDA graph",
   };
   GraphStep s;
   s.step = [&] {
-    torch::Tensor y = layer(x, torchmoe::SplitSizes(splits));
+    torch::Tensor y;
+    {
+      const torchmoe::fp8::Autocast fp8(recipe.value_or(torchmoe::fp8::CurrentScaling()),
+                                        recipe.has_value());
+      y = layer(x, torchmoe::SplitSizes(splits));
+    }
     y.backward(dy);
     return y;
   };
   s.leaves = {x};
   s.params = layer->parameters();
+  // FP8: the quantizes' temporaries precede y in the graph's pool.
+  s.padding_kept = !recipe.has_value();
   check_graph_matches_eager(s, refill);
+}
+
+}  // namespace
+
+TEST_CASE("GroupedLinear with device splits replays in a CUDA graph",
+          "[modules][grouped_linear][cuda][graph]") {
+  // Device splits: the sm90 kernel, or the cuBLASLt grouped matmul (cuBLASLt >= 13.8 loaded).
+  const auto backend =
+      GENERATE(torchmoe::GemmBackend::kSm90, torchmoe::GemmBackend::kCublasLtGrouped);
+  TORCHMOE_REQUIRE_GEMM_BACKEND(backend);
+  const bool single = GENERATE(false, true);
+  INFO("backend " << static_cast<int>(backend) << ", single_grouped_weight " << single);
+  torch::manual_seed(21);
+  check_linear_graph(torchmoe::GroupedLinearOptions(6, 128, 256)
+                         .params_dtype(torch::kBFloat16)
+                         .device(torch::kCUDA)
+                         .single_grouped_weight(single)
+                         .single_grouped_bias(single)
+                         .gemm_backend(backend),
+                     std::nullopt);
 }
 
 TEST_CASE("FP8 GroupedLinear with device splits replays in a CUDA graph",
@@ -142,39 +157,14 @@ TEST_CASE("FP8 GroupedLinear with device splits replays in a CUDA graph",
   const bool delayed = GENERATE(false, true);
   INFO("backend " << static_cast<int>(backend) << ", delayed scaling " << delayed);
   torch::manual_seed(23);
-  const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
-  torchmoe::GroupedLinear layer(torchmoe::GroupedLinearOptions(6, 128, 256)
-                                    .params_dtype(torch::kBFloat16)
-                                    .device(torch::kCUDA)
-                                    .fp8_amax_history_len(delayed ? 4 : 0)
-                                    .gemm_backend(backend));
-  const torch::Tensor x = torch::zeros({kRows, 128}, cuda).requires_grad_();
-  const torch::Tensor dy = torch::zeros({kRows, 256}, cuda);
-  const torch::Tensor splits = torch::zeros({6}, cuda.dtype(torch::kLong));
-  auto refill = [&](int trial) {
-    const torch::NoGradGuard no_grad;
-    x.detach().copy_(torch::randn({kRows, 128}, cuda));
-    dy.copy_(torch::randn({kRows, 256}, cuda));
-    splits.copy_(torch::tensor(kTrialSplits[trial], torch::kLong));
-    return std::accumulate(kTrialSplits[trial].begin(), kTrialSplits[trial].end(), int64_t{0});
-  };
-  const torchmoe::fp8::Recipe recipe =
+  check_linear_graph(
+      torchmoe::GroupedLinearOptions(6, 128, 256)
+          .params_dtype(torch::kBFloat16)
+          .device(torch::kCUDA)
+          .fp8_amax_history_len(delayed ? 4 : 0)
+          .gemm_backend(backend),
       delayed ? torchmoe::fp8::Recipe(torchmoe::fp8::DelayedScaling().amax_history_len(4))
-              : torchmoe::fp8::Recipe(torchmoe::fp8::CurrentScaling());
-  GraphStep s;
-  s.step = [&] {
-    torch::Tensor y;
-    {
-      const torchmoe::fp8::Autocast fp8(recipe);
-      y = layer(x, torchmoe::SplitSizes(splits));
-    }
-    y.backward(dy);
-    return y;
-  };
-  s.leaves = {x};
-  s.params = layer->parameters();
-  s.padding_kept = false;  // the quantizes' temporaries precede y in the graph's pool
-  check_graph_matches_eager(s, refill);
+              : torchmoe::fp8::Recipe(torchmoe::fp8::CurrentScaling()));
 }
 
 TEST_CASE("GroupedMLP with device splits replays in a CUDA graph",
