@@ -561,7 +561,8 @@ TEST_CASE("GroupedMLP FP8 is close to the same module in bf16", "[modules][fp8][
   CHECK(relative_error(out.y.to(torch::kFloat), ref.y.to(torch::kFloat)) > 0.01);
 }
 
-TEST_CASE("GroupedLinear FP8 refusals on CUDA", "[modules][fp8][cuda][errors]") {
+TEST_CASE("GroupedLinear FP8 on CUDA: refusals, and forced backends agree",
+          "[modules][fp8][cuda][errors]") {
   TORCHMOE_REQUIRE_CUDA();
   const torch::Tensor x = make_input();
   SECTION("DelayedScaling needs the layer's FP8 state") {
