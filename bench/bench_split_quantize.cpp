@@ -7,8 +7,8 @@
 //
 // Bytes counted (each tensor once): the input [M, K] read, both FP8 copies [M, K] written, and the
 // scales and amaxes written, so that the copy of the input (read 2MK, write 2MK bytes) moves the
-// same data bytes. Current scaling reads the input twice (an amax pass, then the cast), which the
-// count does not include: its ceiling is 4/6 of copy bandwidth.
+// same data bytes. Current scaling reads the input twice (each split's amax, then its cast; the
+// second read partly from L2), which the count does not include.
 
 #include <ATen/cuda/CUDAContext.h>
 #include <torchmoe/ops/quantize.h>

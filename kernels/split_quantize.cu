@@ -8,19 +8,24 @@
 // setup launch and no host copy.
 //
 // Per tile each thread loads P consecutive rows × V columns with 16-byte loads straight into
-// registers (V = 16 / sizeof(T); 16 threads per row for 16-bit types, 32 for fp32), so the
-// input is read once and never staged. Row amaxes are shuffles among the threads of a row,
-// column and tile amaxes go through a small shared-memory reduction. The rowwise copy is stored
-// from registers (128 contiguous bytes per row segment); the columnwise copy goes through a
-// 128×128-byte shared tile, written as one 8-byte chunk of P rows per column and read back as
-// 16-byte row segments of the transposed output. The chunks are XOR-swizzled by column so that
-// both the column writes (lanes 8 or 4 columns apart) and the row reads (two output rows per
-// half-warp) are free of bank conflicts.
+// registers (V = 16 / sizeof(T); 16 threads per row for 16-bit types, 32 for fp32), so the input
+// is read once and never staged, and works on them as 32-bit words: amaxes of 16-bit inputs stay
+// packed (two elements per instruction), casts produce four FP8 bytes per word. Row amaxes are
+// shuffles among the threads of a row, column amaxes go through a small shared-memory reduction,
+// and each warp maxes its part of a tile into the split's amax (no barrier). The rowwise copy is
+// stored from registers (V contiguous bytes per thread and row); the columnwise copy goes through
+// a 128×128-byte shared tile, written as one 8-byte chunk of P rows per column (a 4×4 byte
+// transpose in registers, or the column cast for 1×128 blocks) and read back as 16-byte row
+// segments of the transposed output. The chunks are XOR-swizzled by column so that both the
+// column writes (lanes 8 or 4 columns apart) and the row reads (two output rows per half-warp)
+// are free of bank conflicts.
 //
-// kCurrent needs each split's amax before any of its elements can be cast, so it runs the same
-// tile walk twice: an amax-only pass, then the cast pass, which derives the scale from the
-// amax. The input is therefore read twice (6 bytes moved per 4 counted for bf16 with both
-// copies); the other scalings are a single pass.
+// kCurrent needs each split's amax before any of its elements can be cast. The same launch
+// visits every tile twice, first for its split's amax, later for its cast, the amax visits
+// running a split and a wave of tiles ahead so that a cast seldom waits and finds part of its
+// split still in L2. A cast waits (spinning on a per-split count of finished amax visits) only
+// for visits handed out before it: items come in order from a counter, so the visits it waits
+// for belong to running blocks.
 
 #include "torchmoe/kernels/split_quantize.h"
 
@@ -28,6 +33,7 @@
 
 #include <cfloat>
 #include <cstdint>
+#include <type_traits>
 
 #include "torchmoe/kernels/device_types.cuh"
 
@@ -38,11 +44,9 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / kWarpSize;
 constexpr int kTile = static_cast<int>(kQuantizeBlock);
 constexpr unsigned kFullMask = 0xffffffffu;
-// Three blocks per SM (at most 80 registers): up to 96 KB of 16-bit input loads in flight per SM.
-// Unbounded, ptxas took ~128 registers (two blocks); at 80 it spills at most 8 bytes.
+// Three blocks per SM (at most 80 registers; unbounded, ptxas took ~128, two blocks): up to 96 KB
+// of 16-bit input loads in flight per SM.
 constexpr int kMinBlocks = 3;
-
-enum class Pass { kAmax, kCast };
 
 // Where each split lives, from the clamped split sizes: G + 1 entries each (entry G: the totals).
 struct SplitLayout {
@@ -51,10 +55,12 @@ struct SplitLayout {
   int32_t* tiles;   // Σ_{h<g} ceil(m_h / 128): row tiles before split g
   int32_t* rows4;   // Σ_{h<g} r4(m_h)
   int32_t* tiles4;  // Σ_{h<g} r4(ceil(m_h / 128))
+  int32_t* largest;  // one entry: max_g ceil(m_g / 128)
 };
 
 size_t layout_bytes(int groups) {
-  return static_cast<size_t>(groups + 1) * (2 * sizeof(int64_t) + 3 * sizeof(int32_t));
+  return static_cast<size_t>(groups + 1) * (2 * sizeof(int64_t) + 3 * sizeof(int32_t)) +
+         sizeof(int32_t);
 }
 
 // Warp 0 scans the split sizes 32 at a time; the block waits for it.
@@ -66,6 +72,7 @@ __device__ SplitLayout build_layout(const SplitQuantizeParams& p, char* shared) 
   l.tiles = reinterpret_cast<int32_t*>(l.cstart + groups + 1);
   l.rows4 = l.tiles + groups + 1;
   l.tiles4 = l.rows4 + groups + 1;
+  l.largest = l.tiles4 + groups + 1;
   if (threadIdx.x < kWarpSize) {
     const int lane = threadIdx.x;
     // Sizes are capped at `rows` and the running sum clamped at every step: garbage sizes clamp
@@ -80,7 +87,7 @@ __device__ SplitLayout build_layout(const SplitQuantizeParams& p, char* shared) 
     }
     if (lane == 0) l.start[groups] = carry;
     __syncwarp();
-    int32_t tiles = 0, rows4 = 0, tiles4 = 0;
+    int32_t tiles = 0, rows4 = 0, tiles4 = 0, largest = 0;
     int64_t rows16 = 0;
     for (int base = 0; base < groups; base += kWarpSize) {
       const int g = base + lane;
@@ -93,6 +100,7 @@ __device__ SplitLayout build_layout(const SplitQuantizeParams& p, char* shared) 
         r4 = static_cast<int32_t>((m + 3) / 4 * 4);
         mb4 = (mb + 3) / 4 * 4;
       }
+      largest = max(largest, mb);
       const int32_t i_mb = warp_inclusive_scan(mb), i_r4 = warp_inclusive_scan(r4),
                     i_mb4 = warp_inclusive_scan(mb4);
       const int64_t i_r16 = warp_inclusive_scan(r16);
@@ -113,6 +121,11 @@ __device__ SplitLayout build_layout(const SplitQuantizeParams& p, char* shared) 
       l.rows4[groups] = rows4;
       l.tiles4[groups] = tiles4;
     }
+#pragma unroll
+    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+      largest = max(largest, __shfl_xor_sync(kFullMask, largest, offset));
+    }
+    if (lane == 0) *l.largest = largest;
   }
   __syncthreads();
   return l;
@@ -120,7 +133,7 @@ __device__ SplitLayout build_layout(const SplitQuantizeParams& p, char* shared) 
 
 // The split owning global row tile `rt`: the last g with tiles[g] <= rt (empty splits share
 // their successor's prefix and are skipped).
-__device__ __forceinline__ int split_of_tile(const SplitLayout& l, int groups, int64_t rt) {
+__device__ __forceinline__ int split_of_tile(const SplitLayout& l, int groups, int32_t rt) {
   int lo = 0, hi = groups;  // tiles[lo] <= rt < tiles[hi]
   while (hi - lo > 1) {
     const int mid = (lo + hi) / 2;
@@ -173,13 +186,18 @@ __device__ __forceinline__ uint16_t cast2(float a, float b) {
   return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, F);
 }
 
-// Max over the block; every thread gets it. `scratch`: kWarps floats. Ends with the block
-// synchronized, so scratch may be reused at once.
-__device__ __forceinline__ float block_max(float v, float* scratch) {
+__device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
     v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offset));
   }
+  return v;
+}
+
+// Max over the block; every thread gets it. `scratch`: kWarps floats. Ends with the block
+// synchronized, so scratch may be reused at once.
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  v = warp_max(v);
   if (threadIdx.x % kWarpSize == 0) scratch[threadIdx.x / kWarpSize] = v;
   __syncthreads();
   float m = scratch[0];
@@ -187,6 +205,81 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
   for (int w = 1; w < kWarps; ++w) m = fmaxf(m, scratch[w]);
   __syncthreads();
   return m;
+}
+
+// ---- a thread's 16-byte piece of a row (V elements) as four 32-bit words ----
+// 16-bit types hold elements 2w and 2w + 1 in word w (the first in the low half), fp32 one
+// element per word. The arithmetic below works on whole words: the amaxes of 16-bit inputs stay
+// packed (two elements per instruction) and the casts produce four FP8 bytes per word.
+
+template <typename T>
+struct PackedPair {  // 16-bit types
+  using Type = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+};
+
+// Running max |x| over words (NaN ignored, as abs_max).
+template <typename T>
+struct AbsMax {
+  using T2 = typename PackedPair<T>::Type;
+  T2 m = as_pair(0u);
+  __device__ __forceinline__ void add(uint32_t w) { m = __hmax2(m, __habs2(as_pair(w))); }
+  __device__ __forceinline__ float value() const {
+    const float2 f = to_float2(m);
+    return fmaxf(f.x, f.y);
+  }
+  __device__ __forceinline__ float lo() const { return to_float2(m).x; }
+  __device__ __forceinline__ float hi() const { return to_float2(m).y; }
+
+ private:
+  __device__ __forceinline__ static T2 as_pair(uint32_t w) { return *reinterpret_cast<T2*>(&w); }
+  __device__ __forceinline__ static float2 to_float2(__nv_bfloat162 v) {
+    return __bfloat1622float2(v);
+  }
+  __device__ __forceinline__ static float2 to_float2(__half2 v) { return __half22float2(v); }
+};
+template <>
+struct AbsMax<float> {
+  float m = 0.0f;
+  __device__ __forceinline__ void add(uint32_t w) { m = abs_max(m, __uint_as_float(w)); }
+  __device__ __forceinline__ float value() const { return m; }
+};
+
+// Element j of a piece, as fp32.
+template <typename T>
+__device__ __forceinline__ float element_at(const uint32_t (&w)[4], int j) {
+  if constexpr (std::is_same_v<T, float>) {
+    return __uint_as_float(w[j]);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    // A bf16 is the upper half of the fp32 of the same value.
+    return __uint_as_float(j % 2 == 0 ? w[j / 2] << 16 : w[j / 2] & 0xffff0000u);
+  } else {
+    const __half2 h = *reinterpret_cast<const __half2*>(&w[j / 2]);
+    return __half2float(j % 2 == 0 ? __low2half(h) : __high2half(h));
+  }
+}
+
+// The piece cast with `scale`: V FP8 bytes, four per word, in element order.
+template <typename T, __nv_fp8_interpretation_t F>
+__device__ __forceinline__ void cast_piece(const uint32_t (&w)[4], float scale,
+                                           uint32_t (&out)[16 / sizeof(T) / 4]) {
+#pragma unroll
+  for (int o = 0; o < 16 / static_cast<int>(sizeof(T)) / 4; ++o) {
+    const int j = 4 * o;
+    const uint32_t lo = cast2<F>(element_at<T>(w, j) * scale, element_at<T>(w, j + 1) * scale);
+    const uint32_t hi = cast2<F>(element_at<T>(w, j + 2) * scale, element_at<T>(w, j + 3) * scale);
+    out[o] = __byte_perm(lo, hi, 0x5410);
+  }
+}
+
+// 4×4 byte transpose: r[i] holds bytes (row i, columns 0..3); c[j] gets (rows 0..3, column j).
+__device__ __forceinline__ void transpose4x4(uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3,
+                                             uint32_t (&c)[4]) {
+  const uint32_t t0 = __byte_perm(r0, r1, 0x5140), t1 = __byte_perm(r0, r1, 0x7362);
+  const uint32_t t2 = __byte_perm(r2, r3, 0x5140), t3 = __byte_perm(r2, r3, 0x7362);
+  c[0] = __byte_perm(t0, t2, 0x5410);
+  c[1] = __byte_perm(t0, t2, 0x7632);
+  c[2] = __byte_perm(t1, t3, 0x5410);
+  c[3] = __byte_perm(t1, t3, 0x7632);
 }
 
 // The 8-byte chunk of output row c (tile column c) that holds tile rows [8·q, 8·q + 8) sits at
@@ -197,7 +290,64 @@ __device__ __forceinline__ int swizzle(int c) {
   return ((c / V) ^ (c & 1)) & 15;
 }
 
-template <typename T, __nv_fp8_interpretation_t F, QuantizeScaling S, Pass kPass>
+// kCurrent's items in ticket order: each tile twice, first for its split's amax, then for its cast,
+// the amax items `lag` tiles ahead of the casts: t < lag: amax of tile t; then amax and cast
+// alternate (amax of tile lag + u/2, cast of tile u/2); the last `lag` tickets are casts.
+struct Item {
+  int64_t tile;
+  bool amax_only;
+};
+
+__device__ __forceinline__ Item current_item(int64_t t, int64_t tiles, int64_t lag) {
+  if (t < lag) return {t, true};
+  const int64_t u = t - lag;
+  if (u < 2 * (tiles - lag)) return u % 2 == 0 ? Item{lag + u / 2, true} : Item{u / 2, false};
+  return {t - tiles, false};
+}
+
+// Where a 128×128 tile lies: its split, its place in the split, and its first input row.
+template <typename T>
+struct TileSpot {
+  int g;
+  int mb, kb;          // row tile within the split, column tile
+  int64_t m;           // rows of the split
+  int64_t row0, col0;  // global row (in the outputs) and column of element (0, 0)
+  int rows_valid, cols_valid;
+  const T* input;  // element (0, 0) in the input or in split g's own tensor
+};
+
+template <typename T>
+__device__ __forceinline__ TileSpot<T> locate(const SplitQuantizeParams& p, const SplitLayout& l,
+                                              int64_t tile, int64_t col_tiles) {
+  TileSpot<T> s;
+  // 32-bit: a 64-bit division is several times the cost, and the launch checks the count fits.
+  const auto rt =
+      static_cast<int32_t>(static_cast<uint32_t>(tile) / static_cast<uint32_t>(col_tiles));
+  s.kb = static_cast<int>(tile - static_cast<int64_t>(rt) * col_tiles);
+  s.g = split_of_tile(l, p.num_groups, rt);
+  const int64_t start = l.start[s.g];
+  s.m = l.start[s.g + 1] - start;
+  s.mb = static_cast<int>(rt - l.tiles[s.g]);
+  s.row0 = start + static_cast<int64_t>(s.mb) * kTile;
+  s.rows_valid =
+      static_cast<int>(min(static_cast<int64_t>(kTile), s.m - static_cast<int64_t>(s.mb) * kTile));
+  s.col0 = static_cast<int64_t>(s.kb) * kTile;
+  s.cols_valid = static_cast<int>(min(static_cast<int64_t>(kTile), p.k - s.col0));
+  const T* input = static_cast<const T*>(p.input) + s.row0 * p.k;
+  if (p.split_inputs.base != nullptr || p.split_inputs.table != nullptr) {
+    input = group_ptr<T>(p.split_inputs, s.g) + static_cast<int64_t>(s.mb) * kTile * p.k;
+  }
+  s.input = input + s.col0;
+  return s;
+}
+
+__device__ __forceinline__ int load_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+template <typename T, __nv_fp8_interpretation_t F, QuantizeScaling S>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     split_quantize_kernel(const SplitQuantizeParams p, float max_fp8) {
   constexpr int V = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte load
@@ -205,100 +355,130 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   constexpr int kRowGroups = kThreads / kRowThreads;   // 16 or 8
   constexpr int P = kTile / kRowGroups;                // rows per thread: 8 or 16
   constexpr bool kPerTensor = S == QuantizeScaling::kCurrent || S == QuantizeScaling::kDelayed;
+  constexpr bool kCurrent = S == QuantizeScaling::kCurrent;
   static_assert(P % 8 == 0 && V % 2 == 0, "whole 8-byte chunks and fp8 pairs");
 
   extern __shared__ __align__(16) char dynamic_shared[];
   __shared__ __align__(16) uint8_t transposed[kTile * kTile];
-  __shared__ float column_partial[kWarps][kTile];
-  __shared__ float column_scale[kTile];
+  __shared__ __align__(16) float column_partial[kWarps][kTile];
+  __shared__ __align__(16) float column_scale[kTile];
   __shared__ float scratch[kWarps];
+  __shared__ int64_t ticket[2];  // kCurrent: the item of this iteration, by its parity
+  __shared__ float split_scale;  // kCurrent: the scale of the cast item's split
 
   const int groups = p.num_groups;
   const SplitLayout layout = build_layout(p, dynamic_shared);
   const float value_for_inf = kPerTensor ? FLT_MAX : InputLimits<T>::kMax;
 
-  // One scale_inv per split, empty splits included (they own no tile).
-  if constexpr (kPass == Pass::kCast && kPerTensor) {
+  // One scale_inv per split. kDelayed: all here. kCurrent: the empty splits here (their amax is
+  // the launch's zero), the others by the cast of their first tile, once their amax is complete.
+  if constexpr (kPerTensor) {
     if (blockIdx.x == 0) {
       for (int g = threadIdx.x; g < groups; g += kThreads) {
-        const float scale = S == QuantizeScaling::kDelayed
-                                ? p.scale[g]
-                                : scale_from_amax(p.amax[g], max_fp8, p.power_of_2_scales,
-                                                  p.epsilon, value_for_inf);
+        if (kCurrent && layout.start[g + 1] > layout.start[g]) continue;
+        const float scale =
+            kCurrent ? scale_from_amax(0.0f, max_fp8, p.power_of_2_scales, p.epsilon, value_for_inf)
+                     : p.scale[g];
         p.scale_inv[g] = __frcp_rn(scale);
       }
     }
   }
-  const bool writes_amax =
-      kPass == Pass::kAmax || (S != QuantizeScaling::kCurrent && p.amax != nullptr);
+  const bool writes_amax = !kCurrent && p.amax != nullptr;
 
-  const T* input = static_cast<const T*>(p.input);
   uint8_t* rowwise = static_cast<uint8_t*>(p.rowwise);
   uint8_t* columnwise = static_cast<uint8_t*>(p.columnwise);
   const int64_t k = p.k;
   const int64_t col_tiles = (k + kTile - 1) / kTile;
-  const int64_t total_tiles = static_cast<int64_t>(layout.tiles[groups]) * col_tiles;
+  const int64_t tiles = static_cast<int64_t>(layout.tiles[groups]) * col_tiles;
   const int lane_col = threadIdx.x % kRowThreads;
   const int c0 = lane_col * V;                   // first tile column of this thread
   const int r0 = threadIdx.x / kRowThreads * P;  // first tile row of this thread
   const int warp = threadIdx.x / kWarpSize;
 
-  for (int64_t tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-    const int64_t rt = tile / col_tiles;
-    const int kb = static_cast<int>(tile - rt * col_tiles);
-    const int g = split_of_tile(layout, groups, rt);
-    const int64_t start = layout.start[g];
-    const int64_t m = layout.start[g + 1] - start;
-    const int mb = static_cast<int>(rt - layout.tiles[g]);
-    const int64_t row0 = start + static_cast<int64_t>(mb) * kTile;  // global row of tile row 0
-    const int rows_valid =
-        static_cast<int>(min(static_cast<int64_t>(kTile), m - static_cast<int64_t>(mb) * kTile));
-    const int64_t col0 = static_cast<int64_t>(kb) * kTile;
-    const int cols_valid = static_cast<int>(min(static_cast<int64_t>(kTile), k - col0));
-    const bool col_ok = c0 < cols_valid;  // k % 16 == 0: a vector is wholly in or out
+  // kCurrent: items come from a ticket counter, so a block only ever waits for items of smaller
+  // tickets, which running blocks hold: no deadlock whatever is resident. The other scalings take
+  // tiles in a grid-stride loop.
+  const int64_t items = kCurrent ? 2 * tiles : tiles;
+  const int64_t lag = min(tiles, static_cast<int64_t>(*layout.largest) * col_tiles + gridDim.x);
+  int* ticket_counter = p.workspace;
+  int* amax_done = p.workspace + 1;  // kCurrent: warps of amax items finished, per split
 
-    // Row 0 of the tile: in the one input, or in split g's own tensor.
-    const T* tile_input = input + row0 * k;
-    if (p.split_inputs.base != nullptr || p.split_inputs.table != nullptr) {
-      const void* split = p.split_inputs.table != nullptr
-                              ? p.split_inputs.table[g]
-                              : static_cast<const T*>(p.split_inputs.base) +
-                                    static_cast<int64_t>(g) * p.split_inputs.group_stride;
-      tile_input = static_cast<const T*>(split) + static_cast<int64_t>(mb) * kTile * k;
+  int64_t t = blockIdx.x;
+  for (int parity = 0;; parity ^= 1) {
+    if constexpr (kCurrent) {
+      if (threadIdx.x == 0) ticket[parity] = atomicAdd(ticket_counter, 1);
+      __syncthreads();
+      t = ticket[parity];
     }
-    Vec<T, V> x[P];
+    if (t >= items) break;
+    const Item it = kCurrent ? current_item(t, tiles, lag) : Item{t, false};
+    t += gridDim.x;
+    const TileSpot<T> spot = locate<T>(p, layout, it.tile, col_tiles);
+    const int g = spot.g, mb = spot.mb, kb = spot.kb, rows_valid = spot.rows_valid,
+              cols_valid = spot.cols_valid;
+    const int64_t m = spot.m, row0 = spot.row0, col0 = spot.col0;
+    const bool col_ok = c0 < cols_valid;  // k % 16 == 0: a piece is wholly in or out
+    uint32_t x[P][4];
 #pragma unroll
     for (int i = 0; i < P; ++i) {
+      uint4 v = make_uint4(0, 0, 0, 0);
       if (col_ok && r0 + i < rows_valid) {
-        x[i] = load<T, V>(tile_input + (r0 + i) * k + col0 + c0);
-      } else {
+        v = *reinterpret_cast<const uint4*>(spot.input + (r0 + i) * k + c0);
+      }
+      x[i][0] = v.x;
+      x[i][1] = v.y;
+      x[i][2] = v.z;
+      x[i][3] = v.w;
+    }
+
+    // The tile's amax (zero rows and columns past the tile add nothing). Unless the tile needs it
+    // whole (128×128 blocks), each warp maxes its part into the split's amax itself: no block
+    // barrier. kCurrent's amax items then count the warp as done; a cast waits for every warp of
+    // every tile of its split.
+    float tile_amax = 0.0f;
+    const bool reports_amax = (kCurrent && it.amax_only) || writes_amax;
+    if (reports_amax || S == QuantizeScaling::kBlock128x128) {
+      AbsMax<T> a;
 #pragma unroll
-        for (int j = 0; j < V; ++j) x[i].v[j] = from_float<T>(0.0f);
+      for (int i = 0; i < P; ++i) {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) a.add(x[i][w]);
+      }
+      if constexpr (S == QuantizeScaling::kBlock128x128) {
+        tile_amax = block_max(a.value(), scratch);
+        if (reports_amax && threadIdx.x == 0) atomic_max_nonnegative(p.amax + g, tile_amax);
+      } else if (reports_amax) {
+        const float warp_amax = warp_max(a.value());
+        if (threadIdx.x % kWarpSize == 0) {
+          atomic_max_nonnegative(p.amax + g, warp_amax);
+          if (kCurrent) {
+            __threadfence();  // the max is visible before the count that announces it
+            atomicAdd(amax_done + g, 1);
+          }
+        }
       }
     }
-
-    float thread_amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < P; ++i) {
-#pragma unroll
-      for (int j = 0; j < V; ++j) thread_amax = abs_max(thread_amax, to_float(x[i].v[j]));
-    }
-    float tile_amax = 0.0f;
-    if (writes_amax || S == QuantizeScaling::kBlock128x128) {
-      tile_amax = block_max(thread_amax, scratch);
-      if (writes_amax && threadIdx.x == 0) atomic_max_nonnegative(p.amax + g, tile_amax);
-    }
-    if constexpr (kPass == Pass::kAmax) continue;
+    if (kCurrent && it.amax_only) continue;
 
     // ---- rowwise scales, then the rowwise copy (also the columnwise bytes when one scale
     // serves both copies) ----
-    Vec<uint8_t, V> q[P];
+    constexpr int kOutWords = V / 4;  // FP8 words per piece
+    uint32_t q[P][kOutWords];
     float tensor_scale = 1.0f;  // the one scale of this tile unless kBlock1x128
     if constexpr (S == QuantizeScaling::kDelayed) {
       tensor_scale = p.scale[g];
-    } else if constexpr (S == QuantizeScaling::kCurrent) {
-      tensor_scale =
-          scale_from_amax(p.amax[g], max_fp8, p.power_of_2_scales, p.epsilon, value_for_inf);
+    } else if constexpr (kCurrent) {
+      if (threadIdx.x == 0) {
+        const int needed = static_cast<int>(layout.tiles[g + 1] - layout.tiles[g]) *
+                           static_cast<int>(col_tiles) * kWarps;
+        while (load_acquire(amax_done + g) < needed) __nanosleep(64);
+        const float scale = scale_from_amax(__ldcg(p.amax + g), max_fp8, p.power_of_2_scales,
+                                            p.epsilon, value_for_inf);
+        if (mb == 0 && kb == 0) p.scale_inv[g] = __frcp_rn(scale);
+        split_scale = scale;
+      }
+      __syncthreads();
+      tensor_scale = split_scale;
     } else if constexpr (S == QuantizeScaling::kBlock128x128) {
       tensor_scale =
           scale_from_amax(tile_amax, max_fp8, p.power_of_2_scales, p.epsilon, value_for_inf);
@@ -314,51 +494,90 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     }
     if (rowwise != nullptr || S != QuantizeScaling::kBlock1x128) {
       const int64_t m4 = layout.rows4[g + 1] - layout.rows4[g];
+      uint8_t* out_row = rowwise + (row0 + r0) * k + col0 + c0;
+      // kBlock1x128: the P row amaxes of this row group, then lane i of the group (i < P) turns
+      // row i's into its scale (one division per lane, not P) and hands it to the others.
+      float own_row_scale = 1.0f;
+      if constexpr (S == QuantizeScaling::kBlock1x128) {
+        float row_amax[P];
+#pragma unroll
+        for (int i = 0; i < P; ++i) {
+          AbsMax<T> a;
+#pragma unroll
+          for (int w = 0; w < 4; ++w) a.add(x[i][w]);
+          row_amax[i] = a.value();
+#pragma unroll
+          for (int offset = kRowThreads / 2; offset > 0; offset /= 2) {
+            row_amax[i] = fmaxf(row_amax[i], __shfl_xor_sync(kFullMask, row_amax[i], offset));
+          }
+        }
+        float own = row_amax[0];
+#pragma unroll
+        for (int i = 1; i < P; ++i) own = lane_col % P == i ? row_amax[i] : own;
+        own_row_scale =
+            scale_from_amax(own, max_fp8, p.power_of_2_scales, p.epsilon, value_for_inf);
+        if (lane_col < P && r0 + lane_col < rows_valid) {
+          p.scale_inv[col_tiles * layout.rows4[g] + kb * m4 + mb * kTile + r0 + lane_col] =
+              __frcp_rn(own_row_scale);
+        }
+      }
+      const int group_lane0 = threadIdx.x % kWarpSize - lane_col;
 #pragma unroll
       for (int i = 0; i < P; ++i) {
         float scale = tensor_scale;
         if constexpr (S == QuantizeScaling::kBlock1x128) {
-          float row_amax = 0.0f;
-#pragma unroll
-          for (int j = 0; j < V; ++j) row_amax = abs_max(row_amax, to_float(x[i].v[j]));
-#pragma unroll
-          for (int offset = kRowThreads / 2; offset > 0; offset /= 2) {
-            row_amax = fmaxf(row_amax, __shfl_xor_sync(kFullMask, row_amax, offset));
-          }
-          scale = scale_from_amax(row_amax, max_fp8, p.power_of_2_scales, p.epsilon, value_for_inf);
-          if (lane_col == 0 && r0 + i < rows_valid) {
-            p.scale_inv[col_tiles * layout.rows4[g] + kb * m4 + mb * kTile + r0 + i] =
-                __frcp_rn(scale);
-          }
+          scale = __shfl_sync(kFullMask, own_row_scale, group_lane0 + i);
         }
-#pragma unroll
-        for (int j = 0; j < V; j += 2) {
-          const uint16_t pair =
-              cast2<F>(to_float(x[i].v[j]) * scale, to_float(x[i].v[j + 1]) * scale);
-          q[i].v[j] = static_cast<uint8_t>(pair & 0xff);
-          q[i].v[j + 1] = static_cast<uint8_t>(pair >> 8);
-        }
+        cast_piece<T, F>(x[i], scale, q[i]);
         if (rowwise != nullptr && col_ok && r0 + i < rows_valid) {
-          store<uint8_t, V>(rowwise + (row0 + r0 + i) * k + col0 + c0, q[i]);
+          if constexpr (kOutWords == 2) {
+            *reinterpret_cast<uint2*>(out_row + i * k) = make_uint2(q[i][0], q[i][1]);
+          } else {
+            *reinterpret_cast<uint32_t*>(out_row + i * k) = q[i][0];
+          }
         }
       }
     }
     if (columnwise == nullptr) continue;
 
     // ---- columnwise copy: column scales (kBlock1x128), the transposed tile, its rows ----
+    // Column c0 + j of this thread's P rows is P / 8 chunks of 8 bytes (two words each) at
+    // chunk (r0 / 8 + h) ^ swizzle(c) of the shared tile's row c.
+    auto store_chunk = [&](int j, int h, uint32_t lo, uint32_t hi) {
+      const int c = c0 + j;
+      const int chunk_index = (r0 / 8 + h) ^ swizzle<V>(c);
+      *reinterpret_cast<uint2*>(transposed + c * kTile + chunk_index * 8) = make_uint2(lo, hi);
+    };
     if constexpr (S == QuantizeScaling::kBlock1x128) {
+      // Column amaxes: packed over this thread's rows, then over the row groups.
+      AbsMax<T> col[4];
+#pragma unroll
+      for (int i = 0; i < P; ++i) {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) col[w].add(x[i][w]);
+      }
       float col_amax[V];
 #pragma unroll
       for (int j = 0; j < V; ++j) {
-        col_amax[j] = 0.0f;
-#pragma unroll
-        for (int i = 0; i < P; ++i) col_amax[j] = abs_max(col_amax[j], to_float(x[i].v[j]));
-          // The other row groups of this warp that hold the same columns.
+        float a;
+        if constexpr (std::is_same_v<T, float>) {
+          a = col[j].value();
+        } else {
+          a = j % 2 == 0 ? col[j / 2].lo() : col[j / 2].hi();
+        }
+        // The other row groups of this warp that hold the same columns.
 #pragma unroll
         for (int offset = kRowThreads; offset < kWarpSize; offset *= 2) {
-          col_amax[j] = fmaxf(col_amax[j], __shfl_xor_sync(kFullMask, col_amax[j], offset));
+          a = fmaxf(a, __shfl_xor_sync(kFullMask, a, offset));
         }
-        if (threadIdx.x % kWarpSize < kRowThreads) column_partial[warp][c0 + j] = col_amax[j];
+        col_amax[j] = a;
+      }
+      if (threadIdx.x % kWarpSize < kRowThreads) {
+#pragma unroll
+        for (int j = 0; j < V; j += 4) {
+          *reinterpret_cast<float4*>(&column_partial[warp][c0 + j]) =
+              make_float4(col_amax[j], col_amax[j + 1], col_amax[j + 2], col_amax[j + 3]);
+        }
       }
       __syncthreads();
       if (threadIdx.x < kTile) {
@@ -375,36 +594,44 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
         }
       }
       __syncthreads();
+      float col_scale[V];
+#pragma unroll
+      for (int j = 0; j < V; j += 4) {
+        const float4 v = *reinterpret_cast<const float4*>(&column_scale[c0 + j]);
+        col_scale[j] = v.x;
+        col_scale[j + 1] = v.y;
+        col_scale[j + 2] = v.z;
+        col_scale[j + 3] = v.w;
+      }
 #pragma unroll
       for (int j = 0; j < V; ++j) {
-        const float scale = column_scale[c0 + j];
-        Vec<uint8_t, P> chunk;
-#pragma unroll
-        for (int i = 0; i < P; i += 2) {
-          const uint16_t pair =
-              cast2<F>(to_float(x[i].v[j]) * scale, to_float(x[i + 1].v[j]) * scale);
-          chunk.v[i] = static_cast<uint8_t>(pair & 0xff);
-          chunk.v[i + 1] = static_cast<uint8_t>(pair >> 8);
-        }
-        const int c = c0 + j;
+        const float scale = col_scale[j];
 #pragma unroll
         for (int h = 0; h < P / 8; ++h) {
-          const int chunk_index = (r0 / 8 + h) ^ swizzle<V>(c);
-          *reinterpret_cast<Vec<uint8_t, 8>*>(transposed + c * kTile + chunk_index * 8) =
-              *reinterpret_cast<const Vec<uint8_t, 8>*>(chunk.v + 8 * h);
+          uint32_t word[2];
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int i = 8 * h + 4 * half;
+            const uint32_t lo =
+                cast2<F>(element_at<T>(x[i], j) * scale, element_at<T>(x[i + 1], j) * scale);
+            const uint32_t hi =
+                cast2<F>(element_at<T>(x[i + 2], j) * scale, element_at<T>(x[i + 3], j) * scale);
+            word[half] = __byte_perm(lo, hi, 0x5410);
+          }
+          store_chunk(j, h, word[0], word[1]);
         }
       }
     } else {
+      // The rowwise bytes transposed, four rows by four columns at a time.
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        const int c = c0 + j;
+      for (int h = 0; h < P / 8; ++h) {
 #pragma unroll
-        for (int h = 0; h < P / 8; ++h) {
-          Vec<uint8_t, 8> chunk;
+        for (int w = 0; w < kOutWords; ++w) {
+          uint32_t top[4], bottom[4];  // rows 8h .. 8h + 3 and 8h + 4 .. 8h + 7
+          transpose4x4(q[8 * h][w], q[8 * h + 1][w], q[8 * h + 2][w], q[8 * h + 3][w], top);
+          transpose4x4(q[8 * h + 4][w], q[8 * h + 5][w], q[8 * h + 6][w], q[8 * h + 7][w], bottom);
 #pragma unroll
-          for (int i = 0; i < 8; ++i) chunk.v[i] = q[8 * h + i].v[j];
-          const int chunk_index = (r0 / 8 + h) ^ swizzle<V>(c);
-          *reinterpret_cast<Vec<uint8_t, 8>*>(transposed + c * kTile + chunk_index * 8) = chunk;
+          for (int j = 0; j < 4; ++j) store_chunk(4 * w + j, h, top[j], bottom[j]);
         }
       }
     }
@@ -420,12 +647,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       const int c = item / 8, segment = item % 8;
       if (c >= cols_valid || 16 * segment >= rows_padded) continue;
       const int s = swizzle<V>(c);
-      Vec<uint8_t, 16> bytes;
-      *reinterpret_cast<Vec<uint8_t, 8>*>(bytes.v) = *reinterpret_cast<const Vec<uint8_t, 8>*>(
-          transposed + c * kTile + ((2 * segment) ^ s) * 8);
-      *reinterpret_cast<Vec<uint8_t, 8>*>(bytes.v + 8) = *reinterpret_cast<const Vec<uint8_t, 8>*>(
-          transposed + c * kTile + ((2 * segment + 1) ^ s) * 8);
-      store<uint8_t, 16>(block + (col0 + c) * ld + 16 * segment, bytes);
+      const uint2 a =
+          *reinterpret_cast<const uint2*>(transposed + c * kTile + ((2 * segment) ^ s) * 8);
+      const uint2 b =
+          *reinterpret_cast<const uint2*>(transposed + c * kTile + ((2 * segment + 1) ^ s) * 8);
+      *reinterpret_cast<uint4*>(block + (col0 + c) * ld + 16 * segment) =
+          make_uint4(a.x, a.y, b.x, b.y);
     }
     __syncthreads();  // the next tile rewrites `transposed`
   }
@@ -464,24 +691,20 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename T, __nv_fp8_interpretation_t F, QuantizeScaling S, Pass kPass>
-void launch_pass(const SplitQuantizeParams& p, cudaStream_t stream) {
-  auto* kernel = split_quantize_kernel<T, F, S, kPass>;
+template <typename T, __nv_fp8_interpretation_t F, QuantizeScaling S>
+void launch_scaling(const SplitQuantizeParams& p, cudaStream_t stream) {
+  auto* kernel = split_quantize_kernel<T, F, S>;
   const size_t shared = layout_bytes(p.num_groups);
   // The kernel's static shared memory (about 21 KB) plus the layout may pass the 48 KB default.
   TORCHMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(shared)));
   const int64_t tiles_bound =
       (p.rows / kTile + p.num_groups) * ((p.k + kTile - 1) / kTile);  // Σ_g ceil(m_g / 128)
+  // Tile indices are divided in 32 bits, and kCurrent's two visits per tile count in an int.
+  TORCH_INTERNAL_ASSERT(tiles_bound < (int64_t{1} << 30), "launch_split_quantize: too many tiles");
   const unsigned grid = one_wave_grid(kernel, kThreads, shared, tiles_bound);
   kernel<<<grid, kThreads, shared, stream>>>(p, fp8_max(p.format));
   TORCHMOE_CUDA_CHECK(cudaGetLastError());
-}
-
-template <typename T, __nv_fp8_interpretation_t F, QuantizeScaling S>
-void launch_scaling(const SplitQuantizeParams& p, cudaStream_t stream) {
-  if constexpr (S == QuantizeScaling::kCurrent) launch_pass<T, F, S, Pass::kAmax>(p, stream);
-  launch_pass<T, F, S, Pass::kCast>(p, stream);
 }
 
 template <typename T, __nv_fp8_interpretation_t F>
@@ -514,9 +737,15 @@ void launch_split_quantize(const SplitQuantizeParams& p, cudaStream_t stream) {
                         "launch_split_quantize: columnwise block scales are required");
   TORCH_INTERNAL_ASSERT(aligned16({p.input, p.rowwise, p.columnwise}),
                         "launch_split_quantize: buffers must be 16-byte aligned");
+  TORCH_INTERNAL_ASSERT(p.scaling != QuantizeScaling::kCurrent || p.workspace != nullptr,
+                        "launch_split_quantize: kCurrent needs a workspace");
   if (p.amax != nullptr && !(p.scaling == QuantizeScaling::kDelayed && p.accumulate_amax)) {
     TORCHMOE_CUDA_CHECK(
         cudaMemsetAsync(p.amax, 0, static_cast<size_t>(p.num_groups) * sizeof(float), stream));
+  }
+  if (p.scaling == QuantizeScaling::kCurrent) {
+    TORCHMOE_CUDA_CHECK(cudaMemsetAsync(
+        p.workspace, 0, split_quantize_workspace_ints(p.num_groups) * sizeof(int32_t), stream));
   }
   dispatch_type(p.input_type, [&](auto tag) {
     using T = decltype(tag);

@@ -23,8 +23,8 @@
 //
 // Scalings (q = satfinite_rn(x · scale) in fp32, dequantized as q · scale_inv):
 //
-//   kCurrent   per split: scale = fp8_max / amax_g of this call's data (a first launch reduces
-//              amax_g, the cast launch computes the scale from it; no host sync)
+//   kCurrent   per split: scale = fp8_max / amax_g of this call's data (the launch reduces amax_g
+//              and casts the split once it is complete; no host sync)
 //   kDelayed   per split: scale_g is given (device, from an amax history); the cast writes this
 //              call's amax_g; update_delayed_scaling turns it into the next step's scale
 //   kBlock1x128    one scale per 128 consecutive elements of a row (rowwise copy) and per 128
@@ -143,12 +143,16 @@ struct SplitQuantizeParams {
   // kDelayed: max into `amax` as it is (e.g. several micro-batches into one history row) instead
   // of zeroing it first.
   bool accumulate_amax = false;
+  // kCurrent: split_quantize_workspace_ints(G) int32 (a ticket counter and a count per split),
+  // zeroed by the launch.
+  int32_t* workspace = nullptr;
 };
 
-// One launch for kDelayed and the block scalings; kCurrent adds the amax launch before the cast
-// (the scale of any element depends on its whole split), and every scaling that writes amax
-// without accumulate_amax zeroes it first (a memset). Graph-capturable: no host sync, no
-// allocation.
+inline int64_t split_quantize_workspace_ints(int groups) { return 1 + groups; }
+
+// One kernel launch for every scaling (kCurrent: each split's amax is reduced, then the split is
+// cast, in the same launch). Every scaling that writes amax without accumulate_amax zeroes it
+// first, and kCurrent its workspace (memsets). Graph-capturable: no host sync, no allocation.
 void launch_split_quantize(const SplitQuantizeParams& params, cudaStream_t stream);
 
 // TE's delayed-scaling update (recipe/delayed_scaling.cu), per split g, in place, one launch:

@@ -246,7 +246,7 @@ kernels::Fp8GemmResult run(const at::Tensor& like, const kernels::Fp8GroupedGemm
 at::Tensor per_group_rows_product(const SplitQuantized& a, const SplitQuantized& weights,
                                   bool weights_rowwise, c10::IntArrayRef sizes, int64_t width,
                                   int64_t reduction, at::ScalarType output_dtype,
-                                  bool fast_accumulation, const GroupedTensors& biases) {
+                                  bool fast_accumulation, const detail::CheckedGroups& biases) {
   const std::vector<int64_t> weight_sizes(sizes.size(), weights_rowwise ? width : reduction);
   const OutputRows layout = output_rows(a, sizes);
   at::Tensor output = at::empty({layout.total, width}, a.data.options().dtype(output_dtype));
@@ -265,14 +265,14 @@ at::Tensor per_group_rows_product(const SplitQuantized& a, const SplitQuantized&
     group.a_scale_inv = ag.scale_inv[g];
     group.b_scale_inv = bg.scale_inv[g];
     group.output = static_cast<char*>(output.data_ptr()) + layout.first[g] * width * out_size;
-    group.bias = biases.empty() ? nullptr : biases[g].const_data_ptr();
+    group.bias = biases.empty() ? nullptr : biases.data(g);
     p.groups.push_back(group);
   }
   const kernels::Fp8GemmResult result = run(output, p);
   if (layout.padded) output = unpad_rows(output, layout, sizes);
   if (!biases.empty() && !result.bias_applied) {
     detail::for_each_group(sizes, [&](size_t g, int64_t first, int64_t rows) {
-      if (rows > 0) output.narrow(0, first, rows).add_(biases[g]);
+      if (rows > 0) output.narrow(0, first, rows).add_(biases.tensors[g]);
     });
   }
   return output;
@@ -297,16 +297,11 @@ at::Tensor grouped_linear_forward_fp8(const GemmPlan& plan, const SplitQuantized
   check_operand(kForwardOp, "weights", weights, true, groups * n, k, groups, weight_sizes,
                 plan.device);
   check_pair(kForwardOp, "input", input, "weights", weights);
-  TORCH_CHECK(biases.empty() || biases.size() == static_cast<size_t>(groups), kForwardOp,
-              ": biases must be none or one per group (", groups, "), got ", biases.size());
-  for (size_t g = 0; g < biases.size(); ++g) {
-    const at::Tensor b = biases[g];
-    TORCH_CHECK(b.dim() == 1 && b.size(0) == n && b.scalar_type() == output_dtype &&
-                    b.is_contiguous() && b.device() == plan.device,
-                kForwardOp, ": biases[", g, "] must be a contiguous [", n, "] ", output_dtype,
-                " tensor on ", plan.device, ", got ", b.scalar_type(), " ", b.sizes(), " on ",
-                b.device());
-  }
+  // None, or one per group in the output dtype: checked once here for every engine.
+  const detail::CheckedGroups checked_biases =
+      biases.empty() ? detail::CheckedGroups{}
+                     : detail::check_groups(kForwardOp, "biases", biases, groups, input.data, {n},
+                                            output_dtype, "the output dtype");
   const c10::cuda::CUDAGuard guard(plan.device);
   const Engine engine = engine_of(plan, input, weights, !biases.empty());
   if (engine == Engine::kSm90) {
@@ -316,11 +311,7 @@ at::Tensor grouped_linear_forward_fp8(const GemmPlan& plan, const SplitQuantized
                                                            true, weights, true, output_dtype);
     p.output = output.data_ptr();
     p.fast_accumulation = fast_accumulation;
-    if (!biases.empty()) {
-      p.bias = detail::group_address(detail::check_groups(kForwardOp, "biases", biases,
-                                                          biases.size(), output, {n}, output_dtype,
-                                                          "the output dtype"));
-    }
+    if (!biases.empty()) p.bias = detail::group_address(checked_biases);
     detail::sm90_fp8(output, p);
     return output;
   }
@@ -334,7 +325,7 @@ at::Tensor grouped_linear_forward_fp8(const GemmPlan& plan, const SplitQuantized
     return output;
   }
   return per_group_rows_product(input, weights, true, host_sizes(plan), n, k, output_dtype,
-                                fast_accumulation, biases);
+                                fast_accumulation, checked_biases);
 }
 
 at::Tensor grouped_linear_dgrad_fp8(const GemmPlan& plan, const SplitQuantized& grad_output,

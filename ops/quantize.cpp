@@ -153,6 +153,12 @@ SplitQuantized launch(const at::Tensor& like, int64_t rows, int64_t k, const Spl
   p.scale = scale.defined() ? scale.const_data_ptr<float>() : nullptr;
   p.amax = out.amax.data_ptr<float>();
   p.accumulate_amax = amax.defined();
+  at::Tensor workspace;
+  if (o.scaling == QuantizeScaling::kCurrent) {
+    workspace =
+        at::empty({kernels::split_quantize_workspace_ints(groups)}, like.options().dtype(at::kInt));
+    p.workspace = workspace.data_ptr<int32_t>();
+  }
   kernels::launch_split_quantize(p, at::cuda::getCurrentCUDAStream().stream());
   return out;
 }

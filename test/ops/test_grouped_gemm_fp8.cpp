@@ -670,6 +670,25 @@ TEST_CASE("FP8 grouped GEMM ops refuse bad operands", "[ops][fp8][cuda][errors]"
     REQUIRE_THROWS_WITH(ops::grouped_linear_wgrad_fp8(plan, xb, dyq, dw_out, false),
                         Contains(message));
   }
+  SECTION("bad biases") {
+    const auto opts = torch::TensorOptions().dtype(bf16).device(torch::kCUDA);
+    std::vector<torch::Tensor> biases;
+    for (int64_t g = 0; g < p.groups; ++g) biases.push_back(torch::zeros({p.n}, opts));
+    CHECK_NOTHROW(ops::grouped_linear_forward_fp8(plan, xq, wq, biases, bf16));
+    std::vector<torch::Tensor> too_few(biases.begin(), biases.end() - 1);
+    REQUIRE_THROWS_WITH(ops::grouped_linear_forward_fp8(plan, xq, wq, too_few, bf16),
+                        Contains("biases must hold one tensor per group"));
+    std::vector<torch::Tensor> bad = biases;
+    bad[1] = torch::zeros({p.n + 1}, opts);
+    REQUIRE_THROWS_WITH(ops::grouped_linear_forward_fp8(plan, xq, wq, bad, bf16),
+                        Contains("biases[1] must have shape"));
+    bad[1] = torch::zeros({p.n}, opts.dtype(torch::kFloat));
+    REQUIRE_THROWS_WITH(ops::grouped_linear_forward_fp8(plan, xq, wq, bad, bf16),
+                        Contains("must have the output dtype"));
+    bad[1] = torch::zeros({p.n}, torch::TensorOptions().dtype(bf16));
+    REQUIRE_THROWS_WITH(ops::grouped_linear_forward_fp8(plan, xq, wq, bad, bf16),
+                        Contains("biases[1] must be on"));
+  }
   SECTION("a missing copy") {
     const SplitQuantized x_cols = quantize(p.x, p.sizes, cur, kE4M3, false, true);
     const SplitQuantized x_rows = quantize(p.x, p.sizes, cur, kE4M3, true, false);

@@ -412,6 +412,38 @@ TEST_CASE("split_quantize: device splits (int32, int64) give the host splits' re
                           sizes, o, rows, k);
 }
 
+// More tiles than a wave of blocks holds (~1,200 against ~400 on an H100), so the grid-stride
+// loop and the prefetch of the next tile wrap around, and current scaling's amax visits run ahead
+// of the casts by a split and a wave: splits of very different sizes, and one split holding
+// every row (every amax visit before any cast). Repeated: a race would show as a difference.
+TEST_CASE("split_quantize: many waves of tiles", "[ops][quantize][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const QuantizeScaling scaling =
+      GENERATE(QuantizeScaling::kCurrent, QuantizeScaling::kDelayed, QuantizeScaling::kBlock1x128,
+               QuantizeScaling::kBlock128x128);
+  const std::vector<int64_t> sizes = GENERATE(std::vector<int64_t>{6000, 0, 37, 9000, 129, 4000, 1},
+                                              std::vector<int64_t>{0, 19167, 0});
+  const int64_t rows = 19167, k = 1024;
+  INFO("scaling " << scaling_name(scaling) << ", " << sizes.size() << " splits");
+  SplitQuantizeOptions o;
+  o.scaling = scaling;
+  const torch::Tensor x = make_input(rows, k, torch::kBFloat16, 23);
+  const torch::Tensor scale =
+      scaling == QuantizeScaling::kDelayed ? delayed_scales(sizes.size()) : torch::Tensor();
+  const SplitQuantized q = run(x, sizes, o, scale);
+  check_against_reference(q, reference(x, sizes, o, scale.defined() ? scale.cpu() : scale), sizes,
+                          o, rows, k);
+  const int64_t used_t = k * padded_rows(sizes, rows);
+  for (int repeat = 0; repeat < 3; ++repeat) {
+    const SplitQuantized again = run(x, sizes, o, scale);
+    CHECK(torch::equal(again.data.view(torch::kByte), q.data.view(torch::kByte)));
+    CHECK(torch::equal(again.columnwise_data.narrow(0, 0, used_t).view(torch::kByte),
+                       q.columnwise_data.narrow(0, 0, used_t).view(torch::kByte)));
+    CHECK(torch::equal(again.scale_inv, q.scale_inv));
+    CHECK(torch::equal(again.amax, q.amax));
+  }
+}
+
 TEST_CASE("split_quantize: device splits past the rows are clamped", "[ops][quantize][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
   const int64_t rows = 300, k = 64;
