@@ -123,6 +123,19 @@ __device__ __forceinline__ void store_zero_row(T* row, int lane, int64_t hidden)
   for (int64_t c = lane * V; c < hidden; c += kWarpSize * V) store<T, V>(row + c, zero);
 }
 
+// A store that asks L2 to evict its lines first (st.global.cs): the gathers below write M rows
+// once while each of their T source rows is read k times, and those reads hit L2 only if the
+// written rows do not push the sources out (qwen3-30b-a3b's gather: 64% L2 hits, 174 MB read from
+// DRAM for a 34 MB source).
+template <typename T, int V>
+__device__ __forceinline__ void store_streaming(T* p, const Vec<T, V>& x) {
+  if constexpr (sizeof(Vec<T, V>) == 16) {
+    __stcs(reinterpret_cast<int4*>(p), *reinterpret_cast<const int4*>(&x));
+  } else {
+    store<T, V>(p, x);
+  }
+}
+
 template <typename T, typename S, int V>
 __global__ void permute_kernel(const T* __restrict__ input,
                                const int64_t* __restrict__ sorted_slots,
@@ -147,7 +160,7 @@ __global__ void permute_kernel(const T* __restrict__ input,
 #pragma unroll
         for (int i = 0; i < V; ++i) x.v[i] = from_float<T>(p * to_float(x.v[i]));
       }
-      store<T, V>(output + r * hidden + c, x);
+      store_streaming<T, V>(output + r * hidden + c, x);
     }
   }
 }
@@ -211,7 +224,7 @@ __global__ void unpermute_backward_kernel(const T* __restrict__ grad_out,
         d.v[i] = from_float<T>(p * gi);
         dot += gi * to_float(x.v[i]);
       }
-      store<T, V>(grad_permuted + r * hidden + c, d);
+      store_streaming<T, V>(grad_permuted + r * hidden + c, d);
     }
     dot = warp_sum(dot);
     if (lane == 0) grad_probs[slot] = from_float<S>(dot);
