@@ -370,12 +370,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   const SplitLayout layout = build_layout(p, dynamic_shared);
   const float value_for_inf = kPerTensor ? FLT_MAX : InputLimits<T>::kMax;
 
-  // One scale_inv per split. kDelayed: all here. kCurrent: the empty splits here (their amax is
-  // the launch's zero), the others by the cast of their first tile, once their amax is complete.
+  const int64_t k = p.k;
+  const int64_t col_tiles = (k + kTile - 1) / kTile;
+  // One scale_inv per split. kDelayed: all here. kCurrent: the splits without a tile here (empty,
+  // or K = 0: their amax is the launch's zero), the others by the cast of their first tile, once
+  // their amax is complete.
   if constexpr (kPerTensor) {
     if (blockIdx.x == 0) {
       for (int g = threadIdx.x; g < groups; g += kThreads) {
-        if (kCurrent && layout.start[g + 1] > layout.start[g]) continue;
+        if (kCurrent && layout.start[g + 1] > layout.start[g] && col_tiles > 0) continue;
         const float scale =
             kCurrent ? scale_from_amax(0.0f, max_fp8, p.power_of_2_scales, p.epsilon, value_for_inf)
                      : p.scale[g];
@@ -387,8 +390,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 
   uint8_t* rowwise = static_cast<uint8_t*>(p.rowwise);
   uint8_t* columnwise = static_cast<uint8_t*>(p.columnwise);
-  const int64_t k = p.k;
-  const int64_t col_tiles = (k + kTile - 1) / kTile;
   const int64_t tiles = static_cast<int64_t>(layout.tiles[groups]) * col_tiles;
   const int lane_col = threadIdx.x % kRowThreads;
   const int c0 = lane_col * V;                   // first tile column of this thread
@@ -494,7 +495,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     }
     if (rowwise != nullptr || S != QuantizeScaling::kBlock1x128) {
       const int64_t m4 = layout.rows4[g + 1] - layout.rows4[g];
-      uint8_t* out_row = rowwise + (row0 + r0) * k + col0 + c0;
+      uint8_t* out_row = rowwise != nullptr ? rowwise + (row0 + r0) * k + col0 + c0 : nullptr;
       // kBlock1x128: the P row amaxes of this row group, then lane i of the group (i < P) turns
       // row i's into its scale (one division per lane, not P) and hands it to the others.
       float own_row_scale = 1.0f;
@@ -700,8 +701,10 @@ void launch_scaling(const SplitQuantizeParams& p, cudaStream_t stream) {
                                            static_cast<int>(shared)));
   const int64_t tiles_bound =
       (p.rows / kTile + p.num_groups) * ((p.k + kTile - 1) / kTile);  // Σ_g ceil(m_g / 128)
-  // Tile indices are divided in 32 bits, and kCurrent's two visits per tile count in an int.
-  TORCH_INTERNAL_ASSERT(tiles_bound < (int64_t{1} << 30), "launch_split_quantize: too many tiles");
+  // Tile indices are divided in 32 bits, and kCurrent counts in ints its tickets (two per tile and
+  // one per block) and a split's finished amax warps (eight per tile): 2^27 tiles (2·10^12
+  // elements) leave room for both.
+  TORCH_INTERNAL_ASSERT(tiles_bound < (int64_t{1} << 27), "launch_split_quantize: too many tiles");
   const unsigned grid = one_wave_grid(kernel, kThreads, shared, tiles_bound);
   kernel<<<grid, kThreads, shared, stream>>>(p, fp8_max(p.format));
   TORCHMOE_CUDA_CHECK(cudaGetLastError());

@@ -137,7 +137,7 @@ struct SplitQuantizeParams {
   float* scale_inv = nullptr;
   float* columnwise_scale_inv = nullptr;  // block scalings with a columnwise copy
   const float* scale = nullptr;           // kDelayed: [G], given
-  // [G]: this call's amax per split. Required for kCurrent (its first launch writes it) and
+  // [G]: this call's amax per split. Required for kCurrent (the launch reduces it first) and
   // kDelayed; optional for the block scalings.
   float* amax = nullptr;
   // kDelayed: max into `amax` as it is (e.g. several micro-batches into one history row) instead

@@ -494,6 +494,13 @@ TEST_CASE("split_quantize: all-zero input gives finite scales", "[ops][quantize]
   }
   CHECK(torch::equal(q.data.cpu().to(torch::kFloat), torch::zeros({133, 32})));
   check_against_reference(q, reference(x, sizes, o), sizes, o, 133, 32);
+  // No features (K = 0): rows but no tile. Every split's scale is still written.
+  const SplitQuantized none =
+      run(torch::zeros({133, 0}, torch::kCUDA).to(torch::kBFloat16), sizes, o, {});
+  CHECK(torch::equal(none.amax.cpu(), torch::zeros({3})));
+  if (scaling == QuantizeScaling::kCurrent) {
+    CHECK(torch::equal(none.scale_inv.cpu(), torch::ones({3})));
+  }
 }
 
 TEST_CASE("split_quantize: inf and NaN inputs follow TransformerEngine", "[ops][quantize][cuda]") {
