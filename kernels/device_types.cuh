@@ -86,6 +86,15 @@ __device__ __forceinline__ T warp_sum(T v) {
   return v;
 }
 
+// The max over the warp (fmaxf: a NaN lane is ignored unless every lane is NaN); every lane gets
+// it.
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2)
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
 // The sum of v over lanes 0..this lane (all 32 lanes take part).
 template <typename T>
 __device__ __forceinline__ T warp_inclusive_scan(T v) {

@@ -49,6 +49,12 @@ namespace torchmoe::kernels::sm90 {
 // one per lane). Chunks past the group's rows or the last column are zero-filled, as TMA fills
 // out-of-range boxes. Lane l holds the source rows of rows l, l + 32, ... of its block and passes
 // them to the other lanes with shuffles.
+// Whether this kernel gathers rows: fprop's A rows or wgrad's x rows, 16-bit operands only.
+template <GemmKind kKind, typename T>
+__device__ __forceinline__ bool gathers_rows(const Sm90GemmParams& p) {
+  return !kIsFp8<T> && kKind != GemmKind::kDgrad && p.gather_rows != nullptr;
+}
+
 __device__ __forceinline__ int gather_row(const Sm90GemmParams& p, int64_t row, bool valid) {
   if (!valid) return -1;
   return p.gather_rows_int32 ? static_cast<const int32_t*>(p.gather_rows)[row]
@@ -120,7 +126,7 @@ __device__ void produce(const KernelArgs& args, const GroupTable& t, const TileR
   constexpr bool kGroupMaps = kIsFp8<T> && kKind == GemmKind::kWgrad;
   const Sm90GemmParams& p = args.p;
   const int lane = threadIdx.x % kWarpSize;
-  const bool gather = !kIsFp8<T> && kKind != GemmKind::kDgrad && p.gather_rows != nullptr;
+  const bool gather = gathers_rows<kKind, T>(p);
   // The bytes TMA delivers per stage: all, or the operand that is not gathered (W, or dy).
   const uint32_t tma_bytes = !gather ? kStageBytes : kKind == GemmKind::kFprop ? kBBytes : kABytes;
   int stage = 0;
@@ -339,7 +345,7 @@ __device__ void consume(const KernelArgs& args, const GroupTable& t, const TileR
   constexpr uint32_t kStepA = kTransA ? 2048 : 32, kStepB = kTransB ? 2048 : 32;
   const Sm90GemmParams& p = args.p;
   const int thread = threadIdx.x % 128, lane = thread % kWarpSize;
-  const bool gather = !kFp8 && kKind != GemmKind::kDgrad && p.gather_rows != nullptr;
+  const bool gather = gathers_rows<kKind, TA>(p);
   uint8_t* buffer = epilogue + consumer * Smem<kKind>::kEpilogueBytes;
   int stage = 0;
   uint32_t phase = 0;
@@ -491,7 +497,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x < kWarpSize) build_group_table<kKind>(args.p, table);
   if (threadIdx.x == kWarpSize) {
     // Gathered rows: lane 0's expect_tx and the 32 lanes' cp.async arrivals (see produce).
-    const bool gather = !kIsFp8<TA> && kKind != GemmKind::kDgrad && args.p.gather_rows != nullptr;
+    const bool gather = gathers_rows<kKind, TA>(args.p);
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], gather ? 1 + kWarpSize : 1);
       mbar_init(&empty[s], kConsumerWarps);

@@ -19,12 +19,6 @@ constexpr int kWarpsPerBlock = 4;
 constexpr int kThreads = kWarpsPerBlock * kWarpSize;
 constexpr float kNormEps = static_cast<float>(kRouterNormEps);
 
-__device__ __forceinline__ float warp_max(float v) {
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2)
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  return v;
-}
-
 // The larger value, the lower index on ties; returned to every lane.
 __device__ __forceinline__ void warp_argmax(float& value, int& index) {
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {

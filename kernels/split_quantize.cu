@@ -186,14 +186,6 @@ __device__ __forceinline__ uint16_t cast2(float a, float b) {
   return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, F);
 }
 
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-    v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offset));
-  }
-  return v;
-}
-
 // Max over the block; every thread gets it. `scratch`: kWarps floats. Ends with the block
 // synchronized, so scratch may be reused at once.
 __device__ __forceinline__ float block_max(float v, float* scratch) {

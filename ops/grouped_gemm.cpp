@@ -205,7 +205,7 @@ ProductBackends select_fp8_backends(const char* op, const at::Tensor& input, con
     // kAuto's FP8 table, from bench_grouped_linear_fp8 on the H100 (docs/performance.md, "FP8
     // GroupedLinear"): large experts (mixtral's and deepseek-v3's, 117 M and 29 M weight elements)
     // run per group when the sizes are on the host: the sm90 kernel's split accumulation in dgrad
-    // and wgrad makes it 0.93-0.94x per-group cuBLASLt there, against 1.2-3.2x on small experts
+    // and wgrad makes it 0.91-0.94x per-group cuBLASLt there, against 1.2-3.2x on small experts
     // (4.2 M and fewer); with device sizes alone, per-group matmuls would need a host sync.
     // Otherwise the first of sm90, the grouped matmul and per-group matmuls that can run the call.
     const bool large = shape.n * shape.k >= kFp8LargeExpert;

@@ -98,8 +98,9 @@ std::vector<Split> clamp_splits(const std::vector<int64_t>& sizes, int64_t rows)
 }
 
 Expected reference(const torch::Tensor& input, const std::vector<int64_t>& sizes,
-                   const SplitQuantizeOptions& o, const torch::Tensor& delayed_scale = {}) {
+                   const SplitQuantizeOptions& o, const torch::Tensor& given_scale = {}) {
   const torch::Tensor x = input.cpu().to(torch::kFloat);
+  const torch::Tensor delayed_scale = given_scale.defined() ? given_scale.cpu() : given_scale;
   const int64_t rows = x.size(0), k = x.size(1), kb_count = ceil_div(k, kBlock);
   const int64_t groups = static_cast<int64_t>(sizes.size());
   const float max = format_max(o.format), eps = static_cast<float>(o.amax_epsilon);
@@ -316,7 +317,9 @@ std::string scaling_name(QuantizeScaling s) {
   return "?";
 }
 
-torch::Tensor delayed_scales(int64_t groups) {
+// The scale argument of a call with this scaling: delayed scaling's given scales, else none.
+torch::Tensor scale_argument(QuantizeScaling scaling, int64_t groups) {
+  if (scaling != QuantizeScaling::kDelayed) return {};
   // Powers of two and not: 0.5 ... 40 (some saturate e4m3 for the larger inputs).
   return (torch::linspace(0.5, 40.0, groups).to(torch::kFloat)).to(torch::kCUDA);
 }
@@ -346,11 +349,9 @@ TEST_CASE("split_quantize matches the reference quantizer", "[ops][quantize][cud
   o.format = format;
   o.scaling = scaling;
   o.power_of_2_scales = pow2;
-  const torch::Tensor scale =
-      scaling == QuantizeScaling::kDelayed ? delayed_scales(sizes.size()) : torch::Tensor();
+  const torch::Tensor scale = scale_argument(scaling, static_cast<int64_t>(sizes.size()));
   const SplitQuantized q = run(x, sizes, o, scale);
-  check_against_reference(q, reference(x, sizes, o, scale.defined() ? scale.cpu() : scale), sizes,
-                          o, rows, k);
+  check_against_reference(q, reference(x, sizes, o, scale), sizes, o, rows, k);
 }
 
 TEST_CASE("split_quantize: the columnwise copy is the transpose of the rowwise one",
@@ -362,8 +363,7 @@ TEST_CASE("split_quantize: the columnwise copy is the transpose of the rowwise o
   const int64_t rows = 304, k = 400;
   SplitQuantizeOptions o;
   o.scaling = scaling;
-  const torch::Tensor scale =
-      scaling == QuantizeScaling::kDelayed ? delayed_scales(sizes.size()) : torch::Tensor();
+  const torch::Tensor scale = scale_argument(scaling, static_cast<int64_t>(sizes.size()));
   const SplitQuantized q = run(make_input(rows, k, torch::kBFloat16, 9), sizes, o, scale);
   const torch::Tensor data = q.data.cpu().view(torch::kByte);
   const torch::Tensor colwise = q.columnwise_data.cpu().view(torch::kByte);
@@ -397,8 +397,7 @@ TEST_CASE("split_quantize: device splits (int32, int64) give the host splits' re
   SplitQuantizeOptions o;
   o.scaling = scaling;
   const torch::Tensor x = make_input(rows, k, torch::kBFloat16, 13);
-  const torch::Tensor scale =
-      scaling == QuantizeScaling::kDelayed ? delayed_scales(sizes.size()) : torch::Tensor();
+  const torch::Tensor scale = scale_argument(scaling, static_cast<int64_t>(sizes.size()));
   const SplitQuantized host = run(x, sizes, o, scale);
   const torch::Tensor device_sizes =
       torch::tensor(sizes, torch::kLong).to(torch::kCUDA, split_type);
@@ -408,8 +407,7 @@ TEST_CASE("split_quantize: device splits (int32, int64) give the host splits' re
   CHECK(torch::equal(host.columnwise_data.narrow(0, 0, used_t).view(torch::kByte),
                      device.columnwise_data.narrow(0, 0, used_t).view(torch::kByte)));
   CHECK(torch::equal(host.amax, device.amax));
-  check_against_reference(device, reference(x, sizes, o, scale.defined() ? scale.cpu() : scale),
-                          sizes, o, rows, k);
+  check_against_reference(device, reference(x, sizes, o, scale), sizes, o, rows, k);
 }
 
 // More tiles than a wave of blocks holds (~1,200 against ~400 on an H100), so the grid-stride
@@ -428,11 +426,9 @@ TEST_CASE("split_quantize: many waves of tiles", "[ops][quantize][cuda]") {
   SplitQuantizeOptions o;
   o.scaling = scaling;
   const torch::Tensor x = make_input(rows, k, torch::kBFloat16, 23);
-  const torch::Tensor scale =
-      scaling == QuantizeScaling::kDelayed ? delayed_scales(sizes.size()) : torch::Tensor();
+  const torch::Tensor scale = scale_argument(scaling, static_cast<int64_t>(sizes.size()));
   const SplitQuantized q = run(x, sizes, o, scale);
-  check_against_reference(q, reference(x, sizes, o, scale.defined() ? scale.cpu() : scale), sizes,
-                          o, rows, k);
+  check_against_reference(q, reference(x, sizes, o, scale), sizes, o, rows, k);
   const int64_t used_t = k * padded_rows(sizes, rows);
   for (int repeat = 0; repeat < 3; ++repeat) {
     const SplitQuantized again = run(x, sizes, o, scale);
@@ -517,10 +513,9 @@ TEST_CASE("split_quantize: inf and NaN inputs follow TransformerEngine", "[ops][
   x = x.cuda();
   SplitQuantizeOptions o;
   o.scaling = scaling;
-  const torch::Tensor scale =
-      scaling == QuantizeScaling::kDelayed ? delayed_scales(sizes.size()) : torch::Tensor();
+  const torch::Tensor scale = scale_argument(scaling, static_cast<int64_t>(sizes.size()));
   const SplitQuantized q = run(x, sizes, o, scale);
-  const Expected e = reference(x, sizes, o, scale.defined() ? scale.cpu() : scale);
+  const Expected e = reference(x, sizes, o, scale);
   check_against_reference(q, e, sizes, o, 128, 48);
   CHECK(std::isinf(q.amax[0].item<float>()));
   CHECK(std::isfinite(q.amax[1].item<float>()));
@@ -543,8 +538,8 @@ TEST_CASE("split_quantize: delayed scaling maxes into a given amax", "[ops][quan
   const torch::Tensor x = make_input(30, 16, torch::kBFloat16, 29);
   SplitQuantizeOptions o;
   o.scaling = QuantizeScaling::kDelayed;
-  const torch::Tensor scale = delayed_scales(2);
-  const Expected e = reference(x, sizes, o, scale.cpu());
+  const torch::Tensor scale = scale_argument(QuantizeScaling::kDelayed, 2);
+  const Expected e = reference(x, sizes, o, scale);
   const torch::Tensor amax = torch::tensor({1e6f, 0.0f}).cuda();
   const SplitQuantized q = torchmoe::ops::split_quantize(x, sizes, o, scale, amax);
   CHECK(q.amax.data_ptr() == amax.data_ptr());
