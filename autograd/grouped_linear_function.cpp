@@ -110,23 +110,32 @@ ops::SplitQuantized fp8_weights(Fp8Config& f, const ops::GroupedTensors& weights
 }
 
 // The FP8 forward: quantize the GEMM input and the weights, one FP8 product, keep the copies
-// backward reads in the config.
-at::Tensor fp8_forward_output(const at::Tensor& gemm_input, at::TensorList weights,
-                              at::TensorList biases, GroupedLinearConfig& config,
-                              BackwardNeeds needs) {
+// backward reads in the config. The GEMM input is `input` itself, its gathered rows (FP8 GEMMs
+// read no row map), or its activation, computed inside the quantize (the 16-bit activation is
+// never written).
+at::Tensor fp8_forward_output(const at::Tensor& input, const at::Tensor& scales,
+                              at::TensorList weights, at::TensorList biases,
+                              GroupedLinearConfig& config, BackwardNeeds needs) {
   Fp8Config& f = *config.fp8;
   const GemmPlan& plan = config.plan;
-  TORCH_CHECK(gemm_input.size(0) == plan.rows, "GroupedLinearFunction: input must have the plan's ",
-              plan.rows, " rows, got ", gemm_input.size(0));
-  ops::SplitQuantized input =
-      split_quantize(gemm_input.contiguous(), plan,
-                     quantize_args(f, fp8::TensorRole::kInput, true, needs.weights));
+  const Fp8QuantizeArgs args = quantize_args(f, fp8::TensorRole::kInput, true, needs.weights);
+  ops::SplitQuantized quantized;
+  if (config.input_activation) {
+    quantized = ops::glu_split_quantize(input.contiguous(), scales, *config.input_activation,
+                                        plan.m_splits, args.options, args.scale, args.amax);
+  } else {
+    const at::Tensor rows =
+        config.input_gather ? input.index_select(0, config.input_gather->rows) : input;
+    TORCH_CHECK(rows.size(0) == plan.rows, "GroupedLinearFunction: input must have the plan's ",
+                plan.rows, " rows, got ", rows.size(0));
+    quantized = split_quantize(rows.contiguous(), plan, args);
+  }
   ops::SplitQuantized w = fp8_weights(f, grouped(weights, config.grouped_weight), needs.input);
   at::Tensor output = ops::grouped_linear_forward_fp8(
-      plan, input, w, grouped(biases, config.grouped_bias), gemm_input.scalar_type());
+      plan, quantized, w, grouped(biases, config.grouped_bias), input.scalar_type());
   if (needs.weights) {
-    input.data = at::Tensor();  // backward reads the columnwise copy only
-    f.input = std::move(input);
+    quantized.data = at::Tensor();  // backward reads the columnwise copy only
+    f.input = std::move(quantized);
   }
   if (needs.input) f.weights = std::move(w);
   return output;
@@ -141,14 +150,9 @@ at::Tensor forward_output(const at::Tensor& input, const at::Tensor& scales, at:
               "config.input_activation and config.input_gather cannot both be set");
   TORCH_CHECK(config.fp8.has_value() == config.plan.fp8, "GroupedLinearFunction: config.fp8 ",
               "must be set exactly when the plan is an FP8 plan");
+  if (config.fp8) return fp8_forward_output(input, scales, weights, biases, config, needs);
   const at::Tensor gemm_input =
       config.input_activation ? ops::glu_forward(input, scales, *config.input_activation) : input;
-  if (config.fp8) {
-    // FP8 GEMMs read no row map: the gathered copy is quantized.
-    const at::Tensor rows =
-        config.input_gather ? gemm_input.index_select(0, config.input_gather->rows) : gemm_input;
-    return fp8_forward_output(rows, weights, biases, config, needs);
-  }
   return ops::grouped_linear_forward(config.plan, gemm_input,
                                      grouped(weights, config.grouped_weight),
                                      grouped(biases, config.grouped_bias), gather_rows_of(config));

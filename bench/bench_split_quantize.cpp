@@ -9,8 +9,14 @@
 // scales and amaxes written, so that the copy of the input (read 2MK, write 2MK bytes) moves the
 // same data bytes. Current scaling reads the input twice (each split's amax, then its cast; the
 // second read partly from L2), which the count does not include.
+//
+// Then fc2's input in an FP8 GroupedMLP: the scaled SwiGLU of the [M, 2·ffn] pre-activation cast
+// to both e4m3 copies with delayed scaling, as glu_forward then split_quantize (the bf16
+// activation written and read back) and as one glu_split_quantize; GB/s counts the pre-activation
+// read and the two FP8 copies written (6·M·ffn bytes), against a copy in the same run.
 
 #include <ATen/cuda/CUDAContext.h>
+#include <torchmoe/ops/glu.h>
 #include <torchmoe/ops/quantize.h>
 
 #include "bench_common.h"
@@ -98,6 +104,45 @@ int main(int argc, char** argv) {
     }
     std::cout << "\n";
     json << "}" << (i + 1 < shapes.size() ? "," : "") << "\n";
+  }
+  json << "  ],\n  \"swiglu_delayed\": [\n";
+  std::cout
+      << "\nfc2's input: SwiGLU of [M, 2*ffn] with probs -> e4m3 rowwise + columnwise, delayed\n"
+      << std::left << std::setw(17) << "shape" << std::right << std::setw(9) << "copy"
+      << std::setw(12) << "two ops ms" << std::setw(10) << "fused ms" << std::setw(9) << "speedup"
+      << std::setw(10) << "fused" << std::setw(8) << "%copy\n";
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const torchmoe::bench::Shape& shape = shapes[i];
+    const int64_t m = shape.tokens * shape.topk, f = shape.ffn, groups = shape.experts;
+    const torch::Tensor z = torch::randn({m, 2 * f}, bf16);
+    const torch::Tensor probs = torch::rand({m}, bf16.dtype(torch::kFloat));
+    torch::Tensor copy_src = torch::randn({m, f}, bf16), copy_dst = torch::empty_like(copy_src);
+    const std::vector<int64_t> host(groups, m / groups);
+    const torchmoe::SplitSizes splits(host, torch::tensor(host, torch::kLong).to(torch::kCUDA));
+    const torch::Tensor scale = torch::full({groups}, 1.0f, bf16.dtype(torch::kFloat));
+    torchmoe::ops::SplitQuantizeOptions o;
+    o.scaling = QuantizeScaling::kDelayed;
+    const torchmoe::ops::GluOptions glu;
+    const std::vector<double> ms = torchmoe::bench::median_ms_each(
+        {[&] { copy_dst.copy_(copy_src); },
+         [&] {
+           torchmoe::ops::split_quantize(torchmoe::ops::glu_forward(z, probs, glu), splits, o,
+                                         scale);
+         },
+         [&] { torchmoe::ops::glu_split_quantize(z, probs, glu, splits, o, scale); }},
+        args.iters, args.warmup);
+    const double elements = static_cast<double>(m) * static_cast<double>(f);
+    const double copy_gbs = 4.0 * elements / ms[0] * 1e-6;
+    const double fused_gbs = 6.0 * elements / ms[2] * 1e-6;
+    std::cout << std::left << std::setw(17) << shape.name << std::right << std::fixed
+              << std::setprecision(0) << std::setw(9) << copy_gbs << std::setprecision(3)
+              << std::setw(12) << ms[1] << std::setw(10) << ms[2] << std::setprecision(2)
+              << std::setw(9) << ms[1] / ms[2] << std::setprecision(0) << std::setw(10) << fused_gbs
+              << std::setw(7) << 100 * fused_gbs / copy_gbs << "%\n";
+    json << "    {\"shape\": \"" << shape.name << "\", \"rows\": " << m << ", \"ffn\": " << f
+         << ", \"copy\": " << copy_gbs << ", \"two_ops_ms\": " << ms[1]
+         << ", \"fused_ms\": " << ms[2] << ", \"fused\": " << fused_gbs << "}"
+         << (i + 1 < shapes.size() ? "," : "") << "\n";
   }
   json << "  ]\n}\n";
   std::cout << "wrote " << args.json_path << "\n";

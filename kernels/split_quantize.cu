@@ -9,7 +9,8 @@
 //
 // Per tile each thread loads P consecutive rows × V columns with 16-byte loads straight into
 // registers (V = 16 / sizeof(T); 16 threads per row for 16-bit types, 32 for fp32), so the input
-// is read once and never staged, and works on them as 32-bit words: amaxes of 16-bit inputs stay
+// is read once and never staged (a GLU source: two loads, a and b, and the activation's math give
+// the same piece), and works on them as 32-bit words: amaxes of 16-bit inputs stay
 // packed (two elements per instruction), casts produce four FP8 bytes per word. Row amaxes are
 // shuffles among the threads of a row, column amaxes go through a small shared-memory reduction,
 // and each warp maxes its part of a tile into the split's amax (no barrier). The rowwise copy is
@@ -36,6 +37,7 @@
 #include <type_traits>
 
 #include "torchmoe/kernels/device_types.cuh"
+#include "torchmoe/kernels/glu_math.cuh"
 
 namespace torchmoe::kernels {
 namespace {
@@ -333,13 +335,46 @@ __device__ __forceinline__ TileSpot<T> locate(const SplitQuantizeParams& p, cons
   return s;
 }
 
+// A GLU source's piece of row `row` at column `col` (glu.h's layout and math): act(a)·gate(b)
+// times the row's scale, rounded to T as glu_forward rounds it, as the words of a loaded piece.
+// The activation is a uniform branch, not a template argument: one instantiation fewer per
+// scaling, and the loads, not the math, bound the loop.
+template <typename T>
+__device__ __forceinline__ void glu_piece(const GluParams& g, int64_t row, int64_t col,
+                                          uint32_t (&w)[4]) {
+  constexpr int V = 16 / static_cast<int>(sizeof(T));
+  const T* in = static_cast<const T*>(g.input) + row * 2 * g.hidden + a_index(col, g.interleave);
+  const Vec<T, V> a = load<T, V>(in);
+  const Vec<T, V> b = load<T, V>(in + (g.interleave ? g.interleave : g.hidden));
+  float scale = 1.0f;
+  if (g.scales != nullptr) {
+    scale = g.scale_type == ScalarType::kFloat32 ? static_cast<const float*>(g.scales)[row]
+                                                 : to_float(static_cast<const T*>(g.scales)[row]);
+  }
+  const ActParams act{g.limit, g.alpha, g.offset};
+  Vec<T, V> y;
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    const float ai = to_float(a.v[i]), bi = to_float(b.v[i]);
+    const float v = g.activation == GluActivation::kSwiGLU
+                        ? glu_terms<GluActivation::kSwiGLU>(ai, bi, act).value
+                        : glu_terms<GluActivation::kClampedSwiGLU>(ai, bi, act).value;
+    y.v[i] = from_float<T>(scale * v);
+  }
+  const uint4 u = *reinterpret_cast<const uint4*>(&y);
+  w[0] = u.x;
+  w[1] = u.y;
+  w[2] = u.z;
+  w[3] = u.w;
+}
+
 __device__ __forceinline__ int load_acquire(const int* p) {
   int v;
   asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 
-template <typename T, __nv_fp8_interpretation_t F, QuantizeScaling S>
+template <typename T, __nv_fp8_interpretation_t F, QuantizeScaling S, bool kGlu>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     split_quantize_kernel(const SplitQuantizeParams p, float max_fp8) {
   constexpr int V = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte load
@@ -414,14 +449,18 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     uint32_t x[P][4];
 #pragma unroll
     for (int i = 0; i < P; ++i) {
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (col_ok && r0 + i < rows_valid) {
-        v = *reinterpret_cast<const uint4*>(spot.input + (r0 + i) * k + c0);
+      const bool valid = col_ok && r0 + i < rows_valid;
+      if constexpr (!kGlu) {
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (valid) v = *reinterpret_cast<const uint4*>(spot.input + (r0 + i) * k + c0);
+        x[i][0] = v.x;
+        x[i][1] = v.y;
+        x[i][2] = v.z;
+        x[i][3] = v.w;
+      } else {
+        x[i][0] = x[i][1] = x[i][2] = x[i][3] = 0u;
+        if (valid) glu_piece<T>(p.glu, row0 + r0 + i, col0 + c0, x[i]);
       }
-      x[i][0] = v.x;
-      x[i][1] = v.y;
-      x[i][2] = v.z;
-      x[i][3] = v.w;
     }
 
     // The tile's amax (zero rows and columns past the tile add nothing). Unless the tile needs it
@@ -684,9 +723,9 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename T, __nv_fp8_interpretation_t F, QuantizeScaling S>
-void launch_scaling(const SplitQuantizeParams& p, cudaStream_t stream) {
-  auto* kernel = split_quantize_kernel<T, F, S>;
+template <typename T, __nv_fp8_interpretation_t F, QuantizeScaling S, bool kGlu>
+void launch_source(const SplitQuantizeParams& p, cudaStream_t stream) {
+  auto* kernel = split_quantize_kernel<T, F, S, kGlu>;
   const size_t shared = layout_bytes(p.num_groups);
   // The kernel's static shared memory (about 21 KB) plus the layout may pass the 48 KB default.
   TORCHMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -700,6 +739,12 @@ void launch_scaling(const SplitQuantizeParams& p, cudaStream_t stream) {
   const unsigned grid = one_wave_grid(kernel, kThreads, shared, tiles_bound);
   kernel<<<grid, kThreads, shared, stream>>>(p, fp8_max(p.format));
   TORCHMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T, __nv_fp8_interpretation_t F, QuantizeScaling S>
+void launch_scaling(const SplitQuantizeParams& p, cudaStream_t stream) {
+  if (p.glu.input == nullptr) return launch_source<T, F, S, false>(p, stream);
+  return launch_source<T, F, S, true>(p, stream);
 }
 
 template <typename T, __nv_fp8_interpretation_t F>
@@ -730,8 +775,13 @@ void launch_split_quantize(const SplitQuantizeParams& p, cudaStream_t stream) {
                         "launch_split_quantize: scale_inv is required");
   TORCH_INTERNAL_ASSERT(!is_block_scaling(p.scaling) || !p.columnwise || p.columnwise_scale_inv,
                         "launch_split_quantize: columnwise block scales are required");
-  TORCH_INTERNAL_ASSERT(aligned16({p.input, p.rowwise, p.columnwise}),
+  TORCH_INTERNAL_ASSERT(aligned16({p.input, p.glu.input, p.rowwise, p.columnwise}),
                         "launch_split_quantize: buffers must be 16-byte aligned");
+  TORCH_INTERNAL_ASSERT(
+      p.glu.input == nullptr ||
+          (p.glu.rows == p.rows && p.glu.hidden == p.k && p.glu.data_type == p.input_type &&
+           p.split_inputs.empty() && p.glu.interleave % kQuantizeFeatureMultiple == 0),
+      "launch_split_quantize: a GLU source must be [rows, 2k] of the input type");
   TORCH_INTERNAL_ASSERT(p.scaling != QuantizeScaling::kCurrent || p.workspace != nullptr,
                         "launch_split_quantize: kCurrent needs a workspace");
   if (p.amax != nullptr && !(p.scaling == QuantizeScaling::kDelayed && p.accumulate_amax)) {

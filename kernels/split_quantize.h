@@ -72,6 +72,7 @@
 
 #include <cstdint>
 
+#include "torchmoe/kernels/glu.h"
 #include "torchmoe/kernels/types.h"
 
 namespace torchmoe::kernels {
@@ -126,6 +127,12 @@ struct SplitQuantizeParams {
   bool splits_int32 = false;       // else int64
 
   const void* input = nullptr;  // [M, K], 16-byte aligned
+  // When glu.input is set, the tensor cast is instead the gated activation of glu.input ([M, 2K]
+  // in glu.h's layout, 16-byte aligned; glu.rows = M, glu.hidden = K, glu.data_type =
+  // input_type), computed and rounded to input_type exactly as launch_glu_forward writes it: the
+  // bytes equal launch_glu_forward followed by this launch, and the 16-bit activation is never
+  // stored. `input` and `split_inputs` are then unused; glu's output and gradient fields too.
+  GluParams glu;
   // When set, split g's m_g rows are read from its own [m_g, K] tensor (16-byte aligned) instead
   // of `input`: a layer's G separate weights are quantized in one launch without stacking them.
   GroupAddress split_inputs;

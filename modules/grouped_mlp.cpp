@@ -131,7 +131,11 @@ torch::Tensor GroupedMLPImpl::run_layers(const torch::Tensor& input,
       fc1->run(input, plans[0], is_first_microbatch, torch::Tensor(), nullptr, gather);
   const ops::GluOptions activation = activation_of(options);
   torch::Tensor y;
-  if (options.recompute_activation()) {
+  // FP8: fc2 always takes the pre-activation and computes the activation inside the quantize of
+  // its input, so the 16-bit activation is never written nor read back. Backward recomputes
+  // nothing: fc2's wgrad reads the FP8 copy, and the activation's backward the pre-activation,
+  // which it reads either way.
+  if (options.recompute_activation() || plans[1].fp8) {
     y = fc2->run(z, plans[1], is_first_microbatch, probs, &activation);
   } else {
     const torch::Tensor h = autograd::GluFunction::apply(z, probs, activation);

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/util/accumulate.h>
 
 #include <vector>
 
@@ -117,7 +118,7 @@ kernels::GluParams kernel_params(const at::Tensor& input, const at::Tensor& scal
   p.limit = static_cast<float>(o.limit);
   p.alpha = static_cast<float>(o.alpha);
   p.offset = static_cast<float>(o.offset);
-  p.rows = input.numel() / (2 * hidden);
+  p.rows = c10::multiply_integers(input.sizes().slice(0, input.dim() - 1));  // hidden may be 0
   p.hidden = hidden;
   p.interleave = o.interleave;
   p.data_type = kernel_type(input.scalar_type());
@@ -129,6 +130,14 @@ kernels::GluParams kernel_params(const at::Tensor& input, const at::Tensor& scal
 }
 
 }  // namespace
+
+kernels::GluParams detail::glu_kernel_params(const at::Tensor& input, const at::Tensor& scales,
+                                             const GluOptions& o) {
+  const int64_t hidden = check_inputs(input, scales, o);
+  TORCH_INTERNAL_ASSERT(!scales.defined() || scales.is_contiguous(),
+                        "glu_kernel_params: scales must be contiguous");
+  return kernel_params(input, scales, o, hidden);
+}
 
 at::Tensor glu_forward(const at::Tensor& input, const at::Tensor& scales, const GluOptions& o) {
   const int64_t hidden = check_inputs(input, scales, o);

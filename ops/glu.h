@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "torchmoe/kernels/glu.h"
 #include "torchmoe/ops/types.h"
 
 namespace torchmoe::ops {
@@ -34,5 +35,15 @@ struct GluGrads {
 // Recomputes the activation from `input` (nothing from forward is kept besides it).
 GluGrads glu_backward(const at::Tensor& grad_output, const at::Tensor& input,
                       const at::Tensor& scales, const GluOptions& options, bool grad_scales);
+
+namespace detail {
+
+// glu_forward's checks of `input` and `scales`, then the kernel parameters that read them (no
+// output or gradient set): split-quantize's GLU source (ops/quantize.h). `scales` must be
+// contiguous; the parameters hold the tensors' pointers.
+kernels::GluParams glu_kernel_params(const at::Tensor& input, const at::Tensor& scales,
+                                     const GluOptions& options);
+
+}  // namespace detail
 
 }  // namespace torchmoe::ops

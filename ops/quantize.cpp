@@ -15,6 +15,7 @@ namespace torchmoe::ops {
 namespace {
 
 constexpr const char* kSplitOp = "torchmoe::split_quantize";
+constexpr const char* kGluOp = "torchmoe::glu_split_quantize";
 constexpr const char* kUpdateOp = "torchmoe::update_delayed_scaling";
 constexpr const char* kWeightsOp = "torchmoe::quantize_weights";
 
@@ -31,20 +32,20 @@ void check_group_vector(const char* op, const char* name, const at::Tensor& t, i
 }
 
 // The options and the delayed-scaling tensors, for `groups` splits on `device`.
-void check_options(const SplitQuantizeOptions& o, int64_t groups, const at::Device& device,
-                   const at::Tensor& scale, const at::Tensor& amax) {
-  TORCH_CHECK(groups >= 1 && groups <= kernels::kSplitQuantizeMaxGroups, kSplitOp,
+void check_options(const char* op, const SplitQuantizeOptions& o, int64_t groups,
+                   const at::Device& device, const at::Tensor& scale, const at::Tensor& amax) {
+  TORCH_CHECK(groups >= 1 && groups <= kernels::kSplitQuantizeMaxGroups, op,
               ": m_splits must have between 1 and ", kernels::kSplitQuantizeMaxGroups,
               " sizes, got ", groups);
-  TORCH_CHECK(o.rowwise || o.columnwise, kSplitOp,
+  TORCH_CHECK(o.rowwise || o.columnwise, op,
               ": at least one of rowwise and columnwise must be requested");
-  TORCH_CHECK(std::isfinite(o.amax_epsilon) && o.amax_epsilon >= 0.0, kSplitOp,
+  TORCH_CHECK(std::isfinite(o.amax_epsilon) && o.amax_epsilon >= 0.0, op,
               ": amax_epsilon must be finite and non-negative, got ", o.amax_epsilon);
   if (o.scaling == QuantizeScaling::kDelayed) {
-    check_group_vector(kSplitOp, "scale", scale, groups, device);
-    if (amax.defined()) check_group_vector(kSplitOp, "amax", amax, groups, device);
+    check_group_vector(op, "scale", scale, groups, device);
+    if (amax.defined()) check_group_vector(op, "amax", amax, groups, device);
   } else {
-    TORCH_CHECK(!scale.defined() && !amax.defined(), kSplitOp,
+    TORCH_CHECK(!scale.defined() && !amax.defined(), op,
                 ": scale and amax are inputs of delayed scaling only");
   }
 }
@@ -56,31 +57,36 @@ void check_input_type(const char* op, at::ScalarType dtype, int64_t k) {
               "multiple of ", kernels::kQuantizeFeatureMultiple, " (FP8 GEMM operands), got ", k);
 }
 
-void check_split_inputs(const at::Tensor& input, const SplitSizes& m_splits,
+// `input` holds the rows to quantize, `features` wide once read (its width, or half of it for a
+// GLU source).
+void check_split_inputs(const char* op, const at::Tensor& input, const SplitSizes& m_splits,
                         const SplitQuantizeOptions& o, const at::Tensor& scale,
-                        const at::Tensor& amax) {
-  TORCH_CHECK(input.defined() && input.dim() == 2, kSplitOp,
-              ": input must be a 2-D [rows, features] tensor",
+                        const at::Tensor& amax, bool glu) {
+  TORCH_CHECK(input.defined() && input.dim() == 2, op, ": input must be a 2-D [rows, ",
+              glu ? "2 * features" : "features", "] tensor",
               input.defined() ? ", got " + std::to_string(input.dim()) + "-D" : std::string());
-  TORCH_CHECK(input.is_contiguous(), kSplitOp, ": input must be contiguous");
-  check_input_type(kSplitOp, input.scalar_type(), input.size(1));
+  TORCH_CHECK(input.is_contiguous(), op, ": input must be contiguous");
+  TORCH_CHECK(!glu || input.size(1) % 2 == 0, op,
+              ": input's last dimension must be even (2H: act half and gate half), got ",
+              input.size(1));
+  check_input_type(op, input.scalar_type(), glu ? input.size(1) / 2 : input.size(1));
   const int64_t groups = static_cast<int64_t>(m_splits.size());
   if (m_splits.has_host()) {
     int64_t sum = 0;
     for (int64_t g = 0; g < groups; ++g) {
-      TORCH_CHECK(m_splits.host()[g] >= 0, kSplitOp, ": m_splits[", g,
-                  "] must be non-negative, got ", m_splits.host()[g]);
+      TORCH_CHECK(m_splits.host()[g] >= 0, op, ": m_splits[", g, "] must be non-negative, got ",
+                  m_splits.host()[g]);
       sum += m_splits.host()[g];
     }
-    TORCH_CHECK(sum <= input.size(0), kSplitOp, ": m_splits must sum to at most the input's ",
+    TORCH_CHECK(sum <= input.size(0), op, ": m_splits must sum to at most the input's ",
                 input.size(0), " rows, got ", m_splits.host(), " (sum ", sum, ")");
   } else {
-    TORCH_CHECK(m_splits.device().device() == input.device(), kSplitOp, ": m_splits must be on ",
+    TORCH_CHECK(m_splits.device().device() == input.device(), op, ": m_splits must be on ",
                 input.device(), " like the input, or on the host, got ",
                 m_splits.device().device());
   }
-  check_options(o, groups, input.device(), scale, amax);
-  TORCH_CHECK_NOT_IMPLEMENTED(input.is_cuda(), kSplitOp, ": no backend for ", input.device(),
+  check_options(op, o, groups, input.device(), scale, amax);
+  TORCH_CHECK_NOT_IMPLEMENTED(input.is_cuda(), op, ": no backend for ", input.device(),
                               " tensors (CUDA only)");
 }
 
@@ -98,8 +104,8 @@ int64_t columnwise_rows(const SplitSizes& m_splits, int64_t rows) {
 // from `input` or, per split, from `split_inputs`; `like` gives the input's dtype and device.
 SplitQuantized launch(const at::Tensor& like, int64_t rows, int64_t k, const SplitSizes& m_splits,
                       const SplitQuantizeOptions& o, const at::Tensor& scale,
-                      const at::Tensor& amax, const void* input,
-                      kernels::GroupAddress split_inputs) {
+                      const at::Tensor& amax, const void* input, kernels::GroupAddress split_inputs,
+                      const kernels::GluParams& glu = {}) {
   const c10::cuda::CUDAGuard guard(like.device());
   const at::Tensor splits = detail::device_splits(m_splits, like);
   const int groups = static_cast<int>(splits.numel());
@@ -145,6 +151,7 @@ SplitQuantized launch(const at::Tensor& like, int64_t rows, int64_t k, const Spl
   p.splits_int32 = splits.scalar_type() == at::kInt;
   p.input = input;
   p.split_inputs = split_inputs;
+  p.glu = glu;
   p.rowwise = o.rowwise ? out.data.data_ptr() : nullptr;
   p.columnwise = o.columnwise ? out.columnwise_data.data_ptr() : nullptr;
   p.scale_inv = out.scale_inv.defined() ? out.scale_inv.data_ptr<float>() : nullptr;
@@ -168,11 +175,25 @@ SplitQuantized launch(const at::Tensor& like, int64_t rows, int64_t k, const Spl
 SplitQuantized split_quantize(const at::Tensor& input, const SplitSizes& m_splits,
                               const SplitQuantizeOptions& o, const at::Tensor& scale,
                               const at::Tensor& amax) {
-  check_split_inputs(input, m_splits, o, scale, amax);
+  check_split_inputs(kSplitOp, input, m_splits, o, scale, amax, /*glu=*/false);
   const c10::cuda::CUDAGuard guard(input.device());
   const at::Tensor x = detail::aligned_operand(input);
   return launch(input, input.size(0), input.size(1), m_splits, o, scale, amax, x.const_data_ptr(),
                 {});
+}
+
+SplitQuantized glu_split_quantize(const at::Tensor& input, const at::Tensor& scales,
+                                  const GluOptions& glu, const SplitSizes& m_splits,
+                                  const SplitQuantizeOptions& o, const at::Tensor& scale,
+                                  const at::Tensor& amax) {
+  const at::Tensor s = scales.defined() ? scales.contiguous() : scales;
+  kernels::GluParams params = detail::glu_kernel_params(input, s, glu);
+  check_split_inputs(kGluOp, input, m_splits, o, scale, amax, /*glu=*/true);
+  const c10::cuda::CUDAGuard guard(input.device());
+  const at::Tensor x = detail::aligned_operand(input);
+  params.input = x.const_data_ptr();
+  return launch(input, input.size(0), input.size(1) / 2, m_splits, o, scale, amax, nullptr, {},
+                params);
 }
 
 SplitQuantized quantize_weights(const GroupedTensors& weights, const SplitQuantizeOptions& o,
@@ -190,7 +211,7 @@ SplitQuantized quantize_weights(const GroupedTensors& weights, const SplitQuanti
       detail::check_groups(kWeightsOp, "weights", weights, weights.size(), first, {n, k},
                            first.scalar_type(), "weights[0]'s dtype");
   TORCH_CHECK(w.aligned, kWeightsOp, ": weights must start on 16-byte boundaries");
-  check_options(o, groups, first.device(), scale, amax);
+  check_options(kWeightsOp, o, groups, first.device(), scale, amax);
   TORCH_CHECK_NOT_IMPLEMENTED(first.is_cuda(), kWeightsOp, ": no backend for ", first.device(),
                               " tensors (CUDA only)");
   const c10::cuda::CUDAGuard guard(first.device());

@@ -6,6 +6,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "torchmoe/ops/glu.h"
 #include "torchmoe/ops/grouped_gemm.h"
 #include "torchmoe/ops/types.h"
 
@@ -51,6 +52,17 @@ struct SplitQuantized {
 SplitQuantized split_quantize(const at::Tensor& input, const SplitSizes& m_splits,
                               const SplitQuantizeOptions& options, const at::Tensor& scale = {},
                               const at::Tensor& amax = {});
+
+// split_quantize of glu_forward(input, scales, glu) in one launch that never writes the 16-bit
+// activation: each tile computes its part of the activation from `input` (rounded to the input's
+// dtype as glu_forward rounds it) and casts it, so the result is bit for bit that of the two ops
+// (fc2's FP8 input in GroupedMLP). input: [M, 2K] contiguous CUDA float32/float16/bfloat16 in
+// glu_forward's layout (halves or GLU-interleaved), K a multiple of 16; scales: undefined or [M],
+// float32 or the input's dtype; m_splits, options, scale, amax: as split_quantize's.
+SplitQuantized glu_split_quantize(const at::Tensor& input, const at::Tensor& scales,
+                                  const GluOptions& glu, const SplitSizes& m_splits,
+                                  const SplitQuantizeOptions& options, const at::Tensor& scale = {},
+                                  const at::Tensor& amax = {});
 
 // A layer's G weights [n, k] (n a multiple of 16), quantized in one launch as the [G·n, k] tensor
 // of G splits of n rows that stacking them would give, without stacking them: split g is read

@@ -3,7 +3,8 @@
 // (DelayedScaling after a calibration step, CurrentScaling, BlockScaling and its hybrid form);
 // the delayed-scaling state (amax rows, history roll, scale = fp8_max / amax); the weight cache of
 // is_first_microbatch; fused main-grad accumulation; delayed wgrad; backward outside the guard; a
-// 3-D input; and the refusals (the CPU one runs without a GPU).
+// 3-D input; GroupedMLP's activation fused into fc2's input cast against its parts; and the
+// refusals (the CPU one runs without a GPU).
 //
 // How close FP8 is to bf16. Rounding to e4m3 (3 mantissa bits) leaves a relative error of about
 // 0.026 rms per element, e5m2 (2 bits) about 0.052; a product's relative Frobenius error is the
@@ -16,6 +17,7 @@
 // the splits have inputs of different magnitudes so that a neighbour's scale is wrong too), far
 // past both bounds.
 
+#include <torchmoe/autograd/glu_function.h>
 #include <torchmoe/fp8/autocast.h>
 #include <torchmoe/fp8/recipe.h>
 #include <torchmoe/fp8/state.h>
@@ -556,6 +558,60 @@ TEST_CASE("GroupedMLP FP8 is close to the same module in bf16", "[modules][fp8][
   check_experts_close(out.fc1_b, ref.fc1_b, 0.14, "fc1 db");
   check_experts_close(out.fc2_b, ref.fc2_b, 0.01, "fc2 db");
   CHECK(relative_error(out.y.to(torch::kFloat), ref.y.to(torch::kFloat)) > 0.01);
+}
+
+// In FP8, GroupedMLP computes the scaled SwiGLU inside the quantize of fc2's input (the 16-bit
+// activation is never written). The same module run as its parts (fc1, the activation written in
+// bf16 by GluFunction, fc2) under the same recipe must give the same bits: output, input, probs
+// and every weight gradient.
+TEST_CASE("GroupedMLP FP8 with its activation fused into fc2's input cast equals its parts",
+          "[modules][fp8][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const fp8::Recipe recipe =
+      GENERATE(fp8::Recipe(fp8::CurrentScaling()), fp8::Recipe(fp8::BlockScaling()));
+  constexpr int64_t kHidden = 256, kFfn = 384;
+  torch::manual_seed(3);
+  GroupedMLP mlp(GroupedMLPOptions(kGroups, kHidden, kFfn)
+                     .params_dtype(torch::kBFloat16)
+                     .device(torch::kCUDA));
+  const torch::Tensor x = split_scaled(kHidden, {1, 1, 4, 0.25}, 5);
+  const torch::Tensor dy = split_scaled(kHidden, {1, 1, 1, 1}, 6);
+  const torch::Tensor probs =
+      torch::rand({kRows}, torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA));
+  struct Result {
+    torch::Tensor y, dx, dprobs;
+    std::vector<torch::Tensor> fc1_w, fc2_w;
+  };
+  auto run = [&](bool parts) {
+    mlp->zero_grad();
+    const torch::Tensor input = x.detach().requires_grad_(true);
+    const torch::Tensor p = probs.detach().requires_grad_(true);
+    torch::Tensor y;
+    {
+      const fp8::Autocast guard(recipe);
+      if (parts) {
+        const torch::Tensor z = mlp->fc1(input, kSplits);
+        const torch::Tensor h =
+            torchmoe::autograd::GluFunction::apply(z, p, torchmoe::ops::GluOptions());
+        y = mlp->fc2(h, kSplits);
+      } else {
+        y = mlp(input, kSplits, p);
+      }
+    }
+    y.backward(dy);
+    return Result{y.detach(), input.grad(), p.grad(), grads_of(*mlp->fc1, "weight", kGroups),
+                  grads_of(*mlp->fc2, "weight", kGroups)};
+  };
+  const Result parts = run(true);
+  const Result fused = run(false);
+  CHECK(torch::equal(fused.y, parts.y));
+  CHECK(torch::equal(fused.dx, parts.dx));
+  CHECK(torch::equal(fused.dprobs, parts.dprobs));
+  for (int64_t g = 0; g < kGroups; ++g) {
+    INFO("expert " << g);
+    CHECK(torch::equal(fused.fc1_w[g], parts.fc1_w[g]));
+    CHECK(torch::equal(fused.fc2_w[g], parts.fc2_w[g]));
+  }
 }
 
 TEST_CASE("GroupedLinear FP8 on CUDA: refusals, and forced backends agree",

@@ -3,9 +3,11 @@
 // kernel): per-tensor current and delayed scaling, 1x128 and 128x128 block scaling; e4m3 and
 // e5m2; bf16/fp16/fp32 inputs; zero, odd, prime and non-multiple-of-128 splits; host vs device
 // (int32, int64) splits; clamped device splits; all-zero, inf and NaN inputs; the delayed-scaling
-// history roll and scale update. Argument errors are checked on the CPU.
+// history roll and scale update; the fused GLU + cast against glu_forward then split_quantize.
+// Argument errors are checked on the CPU.
 
 #include <torchmoe/kernels/split_quantize.h>
+#include <torchmoe/ops/glu.h>
 #include <torchmoe/ops/quantize.h>
 
 #include <cfloat>
@@ -532,6 +534,76 @@ TEST_CASE("split_quantize: inf and NaN inputs follow TransformerEngine", "[ops][
   }
 }
 
+// The fused activation + cast (fc2's input in an FP8 GroupedMLP) against the two ops it replaces:
+// bit for bit equal to glu_forward then split_quantize, and, through the activation glu_forward
+// wrote, to the reference quantizer. Axes: every scaling; bf16/fp16/fp32; SwiGLU in halves and
+// GLU-interleaved, ClampedSwiGLU; scales float32, in the input's dtype, or none; host and device
+// splits (an empty split, odd and multi-tile ones, K not a multiple of 128).
+TEST_CASE("glu_split_quantize equals glu_forward then split_quantize", "[ops][quantize][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const QuantizeScaling scaling =
+      GENERATE(QuantizeScaling::kCurrent, QuantizeScaling::kDelayed, QuantizeScaling::kBlock1x128,
+               QuantizeScaling::kBlock128x128);
+  const torch::Dtype dtype = GENERATE(torch::kBFloat16, torch::kHalf, torch::kFloat);
+  const int variant = GENERATE(0, 1, 2);     // SwiGLU halves, SwiGLU interleaved by 32, clamped
+  const int scale_kind = GENERATE(0, 1, 2);  // float32 scales, the input's dtype, none
+  const bool device_splits = GENERATE(false, true);
+  const std::vector<int64_t> sizes = {131, 0, 256, 17, 300};
+  const int64_t rows = 704, k = 160;
+  INFO("scaling " << scaling_name(scaling) << ", dtype " << dtype << ", variant " << variant
+                  << ", scales " << scale_kind << ", device splits " << device_splits);
+  torchmoe::ops::GluOptions glu;
+  if (variant == 1) glu.interleave = 32;
+  if (variant == 2) glu.activation = torchmoe::GluActivation::kClampedSwiGLU;
+  // Pre-activations of a few units, some past the clamp limit (7).
+  const torch::Tensor z = make_input(rows, 2 * k, dtype, 31) * 4;
+  torch::Tensor scales;
+  if (scale_kind < 2) {
+    scales = torch::rand({rows}, torch::TensorOptions().device(torch::kCUDA));
+    if (scale_kind == 1) scales = scales.to(dtype);
+  }
+  SplitQuantizeOptions o;
+  o.scaling = scaling;
+  const torch::Tensor scale = scale_argument(scaling, static_cast<int64_t>(sizes.size()));
+  const torch::Tensor h = torchmoe::ops::glu_forward(z, scales, glu);
+  const SplitQuantized two_ops = run(h, sizes, o, scale);
+  const torchmoe::SplitSizes splits =
+      device_splits ? torchmoe::SplitSizes(torch::tensor(sizes, torch::kInt).cuda())
+                    : torchmoe::SplitSizes(sizes);
+  const SplitQuantized fused = torchmoe::ops::glu_split_quantize(z, scales, glu, splits, o, scale);
+  CHECK(torch::equal(fused.data.view(torch::kByte), two_ops.data.view(torch::kByte)));
+  const int64_t used_t = k * padded_rows(sizes, rows);
+  CHECK(torch::equal(fused.columnwise_data.narrow(0, 0, used_t).view(torch::kByte),
+                     two_ops.columnwise_data.narrow(0, 0, used_t).view(torch::kByte)));
+  CHECK(torch::equal(fused.amax, two_ops.amax));
+  check_against_reference(fused, reference(h, sizes, o, scale), sizes, o, rows, k);
+}
+
+// Current scaling's amax visits compute the activation too: many waves, one split holding most
+// rows, repeated.
+TEST_CASE("glu_split_quantize: many waves of tiles", "[ops][quantize][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const QuantizeScaling scaling = GENERATE(QuantizeScaling::kCurrent, QuantizeScaling::kBlock1x128);
+  const std::vector<int64_t> sizes = {9000, 0, 37, 4000};
+  const int64_t rows = 13037, k = 1024;
+  const torch::Tensor z = make_input(rows, 2 * k, torch::kBFloat16, 37);
+  const torch::Tensor probs = torch::rand({rows}, torch::TensorOptions().device(torch::kCUDA));
+  SplitQuantizeOptions o;
+  o.scaling = scaling;
+  const torchmoe::ops::GluOptions glu;
+  const SplitQuantized expected =
+      run(torchmoe::ops::glu_forward(z, probs, glu), sizes, o, torch::Tensor());
+  const int64_t used_t = k * padded_rows(sizes, rows);
+  for (int repeat = 0; repeat < 3; ++repeat) {
+    const SplitQuantized q = torchmoe::ops::glu_split_quantize(z, probs, glu, sizes, o);
+    CHECK(torch::equal(q.data.view(torch::kByte), expected.data.view(torch::kByte)));
+    CHECK(torch::equal(q.columnwise_data.narrow(0, 0, used_t).view(torch::kByte),
+                       expected.columnwise_data.narrow(0, 0, used_t).view(torch::kByte)));
+    CHECK(torch::equal(q.scale_inv, expected.scale_inv));
+    CHECK(torch::equal(q.amax, expected.amax));
+  }
+}
+
 TEST_CASE("split_quantize: delayed scaling maxes into a given amax", "[ops][quantize][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
   const std::vector<int64_t> sizes = {10, 20};
@@ -627,6 +699,30 @@ TEST_CASE("split_quantize and update_delayed_scaling reject bad arguments", "[op
                     Contains("scale and amax are inputs of delayed scaling only"));
   CHECK_THROWS_AS(split_quantize(x, {8}, o), c10::NotImplementedError);
   CHECK_THROWS_AS(split_quantize(x, {8}, delayed, torch::ones({1})), c10::NotImplementedError);
+
+  using torchmoe::ops::glu_split_quantize;
+  const torchmoe::ops::GluOptions glu;
+  const torch::Tensor z = torch::randn({8, 64});
+  CHECK_THROWS_WITH(
+      glu_split_quantize(z.view({-1}), {}, glu, {8}, o),
+      Contains("glu_split_quantize: input must be a 2-D [rows, 2 * features] tensor"));
+  CHECK_THROWS_WITH(glu_split_quantize(torch::randn({8, 63}), {}, glu, {8}, o),
+                    Contains("last dimension must be even"));
+  CHECK_THROWS_WITH(glu_split_quantize(torch::randn({8, 48}), {}, glu, {8}, o),
+                    Contains("input's features must be a multiple of 16 (FP8 GEMM operands), got "
+                             "24"));
+  CHECK_THROWS_WITH(glu_split_quantize(z, torch::rand({7}), glu, {8}, o),
+                    Contains("scales must have shape [8]"));
+  torchmoe::ops::GluOptions bad_interleave;
+  bad_interleave.interleave = 16;
+  CHECK_THROWS_WITH(glu_split_quantize(z, {}, bad_interleave, {8}, o),
+                    Contains("glu_interleave_size must be a positive multiple of 32"));
+  CHECK_THROWS_WITH(
+      glu_split_quantize(z, {}, glu, {4, 5}, o),
+      Contains("glu_split_quantize: m_splits must sum to at most the input's 8 rows"));
+  CHECK_THROWS_WITH(glu_split_quantize(z, {}, glu, {8}, delayed),
+                    Contains("glu_split_quantize: scale must be a defined tensor"));
+  CHECK_THROWS_AS(glu_split_quantize(z, {}, glu, {8}, o), c10::NotImplementedError);
 
   using torchmoe::ops::quantize_weights;
   const std::vector<torch::Tensor> w = {torch::randn({16, 32}), torch::randn({16, 32})};
