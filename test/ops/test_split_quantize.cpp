@@ -297,6 +297,18 @@ void check_against_reference(const SplitQuantized& q, const Expected& e,
   }
 }
 
+// Two results of the same rows bit for bit: both copies (the columnwise one up to its used
+// width; past it, unwritten), the scales and the amaxes.
+void check_same(const SplitQuantized& a, const SplitQuantized& b, const std::vector<int64_t>& sizes,
+                int64_t rows, int64_t k) {
+  CHECK(torch::equal(a.data.view(torch::kByte), b.data.view(torch::kByte)));
+  const int64_t used_t = k * padded_rows(sizes, rows);
+  CHECK(torch::equal(a.columnwise_data.narrow(0, 0, used_t).view(torch::kByte),
+                     b.columnwise_data.narrow(0, 0, used_t).view(torch::kByte)));
+  CHECK(torch::equal(a.scale_inv, b.scale_inv));
+  CHECK(torch::equal(a.amax, b.amax));
+}
+
 // A spread of magnitudes (so that block scales differ) with exact ties of the FP8 grid mixed in.
 torch::Tensor make_input(int64_t rows, int64_t k, torch::Dtype dtype, uint64_t seed) {
   const auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
@@ -404,11 +416,7 @@ TEST_CASE("split_quantize: device splits (int32, int64) give the host splits' re
   const torch::Tensor device_sizes =
       torch::tensor(sizes, torch::kLong).to(torch::kCUDA, split_type);
   const SplitQuantized device = torchmoe::ops::split_quantize(x, device_sizes, o, scale);
-  CHECK(torch::equal(host.data.view(torch::kByte), device.data.view(torch::kByte)));
-  const int64_t used_t = k * padded_rows(sizes, rows);  // past it: unwritten
-  CHECK(torch::equal(host.columnwise_data.narrow(0, 0, used_t).view(torch::kByte),
-                     device.columnwise_data.narrow(0, 0, used_t).view(torch::kByte)));
-  CHECK(torch::equal(host.amax, device.amax));
+  check_same(device, host, sizes, rows, k);
   check_against_reference(device, reference(x, sizes, o, scale), sizes, o, rows, k);
 }
 
@@ -431,15 +439,7 @@ TEST_CASE("split_quantize: many waves of tiles", "[ops][quantize][cuda]") {
   const torch::Tensor scale = scale_argument(scaling, static_cast<int64_t>(sizes.size()));
   const SplitQuantized q = run(x, sizes, o, scale);
   check_against_reference(q, reference(x, sizes, o, scale), sizes, o, rows, k);
-  const int64_t used_t = k * padded_rows(sizes, rows);
-  for (int repeat = 0; repeat < 3; ++repeat) {
-    const SplitQuantized again = run(x, sizes, o, scale);
-    CHECK(torch::equal(again.data.view(torch::kByte), q.data.view(torch::kByte)));
-    CHECK(torch::equal(again.columnwise_data.narrow(0, 0, used_t).view(torch::kByte),
-                       q.columnwise_data.narrow(0, 0, used_t).view(torch::kByte)));
-    CHECK(torch::equal(again.scale_inv, q.scale_inv));
-    CHECK(torch::equal(again.amax, q.amax));
-  }
+  for (int repeat = 0; repeat < 3; ++repeat) check_same(run(x, sizes, o, scale), q, sizes, rows, k);
 }
 
 TEST_CASE("split_quantize: device splits past the rows are clamped", "[ops][quantize][cuda]") {
@@ -571,11 +571,7 @@ TEST_CASE("glu_split_quantize equals glu_forward then split_quantize", "[ops][qu
       device_splits ? torchmoe::SplitSizes(torch::tensor(sizes, torch::kInt).cuda())
                     : torchmoe::SplitSizes(sizes);
   const SplitQuantized fused = torchmoe::ops::glu_split_quantize(z, scales, glu, splits, o, scale);
-  CHECK(torch::equal(fused.data.view(torch::kByte), two_ops.data.view(torch::kByte)));
-  const int64_t used_t = k * padded_rows(sizes, rows);
-  CHECK(torch::equal(fused.columnwise_data.narrow(0, 0, used_t).view(torch::kByte),
-                     two_ops.columnwise_data.narrow(0, 0, used_t).view(torch::kByte)));
-  CHECK(torch::equal(fused.amax, two_ops.amax));
+  check_same(fused, two_ops, sizes, rows, k);
   check_against_reference(fused, reference(h, sizes, o, scale), sizes, o, rows, k);
 }
 
@@ -593,14 +589,9 @@ TEST_CASE("glu_split_quantize: many waves of tiles", "[ops][quantize][cuda]") {
   const torchmoe::ops::GluOptions glu;
   const SplitQuantized expected =
       run(torchmoe::ops::glu_forward(z, probs, glu), sizes, o, torch::Tensor());
-  const int64_t used_t = k * padded_rows(sizes, rows);
   for (int repeat = 0; repeat < 3; ++repeat) {
-    const SplitQuantized q = torchmoe::ops::glu_split_quantize(z, probs, glu, sizes, o);
-    CHECK(torch::equal(q.data.view(torch::kByte), expected.data.view(torch::kByte)));
-    CHECK(torch::equal(q.columnwise_data.narrow(0, 0, used_t).view(torch::kByte),
-                       expected.columnwise_data.narrow(0, 0, used_t).view(torch::kByte)));
-    CHECK(torch::equal(q.scale_inv, expected.scale_inv));
-    CHECK(torch::equal(q.amax, expected.amax));
+    check_same(torchmoe::ops::glu_split_quantize(z, probs, glu, sizes, o), expected, sizes, rows,
+               k);
   }
 }
 
