@@ -57,8 +57,8 @@ void check_input_type(const char* op, at::ScalarType dtype, int64_t k) {
               "multiple of ", kernels::kQuantizeFeatureMultiple, " (FP8 GEMM operands), got ", k);
 }
 
-// `input` holds the rows to quantize, `features` wide once read (its width, or half of it for a
-// GLU source).
+// `input` holds the rows to quantize: as they are, or (glu) as a GLU pre-activation twice the
+// quantized width.
 void check_split_inputs(const char* op, const at::Tensor& input, const SplitSizes& m_splits,
                         const SplitQuantizeOptions& o, const at::Tensor& scale,
                         const at::Tensor& amax, bool glu) {
