@@ -49,7 +49,7 @@ __global__ void glu_forward_kernel(const T* __restrict__ input, const S* __restr
       Vec<T, V> y;
 #pragma unroll
       for (int i = 0; i < V; ++i) {
-        y.v[i] = from_float<T>(scale * glu_terms<K>(to_float(a.v[i]), to_float(b.v[i]), p).value);
+        y.v[i] = glu_output<T, K>(to_float(a.v[i]), to_float(b.v[i]), scale, p);
       }
       store<T, V>(out + j, y);
     }

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "torchmoe/kernels/device_types.cuh"
 #include "torchmoe/kernels/types.h"
 
 namespace torchmoe::kernels {
@@ -35,6 +36,13 @@ __device__ __forceinline__ GluTerms glu_terms(float a, float b, const ActParams&
     const float d_gate = (b >= -p.limit && b <= p.limit) ? 1.0f : 0.0f;
     return {act * gate, d_act * gate, act * d_gate};
   }
+}
+
+// One output element, y = s·act(a)·gate(b) rounded once to T: what glu_forward stores, and what a
+// fused cast reads in its place.
+template <typename T, GluActivation K>
+__device__ __forceinline__ T glu_output(float a, float b, float scale, const ActParams& p) {
+  return from_float<T>(scale * glu_terms<K>(a, b, p).value);
 }
 
 // Position of a_j within a row; b_j sits `gate_offset` after it (interleave, or H for halves).

@@ -356,10 +356,9 @@ __device__ __forceinline__ void glu_piece(const GluParams& g, int64_t row, int64
 #pragma unroll
   for (int i = 0; i < V; ++i) {
     const float ai = to_float(a.v[i]), bi = to_float(b.v[i]);
-    const float v = g.activation == GluActivation::kSwiGLU
-                        ? glu_terms<GluActivation::kSwiGLU>(ai, bi, act).value
-                        : glu_terms<GluActivation::kClampedSwiGLU>(ai, bi, act).value;
-    y.v[i] = from_float<T>(scale * v);
+    y.v[i] = g.activation == GluActivation::kSwiGLU
+                 ? glu_output<T, GluActivation::kSwiGLU>(ai, bi, scale, act)
+                 : glu_output<T, GluActivation::kClampedSwiGLU>(ai, bi, scale, act);
   }
   const uint4 u = *reinterpret_cast<const uint4*>(&y);
   w[0] = u.x;

@@ -58,7 +58,7 @@ void check_input_type(const char* op, at::ScalarType dtype, int64_t k) {
 }
 
 // `input` holds the rows to quantize: as they are, or (glu) as a GLU pre-activation twice the
-// quantized width.
+// quantized width, whose layout detail::glu_kernel_params has checked (an even width included).
 void check_split_inputs(const char* op, const at::Tensor& input, const SplitSizes& m_splits,
                         const SplitQuantizeOptions& o, const at::Tensor& scale,
                         const at::Tensor& amax, bool glu) {
@@ -66,9 +66,6 @@ void check_split_inputs(const char* op, const at::Tensor& input, const SplitSize
               glu ? "2 * features" : "features", "] tensor",
               input.defined() ? ", got " + std::to_string(input.dim()) + "-D" : std::string());
   TORCH_CHECK(input.is_contiguous(), op, ": input must be contiguous");
-  TORCH_CHECK(!glu || input.size(1) % 2 == 0, op,
-              ": input's last dimension must be even (2H: act half and gate half), got ",
-              input.size(1));
   check_input_type(op, input.scalar_type(), glu ? input.size(1) / 2 : input.size(1));
   const int64_t groups = static_cast<int64_t>(m_splits.size());
   if (m_splits.has_host()) {

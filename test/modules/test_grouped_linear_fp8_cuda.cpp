@@ -25,6 +25,7 @@
 #include <torchmoe/modules/grouped_mlp.h>
 
 #include <cmath>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -509,6 +510,58 @@ TEST_CASE("GroupedLinear FP8 takes a 3-D input", "[modules][fp8][cuda]") {
   CHECK(torch::equal(grads_of(*m, "weight", kGroups)[3], flat.dw[3]));
 }
 
+namespace {
+
+// A seeded bf16 GroupedMLP on the GPU with its input (split factors `x_factors`), output gradient
+// and probabilities for kSplits.
+struct MlpCase {
+  GroupedMLP mlp;
+  torch::Tensor x, dy, probs;
+};
+
+MlpCase make_mlp_case(int64_t hidden, int64_t ffn, const std::vector<double>& x_factors) {
+  torch::manual_seed(3);
+  GroupedMLP mlp(
+      GroupedMLPOptions(kGroups, hidden, ffn).params_dtype(torch::kBFloat16).device(torch::kCUDA));
+  const torch::Tensor x = split_scaled(hidden, x_factors, 5);
+  const torch::Tensor dy = split_scaled(hidden, {1, 1, 1, 1}, 6);
+  const torch::Tensor probs =
+      torch::rand({kRows}, torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA));
+  return {mlp, x, dy, probs};
+}
+
+struct MlpGrads {
+  torch::Tensor y, dx, dprobs;
+  std::vector<torch::Tensor> fc1_w, fc2_w, fc1_b, fc2_b;
+};
+
+// One step of the case's module: y = forward(x, probs) under `recipe` (none: bf16), backward
+// outside the guard.
+MlpGrads run_mlp(
+    MlpCase& c, const MaybeRecipe& recipe,
+    const std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)>& forward) {
+  GroupedMLP& mlp = c.mlp;
+  mlp->zero_grad();
+  const torch::Tensor input = c.x.detach().requires_grad_(true);
+  const torch::Tensor p = c.probs.detach().requires_grad_(true);
+  torch::Tensor y;
+  {
+    const fp8::Autocast guard(recipe.value_or(fp8::Recipe(fp8::CurrentScaling())),
+                              recipe.has_value());
+    y = forward(input, p);
+  }
+  y.backward(c.dy);
+  return MlpGrads{y.detach(),
+                  input.grad(),
+                  p.grad(),
+                  grads_of(*mlp->fc1, "weight", kGroups),
+                  grads_of(*mlp->fc2, "weight", kGroups),
+                  grads_of(*mlp->fc1, "bias", kGroups),
+                  grads_of(*mlp->fc2, "bias", kGroups)};
+}
+
+}  // namespace
+
 TEST_CASE("GroupedMLP FP8 is close to the same module in bf16", "[modules][fp8][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
   // Two FP8 layers in series: their errors add in quadrature (the float64 simulation: output
@@ -516,40 +569,12 @@ TEST_CASE("GroupedMLP FP8 is close to the same module in bf16", "[modules][fp8][
   // bias gradient is the column sum of the unquantized grad_output (bf16-close). Per element the
   // weight gradients go through two e5m2 casts (2 mantissa bits: 12.5% each) and the SwiGLU
   // derivative: outliers reach 0.64 of the rms on the H100, so their per-element share is 1.
-  constexpr int64_t kHidden = 256, kFfn = 512;
-  torch::manual_seed(3);
-  GroupedMLP mlp(GroupedMLPOptions(kGroups, kHidden, kFfn)
-                     .params_dtype(torch::kBFloat16)
-                     .device(torch::kCUDA));
-  const torch::Tensor x = split_scaled(kHidden, {1, 1, 1, 1}, 5);
-  const torch::Tensor dy = split_scaled(kHidden, {1, 1, 1, 1}, 6);
-  const torch::Tensor probs =
-      torch::rand({kRows}, torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA));
-  struct MlpGrads {
-    torch::Tensor y, dx, dprobs;
-    std::vector<torch::Tensor> fc1_w, fc2_w, fc1_b, fc2_b;
+  MlpCase c = make_mlp_case(256, 512, {1, 1, 1, 1});
+  auto module = [&](const torch::Tensor& x, const torch::Tensor& p) {
+    return c.mlp(x, kSplits, p);
   };
-  auto run = [&](const MaybeRecipe& recipe) {
-    mlp->zero_grad();
-    const torch::Tensor input = x.detach().requires_grad_(true);
-    const torch::Tensor p = probs.detach().requires_grad_(true);
-    torch::Tensor y;
-    {
-      const fp8::Autocast guard(recipe.value_or(fp8::Recipe(fp8::CurrentScaling())),
-                                recipe.has_value());
-      y = mlp(input, kSplits, p);
-    }
-    y.backward(dy);
-    return MlpGrads{y.detach(),
-                    input.grad(),
-                    p.grad(),
-                    grads_of(*mlp->fc1, "weight", kGroups),
-                    grads_of(*mlp->fc2, "weight", kGroups),
-                    grads_of(*mlp->fc1, "bias", kGroups),
-                    grads_of(*mlp->fc2, "bias", kGroups)};
-  };
-  const MlpGrads ref = run(std::nullopt);
-  const MlpGrads out = run(fp8::CurrentScaling());
+  const MlpGrads ref = run_mlp(c, std::nullopt, module);
+  const MlpGrads out = run_mlp(c, fp8::CurrentScaling(), module);
   check_rows_close(out.y, ref.y, 0.09, "y");
   check_rows_close(out.dx, ref.dx, 0.14, "dx");
   check_rows_close(out.dprobs, ref.dprobs, 0.14, "dprobs");
@@ -569,41 +594,16 @@ TEST_CASE("GroupedMLP FP8 with its activation fused into fc2's input cast equals
   TORCHMOE_REQUIRE_CUDA();
   const fp8::Recipe recipe =
       GENERATE(fp8::Recipe(fp8::CurrentScaling()), fp8::Recipe(fp8::BlockScaling()));
-  constexpr int64_t kHidden = 256, kFfn = 384;
-  torch::manual_seed(3);
-  GroupedMLP mlp(GroupedMLPOptions(kGroups, kHidden, kFfn)
-                     .params_dtype(torch::kBFloat16)
-                     .device(torch::kCUDA));
-  const torch::Tensor x = split_scaled(kHidden, {1, 1, 4, 0.25}, 5);
-  const torch::Tensor dy = split_scaled(kHidden, {1, 1, 1, 1}, 6);
-  const torch::Tensor probs =
-      torch::rand({kRows}, torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA));
-  struct Result {
-    torch::Tensor y, dx, dprobs;
-    std::vector<torch::Tensor> fc1_w, fc2_w;
-  };
-  auto run = [&](bool parts) {
-    mlp->zero_grad();
-    const torch::Tensor input = x.detach().requires_grad_(true);
-    const torch::Tensor p = probs.detach().requires_grad_(true);
-    torch::Tensor y;
-    {
-      const fp8::Autocast guard(recipe);
-      if (parts) {
-        const torch::Tensor z = mlp->fc1(input, kSplits);
-        const torch::Tensor h =
-            torchmoe::autograd::GluFunction::apply(z, p, torchmoe::ops::GluOptions());
-        y = mlp->fc2(h, kSplits);
-      } else {
-        y = mlp(input, kSplits, p);
-      }
-    }
-    y.backward(dy);
-    return Result{y.detach(), input.grad(), p.grad(), grads_of(*mlp->fc1, "weight", kGroups),
-                  grads_of(*mlp->fc2, "weight", kGroups)};
-  };
-  const Result parts = run(true);
-  const Result fused = run(false);
+  MlpCase c = make_mlp_case(256, 384, {1, 1, 4, 0.25});
+  const MlpGrads parts = run_mlp(c, recipe, [&](const torch::Tensor& x, const torch::Tensor& p) {
+    const torch::Tensor z = c.mlp->fc1(x, kSplits);
+    const torch::Tensor h =
+        torchmoe::autograd::GluFunction::apply(z, p, torchmoe::ops::GluOptions());
+    return c.mlp->fc2(h, kSplits);
+  });
+  const MlpGrads fused = run_mlp(c, recipe, [&](const torch::Tensor& x, const torch::Tensor& p) {
+    return c.mlp(x, kSplits, p);
+  });
   CHECK(torch::equal(fused.y, parts.y));
   CHECK(torch::equal(fused.dx, parts.dx));
   CHECK(torch::equal(fused.dprobs, parts.dprobs));
