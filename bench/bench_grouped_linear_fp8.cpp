@@ -20,7 +20,8 @@
 //                 product; only when the process loaded cuBLASLt >= 13.8, else not measured)
 //
 //   bench_grouped_linear_fp8 [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
-//   (TORCHMOE_BENCH_TRACE=PREFIX: also Kineto traces of 5 bf16 and 5 fp8_sm90 steps per shape)
+//   (TORCHMOE_BENCH_TRACE=PREFIX: also Kineto traces of 5 bf16, 5 fp8_sm90 and 5 fp8_block steps
+//   per shape)
 //
 // Shapes (E, hidden, ffn, topk, tokens) from bench_common.h; fc1: N = 2·ffn, K = hidden,
 // M = tokens·topk rows in E splits of M/E (the last takes the remainder), given on the host and
@@ -60,6 +61,7 @@ const char* const kColumns[] = {"bf16",         "bf16_cublaslt", "fp8_delayed",
                                 "fp8_current",  "fp8_block",     "fp8_cached",
                                 "fp8_cublaslt", "fp8_sm90",      "fp8_grouped"};
 constexpr size_t kNumColumns = 9;
+constexpr size_t kBlockColumn = 4;
 constexpr size_t kCachedColumn = 5;
 constexpr size_t kPerGroupColumn = 6;
 constexpr size_t kSm90Column = 7;
@@ -184,10 +186,11 @@ int main(int argc, char** argv) {
       }
     }
 
-    // TORCHMOE_BENCH_TRACE: Kineto traces of bf16's and fp8_sm90's training steps (the
-    // kernels' times).
+    // TORCHMOE_BENCH_TRACE: Kineto traces of bf16's, fp8_sm90's and fp8_block's training steps
+    // (the kernels' times).
     torchmoe::bench::trace_if_asked(shape.name + ".bf16", [&] { step(0, true); });
     torchmoe::bench::trace_if_asked(shape.name + ".fp8_sm90", [&] { step(kSm90Column, true); });
+    torchmoe::bench::trace_if_asked(shape.name + ".fp8_block", [&] { step(kBlockColumn, true); });
 
     const double gemm_flops = 2.0 * static_cast<double>(m) * n * k;
     for (const bool backward : {false, true}) {

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <mutex>
 #include <tuple>
+#include <type_traits>
 #include <unordered_map>
 
 #include "torchmoe/kernels/device_types.cuh"
@@ -25,6 +26,7 @@ namespace torchmoe::kernels {
 namespace {
 
 // The device side's names that the launcher uses.
+using sm90::Accumulation;
 using sm90::E4M3;
 using sm90::E5M2;
 using sm90::grouped_gemm_sm90_kernel;
@@ -184,16 +186,18 @@ constexpr int kMaxDevices = 64;
 
 // The kernel's dynamic shared memory is above the default limit: the opt-in is per kernel and
 // per device.
-template <GemmKind kKind, typename TA, typename TB, typename OutT, bool kSplit = false>
+template <GemmKind kKind, typename TA, typename TB, typename OutT,
+          Accumulation kAcc = Accumulation::kWhole>
 auto* configured_kernel() {
-  auto* kernel = grouped_gemm_sm90_kernel<kKind, TA, TB, OutT, kSplit>;
+  auto* kernel = grouped_gemm_sm90_kernel<kKind, TA, TB, OutT, kAcc>;
   static std::once_flag configured[kMaxDevices];
   int device = 0;
   TORCHMOE_CUDA_CHECK(cudaGetDevice(&device));
   TORCH_CHECK(device < kMaxDevices, "sm90 grouped GEMM: device index ", device, " out of range");
   std::call_once(configured[device], [&] {
-    TORCHMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(Smem<kKind>::kBytes)));
+    TORCHMOE_CUDA_CHECK(cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        static_cast<int>(Smem<kKind, kAcc == Accumulation::kBlockScaled>::kBytes)));
   });
   return kernel;
 }
@@ -303,9 +307,9 @@ __global__ void build_wgrad_maps(const __grid_constant__ CUtensorMap a_template,
 #endif
 }
 
-template <GemmKind kKind, typename TA, typename TB, typename OutT, bool kSplit>
+template <GemmKind kKind, typename TA, typename TB, typename OutT, Accumulation kAcc>
 void launch_fp8(const Sm90Fp8GemmParams& f, cudaStream_t stream) {
-  auto* kernel = configured_kernel<kKind, TA, TB, OutT, kSplit>();
+  auto* kernel = configured_kernel<kKind, TA, TB, OutT, kAcc>();
   KernelArgs args;
   std::memset(&args, 0, sizeof(args));
   Sm90GemmParams& p = args.p;
@@ -350,7 +354,8 @@ void launch_fp8(const Sm90Fp8GemmParams& f, cudaStream_t stream) {
     }
   }
   zero_tile_counter<kKind>(f.tile_counter, stream);
-  kernel<<<sm_count(), kThreads, Smem<kKind>::kBytes, stream>>>(args);
+  kernel<<<sm_count(), kThreads, Smem<kKind, kAcc == Accumulation::kBlockScaled>::kBytes, stream>>>(
+      args);
   TORCHMOE_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -423,24 +428,34 @@ void launch_grouped_gemm_sm90(const Sm90GemmParams& p, cudaStream_t stream) {
 
 void launch_grouped_gemm_sm90_fp8(const Sm90Fp8GemmParams& p, cudaStream_t stream) {
   const bool wgrad = p.kind == GemmKind::kWgrad;
-  TORCH_INTERNAL_ASSERT((p.kind == GemmKind::kFprop || p.kind == GemmKind::kWgrad) &&
-                            p.num_groups > 0 && p.num_groups <= kSm90MaxGroups && p.rows > 0 &&
-                            p.rows <= INT_MAX && p.n % 16 == 0 && p.k % 16 == 0 &&
-                            p.b_format == Fp8Format::kE4M3 &&
-                            (!wgrad || (p.tile_counter != nullptr && p.group_maps != nullptr &&
-                                        reinterpret_cast<uintptr_t>(p.group_maps) % 128 == 0)) &&
-                            (!p.accumulate || p.output_type == ScalarType::kFloat32),
-                        "launch_grouped_gemm_sm90_fp8: unchecked arguments");
+  const bool block = is_block_scaling(p.a_scaling);
+  // Per-tensor scales on both operands, or a 1x128 A with a 128x128 B (fprop) or 1x128 B (wgrad).
+  const bool scalings_taken = block ? p.a_scaling == QuantizeScaling::kBlock1x128 &&
+                                          p.b_scaling == (wgrad ? QuantizeScaling::kBlock1x128
+                                                                : QuantizeScaling::kBlock128x128)
+                                    : !is_block_scaling(p.b_scaling);
+  TORCH_INTERNAL_ASSERT(
+      scalings_taken && (p.kind == GemmKind::kFprop || p.kind == GemmKind::kWgrad) &&
+          p.num_groups > 0 && p.num_groups <= kSm90MaxGroups && p.rows > 0 && p.rows <= INT_MAX &&
+          p.n % 16 == 0 && p.k % 16 == 0 && p.b_format == Fp8Format::kE4M3 &&
+          (!wgrad || (p.tile_counter != nullptr && p.group_maps != nullptr &&
+                      reinterpret_cast<uintptr_t>(p.group_maps) % 128 == 0)) &&
+          (!p.accumulate || p.output_type == ScalarType::kFloat32),
+      "launch_grouped_gemm_sm90_fp8: unchecked arguments");
   // The B operand is e4m3 in every recipe (weights, and x in wgrad): two A formats.
   auto with_output = [&](auto a_tag, auto out_tag) {
     using TA = decltype(a_tag);
     using OutT = decltype(out_tag);
-    if (wgrad) {
-      return p.fast_accumulation ? launch_fp8<GemmKind::kWgrad, TA, E4M3, OutT, false>(p, stream)
-                                 : launch_fp8<GemmKind::kWgrad, TA, E4M3, OutT, true>(p, stream);
-    }
-    return p.fast_accumulation ? launch_fp8<GemmKind::kFprop, TA, E4M3, OutT, false>(p, stream)
-                               : launch_fp8<GemmKind::kFprop, TA, E4M3, OutT, true>(p, stream);
+    auto with_kind = [&](auto kind_tag) {
+      constexpr GemmKind kKind = decltype(kind_tag)::value;
+      if (block) return launch_fp8<kKind, TA, E4M3, OutT, Accumulation::kBlockScaled>(p, stream);
+      if (p.fast_accumulation) {
+        return launch_fp8<kKind, TA, E4M3, OutT, Accumulation::kWhole>(p, stream);
+      }
+      return launch_fp8<kKind, TA, E4M3, OutT, Accumulation::kSplit>(p, stream);
+    };
+    if (wgrad) return with_kind(std::integral_constant<GemmKind, GemmKind::kWgrad>{});
+    return with_kind(std::integral_constant<GemmKind, GemmKind::kFprop>{});
   };
   auto with_a = [&](auto a_tag) {
     switch (p.output_type) {

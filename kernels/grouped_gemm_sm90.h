@@ -81,8 +81,11 @@ void launch_grouped_gemm_sm90(const Sm90GemmParams& params, cudaStream_t stream)
 
 // FP8 products on the same kernel (ops/grouped_gemm_fp8.h). wgmma reads FP8 only K-major, so both
 // operands are split_quantize copies (kernels/split_quantize.h) that are contiguous along the
-// reduction, and every group has one scale_inv per operand (per-tensor scalings), applied to its
-// fp32 accumulators before the bias and the store:
+// reduction. With per-tensor scalings every group has one scale_inv per operand, applied to its
+// fp32 accumulators before the bias and the store (sa_g·sb_g below); with block scales each
+// 128-deep block of the reduction is summed apart and multiplied by its rows' and columns' scales
+// before it is added (A 1x128; B 128x128 in fprop, 1x128 in wgrad: the products of
+// BlockScaling's default blocks):
 //
 //   kFprop  y[rows of g, n] = sa_g·sb_g · a[rows of g, k] · b_g[n, k]ᵀ (+ bias_g[n])
 //           a: the rowwise copy of x (fprop) or dy (dgrad); b: [G, n, k], the weights' rowwise
@@ -108,15 +111,20 @@ struct Sm90Fp8GemmParams {
   bool splits_int32 = false;
   const void* a = nullptr;
   const void* b = nullptr;
-  const float* a_scale_inv = nullptr;  // [num_groups]
-  const float* b_scale_inv = nullptr;  // [num_groups]
-  void* output = nullptr;              // kFprop: y [rows, n]
-  GroupAddress bias;                   // kFprop: b_g [n] of output_type (empty: no bias)
-  GroupAddress weight_grad;            // kWgrad: dW_g [n, k]
-  bool accumulate = false;             // kWgrad: dW_g += product (fp32 only)
+  // Per-tensor scalings (kCurrent, kDelayed): [num_groups] each. Block scales: split_quantize's
+  // block-scale buffer of the copy each operand is (its layout in kernels/split_quantize.h).
+  QuantizeScaling a_scaling = QuantizeScaling::kDelayed;
+  QuantizeScaling b_scaling = QuantizeScaling::kDelayed;
+  const float* a_scale_inv = nullptr;
+  const float* b_scale_inv = nullptr;
+  void* output = nullptr;    // kFprop: y [rows, n]
+  GroupAddress bias;         // kFprop: b_g [n] of output_type (empty: no bias)
+  GroupAddress weight_grad;  // kWgrad: dW_g [n, k]
+  bool accumulate = false;   // kWgrad: dW_g += product (fp32 only)
   // The tensor cores' accumulation across the whole reduction (cuBLASLt's fast accumulation,
   // TE's choice for fprop), or split accumulation: each 128-deep block's sum added to fp32
-  // accumulators (TE's choice for dgrad and wgrad; measured 1.1-1.2x the time).
+  // accumulators (TE's choice for dgrad and wgrad; measured 1.1-1.2x the time). Block scales
+  // always split.
   bool fast_accumulation = false;
   int* tile_counter = nullptr;  // kWgrad: device workspace for one int
   void* group_maps = nullptr;   // kWgrad: device workspace of kSm90Fp8MapBytes per group

@@ -10,7 +10,8 @@
 // same 128 bytes) and k32 instructions. wgmma reads FP8 K-major only, so wgrad takes the
 // columnwise copies: both operands K-major, loaded as fprop's are, each group through its own
 // pair of tensor maps (its block's width differs). The epilogue multiplies each group's
-// accumulators by its two scale_inv.
+// accumulators by its two scale_inv; with block scales each 128-deep block's sums are multiplied
+// by their scales as they are added instead (consume).
 //
 // Epilogue: each consumer writes its 64 × 256 result into its buffer in boxes of 64 rows × 64
 // bytes (64-byte swizzle: the 8 rows a warp writes at once land in distinct banks), then one
@@ -118,11 +119,87 @@ __device__ __forceinline__ void gather_wgrad_b(const Sm90GemmParams& p, const in
   }
 }
 
+// FP8 block scales of one tile in split_quantize's layouts (kernels/split_quantize.h), as
+// element offsets at reduction block 0. A is 1x128 in both kinds: the rowwise copy's [KB, r4(m_g)]
+// per group (fprop/dgrad: row r of the group at block kb is kb·r4(m_g) + r) or the columnwise
+// copy's [MB_g, r4(n)] (wgrad: dW row r, kb·r4(n) + r). B is 128x128 in fprop/dgrad: the
+// weights' [cols/128, r4(KB)] per group, one scale per n128 half of the tile; and 1x128 in wgrad,
+// per column c: x's columnwise [MB_g, r4(k)], kb·r4(k) + c. Every offset is a multiple of 4 (the
+// layouts' r4 padding) and 128-row and 256-column tiles start on multiples of 4, so the copies
+// are 16-byte chunks.
+struct ScaleSource {
+  int a, a_step, a_rows;  // the tile's first row; between blocks; valid rows from the first
+  int b;                  // wgrad: column col0; fprop/dgrad: the first half's scale
+  int b_step;             // wgrad: between blocks; fprop/dgrad: the second half's from the first's
+  int b_cols;             // wgrad: valid columns from col0
+};
+
+template <GemmKind kKind>
+__device__ __forceinline__ ScaleSource scale_source(const KernelArgs& args, const GroupTable& t,
+                                                    const Tile& tile) {
+  const Sm90GemmParams& p = args.p;
+  constexpr int kBlock = static_cast<int>(kQuantizeBlock);
+  const int g = tile.group, units = t.scale_units[g];
+  ScaleSource s;
+  if constexpr (kKind == GemmKind::kWgrad) {
+    const int rows = static_cast<int>(p.n), rows4 = (rows + 3) / 4 * 4;
+    const int cols = static_cast<int>(p.k), cols4 = (cols + 3) / 4 * 4;
+    s.a = rows4 * units + tile.row0;
+    s.a_step = rows4;
+    s.a_rows = rows - tile.row0;
+    s.b = cols4 * units + tile.col0;
+    s.b_step = cols4;
+    s.b_cols = cols - tile.col0;
+  } else {
+    const int m = t.count(g), local = tile.row0 - t.start[g];
+    const int kb_count = static_cast<int>((p.k + kBlock - 1) / kBlock),
+              kb4 = (kb_count + 3) / 4 * 4;
+    const int cols = static_cast<int>(p.n), col_blocks = (cols + kBlock - 1) / kBlock;
+    s.a = kb_count * units + local;
+    s.a_step = (m + 3) / 4 * 4;
+    s.a_rows = m - local;
+    s.b = (g * col_blocks + tile.col0 / kBlock) * kb4;
+    // A second half wholly past the last column (never stored) reads the first half's scale.
+    s.b_step = tile.col0 + kBlock < cols ? kb4 : 0;
+    s.b_cols = 0;
+  }
+  return s;
+}
+
+// The producer warp's copy of reduction block kb's scales into a stage's area
+// (Smem::kScaleStageBytes): lane l copies A's rows 4l..4l+3, and B's columns 4l.. and 128 + 4l..
+// (wgrad) or, lanes 0 and 1, the 16-byte chunks holding the two halves' scales (fprop/dgrad: block
+// kb's at kb % 4). Chunks past the valid rows or columns are zero-filled (never stored results).
+template <GemmKind kKind>
+__device__ __forceinline__ void copy_block_scales(const KernelArgs& args, const ScaleSource& s,
+                                                  int kb, uint8_t* area) {
+  const int lane = threadIdx.x % kWarpSize;
+  const uint32_t dst = smem_u32(area);
+  const bool a_valid = 4 * lane < s.a_rows;
+  cp_async_16(dst + 16 * lane, args.a_scale_inv + (a_valid ? s.a + kb * s.a_step + 4 * lane : 0),
+              a_valid ? 16 : 0);
+  const uint32_t b_dst = dst + kBlockM * sizeof(float);
+  if constexpr (kKind == GemmKind::kWgrad) {
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const int c = 4 * lane + 128 * q;
+      const bool valid = c < s.b_cols;
+      cp_async_16(b_dst + 4 * c, args.b_scale_inv + (valid ? s.b + kb * s.b_step + c : 0),
+                  valid ? 16 : 0);
+    }
+  } else {
+    if (lane < 2) {
+      cp_async_16(b_dst + 16 * lane, args.b_scale_inv + s.b + lane * s.b_step + kb / 4 * 4, 16);
+    }
+  }
+}
+
 // The producer warp: lane 0 issues the TMA loads and the tile handoff, all lanes copy gathered
-// rows. FP8 wgrad loads both operands K-major, as fprop does, each group through its own maps.
-template <GemmKind kKind, typename T>
+// rows and block scales. FP8 wgrad loads both operands K-major, as fprop does, each group through
+// its own maps.
+template <GemmKind kKind, typename T, bool kBlockScaled>
 __device__ void produce(const KernelArgs& args, const GroupTable& t, const TileRing& ring,
-                        uint8_t* smem, uint64_t* full, uint64_t* empty) {
+                        uint8_t* smem, uint64_t* full, uint64_t* empty, uint8_t* scales) {
   constexpr bool kGroupMaps = kIsFp8<T> && kKind == GemmKind::kWgrad;
   const Sm90GemmParams& p = args.p;
   const int lane = threadIdx.x % kWarpSize;
@@ -145,6 +222,8 @@ __device__ void produce(const KernelArgs& args, const GroupTable& t, const TileR
         acquired = tile.group;
       }
     }
+    ScaleSource source{};
+    if constexpr (kBlockScaled) source = scale_source<kKind>(args, t, tile);
     // fprop: the sources of the tile's rows, read once per tile.
     int tile_rows[4] = {-1, -1, -1, -1};
     if constexpr (kKind == GemmKind::kFprop) {
@@ -202,8 +281,12 @@ __device__ void produce(const KernelArgs& args, const GroupTable& t, const TileR
       if (gather) {
         if constexpr (kKind == GemmKind::kFprop) gather_fprop_a<T>(p, tile_rows, r, a);
         if constexpr (kKind == GemmKind::kWgrad) gather_wgrad_b<T>(p, block_rows, tile.col0, b);
-        cp_async_mbar_arrive(&full[stage]);
       }
+      if constexpr (kBlockScaled) {
+        copy_block_scales<kKind>(args, source, kb,
+                                 scales + stage * Smem<kKind, true>::kScaleStageBytes);
+      }
+      if (kBlockScaled || gather) cp_async_mbar_arrive(&full[stage]);
       if (++stage == Smem<kKind>::kStages) {
         stage = 0;
         phase ^= 1;
@@ -211,7 +294,7 @@ __device__ void produce(const KernelArgs& args, const GroupTable& t, const TileR
     }
   });
   // No copy may still be writing shared memory when the warp exits.
-  if (gather) cp_async_wait_all();
+  if (kBlockScaled || gather) cp_async_wait_all();
 }
 
 // Where an output tile goes and what is added to it (see Tile).
@@ -324,20 +407,47 @@ __device__ __forceinline__ void store_tile_direct(const Sm90GemmParams& p,
   }
 }
 
-// TA, TB: the operands' types (one 16-bit type twice, or FP8 formats, both K-major). kSplit
-// (FP8): split accumulation, as cuBLASLt's FP8 GEMMs without fast accumulation. The tensor cores
-// keep FP8 products' partial sums with about 14 significant bits; here each 128-deep block's
-// products are summed by wgmma alone (one n128 half of the tile at a time, into 64 registers
-// besides the tile's 128) and then added to the fp32 accumulators, so that the truncation error
-// does not grow with the reduction's length. A warpgroup waits for each half before adding it, so
-// the two consumers take turns issuing their halves (two named barriers, ping-pong): the tensor
-// cores run one consumer's half while the other waits for and adds its own, instead of both
-// waiting at once.
-template <GemmKind kKind, typename TA, typename TB, typename OutT, bool kSplit>
+// acc's n128 half `half` += part, each element times its row's and column's scale of one
+// reduction block (m64n128 layout: register 4j + {0, 1} holds row r, columns 8j + 2(lane % 4) +
+// {0, 1} of the half; 4j + {2, 3} row r + 8). sa0, sa1: rows r and r + 8; `columns`: the half's
+// 128 column scales in shared memory (1x128 B), or null and every column's is sb (128x128 B).
+__device__ __forceinline__ void add_scaled_half(float (&acc)[128], const float (&part)[64],
+                                                int half, float sa0, float sa1, float sb,
+                                                const float* columns, int lane) {
+  if (columns != nullptr) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const float2 c = *reinterpret_cast<const float2*>(columns + j * 8 + (lane % 4) * 2);
+      acc[64 * half + 4 * j + 0] += part[4 * j + 0] * c.x * sa0;
+      acc[64 * half + 4 * j + 1] += part[4 * j + 1] * c.y * sa0;
+      acc[64 * half + 4 * j + 2] += part[4 * j + 2] * c.x * sa1;
+      acc[64 * half + 4 * j + 3] += part[4 * j + 3] * c.y * sa1;
+    }
+  } else {
+    const float s0 = sa0 * sb, s1 = sa1 * sb;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[64 * half + i] += part[i] * (i % 4 < 2 ? s0 : s1);
+  }
+}
+
+// TA, TB: the operands' types (one 16-bit type twice, or FP8 formats, both K-major). kAcc (FP8):
+// kSplit is split accumulation, as cuBLASLt's FP8 GEMMs without fast accumulation. The tensor
+// cores keep FP8 products' partial sums with about 14 significant bits; here each 128-deep
+// block's products are summed by wgmma alone (one n128 half of the tile at a time, into 64
+// registers besides the tile's 128) and then added to the fp32 accumulators, so that the
+// truncation error does not grow with the reduction's length. A warpgroup waits for each half
+// before adding it, so the two consumers take turns issuing their halves (two named barriers,
+// ping-pong): the tensor cores run one consumer's half while the other waits for and adds its
+// own, instead of both waiting at once. kBlockScaled is the same with each half's sum multiplied
+// by its rows' and columns' scales of that 128-deep block as it is added (DeepGEMM's scheme): a
+// block of the reduction is one scale block of both operands.
+template <GemmKind kKind, typename TA, typename TB, typename OutT, Accumulation kAcc>
 __device__ void consume(const KernelArgs& args, const GroupTable& t, const TileRing& ring,
                         uint8_t* smem, uint64_t* full, uint64_t* empty, uint8_t* epilogue,
-                        int consumer) {
+                        const uint8_t* scales, int consumer) {
   constexpr bool kFp8 = kIsFp8<TA>;
+  constexpr bool kSplit = kAcc != Accumulation::kWhole;
+  constexpr bool kBlockScaled = kAcc == Accumulation::kBlockScaled;
   constexpr int kTransA = !kFp8 && kKind == GemmKind::kWgrad ? 1 : 0;
   constexpr int kTransB = !kFp8 && kKind != GemmKind::kFprop ? 1 : 0;
   // Per-instruction (k16, or k32 in FP8: 32 bytes either way) start-address steps and the LBO/SBO
@@ -346,7 +456,8 @@ __device__ void consume(const KernelArgs& args, const GroupTable& t, const TileR
   const Sm90GemmParams& p = args.p;
   const int thread = threadIdx.x % 128, lane = thread % kWarpSize;
   const bool gather = gathers_rows<kKind, TA>(p);
-  uint8_t* buffer = epilogue + consumer * Smem<kKind>::kEpilogueBytes;
+  using Layout = Smem<kKind, kBlockScaled>;
+  uint8_t* buffer = epilogue + consumer * Layout::kEpilogueBytes;
   int stage = 0;
   uint32_t phase = 0;
   float acc[128];
@@ -390,6 +501,15 @@ __device__ void consume(const KernelArgs& args, const GroupTable& t, const TileR
       // second 64-row MN-major box.
       const uint8_t* a_tile = a + consumer * kBoxBytes;
       if constexpr (kSplit) {
+        // Block scales of this stage (produce copied them): this thread's rows' at this block.
+        const float* stage_scales =
+            reinterpret_cast<const float*>(scales + stage * Layout::kScaleStageBytes);
+        float sa0 = 1.0f, sa1 = 1.0f;
+        if constexpr (kBlockScaled) {
+          const int row = consumer * 64 + (thread / kWarpSize) * 16 + lane / 4;
+          sa0 = stage_scales[row];
+          sa1 = stage_scales[row + 8];
+        }
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           float part[64];
@@ -404,8 +524,19 @@ __device__ void consume(const KernelArgs& args, const GroupTable& t, const TileR
           wgmma_commit();
           named_barrier_arrive(kTurnBarrier + 1 - consumer, 256);
           wgmma_wait<0>();
+          if constexpr (kBlockScaled) {
+            const float* b_scales = stage_scales + kBlockM;
+            if constexpr (kKind == GemmKind::kWgrad) {
+              add_scaled_half(acc, part, half, sa0, sa1, 1.0f, b_scales + half * 128, lane);
+            } else {
+              // The 16-byte chunk copied for this half holds block kb's scale at kb % 4.
+              add_scaled_half(acc, part, half, sa0, sa1, b_scales[half * 4 + kb % 4], nullptr,
+                              lane);
+            }
+          } else {
 #pragma unroll
-          for (int i = 0; i < 64; ++i) acc[64 * half + i] += part[i];
+            for (int i = 0; i < 64; ++i) acc[64 * half + i] += part[i];
+          }
         }
         // Both halves have read the slot.
         if (lane == 0) mbar_arrive(&empty[stage]);
@@ -441,7 +572,8 @@ __device__ void consume(const KernelArgs& args, const GroupTable& t, const TileR
     if (previous >= 0 && lane == 0) mbar_arrive(&empty[previous]);
 
     TileOutput<OutT> o{};
-    o.scale = kFp8 ? args.a_scale_inv[tile.group] * args.b_scale_inv[tile.group] : 1.0f;
+    o.scale =
+        kFp8 && !kBlockScaled ? args.a_scale_inv[tile.group] * args.b_scale_inv[tile.group] : 1.0f;
     bool tma = args.out_tma;
     if constexpr (kKind == GemmKind::kWgrad) {
       if (tile.k_blocks == 0 && p.accumulate) return;  // empty group: main-grad left untouched
@@ -463,7 +595,7 @@ __device__ void consume(const KernelArgs& args, const GroupTable& t, const TileR
       tma = tma && tile.valid_rows >= (consumer + 1) * 64;
     }
     if (tma) {
-      store_tile_tma<Smem<kKind>::kEpilogueBoxes, OutT>(args, o, tile, acc, buffer, consumer);
+      store_tile_tma<Layout::kEpilogueBoxes, OutT>(args, o, tile, acc, buffer, consumer);
     } else {
       store_tile_direct<OutT>(p, o, tile, acc, consumer);
     }
@@ -476,30 +608,35 @@ __device__ void consume(const KernelArgs& args, const GroupTable& t, const TileR
   if (thread == 0) bulk_wait_all();
 }
 
-template <GemmKind kKind, typename TA, typename TB, typename OutT, bool kSplit = false>
+template <GemmKind kKind, typename TA, typename TB, typename OutT,
+          Accumulation kAcc = Accumulation::kWhole>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_sm90_kernel(const __grid_constant__ KernelArgs args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
-  __shared__ int group_start[kSm90MaxGroups], group_count[kSm90MaxGroups],
-      group_tiles[kSm90MaxGroups + 1];
+  constexpr bool kBlockScaled = kAcc == Accumulation::kBlockScaled;
+  __shared__ int group_start[kSm90MaxGroups + 1], group_tiles[kSm90MaxGroups + 1],
+      group_scale_units[kBlockScaled ? kSm90MaxGroups : 1];
   // 128-byte swizzle atoms must start on 1024-byte boundaries.
   uint8_t* smem = smem_raw + ((1024 - smem_u32(smem_raw) % 1024) % 1024);
-  constexpr int kStages = Smem<kKind>::kStages;
+  using Layout = Smem<kKind, kBlockScaled>;
+  constexpr int kStages = Layout::kStages;
   uint8_t* epilogue = smem + kStages * kStageBytes;
-  uint64_t* full = reinterpret_cast<uint64_t*>(epilogue + 2 * Smem<kKind>::kEpilogueBytes);
+  uint8_t* scales = epilogue + 2 * Layout::kEpilogueBytes;
+  uint64_t* full = reinterpret_cast<uint64_t*>(scales + kStages * Layout::kScaleStageBytes);
   uint64_t* empty = full + kStages;
   uint64_t* tile_full = empty + kStages;
   uint64_t* tile_empty = tile_full + kTileSlots;
   const TileRing ring{reinterpret_cast<int*>(tile_empty + kTileSlots), tile_full, tile_empty};
-  const GroupTable table{group_start, group_count, group_tiles};
+  const GroupTable table{group_start, group_tiles, kBlockScaled ? group_scale_units : nullptr};
 
   if (threadIdx.x < kWarpSize) build_group_table<kKind>(args.p, table);
   if (threadIdx.x == kWarpSize) {
-    // Gathered rows: lane 0's expect_tx and the 32 lanes' cp.async arrivals (see produce).
-    const bool gather = gathers_rows<kKind, TA>(args.p);
+    // Gathered rows and block scales: lane 0's expect_tx and the 32 lanes' cp.async arrivals
+    // (see produce).
+    const bool lane_copies = kBlockScaled || gathers_rows<kKind, TA>(args.p);
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], gather ? 1 + kWarpSize : 1);
+      mbar_init(&full[s], lane_copies ? 1 + kWarpSize : 1);
       mbar_init(&empty[s], kConsumerWarps);
     }
     for (int s = 0; s < kTileSlots; ++s) {
@@ -513,11 +650,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters));
-    if (threadIdx.x < kWarpSize) produce<kKind, TA>(args, table, ring, smem, full, empty);
+    if (threadIdx.x < kWarpSize) {
+      produce<kKind, TA, kBlockScaled>(args, table, ring, smem, full, empty, scales);
+    }
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegisters));
-    consume<kKind, TA, TB, OutT, kSplit>(args, table, ring, smem, full, empty, epilogue,
-                                         threadIdx.x / 128 - 1);
+    consume<kKind, TA, TB, OutT, kAcc>(args, table, ring, smem, full, empty, epilogue, scales,
+                                       threadIdx.x / 128 - 1);
   }
 #else
   __trap();  // this library was built without sm_90a code, and the host side checks for it

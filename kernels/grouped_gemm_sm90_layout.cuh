@@ -11,9 +11,10 @@
 // 128 × 256 tiles read 48 KB of shared memory per 2·128·256·64 FLOPs, a third less per FLOP
 // than 128 × 128 tiles; that keeps the tensor cores, not shared memory or L2, the limit.
 //
-// Shared memory (221 KiB of 227 for every kind, see Smem): slots of (A 16 KB | B 32 KB),
+// Shared memory (217-226 KiB of 227 by kind, see Smem): slots of (A 16 KB | B 32 KB),
 // 128-byte swizzled, one "full" and one "empty" mbarrier per slot; one epilogue buffer per
-// consumer; the group table. fprop/dgrad: 4 slots and 8 KB buffers; wgrad: 3 slots and 32 KB.
+// consumer; FP8 block scales' area per slot (Smem); the group table. fprop/dgrad: 4 slots and
+// 8 KB buffers; wgrad: 3 slots and 32 KB.
 // Operands come in 64 × 64 boxes (8 KB) or one larger K-major box:
 //
 //   K-major operand (x in fprop, dy in dgrad, W in fprop): one TMA box {64 reduction, 128 or 256
@@ -34,6 +35,7 @@
 #include <cstdint>
 
 #include "torchmoe/kernels/grouped_gemm_sm90.h"
+#include "torchmoe/kernels/split_quantize.h"
 #include "torchmoe/kernels/types.h"
 
 namespace torchmoe::kernels::sm90 {
@@ -57,23 +59,42 @@ constexpr int kEpilogueRowBytes = 64, kEpilogueBoxBytes = 64 * kEpilogueRowBytes
 constexpr int kTileSlots = 4;
 // Shared memory by kind (see the file comment): wgrad, 3 stages and a whole-tile epilogue buffer
 // per consumer; fprop/dgrad (16-bit output), 4 stages and a quarter-tile buffer, four rounds.
-template <GemmKind kKind>
+// FP8 block scales (Accumulation::kBlockScaled) add an area per stage, filled by the producer warp
+// with the stage's operands: A's 128 row scales, then B's, which are wgrad's 256 column scales
+// (x's 1x128) or fprop's two 16-byte chunks holding the tile's two n128 halves' scales (the
+// weights' 128x128).
+template <GemmKind kKind, bool kBlockScaled = false>
 struct Smem {
   static constexpr int kStages = kKind == GemmKind::kWgrad ? 3 : 4;
   static constexpr int kEpilogueBoxes = kKind == GemmKind::kWgrad ? 8 : 2;
   static constexpr int kEpilogueBytes = kEpilogueBoxes * kEpilogueBoxBytes;  // per consumer
+  static constexpr int kScaleStageBytes =
+      !kBlockScaled
+          ? 0
+          : (kBlockM + (kKind == GemmKind::kWgrad ? kBlockN : 8)) * static_cast<int>(sizeof(float));
   static constexpr size_t kBytes = kStages * kStageBytes + 2 * kEpilogueBytes +
+                                   kStages * kScaleStageBytes +
                                    2 * (kStages + kTileSlots) * sizeof(uint64_t) +
                                    kTileSlots * sizeof(int) + 1024;  // + alignment slack
 };
 // Registers: the producer needs few, the consumers' 128 accumulators need many (64K per SM).
 constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;
 static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= 65536);
-// Dynamic plus the static group table (3 int arrays) within the 227 KB a block may use.
-static_assert(Smem<GemmKind::kFprop>::kBytes + (3 * kSm90MaxGroups + 1) * sizeof(int) <=
-              227 * 1024);
-static_assert(Smem<GemmKind::kWgrad>::kBytes + (3 * kSm90MaxGroups + 1) * sizeof(int) <=
-              227 * 1024);
+// Dynamic plus the static group table (2 int arrays of G + 1, and one of G with block scales)
+// within the 227 KB a block may use.
+template <GemmKind kKind, bool kBlockScaled>
+constexpr size_t kSharedBytes = Smem<kKind, kBlockScaled>::kBytes +
+                                (2 * (kSm90MaxGroups + 1) + (kBlockScaled ? kSm90MaxGroups : 0)) *
+                                    sizeof(int);
+static_assert(kSharedBytes<GemmKind::kFprop, false> <= 227 * 1024);
+static_assert(kSharedBytes<GemmKind::kWgrad, false> <= 227 * 1024);
+static_assert(kSharedBytes<GemmKind::kFprop, true> <= 227 * 1024);
+static_assert(kSharedBytes<GemmKind::kWgrad, true> <= 227 * 1024);
+
+// How an FP8 product accumulates (Sm90Fp8GemmParams; 16-bit products: kWhole): in the tensor
+// cores across the whole reduction (fast accumulation), split (each 128-deep block's sum added to
+// fp32 accumulators), or split with each block's sum multiplied by its block scales first.
+enum class Accumulation { kWhole, kSplit, kBlockScaled };
 
 // Everything a launch passes by value; the tensor maps must live in parameter (or global) memory.
 struct KernelArgs {
@@ -85,6 +106,8 @@ struct KernelArgs {
   // FP8 (Sm90Fp8GemmParams): each group's dequantization scales, multiplied into its tiles, and
   // for wgrad the per-group maps of the columnwise operands (group g: maps 2g and 2g + 1, written
   // on the device by build_wgrad_maps; a_map and b_map are unused).
+  // Block scales: a_scale_inv and b_scale_inv are split_quantize's block-scale buffers, A's 1x128
+  // and B's 128x128 (fprop/dgrad) or 1x128 (wgrad); the producer copies each stage's.
   const float* a_scale_inv;
   const float* b_scale_inv;
   const CUtensorMap* group_maps;

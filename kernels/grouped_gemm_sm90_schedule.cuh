@@ -23,9 +23,15 @@ namespace torchmoe::kernels::sm90 {
 
 // Per-block view of the groups: clamped row offsets and sizes, and the first tile of each group.
 struct GroupTable {
-  int* start;  // [G]
-  int* count;  // [G]
+  int* start;  // [G + 1]: clamped row offsets; start[G] is where the last group ends
   int* tiles;  // [G + 1]: tile prefix
+  // FP8 block scales only (else null), [G]: where group g's scales start, in units of the
+  // layouts of kernels/split_quantize.h: Σ_{h<g} r4(m_h) (fprop/dgrad, A's rowwise 1x128 scales)
+  // or Σ_{h<g} ceil(m_h / 128) (wgrad, both operands' columnwise 1x128 scales).
+  int* scale_units;
+
+  // Group g's clamped size.
+  __device__ __forceinline__ int count(int g) const { return start[g + 1] - start[g]; }
 };
 
 // One warp: chunked exclusive scans of the split sizes (rows) and of the tiles per group.
@@ -46,26 +52,39 @@ __device__ void build_group_table(const Sm90GemmParams& p, GroupTable t) {
                : static_cast<int>((size + kBlockM - 1) / kBlockM) * out_tiles_n;
   };
 
+  // Clamped starts: group g ends where g + 1 starts (sizes are non-negative), the last at start[G].
   int64_t rows = 0;
   for (int g = first; g < last; ++g) rows += split_at(p.m_splits, p.splits_int32, g);
-  int64_t row = warp_inclusive_scan(rows) - rows;
-  int tiles = 0;
+  const int64_t row_prefix = warp_inclusive_scan(rows);
+  int64_t row = row_prefix - rows;
   for (int g = first; g < last; ++g) {
-    const int64_t split = split_at(p.m_splits, p.splits_int32, g);
-    const int64_t begin = min(row, p.rows);
-    const int64_t size = min(split, p.rows - begin);
-    t.start[g] = static_cast<int>(begin);
-    t.count[g] = static_cast<int>(size);
-    row += split;
-    tiles += tiles_of(size);
+    t.start[g] = static_cast<int>(min(row, p.rows));
+    row += split_at(p.m_splits, p.splits_int32, g);
   }
+  if (lane == kWarpSize - 1) t.start[G] = static_cast<int>(min(row_prefix, p.rows));
+  __syncwarp();
+  int tiles = 0;
+  for (int g = first; g < last; ++g) tiles += tiles_of(t.count(g));
   const int tile_prefix = warp_inclusive_scan(tiles);
   int tile = tile_prefix - tiles;
   for (int g = first; g < last; ++g) {
     t.tiles[g] = tile;
-    tile += tiles_of(t.count[g]);
+    tile += tiles_of(t.count(g));
   }
   if (lane == kWarpSize - 1) t.tiles[G] = tile_prefix;
+  if (t.scale_units != nullptr) {
+    auto units_of = [](int size) {
+      constexpr int kBlock = static_cast<int>(kQuantizeBlock);
+      return kKind == GemmKind::kWgrad ? (size + kBlock - 1) / kBlock : (size + 3) / 4 * 4;
+    };
+    int units = 0;
+    for (int g = first; g < last; ++g) units += units_of(t.count(g));
+    int unit = warp_inclusive_scan(units) - units;
+    for (int g = first; g < last; ++g) {
+      t.scale_units[g] = unit;
+      unit += units_of(t.count(g));
+    }
+  }
 }
 
 // One output tile: its group, where its rows and columns start, and how many reduction blocks.
@@ -92,7 +111,7 @@ template <GemmKind kKind, int kBlockRed>
 __device__ __forceinline__ Tile tile_at(const Sm90GemmParams& p, const GroupTable& t, int g,
                                         int index) {
   const int local = index - t.tiles[g];
-  const int64_t out_rows = kKind == GemmKind::kWgrad ? p.n : t.count[g];
+  const int64_t out_rows = kKind == GemmKind::kWgrad ? p.n : t.count(g);
   const int64_t out_cols = kKind == GemmKind::kFprop ? p.n : p.k;
   const int row_tiles = static_cast<int>((out_rows + kBlockM - 1) / kBlockM);
   const int col_tiles = static_cast<int>((out_cols + kBlockN - 1) / kBlockN);
@@ -105,8 +124,8 @@ __device__ __forceinline__ Tile tile_at(const Sm90GemmParams& p, const GroupTabl
   tile.col0 = c * kBlockN;
   if constexpr (kKind == GemmKind::kWgrad) {
     tile.row0 = m * kBlockM;
-    tile.reduction_rows = t.count[g];
-    tile.k_blocks = (t.count[g] + kBlockRed - 1) / kBlockRed;
+    tile.reduction_rows = t.count(g);
+    tile.k_blocks = (t.count(g) + kBlockRed - 1) / kBlockRed;
   } else {
     tile.row0 = t.start[g] + m * kBlockM;
     const int64_t reduction = kKind == GemmKind::kFprop ? p.k : p.n;

@@ -200,15 +200,21 @@ at::Tensor unpad_rows(const at::Tensor& padded, const OutputRows& layout, c10::I
 }
 
 // Who runs one product: the plan's device-split backend where it takes the operands, else one
-// cuBLASLt FP8 matmul per group (host sizes). The sm90 kernel takes per-tensor scales with an
-// e4m3 B operand (every recipe's weights and wgrad input) and a bias; the grouped matmul takes
-// per-tensor scales and no bias (it has no bias epilogue). Block scales run per group.
+// cuBLASLt FP8 matmul per group (host sizes). The sm90 kernel takes an e4m3 B operand (every
+// recipe's weights and wgrad input), a bias, and per-tensor scales or the block scales of
+// BlockScaling's default blocks: a 1x128 A (activations, gradients) with 128x128 weights in fprop
+// and dgrad, or with a 1x128 B (the input) in wgrad. The grouped matmul takes per-tensor scales
+// and no bias (it has no bias epilogue). Other block scales run per group.
 enum class Engine { kPerGroup, kGrouped, kSm90 };
 
-Engine engine_of(const GemmPlan& plan, const SplitQuantized& a, const SplitQuantized& b,
-                 bool bias) {
+Engine engine_of(const GemmPlan& plan, const SplitQuantized& a, const SplitQuantized& b, bool bias,
+                 bool wgrad) {
   const bool per_tensor = !is_block_scaling(a.scaling) && !is_block_scaling(b.scaling);
-  if (plan.backend == Backend::kSm90 && per_tensor && b.format == Fp8Format::kE4M3) {
+  const bool sm90_blocks =
+      a.scaling == QuantizeScaling::kBlock1x128 &&
+      b.scaling == (wgrad ? QuantizeScaling::kBlock1x128 : QuantizeScaling::kBlock128x128);
+  if (plan.backend == Backend::kSm90 && (per_tensor || sm90_blocks) &&
+      b.format == Fp8Format::kE4M3) {
     return Engine::kSm90;
   }
   if (plan.backend == Backend::kCublasLtGrouped && per_tensor && !bias) return Engine::kGrouped;
@@ -229,6 +235,25 @@ Params device_fp8_params(kernels::GemmKind kind, const GemmPlan& plan, const Spl
   p.b = (b_rowwise ? b.data : b.columnwise_data).const_data_ptr();
   p.a_scale_inv = a.scale_inv.const_data_ptr<float>();
   p.b_scale_inv = b.scale_inv.const_data_ptr<float>();
+  return p;
+}
+
+// The sm90 kernel's fields: device_fp8_params plus the scalings, and each operand's block scales
+// from the copy it reads.
+kernels::Sm90Fp8GemmParams sm90_fp8_params(kernels::GemmKind kind, const GemmPlan& plan,
+                                           const SplitQuantized& a, bool a_rowwise,
+                                           const SplitQuantized& b, bool b_rowwise,
+                                           at::ScalarType output_dtype) {
+  auto p = device_fp8_params<kernels::Sm90Fp8GemmParams>(kind, plan, a, a_rowwise, b, b_rowwise,
+                                                         output_dtype);
+  p.a_scaling = a.scaling;
+  p.b_scaling = b.scaling;
+  if (!a_rowwise && is_block_scaling(a.scaling)) {
+    p.a_scale_inv = a.columnwise_scale_inv.const_data_ptr<float>();
+  }
+  if (!b_rowwise && is_block_scaling(b.scaling)) {
+    p.b_scale_inv = b.columnwise_scale_inv.const_data_ptr<float>();
+  }
   return p;
 }
 
@@ -303,12 +328,12 @@ at::Tensor grouped_linear_forward_fp8(const GemmPlan& plan, const SplitQuantized
                      : detail::check_groups(kForwardOp, "biases", biases, groups, input.data, {n},
                                             output_dtype, "the output dtype");
   const c10::cuda::CUDAGuard guard(plan.device);
-  const Engine engine = engine_of(plan, input, weights, !biases.empty());
+  const Engine engine = engine_of(plan, input, weights, !biases.empty(), /*wgrad=*/false);
   if (engine == Engine::kSm90) {
     at::Tensor output = at::empty({plan.rows, n}, input.data.options().dtype(output_dtype));
     if (plan.rows == 0) return output;
-    auto p = device_fp8_params<kernels::Sm90Fp8GemmParams>(kernels::GemmKind::kFprop, plan, input,
-                                                           true, weights, true, output_dtype);
+    auto p =
+        sm90_fp8_params(kernels::GemmKind::kFprop, plan, input, true, weights, true, output_dtype);
     p.output = output.data_ptr();
     p.fast_accumulation = fast_accumulation;
     if (!biases.empty()) p.bias = detail::group_address(checked_biases);
@@ -340,7 +365,7 @@ at::Tensor grouped_linear_dgrad_fp8(const GemmPlan& plan, const SplitQuantized& 
                 plan.device);
   check_pair(kDgradOp, "grad_output", grad_output, "weights", weights);
   const c10::cuda::CUDAGuard guard(plan.device);
-  const Engine engine = engine_of(plan, grad_output, weights, false);
+  const Engine engine = engine_of(plan, grad_output, weights, false, /*wgrad=*/false);
   if (engine != Engine::kPerGroup) {
     at::Tensor grad_input =
         at::empty({plan.rows, k}, grad_output.data.options().dtype(output_dtype));
@@ -348,8 +373,8 @@ at::Tensor grouped_linear_dgrad_fp8(const GemmPlan& plan, const SplitQuantized& 
     if (engine == Engine::kSm90) {
       // dgrad is the fprop product over the weights' columnwise copy, [G, k, n]: k output
       // columns, a reduction over n.
-      auto p = device_fp8_params<kernels::Sm90Fp8GemmParams>(
-          kernels::GemmKind::kFprop, plan, grad_output, true, weights, false, output_dtype);
+      auto p = sm90_fp8_params(kernels::GemmKind::kFprop, plan, grad_output, true, weights, false,
+                               output_dtype);
       std::swap(p.n, p.k);
       p.output = grad_input.data_ptr();
       detail::sm90_fp8(grad_input, p);
@@ -386,7 +411,7 @@ void grouped_linear_wgrad_fp8(const GemmPlan& plan, const SplitQuantized& input,
       kWgradOp, "weight_grads_out", weight_grads_out, static_cast<size_t>(groups),
       input.columnwise_data, {n, k}, out_dtype, "weight_grads_out[0]'s dtype");
   const c10::cuda::CUDAGuard guard(plan.device);
-  const Engine engine = engine_of(plan, grad_output, input, false);
+  const Engine engine = engine_of(plan, grad_output, input, false, /*wgrad=*/true);
   if (engine != Engine::kPerGroup) {
     if (plan.rows == 0) {  // nothing to read: every group is empty
       if (!accumulate) {
@@ -396,8 +421,8 @@ void grouped_linear_wgrad_fp8(const GemmPlan& plan, const SplitQuantized& input,
     }
     TORCH_CHECK(checked.aligned, kWgradOp, ": weight_grads_out must start on 16-byte boundaries");
     if (engine == Engine::kSm90) {
-      auto p = device_fp8_params<kernels::Sm90Fp8GemmParams>(
-          kernels::GemmKind::kWgrad, plan, grad_output, false, input, false, out_dtype);
+      auto p = sm90_fp8_params(kernels::GemmKind::kWgrad, plan, grad_output, false, input, false,
+                               out_dtype);
       p.weight_grad = detail::group_address(checked);
       p.accumulate = accumulate;
       detail::sm90_fp8(weight_grads_out[0], p);

@@ -217,11 +217,6 @@ std::optional<Flags> parse_flags(int argc, char** argv) {
   if (!f.fp8.empty() && f.device == "cpu")
     throw std::invalid_argument(
         "--fp8 needs --device cuda (or auto with a GPU): FP8 GEMMs are CUDA only");
-  if (f.fp8 == "block" && f.cuda_graph)
-    throw std::invalid_argument(
-        "--fp8 block does not work with --cuda-graph: block-scaled products run as per-group "
-        "cuBLASLt matmuls, which copy the MoE layers' split sizes to the host (delayed and "
-        "current run on device sizes)");
   if (!f.merge_checkpoint.empty() && (!f.ep || f.save.empty()))
     throw std::invalid_argument(
         "--merge-checkpoint needs --ep N (the run's number of ranks) and --save OUT");

@@ -71,7 +71,6 @@ expect_error 2 "--generate needs --resume" --generate 5
 expect_error 2 "--cuda-graph needs --device cuda" --cuda-graph --device cpu
 expect_error 2 "--fp8 must be delayed, current or block, got 'e5m2'" --fp8 e5m2
 expect_error 2 "--fp8 needs --device cuda" --fp8 delayed --device cpu
-expect_error 2 "--fp8 block does not work with --cuda-graph" --fp8 block --cuda-graph
 expect_error 1 "data file or directory '$work/missing' does not exist" --data "$work/missing"
 expect_error 1 "checkpoint '$work/missing.pt' does not exist" --resume "$work/missing.pt" --generate 5
 # Output paths are checked before training: no step line, no minutes of lost work.

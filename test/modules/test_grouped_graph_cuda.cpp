@@ -167,6 +167,19 @@ TEST_CASE("FP8 GroupedLinear with device splits replays in a CUDA graph",
               : torchmoe::fp8::Recipe(torchmoe::fp8::CurrentScaling()));
 }
 
+TEST_CASE("FP8 block-scaled GroupedLinear with device splits replays in a CUDA graph",
+          "[modules][grouped_linear][fp8][cuda][graph]") {
+  // BlockScaling's default blocks (1x128 activations and gradients, 128x128 weights) on the sm90
+  // kernel: no product may fall back to per-group matmuls, whose host sizes a capture refuses.
+  TORCHMOE_REQUIRE_GEMM_BACKEND(torchmoe::GemmBackend::kSm90);
+  torch::manual_seed(29);
+  check_linear_graph(torchmoe::GroupedLinearOptions(6, 128, 256)
+                         .params_dtype(torch::kBFloat16)
+                         .device(torch::kCUDA)
+                         .gemm_backend(torchmoe::GemmBackend::kSm90),
+                     torchmoe::fp8::Recipe(torchmoe::fp8::BlockScaling()));
+}
+
 TEST_CASE("GroupedMLP with device splits replays in a CUDA graph",
           "[modules][grouped_mlp][cuda][graph]") {
   const auto backend =

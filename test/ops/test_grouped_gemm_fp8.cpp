@@ -235,7 +235,8 @@ SplitQuantized quantize_w(const torch::Tensor& w, QuantizeScaling s, Fp8Format f
 }
 
 // backend: kCublasLt (per-group matmuls), kCublasLtGrouped (one grouped matmul per product for
-// per-tensor scales) or kSm90 (our kernel, per-tensor scales); block scales run per group on all.
+// per-tensor scales; block scales run per group) or kSm90 (our kernel, for per-tensor scales and
+// for block scales with 1x128 activations and gradients).
 ops::GemmPlan fp8_plan(const torch::Tensor& x, int64_t n, int64_t k,
                        const std::vector<int64_t>& sizes,
                        GemmBackend backend = GemmBackend::kCublasLt) {
@@ -443,10 +444,10 @@ TEST_CASE("FP8 products over long reductions stay within the accumulation bounds
   TORCHMOE_REQUIRE_CUDA();
   const GemmBackend backend = GENERATE(GemmBackend::kCublasLt, GemmBackend::kSm90);
   TORCHMOE_REQUIRE_GEMM_BACKEND(backend);
-  const bool tall = GENERATE(false, true);  // n 512, k 4096, or n 4096, k 512
+  const bool tall = GENERATE(false, true);                // n 512, k 4096, or n 4096, k 512
+  const ScalingCase& sc = kScalingCases[GENERATE(0, 2)];  // current; block
   const ShapeCase shape{"long", {4096, 0, 1000}, tall ? 4096 : 512, tall ? 512 : 4096};
-  INFO(backend_name(backend) << "; n " << shape.n << ", k " << shape.k);
-  const ScalingCase& sc = kScalingCases[0];
+  INFO(backend_name(backend) << "; " << sc.name << "; n " << shape.n << ", k " << shape.k);
   const Problem p = make_problem(shape, 16);
   const SplitQuantized xq = quantize(p.x, p.sizes, sc.input, kE4M3);
   const SplitQuantized wq = quantize_w(p.w, sc.weight);
@@ -471,7 +472,7 @@ TEST_CASE("FP8 products over long reductions stay within the accumulation bounds
   ops::grouped_linear_wgrad_fp8(plan, xq, dyq, GroupedTensors::stacked(dw), false);
   const Product dw_ref = per_split_atb(dequantize(dyq, false, p.sizes, p.n),
                                        dequantize(xq, false, p.sizes, p.k), p.sizes);
-  WARN(backend_name(backend) << ", n " << p.n << ", k " << p.k
+  WARN(backend_name(backend) << ", " << sc.name << ", n " << p.n << ", k " << p.k
                              << ": largest error / sum|a*b|: fprop " << worst(y, y_ref)
                              << ", dgrad " << worst(dx, dx_ref) << ", wgrad " << worst(dw, dw_ref));
   check_product(y, y_ref, torch::kFloat, kFastAccumulationTol, "y");
