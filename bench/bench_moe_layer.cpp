@@ -105,6 +105,7 @@ int main(int argc, char** argv) {
     const double layer_ms = median_ms([&] { layer_step(moe); }, args.iters, args.warmup);
     const double fused_ms = median_ms([&] { layer_step(moe_fused); }, args.iters, args.warmup);
     torchmoe::bench::trace_if_asked(s.name, [&] { layer_step(moe); });
+    torchmoe::bench::trace_if_asked(s.name + ".fused", [&] { layer_step(moe_fused); });
 
     const double copy_gbs = 2.0 * 2 * m * s.hidden / copy_ms * 1e-6;
     const double permute_gbs = row_bytes / permute_ms * 1e-6;

@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -207,12 +209,19 @@ at::Tensor unpad_rows(const at::Tensor& padded, const OutputRows& layout, c10::I
 // and no bias (it has no bias epilogue). Other block scales run per group.
 enum class Engine { kPerGroup, kGrouped, kSm90 };
 
-Engine engine_of(const GemmPlan& plan, const SplitQuantized& a, const SplitQuantized& b, bool bias,
-                 bool wgrad) {
+Engine engine_of(const GemmPlan& plan, const SplitQuantized& a, bool a_rowwise,
+                 const SplitQuantized& b, bool b_rowwise, bool bias) {
   const bool per_tensor = !is_block_scaling(a.scaling) && !is_block_scaling(b.scaling);
+  // wgrad reads both columnwise copies; the kernel addresses block scales with 32-bit offsets.
+  const bool wgrad = !a_rowwise;
+  auto int_offsets = [](const SplitQuantized& q, bool rowwise) {
+    const at::Tensor& scales = rowwise ? q.scale_inv : q.columnwise_scale_inv;
+    return scales.numel() <= std::numeric_limits<int32_t>::max();
+  };
   const bool sm90_blocks =
       a.scaling == QuantizeScaling::kBlock1x128 &&
-      b.scaling == (wgrad ? QuantizeScaling::kBlock1x128 : QuantizeScaling::kBlock128x128);
+      b.scaling == (wgrad ? QuantizeScaling::kBlock1x128 : QuantizeScaling::kBlock128x128) &&
+      int_offsets(a, a_rowwise) && int_offsets(b, b_rowwise);
   if (plan.backend == Backend::kSm90 && (per_tensor || sm90_blocks) &&
       b.format == Fp8Format::kE4M3) {
     return Engine::kSm90;
@@ -328,7 +337,7 @@ at::Tensor grouped_linear_forward_fp8(const GemmPlan& plan, const SplitQuantized
                      : detail::check_groups(kForwardOp, "biases", biases, groups, input.data, {n},
                                             output_dtype, "the output dtype");
   const c10::cuda::CUDAGuard guard(plan.device);
-  const Engine engine = engine_of(plan, input, weights, !biases.empty(), /*wgrad=*/false);
+  const Engine engine = engine_of(plan, input, true, weights, true, !biases.empty());
   if (engine == Engine::kSm90) {
     at::Tensor output = at::empty({plan.rows, n}, input.data.options().dtype(output_dtype));
     if (plan.rows == 0) return output;
@@ -365,7 +374,7 @@ at::Tensor grouped_linear_dgrad_fp8(const GemmPlan& plan, const SplitQuantized& 
                 plan.device);
   check_pair(kDgradOp, "grad_output", grad_output, "weights", weights);
   const c10::cuda::CUDAGuard guard(plan.device);
-  const Engine engine = engine_of(plan, grad_output, weights, false, /*wgrad=*/false);
+  const Engine engine = engine_of(plan, grad_output, true, weights, false, false);
   if (engine != Engine::kPerGroup) {
     at::Tensor grad_input =
         at::empty({plan.rows, k}, grad_output.data.options().dtype(output_dtype));
@@ -411,7 +420,7 @@ void grouped_linear_wgrad_fp8(const GemmPlan& plan, const SplitQuantized& input,
       kWgradOp, "weight_grads_out", weight_grads_out, static_cast<size_t>(groups),
       input.columnwise_data, {n, k}, out_dtype, "weight_grads_out[0]'s dtype");
   const c10::cuda::CUDAGuard guard(plan.device);
-  const Engine engine = engine_of(plan, grad_output, input, false, /*wgrad=*/true);
+  const Engine engine = engine_of(plan, grad_output, false, input, false, false);
   if (engine != Engine::kPerGroup) {
     if (plan.rows == 0) {  // nothing to read: every group is empty
       if (!accumulate) {
