@@ -14,7 +14,8 @@
 //   bench_moe_layer [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
 //
 // TORCHMOE_BENCH_TRACE=PREFIX also records a Kineto trace (CPU and CUDA) of 5 layer steps per
-// shape into PREFIX.<shape>.json, for scripts/trace_summary.py.
+// shape into PREFIX.<shape>.json, and of 5 fused-layer steps into PREFIX.<shape>.fused.json, for
+// scripts/trace_summary.py.
 
 #include <ATen/cuda/CUDAContext.h>
 #include <torchmoe/ops/token_permutation.h>
