@@ -22,8 +22,8 @@
 //
 // Gathered x (kFprop, kWgrad): with `gather_rows` set, row i of x is row gather_rows[i] of
 // `input` (an MoE layer's tokens read in expert order through the routing map, so that the
-// permuted copy is never written). Hopper's TMA has no gather mode, so the producer warp copies
-// those rows with 16-byte cp.async instead (grouped_gemm_sm90_kernel.cuh).
+// permuted copy is never written). Hopper's TMA has no gather mode, so the producer warpgroup's
+// four warps copy those rows with 16-byte cp.async instead (grouped_gemm_sm90_kernel.cuh).
 
 #include <cuda_runtime_api.h>
 

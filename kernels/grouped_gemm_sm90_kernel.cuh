@@ -42,14 +42,14 @@ namespace torchmoe::kernels::sm90 {
 // one row at row r of a swizzle atom, if 128-byte swizzle is a function of the destination's
 // address bits alone; the documentation describes swizzled boxes written from an atom's
 // 1024-byte boundary, not this, so the kernel does not rely on it. cp.async writes exactly where
-// it is told: the producer warp copies the rows in 16-byte chunks and swizzles by hand, chunk c
+// it is told: the gathering warps copy the rows in 16-byte chunks and swizzle by hand, chunk c
 // of the 128-byte row r of a 1024-byte aligned atom at chunk c ^ (r % 8), which is the layout
 // TMA's 128-byte swizzle produces and wgmma's descriptors read (grouped_gemm_sm90_layout.cuh).
 // Each lane arrives on the stage's full barrier once its copies have landed (noinc: the barrier
-// expects 1 + 32 arrivals, lane 0's expect_tx for the operand that still comes through TMA and
-// one per lane). Chunks past the group's rows or the last column are zero-filled, as TMA fills
-// out-of-range boxes. Lane l holds the source rows of rows l, l + 32, ... of its block and passes
-// them to the other lanes with shuffles.
+// expects 1 + 4·32 arrivals, lane 0's expect_tx for the operand that still comes through TMA and
+// one per gathering lane). Chunks past the group's rows or the last column are zero-filled, as
+// TMA fills out-of-range boxes. Lane l of a warp holds the source of row l of the warp's share
+// and passes them to the other lanes with shuffles.
 // Whether this kernel gathers rows: fprop's A rows or wgrad's x rows, 16-bit operands only.
 template <GemmKind kKind, typename T>
 __device__ __forceinline__ bool gathers_rows(const Sm90GemmParams& p) {
@@ -72,12 +72,18 @@ __device__ __forceinline__ void copy_chunk(uint32_t dst, const uint8_t* input, c
   cp_async_16(dst, copy ? from + static_cast<int64_t>(src) * row_bytes : input, copy ? 16 : 0);
 }
 
+// The gathered copies are shared by the producer warpgroup's kGatherWarps warps (warp 0 also
+// issues the TMA loads and claims the tiles; the others follow its tiles through the tile ring):
+// one warp's copies could not keep up with the tensor cores.
+constexpr int kGatherWarps = 4;
+
 // fprop's A block: the tile's 128 rows (K-major: row i at i·128 B) × 64 reduction elements from
-// `r` on. Lane l copies chunk l % 8 of rows 4·it + l / 8, so each group of 8 lanes reads one
-// contiguous 128-byte segment of a source row. rows[q] holds the source of tile row l + 32q.
+// `r` on; warp w copies rows 32w .. 32w + 31. Lane l copies chunk l % 8 of rows 32w + 4·it + l / 8,
+// so each group of 8 lanes reads one contiguous 128-byte segment of a source row. `rows` holds
+// the source of tile row 32w + l.
 template <typename T>
-__device__ __forceinline__ void gather_fprop_a(const Sm90GemmParams& p, const int (&rows)[4], int r,
-                                               uint8_t* a) {
+__device__ __forceinline__ void gather_fprop_a(const Sm90GemmParams& p, int rows, int r, uint8_t* a,
+                                               int warp) {
   const int lane = threadIdx.x % kWarpSize, chunk = lane % 8;
   const auto* input = static_cast<const uint8_t*>(p.input);
   const int row_bytes = static_cast<int>(p.k) * static_cast<int>(sizeof(T));
@@ -86,20 +92,22 @@ __device__ __forceinline__ void gather_fprop_a(const Sm90GemmParams& p, const in
   const bool in_row = byte < row_bytes;
   const uint32_t base = smem_u32(a);
 #pragma unroll
-  for (int it = 0; it < kBlockM / 4; ++it) {
-    const int i = it * 4 + lane / 8;  // i / 32 == it / 8 for every lane
-    const int src = __shfl_sync(0xffffffffu, rows[it / 8], i % kWarpSize);
-    copy_chunk(base + i * 128 + ((chunk ^ (i % 8)) * 16), input, from, src, row_bytes, in_row);
+  for (int it = 0; it < kWarpSize / 4; ++it) {
+    const int i = it * 4 + lane / 8;  // the row among the warp's 32
+    const int src = __shfl_sync(0xffffffffu, rows, i);
+    const int row = warp * kWarpSize + i;
+    copy_chunk(base + row * 128 + ((chunk ^ (row % 8)) * 16), input, from, src, row_bytes, in_row);
   }
 }
 
 // wgrad's B block: 64 reduction rows × the tile's 256 columns from col0 on, as 4 MN-major boxes
-// (box h: columns col0 + 64h .. + 63, reduction row j at j·128 B). Lane l copies chunk l % 8 of
-// box l / 8 of every row, so the warp reads one contiguous 512-byte segment per row. rows[q]
-// holds the source of reduction row l + 32q.
+// (box h: columns col0 + 64h .. + 63, reduction row j at j·128 B); warp w copies rows 16w ..
+// 16w + 15. Lane l copies chunk l % 8 of box l / 8 of each row, so the warp reads one contiguous
+// 512-byte segment per row. `rows` holds the source of reduction row 32·(w / 2) + l.
 template <typename T>
-__device__ __forceinline__ void gather_wgrad_b(const Sm90GemmParams& p, const int (&rows)[2],
-                                               int col0, uint8_t* b) {
+__device__ __forceinline__ void gather_wgrad_b(const Sm90GemmParams& p, int rows, int col0,
+                                               uint8_t* b, int warp) {
+  constexpr int kRowsPerWarp = kBlockKOf<T> / kGatherWarps;
   const int lane = threadIdx.x % kWarpSize, chunk = lane % 8;
   const auto* input = static_cast<const uint8_t*>(p.input);
   const int row_bytes = static_cast<int>(p.k) * static_cast<int>(sizeof(T));
@@ -108,15 +116,35 @@ __device__ __forceinline__ void gather_wgrad_b(const Sm90GemmParams& p, const in
   const bool in_row = byte < row_bytes;
   const uint32_t box = smem_u32(b + (lane / 8) * kBoxBytes) + chunk * 16;
 #pragma unroll
-  for (int q = 0; q < kBlockKOf<T> / kWarpSize; ++q) {
-#pragma unroll
-    for (int jj = 0; jj < kWarpSize; ++jj) {
-      const int j = q * kWarpSize + jj;
-      const int src = __shfl_sync(0xffffffffu, rows[q], jj);
-      // chunk ^ (j % 8), as a byte offset: chunk·16 is in `box`, the XOR flips its bits.
-      copy_chunk((box + j * 128) ^ ((j % 8) * 16), input, from, src, row_bytes, in_row);
-    }
+  for (int jj = 0; jj < kRowsPerWarp; ++jj) {
+    const int j = warp * kRowsPerWarp + jj;
+    const int src = __shfl_sync(0xffffffffu, rows, j % kWarpSize);
+    // chunk ^ (j % 8), as a byte offset: chunk·16 is in `box`, the XOR flips its bits.
+    copy_chunk((box + j * 128) ^ ((j % 8) * 16), input, from, src, row_bytes, in_row);
   }
+}
+
+// The sources of the rows warp `warp` gathers: fprop, once per tile (tile row 32w + lane); wgrad,
+// once per reduction block kb (reduction row 32·(w / 2) + lane of the block).
+template <GemmKind kKind, typename T>
+__device__ __forceinline__ int gather_sources(const Sm90GemmParams& p, const GroupTable& t,
+                                              const Tile& tile, int kb, int warp) {
+  const int lane = threadIdx.x % kWarpSize;
+  if constexpr (kKind == GemmKind::kFprop) {
+    const int i = warp * kWarpSize + lane;
+    return gather_row(p, static_cast<int64_t>(tile.row0) + i, i < tile.valid_rows);
+  } else {
+    const int j = kb * kBlockKOf<T> + (warp / 2) * kWarpSize + lane;
+    return gather_row(p, static_cast<int64_t>(t.start[tile.group]) + j, j < tile.reduction_rows);
+  }
+}
+
+// Warp w's share of one stage's gathered copies (the A block in fprop, the B block in wgrad).
+template <GemmKind kKind, typename T>
+__device__ __forceinline__ void gather_stage(const Sm90GemmParams& p, const Tile& tile, int rows,
+                                             int kb, uint8_t* a, uint8_t* b, int warp) {
+  if constexpr (kKind == GemmKind::kFprop) gather_fprop_a<T>(p, rows, kb * kBlockKOf<T>, a, warp);
+  if constexpr (kKind == GemmKind::kWgrad) gather_wgrad_b<T>(p, rows, tile.col0, b, warp);
 }
 
 // FP8 block scales of one tile in split_quantize's layouts (kernels/split_quantize.h), as
@@ -224,32 +252,13 @@ __device__ void produce(const KernelArgs& args, const GroupTable& t, const TileR
     }
     ScaleSource source{};
     if constexpr (kBlockScaled) source = scale_source<kKind>(args, t, tile);
-    // fprop: the sources of the tile's rows, read once per tile.
-    int tile_rows[4] = {-1, -1, -1, -1};
-    if constexpr (kKind == GemmKind::kFprop) {
-      if (gather) {
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int i = lane + kWarpSize * q;
-          tile_rows[q] = gather_row(p, static_cast<int64_t>(tile.row0) + i, i < tile.valid_rows);
-        }
-      }
-    }
+    // Gathered rows: this warp's sources, per tile (fprop) or per block (wgrad, read before
+    // waiting for the slot so that the wait hides the loads).
+    int rows =
+        kKind == GemmKind::kFprop && gather ? gather_sources<kKind, T>(p, t, tile, 0, 0) : -1;
     for (int kb = 0; kb < tile.k_blocks; ++kb) {
       const int r = kb * kBlockKOf<T>;  // reduction offset
-      // wgrad: the sources of this block's reduction rows, read before waiting for the slot so
-      // that the wait hides the loads.
-      int block_rows[2] = {-1, -1};
-      if constexpr (kKind == GemmKind::kWgrad) {
-        if (gather) {
-#pragma unroll
-          for (int q = 0; q < 2; ++q) {
-            const int j = r + lane + kWarpSize * q;
-            block_rows[q] = gather_row(p, static_cast<int64_t>(t.start[tile.group]) + j,
-                                       j < tile.reduction_rows);
-          }
-        }
-      }
+      if (kKind == GemmKind::kWgrad && gather) rows = gather_sources<kKind, T>(p, t, tile, kb, 0);
       mbar_wait(&empty[stage], phase ^ 1);
       uint8_t* a = smem + stage * kStageBytes;
       uint8_t* b = a + kABytes;
@@ -278,10 +287,7 @@ __device__ void produce(const KernelArgs& args, const GroupTable& t, const TileR
           }
         }
       }
-      if (gather) {
-        if constexpr (kKind == GemmKind::kFprop) gather_fprop_a<T>(p, tile_rows, r, a);
-        if constexpr (kKind == GemmKind::kWgrad) gather_wgrad_b<T>(p, block_rows, tile.col0, b);
-      }
+      if (gather) gather_stage<kKind, T>(p, tile, rows, kb, a, b, 0);
       if constexpr (kBlockScaled) {
         copy_block_scales<kKind>(args, source, kb,
                                  scales + stage * Smem<kKind, true>::kScaleStageBytes);
@@ -295,6 +301,33 @@ __device__ void produce(const KernelArgs& args, const GroupTable& t, const TileR
   });
   // No copy may still be writing shared memory when the warp exits.
   if (kBlockScaled || gather) cp_async_wait_all();
+}
+
+// Warps 1 .. kGatherWarps - 1 of the producer warpgroup when rows are gathered: they follow the
+// tiles warp 0 claims through the tile ring (as the consumers do) and copy their share of each
+// stage's gathered rows, arriving on its full barrier as warp 0's lanes do.
+template <GemmKind kKind, typename T>
+__device__ void gather_helper(const KernelArgs& args, const GroupTable& t, const TileRing& ring,
+                              uint8_t* smem, uint64_t* full, uint64_t* empty, int warp) {
+  const Sm90GemmParams& p = args.p;
+  int stage = 0;
+  uint32_t phase = 0;
+  receive_tiles<kKind, kBlockKOf<T>>(p, t, ring, [&](const Tile& tile) {
+    int rows = kKind == GemmKind::kFprop ? gather_sources<kKind, T>(p, t, tile, 0, warp) : -1;
+    for (int kb = 0; kb < tile.k_blocks; ++kb) {
+      if (kKind == GemmKind::kWgrad) rows = gather_sources<kKind, T>(p, t, tile, kb, warp);
+      mbar_wait(&empty[stage], phase ^ 1);
+      uint8_t* a = smem + stage * kStageBytes;
+      gather_stage<kKind, T>(p, tile, rows, kb, a, a + kABytes, warp);
+      cp_async_mbar_arrive(&full[stage]);
+      if (++stage == Smem<kKind>::kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+  });
+  // No copy may still be writing shared memory when the warp exits.
+  cp_async_wait_all();
 }
 
 // Where an output tile goes and what is added to it (see Tile).
@@ -632,16 +665,18 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (threadIdx.x < kWarpSize) build_group_table<kKind>(args.p, table);
   if (threadIdx.x == kWarpSize) {
-    // Gathered rows and block scales: lane 0's expect_tx and the 32 lanes' cp.async arrivals
-    // (see produce).
-    const bool lane_copies = kBlockScaled || gathers_rows<kKind, TA>(args.p);
+    // lane 0's expect_tx, and the cp.async arrivals of the lanes that copy: the producer warp's
+    // (block scales) or the gathering warps' (gathered rows, see produce and gather_helper),
+    // which also take tiles from the ring.
+    const bool gather = gathers_rows<kKind, TA>(args.p);
+    const int copying_lanes = gather ? kGatherWarps * kWarpSize : kBlockScaled ? kWarpSize : 0;
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], lane_copies ? 1 + kWarpSize : 1);
+      mbar_init(&full[s], 1 + copying_lanes);
       mbar_init(&empty[s], kConsumerWarps);
     }
     for (int s = 0; s < kTileSlots; ++s) {
       mbar_init(&ring.full[s], 1);
-      mbar_init(&ring.empty[s], kConsumerWarps);
+      mbar_init(&ring.empty[s], kConsumerWarps + (gather ? kGatherWarps - 1 : 0));
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     fence_proxy_async();
@@ -650,8 +685,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters));
-    if (threadIdx.x < kWarpSize) {
+    const int warp = threadIdx.x / kWarpSize;
+    if (warp == 0) {
       produce<kKind, TA, kBlockScaled>(args, table, ring, smem, full, empty, scales);
+    } else if (warp < kGatherWarps) {
+      if constexpr (!kIsFp8<TA> && kKind != GemmKind::kDgrad) {
+        if (gathers_rows<kKind, TA>(args.p)) {
+          gather_helper<kKind, TA>(args, table, ring, smem, full, empty, warp);
+        }
+      }
     }
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegisters));

@@ -5,9 +5,9 @@
 // on these numbers. Included by grouped_gemm_sm90.cu only (directly and through the kernel files).
 //
 // Block: 3 warpgroups. Warpgroup 0 is the producer (its first warp: one thread issues TMA, all
-// 32 lanes copy gathered rows; it gives registers away with setmaxnreg); warpgroups 1 and 2 are
-// consumers, each owning 64 rows of the 128 × 256 output tile and issuing m64n256k16 wgmma into
-// 128 fp32 accumulator registers per thread.
+// 32 lanes copy block scales; all four warps copy gathered rows; it gives registers away with
+// setmaxnreg); warpgroups 1 and 2 are consumers, each owning 64 rows of the 128 × 256 output
+// tile and issuing m64n256k16 wgmma into 128 fp32 accumulator registers per thread.
 // 128 × 256 tiles read 48 KB of shared memory per 2·128·256·64 FLOPs, a third less per FLOP
 // than 128 × 128 tiles; that keeps the tensor cores, not shared memory or L2, the limit.
 //
@@ -77,7 +77,9 @@ struct Smem {
                                    2 * (kStages + kTileSlots) * sizeof(uint64_t) +
                                    kTileSlots * sizeof(int) + 1024;  // + alignment slack
 };
-// Registers: the producer needs few, the consumers' 128 accumulators need many (64K per SM).
+// Registers: the producer needs few, the consumers' 128 accumulators need many (64K per SM). 40
+// leaves 1K of the register file free; 48, an exact fit, hung the consumers' setmaxnreg.inc on
+// the H100 (FP8 wgrad never started).
 constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;
 static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= 65536);
 // Dynamic plus the static group table (2 int arrays of G + 1, and one of G with block scales)
