@@ -216,7 +216,7 @@ void launch(const Sm90GemmParams& p, cudaStream_t stream) {
   std::memset(&args, 0, sizeof(args));
   args.p = p;
   const MapType in = map_type(p.input_type);
-  // Gathered x is copied by the producer warp, through no tensor map.
+  // Gathered x is copied by the producer warpgroup, through no tensor map.
   const bool gather = p.gather_rows != nullptr;
   if constexpr (kKind == GemmKind::kFprop) {
     if (!gather) args.a_map = cached_map(in, p.input, p.k, p.rows, 1, 0, operand_box(in, kBlockM));
@@ -429,10 +429,13 @@ void launch_grouped_gemm_sm90(const Sm90GemmParams& p, cudaStream_t stream) {
 void launch_grouped_gemm_sm90_fp8(const Sm90Fp8GemmParams& p, cudaStream_t stream) {
   const bool wgrad = p.kind == GemmKind::kWgrad;
   const bool block = is_block_scaling(p.a_scaling);
-  // Per-tensor scales on both operands, or a 1x128 A with a 128x128 B (fprop) or 1x128 B (wgrad).
+  // Per-tensor scales on both operands, or a 1x128 A with a 128x128 B (fprop) or 1x128 B (wgrad),
+  // whose buffers the producer copies in 16-byte chunks.
   const bool scalings_taken = block ? p.a_scaling == QuantizeScaling::kBlock1x128 &&
                                           p.b_scaling == (wgrad ? QuantizeScaling::kBlock1x128
-                                                                : QuantizeScaling::kBlock128x128)
+                                                                : QuantizeScaling::kBlock128x128) &&
+                                          reinterpret_cast<uintptr_t>(p.a_scale_inv) % 16 == 0 &&
+                                          reinterpret_cast<uintptr_t>(p.b_scale_inv) % 16 == 0
                                     : !is_block_scaling(p.b_scaling);
   TORCH_INTERNAL_ASSERT(
       scalings_taken && (p.kind == GemmKind::kFprop || p.kind == GemmKind::kWgrad) &&

@@ -112,7 +112,8 @@ struct Sm90Fp8GemmParams {
   const void* a = nullptr;
   const void* b = nullptr;
   // Per-tensor scalings (kCurrent, kDelayed): [num_groups] each. Block scales: split_quantize's
-  // block-scale buffer of the copy each operand is (its layout in kernels/split_quantize.h).
+  // block-scale buffer of the copy each operand is (its layout in kernels/split_quantize.h),
+  // 16-byte aligned, of at most INT_MAX elements (the kernel's offsets are 32-bit; ops checks).
   QuantizeScaling a_scaling = QuantizeScaling::kDelayed;
   QuantizeScaling b_scaling = QuantizeScaling::kDelayed;
   const float* a_scale_inv = nullptr;

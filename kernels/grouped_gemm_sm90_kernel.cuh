@@ -197,7 +197,8 @@ __device__ __forceinline__ ScaleSource scale_source(const KernelArgs& args, cons
 // The producer warp's copy of reduction block kb's scales into a stage's area
 // (Smem::kScaleStageBytes): lane l copies A's rows 4l..4l+3, and B's columns 4l.. and 128 + 4l..
 // (wgrad) or, lanes 0 and 1, the 16-byte chunks holding the two halves' scales (fprop/dgrad: block
-// kb's at kb % 4). Chunks past the valid rows or columns are zero-filled (never stored results).
+// kb's at kb % 4). Chunks wholly past the valid rows or columns are zero-filled; the last valid
+// chunk may carry up to 3 of the layouts' padding entries. Neither feeds a stored result.
 template <GemmKind kKind>
 __device__ __forceinline__ void copy_block_scales(const KernelArgs& args, const ScaleSource& s,
                                                   int kb, uint8_t* area) {
@@ -222,9 +223,9 @@ __device__ __forceinline__ void copy_block_scales(const KernelArgs& args, const 
   }
 }
 
-// The producer warp: lane 0 issues the TMA loads and the tile handoff, all lanes copy gathered
-// rows and block scales. FP8 wgrad loads both operands K-major, as fprop does, each group through
-// its own maps.
+// The producer warp: lane 0 issues the TMA loads and the tile handoff, all lanes copy block scales
+// and the warp's share of gathered rows. FP8 wgrad loads both operands K-major, as fprop does, each
+// group through its own maps.
 template <GemmKind kKind, typename T, bool kBlockScaled>
 __device__ void produce(const KernelArgs& args, const GroupTable& t, const TileRing& ring,
                         uint8_t* smem, uint64_t* full, uint64_t* empty, uint8_t* scales) {

@@ -53,9 +53,9 @@ constexpr int kStageBytes = kABytes + kBBytes;       // A | B
 constexpr int kConsumerWarps = 8;                    // the empty barriers' arrivals
 // Epilogue boxes: 64 rows × 64 bytes (a 64 × 256 tile of 16-bit values is 8 of them).
 constexpr int kEpilogueRowBytes = 64, kEpilogueBoxBytes = 64 * kEpilogueRowBytes;  // 4 KB
-// Tile indices pass from the producer to the consumers through a ring (see claim_tiles in
-// grouped_gemm_sm90_schedule.cuh). The producer runs at most a few reduction blocks ahead, i.e. a
-// few tiles when they have one each.
+// Tile indices pass from the producer to the consumers (and gathering warps) through a ring (see
+// claim_tiles in grouped_gemm_sm90_schedule.cuh). The producer runs at most a few reduction blocks
+// ahead, i.e. a few tiles when they have one each.
 constexpr int kTileSlots = 4;
 // Shared memory by kind (see the file comment): wgrad, 3 stages and a whole-tile epilogue buffer
 // per consumer; fprop/dgrad (16-bit output), 4 stages and a quarter-tile buffer, four rounds.
@@ -82,11 +82,12 @@ struct Smem {
 // the H100 (FP8 wgrad never started).
 constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;
 static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= 65536);
-// Dynamic plus the static group table (2 int arrays of G + 1, and one of G with block scales)
+// Dynamic plus the static group table (2 int arrays of G + 1, and one of G with block scales, else
+// of 1)
 // within the 227 KB a block may use.
 template <GemmKind kKind, bool kBlockScaled>
 constexpr size_t kSharedBytes = Smem<kKind, kBlockScaled>::kBytes +
-                                (2 * (kSm90MaxGroups + 1) + (kBlockScaled ? kSm90MaxGroups : 0)) *
+                                (2 * (kSm90MaxGroups + 1) + (kBlockScaled ? kSm90MaxGroups : 1)) *
                                     sizeof(int);
 static_assert(kSharedBytes<GemmKind::kFprop, false> <= 227 * 1024);
 static_assert(kSharedBytes<GemmKind::kWgrad, false> <= 227 * 1024);

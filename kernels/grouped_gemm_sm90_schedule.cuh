@@ -8,8 +8,8 @@
 //
 // The persistent grid walks a global tile list, group after group: round-robin for fprop and
 // dgrad, claimed from a global counter for wgrad (claim_tiles); each block's producer passes its
-// tile indices to its consumers (receive_tiles). Per-group row offsets and tile counts are
-// computed once per block from the device split sizes.
+// tile indices to its consumers and gathering warps (receive_tiles). Per-group row offsets and tile
+// counts are computed once per block from the device split sizes.
 
 #include <cstdint>
 
@@ -145,14 +145,15 @@ __device__ __forceinline__ Tile tile_at(const Sm90GemmParams& p, const GroupTabl
 // neighbouring indices at about the same time either way, so the panel order keeps its L2 reuse.
 //
 // The producer warp decides (its lane 0 claims one index ahead, so the atomic's latency overlaps
-// the current tile's loads) and passes each index to the consumers through kTileSlots
-// shared-memory slots with full/empty mbarriers, as it passes operands; an index past the last
-// tile ends both loops. The whole warp runs the loop because gathered rows are loaded by all its
-// lanes (grouped_gemm_sm90_kernel.cuh).
+// the current tile's loads) and passes each index to the consumers, and to the producer
+// warpgroup's other warps when they gather rows, through kTileSlots shared-memory slots with
+// full/empty mbarriers, as it passes operands; an index past the last tile ends every loop. The
+// whole warp runs the loop because gathered rows are loaded by all its lanes
+// (grouped_gemm_sm90_kernel.cuh).
 struct TileRing {
   int* index;       // [kTileSlots]
   uint64_t* full;   // [kTileSlots]: one arrival, the producer's
-  uint64_t* empty;  // [kTileSlots]: one arrival per consumer warp
+  uint64_t* empty;  // [kTileSlots]: one arrival per consumer warp (and per other gathering warp)
 };
 
 template <GemmKind kKind, int kBlockRed, typename Fn>

@@ -114,8 +114,9 @@ struct GemmPlan {
 //                                            -> kCublasLt (measured faster there)
 //     kSm90, or kAuto where the sm90 kernel can run the call (as above, any floating dtype)
 //                                            -> kSm90 (one launch per product with per-tensor
-//                                               scales, device sizes; block scales run per
-//                                               group), or the forced backend's refusal
+//                                               scales or BlockScaling's default blocks, device
+//                                               sizes; other block scales run per group), or
+//                                               the forced backend's refusal
 //     kCublasLtGrouped, or kAuto where the grouped matmul can run the call
 //                                            -> kCublasLtGrouped (one grouped FP8 matmul per
 //                                               product with per-tensor scales, device sizes;

@@ -36,8 +36,8 @@ void check_plan(const char* op, const GemmPlan& plan) {
               ": needs an FP8 plan (plan_grouped_gemms with fp8 = true)");
 }
 
-// The plan's host sizes, copied from the device when it has none (a grouped plan whose operands
-// the grouped matmul does not take: block scales, a bias).
+// The plan's host sizes, copied from the device when it has none (a device-size plan whose
+// engine does not take the operands: see engine_of).
 std::vector<int64_t> host_sizes(const GemmPlan& plan) {
   if (plan.m_splits.has_host()) return plan.m_splits.host().vec();
   const at::Tensor copy = plan.m_splits.device().to(at::kCPU, at::kLong);
@@ -209,19 +209,21 @@ at::Tensor unpad_rows(const at::Tensor& padded, const OutputRows& layout, c10::I
 // and no bias (it has no bias epilogue). Other block scales run per group.
 enum class Engine { kPerGroup, kGrouped, kSm90 };
 
-Engine engine_of(const GemmPlan& plan, const SplitQuantized& a, bool a_rowwise,
-                 const SplitQuantized& b, bool b_rowwise, bool bias) {
+// kind: which product (kDgrad reads the weights' columnwise copy, kWgrad both columnwise copies).
+Engine engine_of(const GemmPlan& plan, kernels::GemmKind kind, const SplitQuantized& a,
+                 const SplitQuantized& b, bool bias) {
   const bool per_tensor = !is_block_scaling(a.scaling) && !is_block_scaling(b.scaling);
-  // wgrad reads both columnwise copies; the kernel addresses block scales with 32-bit offsets.
-  const bool wgrad = !a_rowwise;
-  auto int_offsets = [](const SplitQuantized& q, bool rowwise) {
+  const bool wgrad = kind == kernels::GemmKind::kWgrad;
+  // The kernel copies block scales in 16-byte chunks at 32-bit offsets.
+  auto sm90_scales = [](const SplitQuantized& q, bool rowwise) {
     const at::Tensor& scales = rowwise ? q.scale_inv : q.columnwise_scale_inv;
-    return scales.numel() <= std::numeric_limits<int32_t>::max();
+    return scales.numel() <= std::numeric_limits<int32_t>::max() &&
+           reinterpret_cast<uintptr_t>(scales.const_data_ptr()) % 16 == 0;
   };
   const bool sm90_blocks =
       a.scaling == QuantizeScaling::kBlock1x128 &&
       b.scaling == (wgrad ? QuantizeScaling::kBlock1x128 : QuantizeScaling::kBlock128x128) &&
-      int_offsets(a, a_rowwise) && int_offsets(b, b_rowwise);
+      sm90_scales(a, !wgrad) && sm90_scales(b, kind == kernels::GemmKind::kFprop);
   if (plan.backend == Backend::kSm90 && (per_tensor || sm90_blocks) &&
       b.format == Fp8Format::kE4M3) {
     return Engine::kSm90;
@@ -337,7 +339,7 @@ at::Tensor grouped_linear_forward_fp8(const GemmPlan& plan, const SplitQuantized
                      : detail::check_groups(kForwardOp, "biases", biases, groups, input.data, {n},
                                             output_dtype, "the output dtype");
   const c10::cuda::CUDAGuard guard(plan.device);
-  const Engine engine = engine_of(plan, input, true, weights, true, !biases.empty());
+  const Engine engine = engine_of(plan, kernels::GemmKind::kFprop, input, weights, !biases.empty());
   if (engine == Engine::kSm90) {
     at::Tensor output = at::empty({plan.rows, n}, input.data.options().dtype(output_dtype));
     if (plan.rows == 0) return output;
@@ -374,7 +376,7 @@ at::Tensor grouped_linear_dgrad_fp8(const GemmPlan& plan, const SplitQuantized& 
                 plan.device);
   check_pair(kDgradOp, "grad_output", grad_output, "weights", weights);
   const c10::cuda::CUDAGuard guard(plan.device);
-  const Engine engine = engine_of(plan, grad_output, true, weights, false, false);
+  const Engine engine = engine_of(plan, kernels::GemmKind::kDgrad, grad_output, weights, false);
   if (engine != Engine::kPerGroup) {
     at::Tensor grad_input =
         at::empty({plan.rows, k}, grad_output.data.options().dtype(output_dtype));
@@ -420,7 +422,7 @@ void grouped_linear_wgrad_fp8(const GemmPlan& plan, const SplitQuantized& input,
       kWgradOp, "weight_grads_out", weight_grads_out, static_cast<size_t>(groups),
       input.columnwise_data, {n, k}, out_dtype, "weight_grads_out[0]'s dtype");
   const c10::cuda::CUDAGuard guard(plan.device);
-  const Engine engine = engine_of(plan, grad_output, false, input, false, false);
+  const Engine engine = engine_of(plan, kernels::GemmKind::kWgrad, grad_output, input, false);
   if (engine != Engine::kPerGroup) {
     if (plan.rows == 0) {  // nothing to read: every group is empty
       if (!accumulate) {

@@ -2,10 +2,11 @@
 // FP8 grouped linear products: the three GEMMs of a grouped linear layer over operands that
 // split_quantize made (ops/quantize.h), on the plan's backend: the sm90 kernel
 // (kernels/grouped_gemm_sm90.h) or the cuBLASLt grouped matmul with device sizes where they take
-// the operands (per-tensor scales), else per-group cuBLASLt FP8 matmuls with host sizes (copied
-// from the device when the plan has none). Validation, allocation and the kernel call; the TN
-// layout of every product and which copy each reads are in kernels/grouped_gemm_cublaslt.h and
-// kernels/grouped_gemm_sm90.h, the numerics in docs/fp8.md.
+// the operands (per-tensor scales on both; on the sm90 kernel also 1x128 activations and
+// gradients with 128x128 weights in fprop and dgrad and 1x128 inputs in wgrad), else per-group
+// cuBLASLt FP8 matmuls with host sizes (copied from the device when the plan has none). Validation,
+// allocation and the kernel call; the TN layout of every product and which copy each reads are in
+// kernels/grouped_gemm_cublaslt.h and kernels/grouped_gemm_sm90.h, the numerics in docs/fp8.md.
 //
 // The plan must be an FP8 plan (plan_grouped_gemms(..., fp8=true)): CUDA, in_features and
 // out_features multiples of 16. Split sizes are any non-negative values: wgrad

@@ -236,7 +236,8 @@ SplitQuantized quantize_w(const torch::Tensor& w, QuantizeScaling s, Fp8Format f
 
 // backend: kCublasLt (per-group matmuls), kCublasLtGrouped (one grouped matmul per product for
 // per-tensor scales; block scales run per group) or kSm90 (our kernel, for per-tensor scales and
-// for block scales with 1x128 activations and gradients).
+// for 1x128 activations and gradients with 128x128 weights in fprop and dgrad and 1x128 inputs in
+// wgrad; the all-1x128 case runs fprop and dgrad per group).
 ops::GemmPlan fp8_plan(const torch::Tensor& x, int64_t n, int64_t k,
                        const std::vector<int64_t>& sizes,
                        GemmBackend backend = GemmBackend::kCublasLt) {
