@@ -166,12 +166,11 @@ template <GemmKind kKind>
 __device__ __forceinline__ ScaleSource scale_source(const KernelArgs& args, const GroupTable& t,
                                                     const Tile& tile) {
   const Sm90GemmParams& p = args.p;
-  constexpr int kBlock = static_cast<int>(kQuantizeBlock);
   const int g = tile.group, units = t.scale_units[g];
   ScaleSource s;
   if constexpr (kKind == GemmKind::kWgrad) {
-    const int rows = static_cast<int>(p.n), rows4 = (rows + 3) / 4 * 4;
-    const int cols = static_cast<int>(p.k), cols4 = (cols + 3) / 4 * 4;
+    const int rows = static_cast<int>(p.n), rows4 = static_cast<int>(round_up4(rows));
+    const int cols = static_cast<int>(p.k), cols4 = static_cast<int>(round_up4(cols));
     s.a = rows4 * units + tile.row0;
     s.a_step = rows4;
     s.a_rows = rows - tile.row0;
@@ -179,12 +178,13 @@ __device__ __forceinline__ ScaleSource scale_source(const KernelArgs& args, cons
     s.b_step = cols4;
     s.b_cols = cols - tile.col0;
   } else {
+    constexpr int kBlock = static_cast<int>(kQuantizeBlock);
     const int m = t.count(g), local = tile.row0 - t.start[g];
-    const int kb_count = static_cast<int>((p.k + kBlock - 1) / kBlock),
-              kb4 = (kb_count + 3) / 4 * 4;
-    const int cols = static_cast<int>(p.n), col_blocks = (cols + kBlock - 1) / kBlock;
+    const int kb_count = static_cast<int>(block_count(p.k));
+    const int kb4 = static_cast<int>(round_up4(kb_count));
+    const int cols = static_cast<int>(p.n), col_blocks = static_cast<int>(block_count(cols));
     s.a = kb_count * units + local;
-    s.a_step = (m + 3) / 4 * 4;
+    s.a_step = static_cast<int>(round_up4(m));
     s.a_rows = m - local;
     s.b = (g * col_blocks + tile.col0 / kBlock) * kb4;
     // A second half wholly past the last column (never stored) reads the first half's scale.

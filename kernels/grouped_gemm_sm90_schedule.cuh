@@ -74,8 +74,7 @@ __device__ void build_group_table(const Sm90GemmParams& p, GroupTable t) {
   if (lane == kWarpSize - 1) t.tiles[G] = tile_prefix;
   if (t.scale_units != nullptr) {
     auto units_of = [](int size) {
-      constexpr int kBlock = static_cast<int>(kQuantizeBlock);
-      return kKind == GemmKind::kWgrad ? (size + kBlock - 1) / kBlock : (size + 3) / 4 * 4;
+      return static_cast<int>(kKind == GemmKind::kWgrad ? block_count(size) : round_up4(size));
     };
     int units = 0;
     for (int g = first; g < last; ++g) units += units_of(t.count(g));

@@ -98,9 +98,9 @@ __device__ SplitLayout build_layout(const SplitQuantizeParams& p, char* shared) 
       if (g < groups) {
         const int64_t m = l.start[g + 1] - l.start[g];
         r16 = round_up_columnwise(m);
-        mb = static_cast<int32_t>((m + kTile - 1) / kTile);
-        r4 = static_cast<int32_t>((m + 3) / 4 * 4);
-        mb4 = (mb + 3) / 4 * 4;
+        mb = static_cast<int32_t>(block_count(m));
+        r4 = static_cast<int32_t>(round_up4(m));
+        mb4 = static_cast<int32_t>(round_up4(mb));
       }
       largest = max(largest, mb);
       const int32_t i_mb = warp_inclusive_scan(mb), i_r4 = warp_inclusive_scan(r4),
