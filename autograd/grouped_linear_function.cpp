@@ -62,15 +62,15 @@ struct Fp8QuantizeArgs {
   at::Tensor scale, amax;
 };
 
-Fp8QuantizeArgs quantize_args(const Fp8Config& f, fp8::TensorRole role, bool rowwise,
-                              bool columnwise) {
+Fp8QuantizeArgs quantize_args(const fp8::Recipe& recipe, const fp8::Fp8State& state,
+                              fp8::TensorRole role, bool rowwise, bool columnwise) {
   Fp8QuantizeArgs args;
-  args.options = fp8::split_quantize_options(f.recipe, role);
+  args.options = fp8::split_quantize_options(recipe, role);
   args.options.rowwise = rowwise;
   args.options.columnwise = columnwise;
-  if (std::holds_alternative<fp8::DelayedScaling>(f.recipe)) {
-    TORCH_INTERNAL_ASSERT(f.state, "GroupedLinearFunction: delayed scaling without FP8 state");
-    const fp8::DelayedScalingTensors& t = f.state->tensors(role);
+  if (std::holds_alternative<fp8::DelayedScaling>(recipe)) {
+    TORCH_INTERNAL_ASSERT(state, "GroupedLinearFunction: delayed scaling without FP8 state");
+    const fp8::DelayedScalingTensors& t = state->tensors(role);
     args.scale = t.scale;
     args.amax = t.amax_history.select(0, 0);
   }
@@ -87,7 +87,8 @@ ops::SplitQuantized split_quantize(const at::Tensor& t, const GemmPlan& plan,
 // backward reads the columnwise one.
 ops::SplitQuantized fp8_weights(Fp8Config& f, const ops::GroupedTensors& weights, bool columnwise) {
   auto quantize = [&](bool both) {
-    const Fp8QuantizeArgs args = quantize_args(f, fp8::TensorRole::kWeight, true, both);
+    const Fp8QuantizeArgs args =
+        quantize_args(f.recipe, f.state, fp8::TensorRole::kWeight, true, both);
     return ops::quantize_weights(weights, args.options, args.scale, args.amax);
   };
   if (!f.is_first_microbatch.has_value()) return quantize(columnwise);
@@ -118,7 +119,8 @@ at::Tensor fp8_forward_output(const at::Tensor& input, const at::Tensor& scales,
                               GroupedLinearConfig& config, BackwardNeeds needs) {
   Fp8Config& f = *config.fp8;
   const GemmPlan& plan = config.plan;
-  const Fp8QuantizeArgs args = quantize_args(f, fp8::TensorRole::kInput, true, needs.weights);
+  const Fp8QuantizeArgs args =
+      quantize_args(f.recipe, f.state, fp8::TensorRole::kInput, true, needs.weights);
   ops::SplitQuantized quantized;
   if (config.input_activation) {
     quantized = ops::glu_split_quantize(input.contiguous(), scales, *config.input_activation,
@@ -199,6 +201,17 @@ at::Tensor GroupedLinearFunction::forward(AutogradContext* ctx, const at::Tensor
   // (its shape).
   const bool keeps_input = !config->fp8 || config->input_activation || config->input_gather;
   ctx->save_for_backward({keeps_input ? input : at::Tensor(), scales});
+  if (config->grad_output_link && config->fp8) {
+    bool biases_need_grad = false;
+    for (const at::Tensor& b : biases) biases_need_grad |= b.requires_grad();
+    Fp8GradLink& link = *config->grad_output_link;
+    link.armed = !biases_need_grad && (needs.input || needs.weights);
+    link.recipe = config->fp8->recipe;
+    link.state = config->fp8->state;
+    link.rows = config->plan.rows;
+    link.rowwise = needs.input;
+    link.columnwise = needs.weights;
+  }
   config->weights = weights.vec();
   config->weight_versions.clear();
   for (const at::Tensor& w : weights) config->weight_versions.push_back(w._version());
@@ -218,7 +231,10 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
   const at::TensorList weights = cfg.weights;
   const auto num_weights = weights.size();
   const size_t groups = cfg.plan.shape.groups;
-  const at::Tensor grad_output = grad_outputs[0].contiguous();
+  // Linked (Fp8GradLink): grad_outputs[0] is a placeholder, and the FP8 copies wait in the link.
+  std::optional<ops::SplitQuantized> linked_grad;
+  if (cfg.grad_output_link) linked_grad.swap(cfg.grad_output_link->grad);
+  const at::Tensor grad_output = linked_grad ? grad_outputs[0] : grad_outputs[0].contiguous();
 
   // Gradient slots: input, input_scales, weights..., biases..., config (one per forward
   // argument). Autograd edges exist only for tensors given: input_scales has none when absent.
@@ -236,10 +252,13 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
   }
   // FP8: the output gradient's rowwise copy for dgrad, its columnwise one for wgrad.
   ops::SplitQuantized fp8_grad_output;
-  if (cfg.fp8 && (input_needs_grad || weights_need_grad)) {
-    fp8_grad_output = split_quantize(
-        grad_output, cfg.plan,
-        quantize_args(*cfg.fp8, fp8::TensorRole::kGradOutput, input_needs_grad, weights_need_grad));
+  if (linked_grad) {
+    fp8_grad_output = std::move(*linked_grad);
+  } else if (cfg.fp8 && (input_needs_grad || weights_need_grad)) {
+    fp8_grad_output =
+        split_quantize(grad_output, cfg.plan,
+                       quantize_args(cfg.fp8->recipe, cfg.fp8->state, fp8::TensorRole::kGradOutput,
+                                     input_needs_grad, weights_need_grad));
   }
 
   if (input_needs_grad) {
@@ -258,7 +277,20 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
       grad_gemm_input =
           ops::grouped_linear_dgrad(cfg.plan, grad_output, grouped(weights, cfg.grouped_weight));
     }
-    if (cfg.input_activation) {
+    const Fp8GradLink* link = cfg.grad_input_link.get();
+    if (cfg.input_activation && link != nullptr && link->armed && ctx->needs_input_grad(0)) {
+      // The activation's gradient goes to the previous layer (fc1) as its FP8 copies.
+      TORCH_INTERNAL_ASSERT(link->rows == cfg.plan.rows, "GroupedLinearFunction: linked layers ",
+                            "must share their rows");
+      const Fp8QuantizeArgs args = quantize_args(
+          link->recipe, link->state, fp8::TensorRole::kGradOutput, link->rowwise, link->columnwise);
+      ops::GluGradsQuantized glu = ops::glu_backward_split_quantize(
+          grad_gemm_input, input, scales, *cfg.input_activation, scales_need_grad,
+          cfg.plan.m_splits, args.options, args.scale, args.amax);
+      cfg.grad_input_link->grad = std::move(glu.grad_input);
+      grads[0] = at::zeros({1}, input.options()).expand(input.sizes());
+      if (scales_need_grad) grads[1] = std::move(glu.grad_scales);
+    } else if (cfg.input_activation) {
       ops::GluGrads glu = ops::glu_backward(grad_gemm_input, input, scales, *cfg.input_activation,
                                             scales_need_grad);
       grads[0] = std::move(glu.grad_input);

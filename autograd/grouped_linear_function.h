@@ -75,6 +75,25 @@ struct Fp8Config {
   ops::SplitQuantized weights;
 };
 
+// FP8 GroupedMLP's handoff of fc1's output gradient: fc2's backward differentiates its input
+// activation and quantizes the result for fc1 in one pass (ops::glu_backward_split_quantize), so
+// the 16-bit gradient is never written. fc1's forward arms the link with how its backward would
+// quantize its output gradient; fc2's backward leaves the FP8 copies here and hands autograd, as
+// the gradient of fc1's output, a zero of its shape that takes no memory; fc1's backward takes the
+// copies instead of quantizing that. Unarmed (fc1 has bias gradients, which are sums of the 16-bit
+// gradient), the layers exchange the 16-bit gradient as any two layers do.
+struct Fp8GradLink {
+  // Set by fc1's forward.
+  bool armed = false;
+  fp8::Recipe recipe;
+  fp8::Fp8State state{nullptr};
+  int64_t rows = 0;         // fc1's; fc2 has the same rows and split sizes (plan_layers)
+  bool rowwise = false;     // dgrad's copy
+  bool columnwise = false;  // wgrad's copy
+  // Set by fc2's backward, taken by fc1's.
+  std::optional<ops::SplitQuantized> grad;
+};
+
 // FIFO of delayed weight-gradient GEMMs: oldest backward first.
 class WgradQueue : public std::deque<DelayedWgrad> {};
 
@@ -106,6 +125,11 @@ struct GroupedLinearConfig : torch::CustomClassHolder {
   // FP8 products (the plan is an FP8 plan): forward quantizes the GEMM input and the weights,
   // backward the output gradient, and the GEMMs read the FP8 copies.
   std::optional<Fp8Config> fp8;
+  // FP8 GroupedMLP (Fp8GradLink): fc1's config takes its output gradient's copies from
+  // grad_output_link; fc2's config (with input_activation) leaves its input gradient's copies in
+  // grad_input_link.
+  std::shared_ptr<Fp8GradLink> grad_output_link;
+  std::shared_ptr<Fp8GradLink> grad_input_link;
 };
 
 class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunction> {

@@ -5,6 +5,9 @@
 // delayed-scaling update after the step as a training loop runs it).
 //
 //   bench_grouped_mlp [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
+//
+// TORCHMOE_BENCH_TRACE=PREFIX also records a Kineto trace of 5 FP8 steps per shape
+// (PREFIX.<shape>.fp8.json; bench_common.h).
 
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
@@ -75,20 +78,20 @@ int main(int argc, char** argv) {
     const double fc2_ms =
         median_ms(step([&] { return mlp->fc2(a, splits); }, dy), args.iters, args.warmup);
     const fp8::DelayedScaling delayed = fp8::DelayedScaling().amax_history_len(kHistory);
-    const double fp8_ms = median_ms(
-        [&] {
-          mlp->zero_grad();
-          for (const torch::Tensor* leaf : {&x, &probs}) leaf->mutable_grad().reset();
-          torch::Tensor y;
-          {
-            const fp8::Autocast guard{fp8::Recipe(delayed)};
-            y = mlp(x, splits, probs);
-          }
-          y.backward(dy);
-          fp8::update_delayed_scaling(*mlp, delayed, fp8::Pass::kForward);
-          fp8::update_delayed_scaling(*mlp, delayed, fp8::Pass::kBackward);
-        },
-        args.iters, args.warmup);
+    const std::function<void()> fp8_step = [&] {
+      mlp->zero_grad();
+      for (const torch::Tensor* leaf : {&x, &probs}) leaf->mutable_grad().reset();
+      torch::Tensor y;
+      {
+        const fp8::Autocast guard{fp8::Recipe(delayed)};
+        y = mlp(x, splits, probs);
+      }
+      y.backward(dy);
+      fp8::update_delayed_scaling(*mlp, delayed, fp8::Pass::kForward);
+      fp8::update_delayed_scaling(*mlp, delayed, fp8::Pass::kBackward);
+    };
+    const double fp8_ms = median_ms(fp8_step, args.iters, args.warmup);
+    torchmoe::bench::trace_if_asked(shape.name + ".fp8", fp8_step);
     const double tflops = 3 * 2.0 * m * (2 * f * h + f * h) / mlp_ms * 1e-9;
     std::cout << std::left << std::setw(17) << shape.name << std::right << std::fixed
               << std::setprecision(2) << std::setw(10) << mlp_ms << std::setw(10) << fc1_ms

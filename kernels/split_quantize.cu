@@ -10,7 +10,8 @@
 // Per tile each thread loads P consecutive rows × V columns with 16-byte loads straight into
 // registers (V = 16 / sizeof(T); 16 threads per row for 16-bit types, 32 for fp32), so the input
 // is read once and never staged (a GLU source: two loads, a and b, and the activation's math give
-// the same piece), and works on them as 32-bit words: amaxes of 16-bit inputs stay
+// the same piece; a GLU gradient source three, a, b and dy, for the pieces of both a and b, as
+// its loop says), and works on them as 32-bit words: amaxes of 16-bit inputs stay
 // packed (two elements per instruction), casts produce four FP8 bytes per word. Row amaxes are
 // shuffles among the threads of a row, column amaxes go through a small shared-memory reduction,
 // and each warp maxes its part of a tile into the split's amax (no barrier). The rowwise copy is
@@ -60,9 +61,16 @@ struct SplitLayout {
   int32_t* largest;  // one entry: max_g ceil(m_g / 128)
 };
 
-size_t layout_bytes(int groups) {
+__host__ __device__ size_t layout_bytes(int groups) {
   return static_cast<size_t>(groups + 1) * (2 * sizeof(int64_t) + 3 * sizeof(int32_t)) +
          sizeof(int32_t);
+}
+
+// A paired GLU gradient source's stash (the kernel's loop says why) follows the layout in dynamic
+// shared memory: one 16-byte piece per row of each thread, P = 8 rows for 16-bit types.
+constexpr size_t kStashBytes = size_t{8} * kThreads * 16;
+__host__ __device__ size_t stash_offset(int groups) {
+  return (layout_bytes(groups) + 15) / 16 * 16;
 }
 
 // Warp 0 scans the split sizes 32 at a time; the block waits for it.
@@ -335,6 +343,16 @@ __device__ __forceinline__ TileSpot<T> locate(const SplitQuantizeParams& p, cons
   return s;
 }
 
+// The words of a 16-byte vector.
+template <typename T, int V>
+__device__ __forceinline__ void to_words(const Vec<T, V>& v, uint32_t (&w)[4]) {
+  const uint4 u = *reinterpret_cast<const uint4*>(&v);
+  w[0] = u.x;
+  w[1] = u.y;
+  w[2] = u.z;
+  w[3] = u.w;
+}
+
 // A GLU source's piece of row `row` at column `col` (glu.h's layout and math): act(a)·gate(b)
 // times the row's scale, rounded to T as glu_forward rounds it, as the words of a loaded piece.
 // The activation is a uniform branch, not a template argument: one instantiation fewer per
@@ -360,11 +378,66 @@ __device__ __forceinline__ void glu_piece(const GluParams& g, int64_t row, int64
                  ? glu_output<T, GluActivation::kSwiGLU>(ai, bi, scale, act)
                  : glu_output<T, GluActivation::kClampedSwiGLU>(ai, bi, scale, act);
   }
-  const uint4 u = *reinterpret_cast<const uint4*>(&y);
-  w[0] = u.x;
-  w[1] = u.y;
-  w[2] = u.z;
-  w[3] = u.w;
+  to_words(y, w);
+}
+
+// The GLU input's gradient at V consecutive j of row `row` (glu.h's layout and math): da_j and
+// db_j, rounded to T exactly as launch_glu_backward writes them, from the pre-activation's a values
+// at column a_col (b one `block` later) and dy at j. Returns the row's scale-gradient share Σ
+// dy_j·act(a_j)·gate(b_j) over these j.
+template <typename T>
+__device__ __forceinline__ float glu_grads(const GluParams& g, int64_t row, int64_t a_col,
+                                           int64_t j, int64_t block, uint32_t (&da)[4],
+                                           uint32_t (&db)[4]) {
+  constexpr int V = 16 / static_cast<int>(sizeof(T));
+  const T* in = static_cast<const T*>(g.input) + row * 2 * g.hidden + a_col;
+  const Vec<T, V> a = load<T, V>(in);
+  const Vec<T, V> b = load<T, V>(in + block);
+  const Vec<T, V> dy = load<T, V>(static_cast<const T*>(g.grad_output) + row * g.hidden + j);
+  float scale = 1.0f;
+  if (g.scales != nullptr) {
+    scale = g.scale_type == ScalarType::kFloat32 ? static_cast<const float*>(g.scales)[row]
+                                                 : to_float(static_cast<const T*>(g.scales)[row]);
+  }
+  const ActParams act{g.limit, g.alpha, g.offset};
+  Vec<T, V> ga, gb;
+  float scale_grad = 0.0f;
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    const float ai = to_float(a.v[i]), bi = to_float(b.v[i]), dyi = to_float(dy.v[i]);
+    const GluTerms t = g.activation == GluActivation::kSwiGLU
+                           ? glu_terms<GluActivation::kSwiGLU>(ai, bi, act)
+                           : glu_terms<GluActivation::kClampedSwiGLU>(ai, bi, act);
+    // glu_backward_kernel's expressions, in its order.
+    ga.v[i] = from_float<T>(dyi * scale * t.d_a);
+    gb.v[i] = from_float<T>(dyi * scale * t.d_b);
+    scale_grad += dyi * t.value;
+  }
+  to_words(ga, da);
+  to_words(gb, db);
+  return scale_grad;
+}
+
+// The block of a and b columns: the interleave, or H for halves.
+__device__ __forceinline__ int64_t glu_block(const GluParams& g) {
+  return g.interleave ? g.interleave : g.hidden;
+}
+
+// A GLU gradient source's piece of row `row` at column `col` of the GLU input's gradient: da or db
+// of V consecutive j (a piece lies wholly in one a or b block: the interleave and H are multiples
+// of V). Returns its scale-gradient share when it holds a values, else 0 (each j counts once).
+// Used where a tile's a and b partners cannot be paired (below).
+template <typename T>
+__device__ __forceinline__ float glu_grad_piece(const GluParams& g, int64_t row, int64_t col,
+                                                uint32_t (&w)[4]) {
+  const int64_t block = glu_block(g);
+  const int64_t q = col / block;
+  const bool is_b = q % 2 == 1;
+  uint32_t other[4];
+  const float scale_grad =
+      glu_grads<T>(g, row, is_b ? col - block : col, q / 2 * block + col % block, block,
+                   is_b ? other : w, is_b ? w : other);
+  return is_b ? 0.0f : scale_grad;
 }
 
 __device__ __forceinline__ int load_acquire(const int* p) {
@@ -373,7 +446,11 @@ __device__ __forceinline__ int load_acquire(const int* p) {
   return v;
 }
 
-template <typename T, __nv_fp8_interpretation_t F, QuantizeScaling S, bool kGlu>
+// Where the kernel's input pieces come from: the input as it is, or computed from a GLU's
+// pre-activation (its output, or the gradient of its input).
+enum class Source { kTensor, kGluForward, kGluBackward };
+
+template <typename T, __nv_fp8_interpretation_t F, QuantizeScaling S, Source kSource>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     split_quantize_kernel(const SplitQuantizeParams p, float max_fp8) {
   constexpr int V = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte load
@@ -383,6 +460,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   constexpr bool kPerTensor = S == QuantizeScaling::kCurrent || S == QuantizeScaling::kDelayed;
   constexpr bool kCurrent = S == QuantizeScaling::kCurrent;
   static_assert(P % 8 == 0 && V % 2 == 0, "whole 8-byte chunks and fp8 pairs");
+  static_assert(sizeof(T) != 2 || P * kThreads * sizeof(uint4) == kStashBytes, "stash size");
 
   extern __shared__ __align__(16) char dynamic_shared[];
   __shared__ __align__(16) uint8_t transposed[kTile * kTile];
@@ -416,7 +494,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 
   uint8_t* rowwise = static_cast<uint8_t*>(p.rowwise);
   uint8_t* columnwise = static_cast<uint8_t*>(p.columnwise);
-  const int64_t tiles = static_cast<int64_t>(layout.tiles[groups]) * col_tiles;
   const int lane_col = threadIdx.x % kRowThreads;
   const int c0 = lane_col * V;                   // first tile column of this thread
   const int r0 = threadIdx.x / kRowThreads * P;  // first tile row of this thread
@@ -425,8 +502,25 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   // kCurrent: items come from a ticket counter, so a block only ever waits for items of smaller
   // tickets, which running blocks hold: no deadlock whatever is resident. The other scalings take
   // tiles in a grid-stride loop.
-  const int64_t items = kCurrent ? 2 * tiles : tiles;
-  const int64_t lag = min(tiles, static_cast<int64_t>(*layout.largest) * col_tiles + gridDim.x);
+  //
+  // A GLU gradient source pairs each tile of a columns with the tile of b columns that has the
+  // same j when a and b blocks are whole tiles (16-bit types; their stash fits): one work unit
+  // does both, loading a, b and dy and computing the activation's terms once for the two. The a
+  // tile goes first and leaves its partner's gradient in shared memory (each thread its own
+  // pieces, so no barrier). Else a unit is one tile.
+  [[maybe_unused]] uint4* stash = nullptr;  // [P][kThreads]: the b tile's pieces
+  bool paired = false;
+  int64_t block_tiles = 0;  // tiles per a (or b) block when paired
+  if constexpr (kSource == Source::kGluBackward && sizeof(T) == 2) {
+    const int64_t block = glu_block(p.glu);
+    paired = block % kTile == 0;
+    block_tiles = block / kTile;
+    stash = reinterpret_cast<uint4*>(dynamic_shared + stash_offset(groups));
+  }
+  const int64_t unit_cols = paired ? col_tiles / 2 : col_tiles;  // units per row tile
+  const int64_t units = static_cast<int64_t>(layout.tiles[groups]) * unit_cols;
+  const int64_t items = kCurrent ? 2 * units : units;
+  const int64_t lag = min(units, static_cast<int64_t>(*layout.largest) * unit_cols + gridDim.x);
   int* ticket_counter = p.workspace;
   int* amax_done = p.workspace + 1;  // kCurrent: warps of amax items finished, per split
 
@@ -438,254 +532,302 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       t = ticket[parity];
     }
     if (t >= items) break;
-    const Item it = kCurrent ? current_item(t, tiles, lag) : Item{t, false};
+    const Item it = kCurrent ? current_item(t, units, lag) : Item{t, false};
     t += gridDim.x;
-    const TileSpot<T> spot = locate<T>(p, layout, it.tile, col_tiles);
-    const int g = spot.g, mb = spot.mb, kb = spot.kb, rows_valid = spot.rows_valid,
-              cols_valid = spot.cols_valid;
-    const int64_t m = spot.m, row0 = spot.row0, col0 = spot.col0;
-    const bool col_ok = c0 < cols_valid;  // k % 16 == 0: a piece is wholly in or out
-    uint32_t x[P][4];
-#pragma unroll
-    for (int i = 0; i < P; ++i) {
-      const bool valid = col_ok && r0 + i < rows_valid;
-      if constexpr (!kGlu) {
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (valid) v = *reinterpret_cast<const uint4*>(spot.input + (r0 + i) * k + c0);
-        x[i][0] = v.x;
-        x[i][1] = v.y;
-        x[i][2] = v.z;
-        x[i][3] = v.w;
-      } else {
-        x[i][0] = x[i][1] = x[i][2] = x[i][3] = 0u;
-        if (valid) glu_piece<T>(p.glu, row0 + r0 + i, col0 + c0, x[i]);
+    for (int half = 0; half < (paired ? 2 : 1); ++half) {
+      int64_t tile = it.tile;
+      if (paired) {  // unit → its row tile and a's tile column, then half 1 is b's
+        const int64_t rt = it.tile / unit_cols, pair = it.tile % unit_cols;
+        tile = rt * col_tiles + pair / block_tiles * 2 * block_tiles + pair % block_tiles +
+               half * block_tiles;
       }
-    }
-
-    // The tile's amax (zero rows and columns past the tile add nothing). Unless the tile needs it
-    // whole (128×128 blocks), each warp maxes its part into the split's amax itself: no block
-    // barrier. kCurrent's amax items then count the warp as done; a cast waits for every warp of
-    // every tile of its split.
-    float tile_amax = 0.0f;
-    const bool reports_amax = (kCurrent && it.amax_only) || writes_amax;
-    if (reports_amax || S == QuantizeScaling::kBlock128x128) {
-      AbsMax<T> a;
+      const TileSpot<T> spot = locate<T>(p, layout, tile, col_tiles);
+      const int g = spot.g, mb = spot.mb, kb = spot.kb, rows_valid = spot.rows_valid,
+                cols_valid = spot.cols_valid;
+      const int64_t m = spot.m, row0 = spot.row0, col0 = spot.col0;
+      const bool col_ok = c0 < cols_valid;  // k % 16 == 0: a piece is wholly in or out
+      uint32_t x[P][4];
+      [[maybe_unused]] float
+          scale_grad[P];  // kGluBackward: this thread's share of each row's scale gradient
 #pragma unroll
       for (int i = 0; i < P; ++i) {
-#pragma unroll
-        for (int w = 0; w < 4; ++w) a.add(x[i][w]);
-      }
-      if constexpr (S == QuantizeScaling::kBlock128x128) {
-        tile_amax = block_max(a.value(), scratch);
-        if (reports_amax && threadIdx.x == 0) atomic_max_nonnegative(p.amax + g, tile_amax);
-      } else if (reports_amax) {
-        const float warp_amax = warp_max(a.value());
-        if (threadIdx.x % kWarpSize == 0) {
-          atomic_max_nonnegative(p.amax + g, warp_amax);
-          if (kCurrent) {
-            __threadfence();  // the max is visible before the count that announces it
-            atomicAdd(amax_done + g, 1);
+        const bool valid = col_ok && r0 + i < rows_valid;
+        if constexpr (kSource == Source::kTensor) {
+          uint4 v = make_uint4(0, 0, 0, 0);
+          if (valid) v = *reinterpret_cast<const uint4*>(spot.input + (r0 + i) * k + c0);
+          x[i][0] = v.x;
+          x[i][1] = v.y;
+          x[i][2] = v.z;
+          x[i][3] = v.w;
+        } else {
+          x[i][0] = x[i][1] = x[i][2] = x[i][3] = 0u;
+          scale_grad[i] = 0.0f;
+          if constexpr (kSource == Source::kGluForward) {
+            if (valid) glu_piece<T>(p.glu, row0 + r0 + i, col0 + c0, x[i]);
+          } else if (!paired) {
+            if (valid) scale_grad[i] = glu_grad_piece<T>(p.glu, row0 + r0 + i, col0 + c0, x[i]);
+          } else if (half == 0) {
+            uint32_t db[4] = {0u, 0u, 0u, 0u};
+            if (valid) {
+              const int64_t a_col = col0 + c0;
+              const int64_t j = a_col / (2 * block_tiles * kTile) * block_tiles * kTile +
+                                a_col % (block_tiles * kTile);
+              scale_grad[i] =
+                  glu_grads<T>(p.glu, row0 + r0 + i, a_col, j, block_tiles * kTile, x[i], db);
+            }
+            stash[i * kThreads + threadIdx.x] = make_uint4(db[0], db[1], db[2], db[3]);
+          } else {
+            const uint4 v = stash[i * kThreads + threadIdx.x];
+            x[i][0] = v.x;
+            x[i][1] = v.y;
+            x[i][2] = v.z;
+            x[i][3] = v.w;
           }
         }
       }
-    }
-    if (kCurrent && it.amax_only) continue;
-
-    // ---- rowwise scales, then the rowwise copy (also the columnwise bytes when one scale
-    // serves both copies) ----
-    constexpr int kOutWords = V / 4;  // FP8 words per piece
-    uint32_t q[P][kOutWords];
-    float tensor_scale = 1.0f;  // the one scale of this tile unless kBlock1x128
-    if constexpr (S == QuantizeScaling::kDelayed) {
-      tensor_scale = p.scale[g];
-    } else if constexpr (kCurrent) {
-      if (threadIdx.x == 0) {
-        const int needed = static_cast<int>(layout.tiles[g + 1] - layout.tiles[g]) *
-                           static_cast<int>(col_tiles) * kWarps;
-        while (load_acquire(amax_done + g) < needed) __nanosleep(64);
-        const float scale = scale_from_amax(__ldcg(p.amax + g), max_fp8, p.power_of_2_scales,
-                                            p.epsilon, value_for_inf);
-        if (mb == 0 && kb == 0) p.scale_inv[g] = __frcp_rn(scale);
-        split_scale = scale;
-      }
-      __syncthreads();
-      tensor_scale = split_scale;
-    } else if constexpr (S == QuantizeScaling::kBlock128x128) {
-      tensor_scale =
-          scale_from_amax(tile_amax, max_fp8, p.power_of_2_scales, p.epsilon, value_for_inf);
-      if (threadIdx.x == 0) {
-        const float inv = __frcp_rn(tensor_scale);
-        const int64_t kb4 = round_up4(col_tiles);
-        const int64_t mb4 = layout.tiles4[g + 1] - layout.tiles4[g];
-        if (rowwise != nullptr) p.scale_inv[kb4 * layout.tiles[g] + mb * kb4 + kb] = inv;
-        if (columnwise != nullptr) {
-          p.columnwise_scale_inv[col_tiles * layout.tiles4[g] + kb * mb4 + mb] = inv;
+      // The scale gradient's partial sums: one per row and tile column, from the visit that casts
+      // (kCurrent visits each tile twice).
+      if constexpr (kSource == Source::kGluBackward) {
+        if (p.glu_grad_scales_partial != nullptr && !(kCurrent && it.amax_only) && half == 0) {
+          float* partial = p.glu_grad_scales_partial + kb * p.rows + row0 + r0;
+#pragma unroll
+          for (int i = 0; i < P; ++i) {
+            float sum = scale_grad[i];
+#pragma unroll
+            for (int offset = kRowThreads / 2; offset > 0; offset /= 2) {
+              sum += __shfl_xor_sync(kFullMask, sum, offset);
+            }
+            if (lane_col == 0 && r0 + i < rows_valid) partial[i] = sum;
+          }
         }
       }
-    }
-    if (rowwise != nullptr || S != QuantizeScaling::kBlock1x128) {
-      const int64_t m4 = layout.rows4[g + 1] - layout.rows4[g];
-      uint8_t* out_row = rowwise != nullptr ? rowwise + (row0 + r0) * k + col0 + c0 : nullptr;
-      // kBlock1x128: the P row amaxes of this row group, then lane i of the group (i < P) turns
-      // row i's into its scale (one division per lane, not P) and hands it to the others.
-      float own_row_scale = 1.0f;
-      if constexpr (S == QuantizeScaling::kBlock1x128) {
-        float row_amax[P];
+
+      // The tile's amax (zero rows and columns past the tile add nothing). Unless the tile needs it
+      // whole (128×128 blocks), each warp maxes its part into the split's amax itself: no block
+      // barrier. kCurrent's amax items then count the warp as done; a cast waits for every warp of
+      // every tile of its split.
+      float tile_amax = 0.0f;
+      const bool reports_amax = (kCurrent && it.amax_only) || writes_amax;
+      if (reports_amax || S == QuantizeScaling::kBlock128x128) {
+        AbsMax<T> a;
 #pragma unroll
         for (int i = 0; i < P; ++i) {
-          AbsMax<T> a;
 #pragma unroll
           for (int w = 0; w < 4; ++w) a.add(x[i][w]);
-          row_amax[i] = a.value();
-#pragma unroll
-          for (int offset = kRowThreads / 2; offset > 0; offset /= 2) {
-            row_amax[i] = fmaxf(row_amax[i], __shfl_xor_sync(kFullMask, row_amax[i], offset));
-          }
         }
-        float own = row_amax[0];
-#pragma unroll
-        for (int i = 1; i < P; ++i) own = lane_col % P == i ? row_amax[i] : own;
-        own_row_scale =
-            scale_from_amax(own, max_fp8, p.power_of_2_scales, p.epsilon, value_for_inf);
-        if (lane_col < P && r0 + lane_col < rows_valid) {
-          p.scale_inv[col_tiles * layout.rows4[g] + kb * m4 + mb * kTile + r0 + lane_col] =
-              __frcp_rn(own_row_scale);
-        }
-      }
-      const int group_lane0 = threadIdx.x % kWarpSize - lane_col;
-#pragma unroll
-      for (int i = 0; i < P; ++i) {
-        float scale = tensor_scale;
-        if constexpr (S == QuantizeScaling::kBlock1x128) {
-          scale = __shfl_sync(kFullMask, own_row_scale, group_lane0 + i);
-        }
-        cast_piece<T, F>(x[i], scale, q[i]);
-        if (rowwise != nullptr && col_ok && r0 + i < rows_valid) {
-          if constexpr (kOutWords == 2) {
-            *reinterpret_cast<uint2*>(out_row + i * k) = make_uint2(q[i][0], q[i][1]);
-          } else {
-            *reinterpret_cast<uint32_t*>(out_row + i * k) = q[i][0];
+        if constexpr (S == QuantizeScaling::kBlock128x128) {
+          tile_amax = block_max(a.value(), scratch);
+          if (reports_amax && threadIdx.x == 0) atomic_max_nonnegative(p.amax + g, tile_amax);
+        } else if (reports_amax) {
+          const float warp_amax = warp_max(a.value());
+          if (threadIdx.x % kWarpSize == 0) {
+            atomic_max_nonnegative(p.amax + g, warp_amax);
+            if (kCurrent) {
+              __threadfence();  // the max is visible before the count that announces it
+              atomicAdd(amax_done + g, 1);
+            }
           }
         }
       }
-    }
-    if (columnwise == nullptr) continue;
+      if (kCurrent && it.amax_only) continue;
 
-    // ---- columnwise copy: column scales (kBlock1x128), the transposed tile, its rows ----
-    // Column c0 + j of this thread's P rows is P / 8 chunks of 8 bytes (two words each) at
-    // chunk (r0 / 8 + h) ^ swizzle(c) of the shared tile's row c.
-    auto store_chunk = [&](int j, int h, uint32_t lo, uint32_t hi) {
-      const int c = c0 + j;
-      const int chunk_index = (r0 / 8 + h) ^ swizzle<V>(c);
-      *reinterpret_cast<uint2*>(transposed + c * kTile + chunk_index * 8) = make_uint2(lo, hi);
-    };
-    if constexpr (S == QuantizeScaling::kBlock1x128) {
-      // Column amaxes: packed over this thread's rows, then over the row groups.
-      AbsMax<T> col[4];
-#pragma unroll
-      for (int i = 0; i < P; ++i) {
-#pragma unroll
-        for (int w = 0; w < 4; ++w) col[w].add(x[i][w]);
-      }
-      float col_amax[V];
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        float a;
-        if constexpr (std::is_same_v<T, float>) {
-          a = col[j].value();
-        } else {
-          a = j % 2 == 0 ? col[j / 2].lo() : col[j / 2].hi();
+      // ---- rowwise scales, then the rowwise copy (also the columnwise bytes when one scale
+      // serves both copies) ----
+      constexpr int kOutWords = V / 4;  // FP8 words per piece
+      uint32_t q[P][kOutWords];
+      float tensor_scale = 1.0f;  // the one scale of this tile unless kBlock1x128
+      if constexpr (S == QuantizeScaling::kDelayed) {
+        tensor_scale = p.scale[g];
+      } else if constexpr (kCurrent) {
+        if (threadIdx.x == 0) {
+          const int needed = static_cast<int>(layout.tiles[g + 1] - layout.tiles[g]) *
+                             static_cast<int>(col_tiles) * kWarps;
+          while (load_acquire(amax_done + g) < needed) __nanosleep(64);
+          const float scale = scale_from_amax(__ldcg(p.amax + g), max_fp8, p.power_of_2_scales,
+                                              p.epsilon, value_for_inf);
+          if (mb == 0 && kb == 0) p.scale_inv[g] = __frcp_rn(scale);
+          split_scale = scale;
         }
-        // The other row groups of this warp that hold the same columns.
-#pragma unroll
-        for (int offset = kRowThreads; offset < kWarpSize; offset *= 2) {
-          a = fmaxf(a, __shfl_xor_sync(kFullMask, a, offset));
+        __syncthreads();
+        tensor_scale = split_scale;
+      } else if constexpr (S == QuantizeScaling::kBlock128x128) {
+        tensor_scale =
+            scale_from_amax(tile_amax, max_fp8, p.power_of_2_scales, p.epsilon, value_for_inf);
+        if (threadIdx.x == 0) {
+          const float inv = __frcp_rn(tensor_scale);
+          const int64_t kb4 = round_up4(col_tiles);
+          const int64_t mb4 = layout.tiles4[g + 1] - layout.tiles4[g];
+          if (rowwise != nullptr) p.scale_inv[kb4 * layout.tiles[g] + mb * kb4 + kb] = inv;
+          if (columnwise != nullptr) {
+            p.columnwise_scale_inv[col_tiles * layout.tiles4[g] + kb * mb4 + mb] = inv;
+          }
         }
-        col_amax[j] = a;
       }
-      if (threadIdx.x % kWarpSize < kRowThreads) {
+      if (rowwise != nullptr || S != QuantizeScaling::kBlock1x128) {
+        const int64_t m4 = layout.rows4[g + 1] - layout.rows4[g];
+        uint8_t* out_row = rowwise != nullptr ? rowwise + (row0 + r0) * k + col0 + c0 : nullptr;
+        // kBlock1x128: the P row amaxes of this row group, then lane i of the group (i < P) turns
+        // row i's into its scale (one division per lane, not P) and hands it to the others.
+        float own_row_scale = 1.0f;
+        if constexpr (S == QuantizeScaling::kBlock1x128) {
+          float row_amax[P];
+#pragma unroll
+          for (int i = 0; i < P; ++i) {
+            AbsMax<T> a;
+#pragma unroll
+            for (int w = 0; w < 4; ++w) a.add(x[i][w]);
+            row_amax[i] = a.value();
+#pragma unroll
+            for (int offset = kRowThreads / 2; offset > 0; offset /= 2) {
+              row_amax[i] = fmaxf(row_amax[i], __shfl_xor_sync(kFullMask, row_amax[i], offset));
+            }
+          }
+          float own = row_amax[0];
+#pragma unroll
+          for (int i = 1; i < P; ++i) own = lane_col % P == i ? row_amax[i] : own;
+          own_row_scale =
+              scale_from_amax(own, max_fp8, p.power_of_2_scales, p.epsilon, value_for_inf);
+          if (lane_col < P && r0 + lane_col < rows_valid) {
+            p.scale_inv[col_tiles * layout.rows4[g] + kb * m4 + mb * kTile + r0 + lane_col] =
+                __frcp_rn(own_row_scale);
+          }
+        }
+        const int group_lane0 = threadIdx.x % kWarpSize - lane_col;
+#pragma unroll
+        for (int i = 0; i < P; ++i) {
+          float scale = tensor_scale;
+          if constexpr (S == QuantizeScaling::kBlock1x128) {
+            scale = __shfl_sync(kFullMask, own_row_scale, group_lane0 + i);
+          }
+          cast_piece<T, F>(x[i], scale, q[i]);
+          if (rowwise != nullptr && col_ok && r0 + i < rows_valid) {
+            if constexpr (kOutWords == 2) {
+              *reinterpret_cast<uint2*>(out_row + i * k) = make_uint2(q[i][0], q[i][1]);
+            } else {
+              *reinterpret_cast<uint32_t*>(out_row + i * k) = q[i][0];
+            }
+          }
+        }
+      }
+      if (columnwise == nullptr) continue;
+
+      // ---- columnwise copy: column scales (kBlock1x128), the transposed tile, its rows ----
+      // Column c0 + j of this thread's P rows is P / 8 chunks of 8 bytes (two words each) at
+      // chunk (r0 / 8 + h) ^ swizzle(c) of the shared tile's row c.
+      auto store_chunk = [&](int j, int h, uint32_t lo, uint32_t hi) {
+        const int c = c0 + j;
+        const int chunk_index = (r0 / 8 + h) ^ swizzle<V>(c);
+        *reinterpret_cast<uint2*>(transposed + c * kTile + chunk_index * 8) = make_uint2(lo, hi);
+      };
+      if constexpr (S == QuantizeScaling::kBlock1x128) {
+        // Column amaxes: packed over this thread's rows, then over the row groups.
+        AbsMax<T> col[4];
+#pragma unroll
+        for (int i = 0; i < P; ++i) {
+#pragma unroll
+          for (int w = 0; w < 4; ++w) col[w].add(x[i][w]);
+        }
+        float col_amax[V];
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          float a;
+          if constexpr (std::is_same_v<T, float>) {
+            a = col[j].value();
+          } else {
+            a = j % 2 == 0 ? col[j / 2].lo() : col[j / 2].hi();
+          }
+          // The other row groups of this warp that hold the same columns.
+#pragma unroll
+          for (int offset = kRowThreads; offset < kWarpSize; offset *= 2) {
+            a = fmaxf(a, __shfl_xor_sync(kFullMask, a, offset));
+          }
+          col_amax[j] = a;
+        }
+        if (threadIdx.x % kWarpSize < kRowThreads) {
+#pragma unroll
+          for (int j = 0; j < V; j += 4) {
+            *reinterpret_cast<float4*>(&column_partial[warp][c0 + j]) =
+                make_float4(col_amax[j], col_amax[j + 1], col_amax[j + 2], col_amax[j + 3]);
+          }
+        }
+        __syncthreads();
+        if (threadIdx.x < kTile) {
+          const int c = threadIdx.x;
+          float a = column_partial[0][c];
+#pragma unroll
+          for (int w = 1; w < kWarps; ++w) a = fmaxf(a, column_partial[w][c]);
+          const float scale =
+              scale_from_amax(a, max_fp8, p.power_of_2_scales, p.epsilon, value_for_inf);
+          column_scale[c] = scale;
+          if (c < cols_valid) {
+            const int64_t k4 = round_up4(k);
+            p.columnwise_scale_inv[k4 * layout.tiles[g] + mb * k4 + col0 + c] = __frcp_rn(scale);
+          }
+        }
+        __syncthreads();
+        float col_scale[V];
 #pragma unroll
         for (int j = 0; j < V; j += 4) {
-          *reinterpret_cast<float4*>(&column_partial[warp][c0 + j]) =
-              make_float4(col_amax[j], col_amax[j + 1], col_amax[j + 2], col_amax[j + 3]);
+          const float4 v = *reinterpret_cast<const float4*>(&column_scale[c0 + j]);
+          col_scale[j] = v.x;
+          col_scale[j + 1] = v.y;
+          col_scale[j + 2] = v.z;
+          col_scale[j + 3] = v.w;
         }
-      }
-      __syncthreads();
-      if (threadIdx.x < kTile) {
-        const int c = threadIdx.x;
-        float a = column_partial[0][c];
 #pragma unroll
-        for (int w = 1; w < kWarps; ++w) a = fmaxf(a, column_partial[w][c]);
-        const float scale =
-            scale_from_amax(a, max_fp8, p.power_of_2_scales, p.epsilon, value_for_inf);
-        column_scale[c] = scale;
-        if (c < cols_valid) {
-          const int64_t k4 = round_up4(k);
-          p.columnwise_scale_inv[k4 * layout.tiles[g] + mb * k4 + col0 + c] = __frcp_rn(scale);
+        for (int j = 0; j < V; ++j) {
+          const float scale = col_scale[j];
+#pragma unroll
+          for (int h = 0; h < P / 8; ++h) {
+            uint32_t word[2];
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              const int i = 8 * h + 4 * half;
+              const uint32_t lo =
+                  cast2<F>(element_at<T>(x[i], j) * scale, element_at<T>(x[i + 1], j) * scale);
+              const uint32_t hi =
+                  cast2<F>(element_at<T>(x[i + 2], j) * scale, element_at<T>(x[i + 3], j) * scale);
+              word[half] = __byte_perm(lo, hi, 0x5410);
+            }
+            store_chunk(j, h, word[0], word[1]);
+          }
         }
-      }
-      __syncthreads();
-      float col_scale[V];
-#pragma unroll
-      for (int j = 0; j < V; j += 4) {
-        const float4 v = *reinterpret_cast<const float4*>(&column_scale[c0 + j]);
-        col_scale[j] = v.x;
-        col_scale[j + 1] = v.y;
-        col_scale[j + 2] = v.z;
-        col_scale[j + 3] = v.w;
-      }
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        const float scale = col_scale[j];
+      } else {
+        // The rowwise bytes transposed, four rows by four columns at a time.
 #pragma unroll
         for (int h = 0; h < P / 8; ++h) {
-          uint32_t word[2];
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int i = 8 * h + 4 * half;
-            const uint32_t lo =
-                cast2<F>(element_at<T>(x[i], j) * scale, element_at<T>(x[i + 1], j) * scale);
-            const uint32_t hi =
-                cast2<F>(element_at<T>(x[i + 2], j) * scale, element_at<T>(x[i + 3], j) * scale);
-            word[half] = __byte_perm(lo, hi, 0x5410);
+          for (int w = 0; w < kOutWords; ++w) {
+            uint32_t top[4], bottom[4];  // rows 8h .. 8h + 3 and 8h + 4 .. 8h + 7
+            transpose4x4(q[8 * h][w], q[8 * h + 1][w], q[8 * h + 2][w], q[8 * h + 3][w], top);
+            transpose4x4(q[8 * h + 4][w], q[8 * h + 5][w], q[8 * h + 6][w], q[8 * h + 7][w],
+                         bottom);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) store_chunk(4 * w + j, h, top[j], bottom[j]);
           }
-          store_chunk(j, h, word[0], word[1]);
         }
       }
-    } else {
-      // The rowwise bytes transposed, four rows by four columns at a time.
-#pragma unroll
-      for (int h = 0; h < P / 8; ++h) {
-#pragma unroll
-        for (int w = 0; w < kOutWords; ++w) {
-          uint32_t top[4], bottom[4];  // rows 8h .. 8h + 3 and 8h + 4 .. 8h + 7
-          transpose4x4(q[8 * h][w], q[8 * h + 1][w], q[8 * h + 2][w], q[8 * h + 3][w], top);
-          transpose4x4(q[8 * h + 4][w], q[8 * h + 5][w], q[8 * h + 6][w], q[8 * h + 7][w], bottom);
-#pragma unroll
-          for (int j = 0; j < 4; ++j) store_chunk(4 * w + j, h, top[j], bottom[j]);
-        }
+      __syncthreads();
+      // Output row col0 + c of split g's [K, r16(m)] block, bytes [128·mb, 128·mb + rows_padded):
+      // 8 threads per row, 16 bytes each. Rows of the tile past the split were loaded as zeros, so
+      // the padding columns of the block are written as zeros.
+      const int64_t ld = round_up_columnwise(m);
+      const int rows_padded =
+          static_cast<int>(min(static_cast<int64_t>(kTile), ld - static_cast<int64_t>(mb) * kTile));
+      uint8_t* block = columnwise + k * layout.cstart[g] + static_cast<int64_t>(mb) * kTile;
+      for (int item = threadIdx.x; item < kTile * 8; item += kThreads) {
+        const int c = item / 8, segment = item % 8;
+        if (c >= cols_valid || 16 * segment >= rows_padded) continue;
+        const int s = swizzle<V>(c);
+        const uint2 a =
+            *reinterpret_cast<const uint2*>(transposed + c * kTile + ((2 * segment) ^ s) * 8);
+        const uint2 b =
+            *reinterpret_cast<const uint2*>(transposed + c * kTile + ((2 * segment + 1) ^ s) * 8);
+        *reinterpret_cast<uint4*>(block + (col0 + c) * ld + 16 * segment) =
+            make_uint4(a.x, a.y, b.x, b.y);
       }
+      __syncthreads();  // the next tile rewrites `transposed`
     }
-    __syncthreads();
-    // Output row col0 + c of split g's [K, r16(m)] block, bytes [128·mb, 128·mb + rows_padded):
-    // 8 threads per row, 16 bytes each. Rows of the tile past the split were loaded as zeros, so
-    // the padding columns of the block are written as zeros.
-    const int64_t ld = round_up_columnwise(m);
-    const int rows_padded =
-        static_cast<int>(min(static_cast<int64_t>(kTile), ld - static_cast<int64_t>(mb) * kTile));
-    uint8_t* block = columnwise + k * layout.cstart[g] + static_cast<int64_t>(mb) * kTile;
-    for (int item = threadIdx.x; item < kTile * 8; item += kThreads) {
-      const int c = item / 8, segment = item % 8;
-      if (c >= cols_valid || 16 * segment >= rows_padded) continue;
-      const int s = swizzle<V>(c);
-      const uint2 a =
-          *reinterpret_cast<const uint2*>(transposed + c * kTile + ((2 * segment) ^ s) * 8);
-      const uint2 b =
-          *reinterpret_cast<const uint2*>(transposed + c * kTile + ((2 * segment + 1) ^ s) * 8);
-      *reinterpret_cast<uint4*>(block + (col0 + c) * ld + 16 * segment) =
-          make_uint4(a.x, a.y, b.x, b.y);
-    }
-    __syncthreads();  // the next tile rewrites `transposed`
   }
 }
 
@@ -722,10 +864,12 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename T, __nv_fp8_interpretation_t F, QuantizeScaling S, bool kGlu>
+template <typename T, __nv_fp8_interpretation_t F, QuantizeScaling S, Source kSource>
 void launch_source(const SplitQuantizeParams& p, cudaStream_t stream) {
-  auto* kernel = split_quantize_kernel<T, F, S, kGlu>;
-  const size_t shared = layout_bytes(p.num_groups);
+  auto* kernel = split_quantize_kernel<T, F, S, kSource>;
+  const size_t shared = kSource == Source::kGluBackward && sizeof(T) == 2
+                            ? stash_offset(p.num_groups) + kStashBytes
+                            : layout_bytes(p.num_groups);
   // The kernel's static shared memory (about 21 KB) plus the layout may pass the 48 KB default.
   TORCHMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(shared)));
@@ -742,8 +886,9 @@ void launch_source(const SplitQuantizeParams& p, cudaStream_t stream) {
 
 template <typename T, __nv_fp8_interpretation_t F, QuantizeScaling S>
 void launch_scaling(const SplitQuantizeParams& p, cudaStream_t stream) {
-  if (p.glu.input == nullptr) return launch_source<T, F, S, false>(p, stream);
-  return launch_source<T, F, S, true>(p, stream);
+  if (p.glu.input == nullptr) return launch_source<T, F, S, Source::kTensor>(p, stream);
+  if (p.glu.grad_output == nullptr) return launch_source<T, F, S, Source::kGluForward>(p, stream);
+  return launch_source<T, F, S, Source::kGluBackward>(p, stream);
 }
 
 template <typename T, __nv_fp8_interpretation_t F>
@@ -776,11 +921,19 @@ void launch_split_quantize(const SplitQuantizeParams& p, cudaStream_t stream) {
                         "launch_split_quantize: columnwise block scales are required");
   TORCH_INTERNAL_ASSERT(aligned16({p.input, p.glu.input, p.rowwise, p.columnwise}),
                         "launch_split_quantize: buffers must be 16-byte aligned");
+  const int64_t glu_width = p.glu.grad_output != nullptr ? p.k / 2 : p.k;
   TORCH_INTERNAL_ASSERT(
       p.glu.input == nullptr ||
-          (p.glu.rows == p.rows && p.glu.hidden == p.k && p.glu.data_type == p.input_type &&
+          (p.glu.rows == p.rows && p.glu.hidden == glu_width && p.glu.data_type == p.input_type &&
            p.split_inputs.empty() && p.glu.interleave % kQuantizeFeatureMultiple == 0),
-      "launch_split_quantize: a GLU source must be [rows, 2k] of the input type");
+      "launch_split_quantize: a GLU source must be [rows, 2 * hidden] of the input type, with k ",
+      "= hidden (its output) or 2 * hidden (its input's gradient)");
+  TORCH_INTERNAL_ASSERT(p.glu.grad_output == nullptr || p.glu.input != nullptr,
+                        "launch_split_quantize: a GLU gradient source needs the GLU input");
+  TORCH_INTERNAL_ASSERT(p.glu_grad_scales_partial == nullptr || p.glu.grad_output != nullptr,
+                        "launch_split_quantize: scale-gradient sums need a GLU gradient source");
+  TORCH_INTERNAL_ASSERT(aligned16({p.glu.grad_output}),
+                        "launch_split_quantize: glu.grad_output must be 16-byte aligned");
   TORCH_INTERNAL_ASSERT(p.scaling != QuantizeScaling::kCurrent || p.workspace != nullptr,
                         "launch_split_quantize: kCurrent needs a workspace");
   if (p.amax != nullptr && !(p.scaling == QuantizeScaling::kDelayed && p.accumulate_amax)) {

@@ -132,7 +132,14 @@ struct SplitQuantizeParams {
   // input_type), computed and rounded to input_type exactly as launch_glu_forward writes it: the
   // bytes equal launch_glu_forward followed by this launch, and the 16-bit activation is never
   // stored. `input` and `split_inputs` are then unused; glu's output and gradient fields too.
+  // When glu.grad_output ([M, glu.hidden]) is set as well, the tensor cast is instead the gradient
+  // of the GLU input, k = 2·glu.hidden in glu.input's layout, computed and rounded exactly as
+  // launch_glu_backward writes grad_input (glu.grad_input and glu.grad_scales stay unused).
   GluParams glu;
+  // GLU gradient source only, or null: float32 [ceil(k / 128), M], zeroed by the caller. Entry
+  // [kb][r] gets row r's share of the scale gradient Σ_j dy_j·act(a_j)·gate(b_j) over the a_j in
+  // tile column kb; the sum over kb is glu_backward's grad_scales (rows past the splits stay 0).
+  float* glu_grad_scales_partial = nullptr;
   // When set, split g's m_g rows are read from its own [m_g, K] tensor (16-byte aligned) instead
   // of `input`: a layer's G separate weights are quantized in one launch without stacking them.
   GroupAddress split_inputs;

@@ -168,7 +168,9 @@ ops::GemmShape GroupedLinearImpl::gemm_shape() const {
 torch::Tensor GroupedLinearImpl::run(const torch::Tensor& rows, const ops::GemmPlan& plan,
                                      std::optional<bool> is_first_microbatch,
                                      const torch::Tensor& scales, const ops::GluOptions* activation,
-                                     const autograd::RowGather* gather) {
+                                     const autograd::RowGather* gather,
+                                     std::shared_ptr<autograd::Fp8GradLink> grad_output_link,
+                                     std::shared_ptr<autograd::Fp8GradLink> grad_input_link) {
   auto config = c10::make_intrusive<autograd::GroupedLinearConfig>();
   config->plan = plan;
   config->grouped_weight = options.single_grouped_weight();
@@ -179,6 +181,8 @@ torch::Tensor GroupedLinearImpl::run(const torch::Tensor& rows, const ops::GemmP
   if (activation != nullptr) config->input_activation = *activation;
   if (gather != nullptr) config->input_gather = *gather;
   if (plan.fp8) config->fp8 = fp8_config(is_first_microbatch);
+  config->grad_output_link = std::move(grad_output_link);
+  config->grad_input_link = std::move(grad_input_link);
   const std::optional<torch::Tensor> row_scales =
       activation != nullptr ? std::optional<torch::Tensor>(scales.reshape({-1})) : std::nullopt;
   return autograd::grouped_linear(rows, row_scales, at::TensorList(weight_params_),

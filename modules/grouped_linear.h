@@ -27,6 +27,7 @@ class WgradQueue;
 struct RowGather;
 struct Fp8Config;
 struct Fp8WeightCache;
+struct Fp8GradLink;
 }  // namespace autograd
 namespace ops {
 struct GemmPlan;
@@ -170,10 +171,14 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
   // The body of every forward: `input` [..., width] with width = in_features, or 2·in_features
   // with an `activation` (then input is its pre-activation and `scales` its per-row scales: the
   // layer saves those and recomputes the activation in backward), or read through `gather`'s row
-  // map (then input has any row count; the plan's rows are the map's).
+  // map (then input has any row count; the plan's rows are the map's). FP8 GroupedMLP links its
+  // two layers' backward (autograd::Fp8GradLink): fc1 takes its output gradient from
+  // `grad_output_link`, fc2 gives its input gradient to `grad_input_link`.
   torch::Tensor run(const torch::Tensor& input, const ops::GemmPlan& plan,
                     std::optional<bool> is_first_microbatch, const torch::Tensor& scales,
-                    const ops::GluOptions* activation, const autograd::RowGather* gather = nullptr);
+                    const ops::GluOptions* activation, const autograd::RowGather* gather = nullptr,
+                    std::shared_ptr<autograd::Fp8GradLink> grad_output_link = nullptr,
+                    std::shared_ptr<autograd::Fp8GradLink> grad_input_link = nullptr);
   // Checks an input of `width` features against the parameters; returns it as [rows, width].
   torch::Tensor input_rows(const torch::Tensor& input, int64_t width) const;
   void move_main_grads(torch::Device device);

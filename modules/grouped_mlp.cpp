@@ -127,16 +127,19 @@ torch::Tensor GroupedMLPImpl::run_layers(const torch::Tensor& input,
               probs.defined() ? probs.sizes() : torch::IntArrayRef{});
   TORCH_CHECK(probs.device() == input.device(), kModule, ": probs must be on ", input.device(),
               " like x, got ", probs.device());
-  const torch::Tensor z =
-      fc1->run(input, plans[0], is_first_microbatch, torch::Tensor(), nullptr, gather);
-  const ops::GluOptions activation = activation_of(options);
-  torch::Tensor y;
   // FP8: fc2 always takes the pre-activation and computes the activation inside the quantize of
   // its input, so the 16-bit activation is never written nor read back. Backward recomputes
   // nothing: fc2's wgrad reads the FP8 copy, and the activation's backward the pre-activation,
-  // which it reads either way.
-  if (options.recompute_activation() || plans[1].fp8) {
-    y = fc2->run(z, plans[1], is_first_microbatch, probs, &activation);
+  // which it reads either way; that backward quantizes its result for fc1 in the same pass (the
+  // link), so the 16-bit gradient of fc1's output is not written either.
+  const bool fp8 = plans[1].fp8;
+  const auto link = fp8 ? std::make_shared<autograd::Fp8GradLink>() : nullptr;
+  const torch::Tensor z =
+      fc1->run(input, plans[0], is_first_microbatch, torch::Tensor(), nullptr, gather, link);
+  const ops::GluOptions activation = activation_of(options);
+  torch::Tensor y;
+  if (options.recompute_activation() || fp8) {
+    y = fc2->run(z, plans[1], is_first_microbatch, probs, &activation, nullptr, nullptr, link);
   } else {
     const torch::Tensor h = autograd::GluFunction::apply(z, probs, activation);
     y = fc2->run(h, plans[1], is_first_microbatch, torch::Tensor(), nullptr);

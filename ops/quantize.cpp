@@ -16,6 +16,7 @@ namespace {
 
 constexpr const char* kSplitOp = "torchmoe::split_quantize";
 constexpr const char* kGluOp = "torchmoe::glu_split_quantize";
+constexpr const char* kGluGradOp = "torchmoe::glu_backward_split_quantize";
 constexpr const char* kUpdateOp = "torchmoe::update_delayed_scaling";
 constexpr const char* kWeightsOp = "torchmoe::quantize_weights";
 
@@ -57,16 +58,20 @@ void check_input_type(const char* op, at::ScalarType dtype, int64_t k) {
               "multiple of ", kernels::kQuantizeFeatureMultiple, " (FP8 GEMM operands), got ", k);
 }
 
-// `input` holds the rows to quantize: as they are, or (glu) as a GLU pre-activation twice the
-// quantized width, whose layout detail::glu_kernel_params has checked (an even width included).
+// What `input` holds: the rows to quantize, or a GLU pre-activation (whose layout
+// detail::glu_kernel_params has checked, an even width included) from which its activation (half
+// its width) or its gradient (its width) is quantized.
+enum class InputKind { kRows, kGluActivation, kGluGradient };
+
 void check_split_inputs(const char* op, const at::Tensor& input, const SplitSizes& m_splits,
                         const SplitQuantizeOptions& o, const at::Tensor& scale,
-                        const at::Tensor& amax, bool glu) {
+                        const at::Tensor& amax, InputKind kind) {
   TORCH_CHECK(input.defined() && input.dim() == 2, op, ": input must be a 2-D [rows, ",
-              glu ? "2 * features" : "features", "] tensor",
+              kind == InputKind::kRows ? "features" : "2 * features", "] tensor",
               input.defined() ? ", got " + std::to_string(input.dim()) + "-D" : std::string());
   TORCH_CHECK(input.is_contiguous(), op, ": input must be contiguous");
-  check_input_type(op, input.scalar_type(), glu ? input.size(1) / 2 : input.size(1));
+  check_input_type(op, input.scalar_type(),
+                   kind == InputKind::kGluActivation ? input.size(1) / 2 : input.size(1));
   const int64_t groups = static_cast<int64_t>(m_splits.size());
   if (m_splits.has_host()) {
     int64_t sum = 0;
@@ -102,7 +107,8 @@ int64_t columnwise_rows(const SplitSizes& m_splits, int64_t rows) {
 SplitQuantized launch(const at::Tensor& like, int64_t rows, int64_t k, const SplitSizes& m_splits,
                       const SplitQuantizeOptions& o, const at::Tensor& scale,
                       const at::Tensor& amax, const void* input, kernels::GroupAddress split_inputs,
-                      const kernels::GluParams& glu = {}) {
+                      const kernels::GluParams& glu = {},
+                      float* glu_grad_scales_partial = nullptr) {
   const c10::cuda::CUDAGuard guard(like.device());
   const at::Tensor splits = detail::device_splits(m_splits, like);
   const int groups = static_cast<int>(splits.numel());
@@ -149,6 +155,7 @@ SplitQuantized launch(const at::Tensor& like, int64_t rows, int64_t k, const Spl
   p.input = input;
   p.split_inputs = split_inputs;
   p.glu = glu;
+  p.glu_grad_scales_partial = glu_grad_scales_partial;
   p.rowwise = o.rowwise ? out.data.data_ptr() : nullptr;
   p.columnwise = o.columnwise ? out.columnwise_data.data_ptr() : nullptr;
   p.scale_inv = out.scale_inv.defined() ? out.scale_inv.data_ptr<float>() : nullptr;
@@ -172,7 +179,7 @@ SplitQuantized launch(const at::Tensor& like, int64_t rows, int64_t k, const Spl
 SplitQuantized split_quantize(const at::Tensor& input, const SplitSizes& m_splits,
                               const SplitQuantizeOptions& o, const at::Tensor& scale,
                               const at::Tensor& amax) {
-  check_split_inputs(kSplitOp, input, m_splits, o, scale, amax, /*glu=*/false);
+  check_split_inputs(kSplitOp, input, m_splits, o, scale, amax, InputKind::kRows);
   const c10::cuda::CUDAGuard guard(input.device());
   const at::Tensor x = detail::aligned_operand(input);
   return launch(input, input.size(0), input.size(1), m_splits, o, scale, amax, x.const_data_ptr(),
@@ -185,12 +192,51 @@ SplitQuantized glu_split_quantize(const at::Tensor& input, const at::Tensor& sca
                                   const at::Tensor& amax) {
   const at::Tensor s = scales.defined() ? scales.contiguous() : scales;
   kernels::GluParams params = detail::glu_kernel_params(input, s, glu);
-  check_split_inputs(kGluOp, input, m_splits, o, scale, amax, /*glu=*/true);
+  check_split_inputs(kGluOp, input, m_splits, o, scale, amax, InputKind::kGluActivation);
   const c10::cuda::CUDAGuard guard(input.device());
   const at::Tensor x = detail::aligned_operand(input);
   params.input = x.const_data_ptr();
   return launch(input, input.size(0), input.size(1) / 2, m_splits, o, scale, amax, nullptr, {},
                 params);
+}
+
+GluGradsQuantized glu_backward_split_quantize(const at::Tensor& grad_output,
+                                              const at::Tensor& input, const at::Tensor& scales,
+                                              const GluOptions& glu, bool grad_scales,
+                                              const SplitSizes& m_splits,
+                                              const SplitQuantizeOptions& o,
+                                              const at::Tensor& scale, const at::Tensor& amax) {
+  const at::Tensor s = scales.defined() ? scales.contiguous() : scales;
+  kernels::GluParams params = detail::glu_kernel_params(input, s, glu);
+  TORCH_CHECK(input.dim() == 2, kGluGradOp, ": input must be a 2-D [rows, 2 * features] tensor, ",
+              "got ", input.dim(), "-D");
+  TORCH_CHECK(!grad_scales || scales.defined(), kGluGradOp, ": grad_scales needs scales");
+  const int64_t rows = input.size(0), hidden = input.size(1) / 2;
+  TORCH_CHECK(grad_output.defined() && grad_output.sizes() == at::IntArrayRef({rows, hidden}),
+              kGluGradOp, ": grad_output must have shape [", rows, ", ", hidden, "], got ",
+              grad_output.defined() ? grad_output.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(
+      grad_output.scalar_type() == input.scalar_type() && grad_output.device() == input.device(),
+      kGluGradOp, ": grad_output must have the input's dtype ", input.scalar_type(), " and device ",
+      input.device(), ", got ", grad_output.scalar_type(), " on ", grad_output.device());
+  TORCH_CHECK(grad_output.is_contiguous(), kGluGradOp, ": grad_output must be contiguous");
+  check_split_inputs(kGluGradOp, input, m_splits, o, scale, amax, InputKind::kGluGradient);
+  const c10::cuda::CUDAGuard guard(input.device());
+  const at::Tensor x = detail::aligned_operand(input);
+  const at::Tensor dy = detail::aligned_operand(grad_output);
+  params.input = x.const_data_ptr();
+  params.grad_output = dy.const_data_ptr();
+  // One partial sum per row and 128-column tile, summed here in a fixed order (deterministic,
+  // unlike atomics).
+  const int64_t width = 2 * hidden;
+  const at::Tensor partial = grad_scales ? at::zeros({kernels::block_count(width), rows},
+                                                     input.options().dtype(at::kFloat))
+                                         : at::Tensor();
+  GluGradsQuantized out;
+  out.grad_input = launch(input, rows, width, m_splits, o, scale, amax, nullptr, {}, params,
+                          grad_scales ? partial.data_ptr<float>() : nullptr);
+  if (grad_scales) out.grad_scales = partial.sum(0).to(s.scalar_type()).reshape(s.sizes());
+  return out;
 }
 
 SplitQuantized quantize_weights(const GroupedTensors& weights, const SplitQuantizeOptions& o,

@@ -64,6 +64,24 @@ SplitQuantized glu_split_quantize(const at::Tensor& input, const at::Tensor& sca
                                   const SplitQuantizeOptions& options, const at::Tensor& scale = {},
                                   const at::Tensor& amax = {});
 
+struct GluGradsQuantized {
+  SplitQuantized grad_input;  // the gradient of the GLU input [M, 2K], quantized
+  at::Tensor grad_scales;     // as glu_backward's; undefined unless asked for
+};
+
+// glu_backward(grad_output, input, scales, glu, grad_scales) followed by split_quantize of its
+// grad_input, in one launch that never writes the 16-bit gradient: each tile computes its part of
+// the gradient (rounded to the input's dtype as glu_backward rounds it) and casts it, so the FP8
+// bytes, scales and amax are bit for bit those of the two ops (fc1's FP8 output gradient in
+// GroupedMLP's backward). grad_scales is glu_backward's up to the order of its fp32 sum, and 0 for
+// rows past the splits. input, scales: as glu_split_quantize's, with K a multiple of 8 (the
+// quantized width 2K a multiple of 16); grad_output: [M, K] contiguous, of the input's dtype and
+// device; m_splits, options, scale, amax: as split_quantize's.
+GluGradsQuantized glu_backward_split_quantize(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& scales,
+    const GluOptions& glu, bool grad_scales, const SplitSizes& m_splits,
+    const SplitQuantizeOptions& options, const at::Tensor& scale = {}, const at::Tensor& amax = {});
+
 // A layer's G weights [n, k] (n a multiple of 16), quantized in one launch as the [G·n, k] tensor
 // of G splits of n rows that stacking them would give, without stacking them: split g is read
 // from weight g where it lies. The rowwise copy is fprop's operand, the columnwise one (W_gᵀ

@@ -595,6 +595,114 @@ TEST_CASE("glu_split_quantize: many waves of tiles", "[ops][quantize][cuda]") {
   }
 }
 
+// A fused grad_scales against glu_backward's float64 reference (the CPU one): within fp32
+// summation error of the row's Σ_j |dy_j·act(a_j)·gate(b_j)| (the sum's terms cancel, so its
+// order moves it by more than a relative tolerance of the result allows), plus one rounding to
+// the scales' dtype. Missing or doubled terms (each about 1/K of that sum) stay far outside.
+void check_grad_scales(const torch::Tensor& actual, const torch::Tensor& dy, const torch::Tensor& z,
+                       const torch::Tensor& scales, const torchmoe::ops::GluOptions& glu) {
+  const torch::Tensor z64 = z.cpu().to(torch::kDouble), dy64 = dy.cpu().to(torch::kDouble);
+  const torch::Tensor expected =
+      torchmoe::ops::glu_backward(dy64, z64, scales.cpu().to(torch::kDouble), glu, true)
+          .grad_scales;
+  const torch::Tensor magnitude = (dy64 * torchmoe::ops::glu_forward(z64, {}, glu)).abs().sum(-1);
+  const double rounding = scales.scalar_type() == torch::kBFloat16 ? 0x1p-8
+                          : scales.scalar_type() == torch::kHalf   ? 0x1p-11
+                                                                   : 0.0;
+  // Compared in double, except that a sum past the dtype's range must be its infinity.
+  const torch::Tensor rounded = expected.to(scales.scalar_type()).to(torch::kDouble);
+  const torch::Tensor a = actual.cpu().to(torch::kDouble);
+  const torch::Tensor bound = 1e-4 * magnitude + rounding * expected.abs();
+  CHECK(actual.scalar_type() == scales.scalar_type());
+  CHECK(((a == rounded) | ((a - expected).abs() <= bound)).all().item<bool>());
+}
+
+// The fused activation gradient + cast (fc1's output gradient in an FP8 GroupedMLP's backward)
+// against the two ops it replaces: the FP8 copies, scales and amax bit for bit those of
+// glu_backward then split_quantize, and through the gradient glu_backward wrote, the reference
+// quantizer's; grad_scales glu_backward's up to its fp32 sum's order. Axes: as the forward's
+// above, with K = 96 (the quantized width 192: one and a half tiles, the first holding a and b
+// columns) and 256 (a and b tiles paired), and splits ending before the last rows (their
+// grad_scales are 0).
+TEST_CASE("glu_backward_split_quantize equals glu_backward then split_quantize",
+          "[ops][quantize][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const QuantizeScaling scaling =
+      GENERATE(QuantizeScaling::kCurrent, QuantizeScaling::kDelayed, QuantizeScaling::kBlock1x128,
+               QuantizeScaling::kBlock128x128);
+  const torch::Dtype dtype = GENERATE(torch::kBFloat16, torch::kHalf, torch::kFloat);
+  const int variant = GENERATE(0, 1, 2);     // SwiGLU halves, SwiGLU interleaved by 32, clamped
+  const int scale_kind = GENERATE(0, 1, 2);  // float32 scales, the input's dtype, none
+  const bool device_splits = GENERATE(false, true);
+  const std::vector<int64_t> sizes = {131, 0, 256, 17, 300};
+  // K = 96: a and b blocks are not whole tiles, so each tile computes its own pieces; K = 256
+  // (and an interleave of 128): 16-bit types pair each a tile with its b tile.
+  const int64_t k = GENERATE(96, 256);
+  const int64_t rows = 704;
+  INFO("K " << k << ", scaling " << scaling_name(scaling) << ", dtype " << dtype << ", variant "
+            << variant << ", scales " << scale_kind << ", device splits " << device_splits);
+  torchmoe::ops::GluOptions glu;
+  if (variant == 1) glu.interleave = k == 256 ? 128 : 32;
+  if (variant == 2) glu.activation = torchmoe::GluActivation::kClampedSwiGLU;
+  const torch::Tensor z = make_input(rows, 2 * k, dtype, 41) * 4;  // some past the clamp (7)
+  const torch::Tensor dy = make_input(rows, k, dtype, 43);
+  torch::Tensor scales;
+  if (scale_kind < 2) {
+    scales = torch::rand({rows}, torch::TensorOptions().device(torch::kCUDA));
+    if (scale_kind == 1) scales = scales.to(dtype);
+  }
+  const bool grad_scales = scales.defined();
+  SplitQuantizeOptions o;
+  o.scaling = scaling;
+  o.format = Fp8Format::kE5M2;  // the gradients' format under HYBRID
+  const torch::Tensor scale = scale_argument(scaling, static_cast<int64_t>(sizes.size()));
+  const torchmoe::ops::GluGrads two = torchmoe::ops::glu_backward(dy, z, scales, glu, grad_scales);
+  const SplitQuantized two_ops = run(two.grad_input, sizes, o, scale);
+  const torchmoe::SplitSizes splits =
+      device_splits ? torchmoe::SplitSizes(torch::tensor(sizes, torch::kInt).cuda())
+                    : torchmoe::SplitSizes(sizes);
+  const torchmoe::ops::GluGradsQuantized fused =
+      torchmoe::ops::glu_backward_split_quantize(dy, z, scales, glu, grad_scales, splits, o, scale);
+  check_same(fused.grad_input, two_ops, sizes, rows, 2 * k);
+  check_against_reference(fused.grad_input, reference(two.grad_input, sizes, o, scale), sizes, o,
+                          rows, 2 * k);
+  REQUIRE(fused.grad_scales.defined() == grad_scales);
+  if (grad_scales) {
+    check_grad_scales(fused.grad_scales, dy, z, scales, glu);
+    // Splits that end 9 rows early: those rows are not visited.
+    const std::vector<int64_t> short_sizes = {131, 0, 256, 17, 291};
+    const torch::Tensor part =
+        torchmoe::ops::glu_backward_split_quantize(dy, z, scales, glu, true, short_sizes, o, scale)
+            .grad_scales.to(torch::kFloat);
+    CHECK(torch::equal(part.narrow(0, 0, 695),
+                       fused.grad_scales.to(torch::kFloat).narrow(0, 0, 695)));
+    CHECK(torch::equal(part.narrow(0, 695, 9), torch::zeros({9}, part.options())));
+  }
+}
+
+// Current scaling's amax visits compute the gradient too, and the scale-gradient sums come from
+// the cast visits only: many waves, one split holding most rows, repeated.
+TEST_CASE("glu_backward_split_quantize: many waves of tiles", "[ops][quantize][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const QuantizeScaling scaling = GENERATE(QuantizeScaling::kCurrent, QuantizeScaling::kBlock1x128);
+  const std::vector<int64_t> sizes = {9000, 0, 37, 4000};
+  const int64_t rows = 13037, k = 768;
+  const torch::Tensor z = make_input(rows, 2 * k, torch::kBFloat16, 47);
+  const torch::Tensor dy = make_input(rows, k, torch::kBFloat16, 53);
+  const torch::Tensor probs = torch::rand({rows}, torch::TensorOptions().device(torch::kCUDA));
+  SplitQuantizeOptions o;
+  o.scaling = scaling;
+  const torchmoe::ops::GluOptions glu;
+  const SplitQuantized expected =
+      run(torchmoe::ops::glu_backward(dy, z, probs, glu, false).grad_input, sizes, o, {});
+  for (int repeat = 0; repeat < 3; ++repeat) {
+    const torchmoe::ops::GluGradsQuantized fused =
+        torchmoe::ops::glu_backward_split_quantize(dy, z, probs, glu, true, sizes, o);
+    check_same(fused.grad_input, expected, sizes, rows, 2 * k);
+    check_grad_scales(fused.grad_scales, dy, z, probs, glu);
+  }
+}
+
 TEST_CASE("split_quantize: delayed scaling maxes into a given amax", "[ops][quantize][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
   const std::vector<int64_t> sizes = {10, 20};
@@ -714,6 +822,26 @@ TEST_CASE("split_quantize and update_delayed_scaling reject bad arguments", "[op
   CHECK_THROWS_WITH(glu_split_quantize(z, {}, glu, {8}, delayed),
                     Contains("glu_split_quantize: scale must be a defined tensor"));
   CHECK_THROWS_AS(glu_split_quantize(z, {}, glu, {8}, o), c10::NotImplementedError);
+
+  using torchmoe::ops::glu_backward_split_quantize;
+  const torch::Tensor dy = torch::randn({8, 32});
+  CHECK_THROWS_WITH(glu_backward_split_quantize(torch::randn({8, 20}), torch::randn({8, 40}), {},
+                                                glu, false, {8}, o),
+                    Contains("glu_backward_split_quantize: input's features must be a multiple of "
+                             "16 (FP8 GEMM operands), got 40"));
+  CHECK_THROWS_WITH(glu_backward_split_quantize(dy, z, {}, glu, true, {8}, o),
+                    Contains("glu_backward_split_quantize: grad_scales needs scales"));
+  CHECK_THROWS_WITH(glu_backward_split_quantize(dy.narrow(1, 0, 16), z, {}, glu, false, {8}, o),
+                    Contains("grad_output must have shape [8, 32], got [8, 16]"));
+  CHECK_THROWS_WITH(
+      glu_backward_split_quantize(dy.to(torch::kHalf), z, {}, glu, false, {8}, o),
+      Contains("grad_output must have the input's dtype Float and device cpu, got Half on cpu"));
+  CHECK_THROWS_WITH(glu_backward_split_quantize(dy.t().contiguous().t(), z, {}, glu, false, {8}, o),
+                    Contains("grad_output must be contiguous"));
+  CHECK_THROWS_WITH(glu_backward_split_quantize(dy, z, {}, glu, false, {4, 5}, o),
+                    Contains("m_splits must sum to at most the input's 8 rows"));
+  CHECK_THROWS_AS(glu_backward_split_quantize(dy, z, {}, glu, false, {8}, o),
+                  c10::NotImplementedError);
 
   using torchmoe::ops::quantize_weights;
   const std::vector<torch::Tensor> w = {torch::randn({16, 32}), torch::randn({16, 32})};
