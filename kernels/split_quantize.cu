@@ -355,9 +355,7 @@ __device__ __forceinline__ void to_words(const Vec<T, V>& v, uint32_t (&w)[4]) {
 
 // A GLU source's piece of row `row` at column `col` (glu.h's layout and math): act(a)·gate(b)
 // times the row's scale, rounded to T as glu_forward rounds it, as the words of a loaded piece.
-// The activation is a uniform branch, not a template argument: one instantiation fewer per
-// scaling, and the loads, not the math, bound the loop.
-template <typename T>
+template <typename T, GluActivation K>
 __device__ __forceinline__ void glu_piece(const GluParams& g, int64_t row, int64_t col,
                                           uint32_t (&w)[4]) {
   constexpr int V = 16 / static_cast<int>(sizeof(T));
@@ -374,9 +372,7 @@ __device__ __forceinline__ void glu_piece(const GluParams& g, int64_t row, int64
 #pragma unroll
   for (int i = 0; i < V; ++i) {
     const float ai = to_float(a.v[i]), bi = to_float(b.v[i]);
-    y.v[i] = g.activation == GluActivation::kSwiGLU
-                 ? glu_output<T, GluActivation::kSwiGLU>(ai, bi, scale, act)
-                 : glu_output<T, GluActivation::kClampedSwiGLU>(ai, bi, scale, act);
+    y.v[i] = glu_output<T, K>(ai, bi, scale, act);
   }
   to_words(y, w);
 }
@@ -385,7 +381,7 @@ __device__ __forceinline__ void glu_piece(const GluParams& g, int64_t row, int64
 // db_j, rounded to T exactly as launch_glu_backward writes them, from the pre-activation's a values
 // at column a_col (b one `block` later) and dy at j. Returns the row's scale-gradient share Σ
 // dy_j·act(a_j)·gate(b_j) over these j.
-template <typename T>
+template <typename T, GluActivation K>
 __device__ __forceinline__ float glu_grads(const GluParams& g, int64_t row, int64_t a_col,
                                            int64_t j, int64_t block, uint32_t (&da)[4],
                                            uint32_t (&db)[4]) {
@@ -405,9 +401,7 @@ __device__ __forceinline__ float glu_grads(const GluParams& g, int64_t row, int6
 #pragma unroll
   for (int i = 0; i < V; ++i) {
     const float ai = to_float(a.v[i]), bi = to_float(b.v[i]), dyi = to_float(dy.v[i]);
-    const GluTerms t = g.activation == GluActivation::kSwiGLU
-                           ? glu_terms<GluActivation::kSwiGLU>(ai, bi, act)
-                           : glu_terms<GluActivation::kClampedSwiGLU>(ai, bi, act);
+    const GluTerms t = glu_terms<K>(ai, bi, act);
     // glu_backward_kernel's expressions, in its order.
     ga.v[i] = from_float<T>(dyi * scale * t.d_a);
     gb.v[i] = from_float<T>(dyi * scale * t.d_b);
@@ -427,7 +421,7 @@ __device__ __forceinline__ int64_t glu_block(const GluParams& g) {
 // of V consecutive j (a piece lies wholly in one a or b block: the interleave and H are multiples
 // of V). Returns its scale-gradient share when it holds a values, else 0 (each j counts once).
 // Used where a tile's a and b partners cannot be paired (below).
-template <typename T>
+template <typename T, GluActivation K>
 __device__ __forceinline__ float glu_grad_piece(const GluParams& g, int64_t row, int64_t col,
                                                 uint32_t (&w)[4]) {
   const int64_t block = glu_block(g);
@@ -435,8 +429,8 @@ __device__ __forceinline__ float glu_grad_piece(const GluParams& g, int64_t row,
   const bool is_b = q % 2 == 1;
   uint32_t other[4];
   const float scale_grad =
-      glu_grads<T>(g, row, is_b ? col - block : col, q / 2 * block + col % block, block,
-                   is_b ? other : w, is_b ? w : other);
+      glu_grads<T, K>(g, row, is_b ? col - block : col, q / 2 * block + col % block, block,
+                      is_b ? other : w, is_b ? w : other);
   return is_b ? 0.0f : scale_grad;
 }
 
@@ -549,41 +543,56 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       uint32_t x[P][4];
       [[maybe_unused]] float
           scale_grad[P];  // kGluBackward: this thread's share of each row's scale gradient
+      // The rows' pieces. The activation is a template argument of this loop only: its math
+      // inlined once per loaded piece keeps the hot code small (a branch per piece held both
+      // activations' code and stalled on instruction fetch).
+      auto load_rows = [&](auto activation) {
+        [[maybe_unused]] constexpr GluActivation K = decltype(activation)::value;
 #pragma unroll
-      for (int i = 0; i < P; ++i) {
-        const bool valid = col_ok && r0 + i < rows_valid;
-        if constexpr (kSource == Source::kTensor) {
-          uint4 v = make_uint4(0, 0, 0, 0);
-          if (valid) v = *reinterpret_cast<const uint4*>(spot.input + (r0 + i) * k + c0);
-          x[i][0] = v.x;
-          x[i][1] = v.y;
-          x[i][2] = v.z;
-          x[i][3] = v.w;
-        } else {
-          x[i][0] = x[i][1] = x[i][2] = x[i][3] = 0u;
-          scale_grad[i] = 0.0f;
-          if constexpr (kSource == Source::kGluForward) {
-            if (valid) glu_piece<T>(p.glu, row0 + r0 + i, col0 + c0, x[i]);
-          } else if (!paired) {
-            if (valid) scale_grad[i] = glu_grad_piece<T>(p.glu, row0 + r0 + i, col0 + c0, x[i]);
-          } else if (half == 0) {
-            uint32_t db[4] = {0u, 0u, 0u, 0u};
-            if (valid) {
-              const int64_t a_col = col0 + c0;
-              const int64_t j = a_col / (2 * block_tiles * kTile) * block_tiles * kTile +
-                                a_col % (block_tiles * kTile);
-              scale_grad[i] =
-                  glu_grads<T>(p.glu, row0 + r0 + i, a_col, j, block_tiles * kTile, x[i], db);
-            }
-            stash[i * kThreads + threadIdx.x] = make_uint4(db[0], db[1], db[2], db[3]);
-          } else {
-            const uint4 v = stash[i * kThreads + threadIdx.x];
+        for (int i = 0; i < P; ++i) {
+          const bool valid = col_ok && r0 + i < rows_valid;
+          if constexpr (kSource == Source::kTensor) {
+            uint4 v = make_uint4(0, 0, 0, 0);
+            if (valid) v = *reinterpret_cast<const uint4*>(spot.input + (r0 + i) * k + c0);
             x[i][0] = v.x;
             x[i][1] = v.y;
             x[i][2] = v.z;
             x[i][3] = v.w;
+          } else {
+            x[i][0] = x[i][1] = x[i][2] = x[i][3] = 0u;
+            scale_grad[i] = 0.0f;
+            if constexpr (kSource == Source::kGluForward) {
+              if (valid) glu_piece<T, K>(p.glu, row0 + r0 + i, col0 + c0, x[i]);
+            } else if (!paired) {
+              if (valid)
+                scale_grad[i] = glu_grad_piece<T, K>(p.glu, row0 + r0 + i, col0 + c0, x[i]);
+            } else if (half == 0) {
+              uint32_t db[4] = {0u, 0u, 0u, 0u};
+              if (valid) {
+                const int64_t a_col = col0 + c0;
+                const int64_t j = a_col / (2 * block_tiles * kTile) * block_tiles * kTile +
+                                  a_col % (block_tiles * kTile);
+                scale_grad[i] =
+                    glu_grads<T, K>(p.glu, row0 + r0 + i, a_col, j, block_tiles * kTile, x[i], db);
+              }
+              stash[i * kThreads + threadIdx.x] = make_uint4(db[0], db[1], db[2], db[3]);
+            } else {
+              const uint4 v = stash[i * kThreads + threadIdx.x];
+              x[i][0] = v.x;
+              x[i][1] = v.y;
+              x[i][2] = v.z;
+              x[i][3] = v.w;
+            }
           }
         }
+      };
+      using SwiGLU = std::integral_constant<GluActivation, GluActivation::kSwiGLU>;
+      if constexpr (kSource == Source::kTensor) {
+        load_rows(SwiGLU{});  // no activation
+      } else if (p.glu.activation == GluActivation::kSwiGLU) {
+        load_rows(SwiGLU{});
+      } else {
+        load_rows(std::integral_constant<GluActivation, GluActivation::kClampedSwiGLU>{});
       }
       // The scale gradient's partial sums: one per row and tile column, from the visit that casts
       // (kCurrent visits each tile twice).
