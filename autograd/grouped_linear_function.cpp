@@ -277,7 +277,7 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
       grad_gemm_input =
           ops::grouped_linear_dgrad(cfg.plan, grad_output, grouped(weights, cfg.grouped_weight));
     }
-    const Fp8GradLink* link = cfg.grad_input_link.get();
+    Fp8GradLink* link = cfg.grad_input_link.get();
     if (cfg.input_activation && link != nullptr && link->armed && ctx->needs_input_grad(0)) {
       // The activation's gradient goes to the previous layer (fc1) as its FP8 copies.
       TORCH_INTERNAL_ASSERT(link->rows == cfg.plan.rows, "GroupedLinearFunction: linked layers ",
@@ -287,7 +287,7 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
       ops::GluGradsQuantized glu = ops::glu_backward_split_quantize(
           grad_gemm_input, input, scales, *cfg.input_activation, scales_need_grad,
           cfg.plan.m_splits, args.options, args.scale, args.amax);
-      cfg.grad_input_link->grad = std::move(glu.grad_input);
+      link->grad = std::move(glu.grad_input);
       grads[0] = at::zeros({1}, input.options()).expand(input.sizes());
       if (scales_need_grad) grads[1] = std::move(glu.grad_scales);
     } else if (cfg.input_activation) {

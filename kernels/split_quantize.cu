@@ -417,6 +417,11 @@ __device__ __forceinline__ int64_t glu_block(const GluParams& g) {
   return g.interleave ? g.interleave : g.hidden;
 }
 
+// The j of a column of the GLU input (a_j's or b_j's), with a and b blocks of `block` columns.
+__device__ __forceinline__ int64_t glu_j(int64_t col, int64_t block) {
+  return col / (2 * block) * block + col % block;
+}
+
 // A GLU gradient source's piece of row `row` at column `col` of the GLU input's gradient: da or db
 // of V consecutive j (a piece lies wholly in one a or b block: the interleave and H are multiples
 // of V). Returns its scale-gradient share when it holds a values, else 0 (each j counts once).
@@ -425,12 +430,10 @@ template <typename T, GluActivation K>
 __device__ __forceinline__ float glu_grad_piece(const GluParams& g, int64_t row, int64_t col,
                                                 uint32_t (&w)[4]) {
   const int64_t block = glu_block(g);
-  const int64_t q = col / block;
-  const bool is_b = q % 2 == 1;
+  const bool is_b = col / block % 2 == 1;
   uint32_t other[4];
-  const float scale_grad =
-      glu_grads<T, K>(g, row, is_b ? col - block : col, q / 2 * block + col % block, block,
-                      is_b ? other : w, is_b ? w : other);
+  const float scale_grad = glu_grads<T, K>(g, row, is_b ? col - block : col, glu_j(col, block),
+                                           block, is_b ? other : w, is_b ? w : other);
   return is_b ? 0.0f : scale_grad;
 }
 
@@ -504,9 +507,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   // pieces, so no barrier). Else a unit is one tile.
   [[maybe_unused]] uint4* stash = nullptr;  // [P][kThreads]: the b tile's pieces
   bool paired = false;
-  int64_t block_tiles = 0;  // tiles per a (or b) block when paired
+  int64_t block = 0, block_tiles = 0;  // when paired: a (or b) block's columns and tiles
   if constexpr (kSource == Source::kGluBackward && sizeof(T) == 2) {
-    const int64_t block = glu_block(p.glu);
+    block = glu_block(p.glu);
     paired = block % kTile == 0;
     block_tiles = block / kTile;
     stash = reinterpret_cast<uint4*>(dynamic_shared + stash_offset(groups));
@@ -570,10 +573,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
               uint32_t db[4] = {0u, 0u, 0u, 0u};
               if (valid) {
                 const int64_t a_col = col0 + c0;
-                const int64_t j = a_col / (2 * block_tiles * kTile) * block_tiles * kTile +
-                                  a_col % (block_tiles * kTile);
-                scale_grad[i] =
-                    glu_grads<T, K>(p.glu, row0 + r0 + i, a_col, j, block_tiles * kTile, x[i], db);
+                scale_grad[i] = glu_grads<T, K>(p.glu, row0 + r0 + i, a_col, glu_j(a_col, block),
+                                                block, x[i], db);
               }
               stash[i * kThreads + threadIdx.x] = make_uint4(db[0], db[1], db[2], db[3]);
             } else {

@@ -88,7 +88,12 @@ void check_split_inputs(const char* op, const at::Tensor& input, const SplitSize
                 m_splits.device().device());
   }
   check_options(op, o, groups, input.device(), scale, amax);
-  TORCH_CHECK_NOT_IMPLEMENTED(input.is_cuda(), op, ": no backend for ", input.device(),
+}
+
+// The ops run on CUDA only; checked after every argument check, so that those are testable on the
+// CPU.
+void check_cuda(const char* op, const at::Tensor& t) {
+  TORCH_CHECK_NOT_IMPLEMENTED(t.is_cuda(), op, ": no backend for ", t.device(),
                               " tensors (CUDA only)");
 }
 
@@ -180,6 +185,7 @@ SplitQuantized split_quantize(const at::Tensor& input, const SplitSizes& m_split
                               const SplitQuantizeOptions& o, const at::Tensor& scale,
                               const at::Tensor& amax) {
   check_split_inputs(kSplitOp, input, m_splits, o, scale, amax, InputKind::kRows);
+  check_cuda(kSplitOp, input);
   const c10::cuda::CUDAGuard guard(input.device());
   const at::Tensor x = detail::aligned_operand(input);
   return launch(input, input.size(0), input.size(1), m_splits, o, scale, amax, x.const_data_ptr(),
@@ -193,6 +199,7 @@ SplitQuantized glu_split_quantize(const at::Tensor& input, const at::Tensor& sca
   const at::Tensor s = scales.defined() ? scales.contiguous() : scales;
   kernels::GluParams params = detail::glu_kernel_params(input, s, glu);
   check_split_inputs(kGluOp, input, m_splits, o, scale, amax, InputKind::kGluActivation);
+  check_cuda(kGluOp, input);
   const c10::cuda::CUDAGuard guard(input.device());
   const at::Tensor x = detail::aligned_operand(input);
   params.input = x.const_data_ptr();
@@ -208,8 +215,7 @@ GluGradsQuantized glu_backward_split_quantize(const at::Tensor& grad_output,
                                               const at::Tensor& scale, const at::Tensor& amax) {
   const at::Tensor s = scales.defined() ? scales.contiguous() : scales;
   kernels::GluParams params = detail::glu_kernel_params(input, s, glu);
-  TORCH_CHECK(input.dim() == 2, kGluGradOp, ": input must be a 2-D [rows, 2 * features] tensor, ",
-              "got ", input.dim(), "-D");
+  check_split_inputs(kGluGradOp, input, m_splits, o, scale, amax, InputKind::kGluGradient);
   TORCH_CHECK(!grad_scales || scales.defined(), kGluGradOp, ": grad_scales needs scales");
   const int64_t rows = input.size(0), hidden = input.size(1) / 2;
   TORCH_CHECK(grad_output.defined() && grad_output.sizes() == at::IntArrayRef({rows, hidden}),
@@ -220,7 +226,7 @@ GluGradsQuantized glu_backward_split_quantize(const at::Tensor& grad_output,
       kGluGradOp, ": grad_output must have the input's dtype ", input.scalar_type(), " and device ",
       input.device(), ", got ", grad_output.scalar_type(), " on ", grad_output.device());
   TORCH_CHECK(grad_output.is_contiguous(), kGluGradOp, ": grad_output must be contiguous");
-  check_split_inputs(kGluGradOp, input, m_splits, o, scale, amax, InputKind::kGluGradient);
+  check_cuda(kGluGradOp, input);
   const c10::cuda::CUDAGuard guard(input.device());
   const at::Tensor x = detail::aligned_operand(input);
   const at::Tensor dy = detail::aligned_operand(grad_output);
@@ -255,8 +261,7 @@ SplitQuantized quantize_weights(const GroupedTensors& weights, const SplitQuanti
                            first.scalar_type(), "weights[0]'s dtype");
   TORCH_CHECK(w.aligned, kWeightsOp, ": weights must start on 16-byte boundaries");
   check_options(kWeightsOp, o, groups, first.device(), scale, amax);
-  TORCH_CHECK_NOT_IMPLEMENTED(first.is_cuda(), kWeightsOp, ": no backend for ", first.device(),
-                              " tensors (CUDA only)");
+  check_cuda(kWeightsOp, first);
   const c10::cuda::CUDAGuard guard(first.device());
   // The device sizes filled on the device (no host-to-device copy of the host ones: this op runs
   // on every FP8 forward, and a copy from pageable memory cannot be captured in a CUDA graph).
@@ -280,8 +285,7 @@ void update_delayed_scaling(const at::Tensor& amax_history, const at::Tensor& am
   check_group_vector(kUpdateOp, "scale", scale, groups, amax_history.device());
   check_group_vector(kUpdateOp, "scale_inv", scale_inv, groups, amax_history.device());
   TORCH_CHECK(std::isfinite(o.margin), kUpdateOp, ": margin must be finite, got ", o.margin);
-  TORCH_CHECK_NOT_IMPLEMENTED(amax_history.is_cuda(), kUpdateOp, ": no backend for ",
-                              amax_history.device(), " tensors (CUDA only)");
+  check_cuda(kUpdateOp, amax_history);
   const c10::cuda::CUDAGuard guard(amax_history.device());
   kernels::DelayedScalingUpdateParams p;
   p.num_groups = static_cast<int>(groups);
