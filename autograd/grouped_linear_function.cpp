@@ -111,9 +111,9 @@ ops::SplitQuantized fp8_weights(Fp8Config& f, const ops::GroupedTensors& weights
 }
 
 // The FP8 forward: quantize the GEMM input and the weights, one FP8 product, keep the copies
-// backward reads in the config. The GEMM input is `input` itself, its gathered rows (FP8 GEMMs
-// read no row map), or its activation, computed inside the quantize (the 16-bit activation is
-// never written).
+// backward reads in the config. The GEMM input is `input` itself, its gathered rows or its
+// activation, the last two made inside the quantize (neither the gathered rows nor the 16-bit
+// activation is written; FP8 GEMMs read no row map).
 at::Tensor fp8_forward_output(const at::Tensor& input, const at::Tensor& scales,
                               at::TensorList weights, at::TensorList biases,
                               GroupedLinearConfig& config, BackwardNeeds needs) {
@@ -125,12 +125,16 @@ at::Tensor fp8_forward_output(const at::Tensor& input, const at::Tensor& scales,
   if (config.input_activation) {
     quantized = ops::glu_split_quantize(input.contiguous(), scales, *config.input_activation,
                                         plan.m_splits, args.options, args.scale, args.amax);
+  } else if (config.input_gather) {
+    const at::Tensor& rows = config.input_gather->rows;
+    TORCH_CHECK(rows.size(0) == plan.rows, "GroupedLinearFunction: input_gather must name the ",
+                "plan's ", plan.rows, " rows, got ", rows.size(0));
+    quantized = ops::gather_split_quantize(input.contiguous(), rows.to(at::kLong), plan.m_splits,
+                                           args.options, args.scale, args.amax);
   } else {
-    const at::Tensor rows =
-        config.input_gather ? input.index_select(0, config.input_gather->rows) : input;
-    TORCH_CHECK(rows.size(0) == plan.rows, "GroupedLinearFunction: input must have the plan's ",
-                plan.rows, " rows, got ", rows.size(0));
-    quantized = split_quantize(rows.contiguous(), plan, args);
+    TORCH_CHECK(input.size(0) == plan.rows, "GroupedLinearFunction: input must have the plan's ",
+                plan.rows, " rows, got ", input.size(0));
+    quantized = split_quantize(input.contiguous(), plan, args);
   }
   ops::SplitQuantized w = fp8_weights(f, grouped(weights, config.grouped_weight), needs.input);
   at::Tensor output = ops::grouped_linear_forward_fp8(

@@ -10,7 +10,7 @@ using torch::autograd::variable_list;
 at::Tensor PermuteFunction::forward(AutogradContext* ctx, const at::Tensor& tokens,
                                     const at::Tensor& row_map, const at::Tensor& sorted_slots) {
   ctx->save_for_backward({row_map});
-  return ops::permute_rows(tokens.contiguous(), sorted_slots, row_map.size(1), at::Tensor());
+  return ops::permute_rows(tokens.contiguous(), row_map, sorted_slots, at::Tensor());
 }
 
 variable_list PermuteFunction::backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -44,7 +44,7 @@ variable_list UnpermuteFunction::backward(AutogradContext* ctx, variable_list gr
       saved[1].defined() ? saved[1]
                          : ops::slots_of_rows(row_map, ctx->saved_data["num_rows"].toInt());
   if (!probs.defined()) {
-    return {ops::permute_rows(grad, sorted_slots, row_map.size(1), at::Tensor()), at::Tensor(),
+    return {ops::permute_rows(grad, row_map, sorted_slots, at::Tensor()), at::Tensor(),
             at::Tensor(), at::Tensor()};
   }
   ops::UnpermuteGrads grads = ops::unpermute_rows_backward(grad, saved[3], sorted_slots, probs);

@@ -7,14 +7,17 @@
 //   mlp        GroupedMLP forward+backward on the permuted rows (3 grouped GEMMs each way + GLU)
 //   layer      the whole MoELayer forward+backward (default options: the permuted copy)
 //   fused      the same with fuse_permutation(true): fc1 reads the tokens through the row map
+//   fp8        the layer with its experts in FP8 (delayed scaling), and fp8 fus the same fused:
+//              fc1's input quantize gathers the tokens
 // permute/unpermute are reported in GB/s (T token rows + M = T·k permuted rows, each read or
 // written once) next to the device-to-device copy bandwidth of an [M, hidden] tensor; mlp and
 // layer in TFLOP/s of the expert GEMMs (6·M·hidden·3·ffn).
 //
 //   bench_moe_layer [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
 //
-// TORCHMOE_BENCH_TRACE=PREFIX also records a Kineto trace (CPU and CUDA) of 5 layer steps per
-// shape into PREFIX.<shape>.json, and of 5 fused-layer steps into PREFIX.<shape>.fused.json, for
+// TORCHMOE_BENCH_TRACE=PREFIX also records Kineto traces (CPU and CUDA) of 5 layer steps per
+// shape into PREFIX.<shape>.json, of 5 steps of its GroupedMLP alone into PREFIX.<shape>.mlp.json,
+// and of the fused and FP8 layers into PREFIX.<shape>.{fused,fp8,fp8_fused}.json, for
 // scripts/trace_summary.py.
 
 #include <ATen/cuda/CUDAContext.h>
@@ -44,7 +47,7 @@ int main(int argc, char** argv) {
             << std::setw(7) << "rows" << std::setw(7) << "GB/s" << std::setw(8) << "unperm"
             << std::setw(7) << "GB/s" << std::setw(7) << "copy" << std::setw(8) << "mlp"
             << std::setw(7) << "TF/s" << std::setw(8) << "layer" << std::setw(7) << "TF/s"
-            << std::setw(8) << "fused"
+            << std::setw(8) << "fused" << std::setw(8) << "fp8" << std::setw(8) << "fp8 fus"
             << "\n";
   std::ofstream json(args.json_path);
   json << "{\n  \"device\": \"" << at::cuda::getCurrentDeviceProperties()->name
@@ -58,7 +61,9 @@ int main(int argc, char** argv) {
     options.params_dtype(torch::kBFloat16).device(torch::kCUDA);
     options.router().aux_loss_coeff(1e-2);
     options.experts().linear().single_grouped_weight(true);
-    torchmoe::MoELayer moe(options);
+    constexpr int64_t kHistory = 16;  // the FP8 layers' state; bf16 ignores it
+    options.experts().linear().fp8_amax_history_len(kHistory);
+    torchmoe::MoELayer moe(torchmoe::MoELayerOptions(options).fuse_permutation(false));
     torch::manual_seed(0);  // the same weights
     torchmoe::MoELayer moe_fused(torchmoe::MoELayerOptions(options).fuse_permutation(true));
     const torch::Tensor x = torch::randn({s.tokens, s.hidden}, bf16).requires_grad_(true);
@@ -85,7 +90,9 @@ int main(int argc, char** argv) {
         median_ms([&] { map = torchmoe::ops::make_routing_map(routing.indices, s.experts); },
                   args.iters, args.warmup);
     const double rows_ms = median_ms(
-        [&] { torchmoe::ops::permute_rows(x.detach(), map.sorted_slots, s.topk, torch::Tensor()); },
+        [&] {
+          torchmoe::ops::permute_rows(x.detach(), map.row_map, map.sorted_slots, torch::Tensor());
+        },
         args.iters, args.warmup);
     const torch::Tensor rows = routed.tokens.detach().requires_grad_(true);
     const torch::Tensor probs = routed.probs.detach().requires_grad_(true);
@@ -105,8 +112,22 @@ int main(int argc, char** argv) {
     };
     const double layer_ms = median_ms([&] { layer_step(moe); }, args.iters, args.warmup);
     const double fused_ms = median_ms([&] { layer_step(moe_fused); }, args.iters, args.warmup);
+    // The experts in FP8 (delayed scaling, its scales left at their initial values: the speed is
+    // the same), with the permuted copy quantized, and with fc1's input quantize gathering the
+    // tokens (no permuted copy).
+    const auto recipe = torchmoe::fp8::DelayedScaling().amax_history_len(kHistory);
+    auto fp8_step = [&](torchmoe::MoELayer& layer) {
+      const torchmoe::fp8::Autocast fp8(recipe);
+      layer_step(layer);
+    };
+    const double fp8_ms = median_ms([&] { fp8_step(moe); }, args.iters, args.warmup);
+    const double fp8_fused_ms = median_ms([&] { fp8_step(moe_fused); }, args.iters, args.warmup);
     torchmoe::bench::trace_if_asked(s.name, [&] { layer_step(moe); });
+    torchmoe::bench::trace_if_asked(
+        s.name + ".mlp", [&] { moe->experts(rows, routed.m_splits, probs).backward(dy); });
     torchmoe::bench::trace_if_asked(s.name + ".fused", [&] { layer_step(moe_fused); });
+    torchmoe::bench::trace_if_asked(s.name + ".fp8", [&] { fp8_step(moe); });
+    torchmoe::bench::trace_if_asked(s.name + ".fp8_fused", [&] { fp8_step(moe_fused); });
 
     const double copy_gbs = 2.0 * 2 * m * s.hidden / copy_ms * 1e-6;
     const double permute_gbs = row_bytes / permute_ms * 1e-6;
@@ -121,7 +142,7 @@ int main(int argc, char** argv) {
               << std::setprecision(0) << std::setw(7) << flops / mlp_ms * 1e-9
               << std::setprecision(2) << std::setw(8) << layer_ms << std::setprecision(0)
               << std::setw(7) << flops / layer_ms * 1e-9 << std::setprecision(2) << std::setw(8)
-              << fused_ms << "\n";
+              << fused_ms << std::setw(8) << fp8_ms << std::setw(8) << fp8_fused_ms << "\n";
     json << std::setprecision(4) << "    {\"shape\": \"" << s.name
          << "\", \"router_ms\": " << router_ms << ", \"permute_ms\": " << permute_ms
          << ", \"permute_gbs\": " << permute_gbs << ", \"map_ms\": " << map_ms
@@ -129,8 +150,9 @@ int main(int argc, char** argv) {
          << ", \"unpermute_gbs\": " << unpermute_gbs << ", \"copy_gbs\": " << copy_gbs
          << ", \"mlp_ms\": " << mlp_ms << ", \"mlp_tflops\": " << flops / mlp_ms * 1e-9
          << ", \"layer_ms\": " << layer_ms << ", \"layer_tflops\": " << flops / layer_ms * 1e-9
-         << ", \"layer_fused_ms\": " << fused_ms << "}" << (i + 1 < shapes.size() ? "," : "")
-         << "\n";
+         << ", \"layer_fused_ms\": " << fused_ms << ", \"layer_fp8_ms\": " << fp8_ms
+         << ", \"layer_fp8_fused_ms\": " << fp8_fused_ms << "}"
+         << (i + 1 < shapes.size() ? "," : "") << "\n";
   }
   json << "  ]\n}\n";
   std::cout << "wrote " << args.json_path << "\n";

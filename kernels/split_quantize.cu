@@ -335,7 +335,8 @@ __device__ __forceinline__ TileSpot<T> locate(const SplitQuantizeParams& p, cons
       static_cast<int>(min(static_cast<int64_t>(kTile), s.m - static_cast<int64_t>(s.mb) * kTile));
   s.col0 = static_cast<int64_t>(s.kb) * kTile;
   s.cols_valid = static_cast<int>(min(static_cast<int64_t>(kTile), p.k - s.col0));
-  const T* input = static_cast<const T*>(p.input) + s.row0 * p.k;
+  // Gathered rows are found per row (load_rows): from the input's first row.
+  const T* input = static_cast<const T*>(p.input) + (p.gather_rows ? 0 : s.row0 * p.k);
   if (p.split_inputs.base != nullptr || p.split_inputs.table != nullptr) {
     input = group_ptr<T>(p.split_inputs, s.g) + static_cast<int64_t>(s.mb) * kTile * p.k;
   }
@@ -553,10 +554,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
         [[maybe_unused]] constexpr GluActivation K = decltype(activation)::value;
 #pragma unroll
         for (int i = 0; i < P; ++i) {
-          const bool valid = col_ok && r0 + i < rows_valid;
+          bool valid = col_ok && r0 + i < rows_valid;
           if constexpr (kSource == Source::kTensor) {
+            int64_t in_row = r0 + i;
+            if (p.gather_rows != nullptr) {
+              in_row = valid ? p.gather_rows[row0 + r0 + i] : -1;
+              valid = in_row >= 0 && in_row < p.gather_source_rows;
+            }
             uint4 v = make_uint4(0, 0, 0, 0);
-            if (valid) v = *reinterpret_cast<const uint4*>(spot.input + (r0 + i) * k + c0);
+            if (valid) v = *reinterpret_cast<const uint4*>(spot.input + in_row * k + c0);
             x[i][0] = v.x;
             x[i][1] = v.y;
             x[i][2] = v.z;
@@ -940,6 +946,10 @@ void launch_split_quantize(const SplitQuantizeParams& p, cudaStream_t stream) {
       "= hidden (its output) or 2 * hidden (its input's gradient)");
   TORCH_INTERNAL_ASSERT(p.glu.grad_output == nullptr || p.glu.input != nullptr,
                         "launch_split_quantize: a GLU gradient source needs the GLU input");
+  TORCH_INTERNAL_ASSERT(
+      p.gather_rows == nullptr || (p.glu.input == nullptr && p.split_inputs.base == nullptr &&
+                                   p.split_inputs.table == nullptr),
+      "launch_split_quantize: gathered rows come from `input` only");
   TORCH_INTERNAL_ASSERT(p.glu_grad_scales_partial == nullptr || p.glu.grad_output != nullptr,
                         "launch_split_quantize: scale-gradient sums need a GLU gradient source");
   TORCH_INTERNAL_ASSERT(aligned16({p.glu.grad_output}),

@@ -143,6 +143,11 @@ struct SplitQuantizeParams {
   // When set, split g's m_g rows are read from its own [m_g, K] tensor (16-byte aligned) instead
   // of `input`: a layer's G separate weights are quantized in one launch without stacking them.
   GroupAddress split_inputs;
+  // When set ([rows] int64), row r is row gather_rows[r] of `input` ([gather_source_rows, K]), and
+  // zeros where that index is outside [0, gather_source_rows): an MoE layer's tokens quantized in
+  // expert order without a permuted copy. Not with split_inputs or a GLU source.
+  const int64_t* gather_rows = nullptr;
+  int64_t gather_source_rows = 0;
   void* rowwise = nullptr;  // [M, K] fp8, or null: no rowwise copy
   // columnwise_elements(M, K, G) fp8, or null: no columnwise copy (16-byte aligned)
   void* columnwise = nullptr;

@@ -5,11 +5,11 @@
 // slots; a last pass writes each slot's permuted row. Only the counts go back to the host (the
 // caller needs them as m_splits), so there is no other synchronisation.
 //
-// Row kernels: one warp per output row (grid-stride), its lanes striding over the hidden dimension
-// in 16-byte vectors when H and the pointers allow, else one element at a time. Each kernel
-// gathers its inputs and writes each output row once, so nothing needs atomics, and a warp per
-// row keeps the probability gradient's dot product a shuffle reduction. Rows start at different
-// chunks (chunk_start; docs/performance.md has the measurements without it).
+// Row kernels: one warp per token or per output row (grid-stride), its lanes striding over the
+// hidden dimension in 16-byte vectors when H and the pointers allow, else one element at a time.
+// Each output row is written by one warp, so nothing needs atomics, and a warp per row keeps the
+// probability gradient's dot product a shuffle reduction. Rows start at different chunks
+// (chunk_start; docs/performance.md has the measurements without it).
 
 #include <cub/device/device_radix_sort.cuh>
 
@@ -136,31 +136,53 @@ __device__ __forceinline__ void store_streaming(T* p, const Vec<T, V>& x) {
   }
 }
 
+// One warp per token: the token's row is read once and written to each permuted row its slots
+// name. (A warp per permuted row read each token row k times, and the written rows pushed the
+// sources out of L2: qwen3-30b-a3b's gather read 174 MB from DRAM for a 34 MB source.) kBatch
+// chunks are loaded before any is stored, so that each lane has that many loads in flight. Then
+// the rows no slot names (padding: sorted_slots -1) get zeros, a warp checking 32 rows at a time.
 template <typename T, typename S, int V>
-__global__ void permute_kernel(const T* __restrict__ input,
+__global__ void permute_kernel(const T* __restrict__ input, const int64_t* __restrict__ row_map,
                                const int64_t* __restrict__ sorted_slots,
-                               const S* __restrict__ probs, T* __restrict__ output, int64_t rows,
-                               int64_t topk, int64_t hidden) {
+                               const S* __restrict__ probs, T* __restrict__ output, int64_t tokens,
+                               int64_t rows, int64_t topk, int64_t hidden) {
+  constexpr int kBatch = 4;
   const int64_t chunks = chunk_count<V>(hidden);
   const int lane = threadIdx.x % kWarpSize;
-  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
-       r < rows; r += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
-    const int64_t slot = sorted_slots[r];
-    if (slot < 0) {  // a row no slot maps to (padding): zeros
-      store_zero_row<T, V>(output + r * hidden, lane, hidden);
-      continue;
-    }
-    const T* src = input + (slot / topk) * hidden;
-    const float p = prob_at(probs, slot);
-    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-      const int64_t c = chunk_start<V>(chunk, r, chunks) + lane * V;
-      if (c >= hidden) continue;
-      Vec<T, V> x = load<T, V>(src + c);
-      if (probs) {
+  const int64_t first_warp =
+      static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+  for (int64_t t = first_warp; t < tokens; t += warps) {
+    const T* src = input + t * hidden;
+    for (int64_t chunk0 = 0; chunk0 < chunks; chunk0 += kBatch) {
+      Vec<T, V> x[kBatch];
+      int64_t c[kBatch];
 #pragma unroll
-        for (int i = 0; i < V; ++i) x.v[i] = from_float<T>(p * to_float(x.v[i]));
+      for (int b = 0; b < kBatch; ++b) {
+        c[b] = chunk0 + b < chunks ? chunk_start<V>(chunk0 + b, t, chunks) + lane * V : hidden;
+        if (c[b] < hidden) x[b] = load<T, V>(src + c[b]);
       }
-      store_streaming<T, V>(output + r * hidden + c, x);
+      for (int64_t j = 0; j < topk; ++j) {
+        const int64_t row = row_map[t * topk + j];
+        if (row < 0) continue;  // a dropped slot
+        const float p = prob_at(probs, t * topk + j);
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          if (c[b] >= hidden) continue;
+          Vec<T, V> y = x[b];
+          if (probs) {
+#pragma unroll
+            for (int i = 0; i < V; ++i) y.v[i] = from_float<T>(p * to_float(y.v[i]));
+          }
+          store<T, V>(output + row * hidden + c[b], y);
+        }
+      }
+    }
+  }
+  for (int64_t r0 = first_warp * kWarpSize; r0 < rows; r0 += warps * kWarpSize) {
+    unsigned padding = __ballot_sync(0xffffffffu, r0 + lane < rows && sorted_slots[r0 + lane] < 0);
+    for (; padding != 0; padding &= padding - 1) {
+      store_zero_row<T, V>(output + (r0 + __ffs(padding) - 1) * hidden, lane, hidden);
     }
   }
 }
@@ -176,14 +198,26 @@ __global__ void unpermute_kernel(const T* __restrict__ input, const int64_t* __r
     for (int64_t chunk = 0; chunk < chunks; ++chunk) {
       const int64_t c = chunk_start<V>(chunk, t, chunks) + lane * V;
       if (c >= hidden) continue;
+      // kBatch slots' rows are loaded before any is added (in slot order, as one at a time would),
+      // so that each lane has that many loads in flight.
+      constexpr int kBatch = 4;
       float acc[V] = {};
-      for (int64_t j = 0; j < topk; ++j) {
-        const int64_t row = row_map[t * topk + j];
-        if (row < 0) continue;
-        const float p = prob_at(probs, t * topk + j);
-        const Vec<T, V> x = load<T, V>(input + row * hidden + c);
+      for (int64_t j0 = 0; j0 < topk; j0 += kBatch) {
+        Vec<T, V> x[kBatch];
+        bool kept[kBatch];
 #pragma unroll
-        for (int i = 0; i < V; ++i) acc[i] += p * to_float(x.v[i]);
+        for (int b = 0; b < kBatch; ++b) {
+          const int64_t row = j0 + b < topk ? row_map[t * topk + j0 + b] : -1;
+          kept[b] = row >= 0;
+          if (kept[b]) x[b] = load<T, V>(input + row * hidden + c);
+        }
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          if (!kept[b]) continue;
+          const float p = prob_at(probs, t * topk + j0 + b);
+#pragma unroll
+          for (int i = 0; i < V; ++i) acc[i] += p * to_float(x[b].v[i]);
+        }
       }
       Vec<T, V> y;
 #pragma unroll
@@ -306,10 +340,11 @@ void launch_permute(const PermuteParams& params, cudaStream_t stream) {
              using T = decltype(data_tag);
              using S = decltype(prob_tag);
              auto* kernel = permute_kernel<T, S, decltype(vec)::value>;
-             kernel<<<row_grid(kernel, params.rows), kThreads, 0, stream>>>(
-                 static_cast<const T*>(params.input), params.sorted_slots,
-                 static_cast<const S*>(params.probs), static_cast<T*>(params.output), params.rows,
-                 params.topk, params.hidden);
+             kernel<<<row_grid(kernel, std::max(params.tokens, params.rows / kWarpSize)), kThreads,
+                      0, stream>>>(static_cast<const T*>(params.input), params.row_map,
+                                   params.sorted_slots, static_cast<const S*>(params.probs),
+                                   static_cast<T*>(params.output), params.tokens, params.rows,
+                                   params.topk, params.hidden);
            });
 }
 

@@ -14,9 +14,10 @@
 //   unpermute   out[t] = Σ_j probs[t, j] · permuted[row_map[t, j]]
 //
 // Rows are ordered by expert and, within an expert, by slot (a stable sort), so the result is
-// deterministic and matches the CPU reference exactly. Every kernel gathers and writes its
-// output rows in order, one warp per output row: permute per permuted row (through
-// sorted_slots), unpermute per token (through row_map). No atomics.
+// deterministic and matches the CPU reference exactly. One warp writes each output row, so no
+// kernel needs atomics: permute reads each token row once and writes its permuted rows (through
+// row_map), unpermute sums per token (through row_map), unpermute_backward per permuted row
+// (through sorted_slots).
 
 #include <cuda_runtime_api.h>
 
@@ -53,7 +54,7 @@ struct PermuteParams {
   int64_t hidden = 0;  // H
   ScalarType data_type = ScalarType::kFloat32;
   ScalarType prob_type = ScalarType::kFloat32;
-  const int64_t* row_map = nullptr;       // [T, k]   (unpermute)
+  const int64_t* row_map = nullptr;       // [T, k]   (permute, unpermute)
   const int64_t* sorted_slots = nullptr;  // [N]      (permute, unpermute_backward)
   const void* probs = nullptr;            // [T, k] or null (weight 1)
   const void* input = nullptr;
@@ -65,7 +66,8 @@ struct PermuteParams {
 };
 
 // output[r] = input[sorted_slots[r] / k] (· probs[sorted_slots[r]]), r < N; zeros where
-// sorted_slots[r] is -1.
+// sorted_slots[r] is -1. Written as output[row_map[t, j]] = input[t] (· probs[t, j]): row_map and
+// sorted_slots must be each other's inverse.
 void launch_permute(const PermuteParams& params, cudaStream_t stream);
 // output[t] = Σ_j probs[t,j] · input[row_map[t,j]] over kept slots, summed in fp32 (0 if none).
 void launch_unpermute(const PermuteParams& params, cudaStream_t stream);

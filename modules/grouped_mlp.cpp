@@ -106,7 +106,9 @@ torch::Tensor GroupedMLPImpl::forward_routed(const torch::Tensor& tokens,
   const std::vector<ops::GemmPlan> plans =
       autograd::plan_layers(kModule, x, {fc1->gemm_shape(), fc2->gemm_shape()}, routed.m_splits,
                             options.linear().gemm_backend(), source_rows, fp8::enabled());
-  if (plans[0].backend == ops::Backend::kSm90) {
+  // The sm90 kernel reads the rows through the map; in FP8 fc1's input quantize does, on any
+  // backend (FP8 products read no row map).
+  if (plans[0].backend == ops::Backend::kSm90 || plans[0].fp8) {
     const autograd::RowGather gather{source_rows, routed.row_map};
     return run_layers(x, &gather, plans, routed.probs, is_first_microbatch);
   }

@@ -75,9 +75,9 @@ class GroupedMLPImpl : public torch::nn::Cloneable<GroupedMLPImpl> {
   /// The experts on tokens [T, hidden] in token order, routed by `routed` (from
   /// autograd::route_tokens or permute_tokens: the routing map, split sizes and the rows'
   /// probabilities). Returns [N, hidden] in the routed (expert-grouped) order, as forward on the
-  /// permuted tokens would. On the sm90 backend fc1 reads the tokens through the routing map, so
-  /// that the permuted copy is neither written nor kept for backward; on the others the copy is
-  /// made (routed.tokens when given).
+  /// permuted tokens would. On the sm90 backend fc1 reads the tokens through the routing map, and
+  /// in FP8 (any backend) the quantize of fc1's input does, so that the permuted copy is neither
+  /// written nor kept for backward; otherwise the copy is made (routed.tokens when given).
   torch::Tensor forward_routed(const torch::Tensor& tokens, const PermutedTokens& routed,
                                std::optional<bool> is_first_microbatch = std::nullopt);
 

@@ -4,6 +4,7 @@
 
 #include "torchmoe/autograd/expert_parallel_function.h"
 #include "torchmoe/autograd/token_permutation_function.h"
+#include "torchmoe/fp8/autocast.h"
 #include "torchmoe/modules/token_permutation.h"
 
 namespace torchmoe {
@@ -116,7 +117,7 @@ MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_f
       routed = autograd::permute_tokens(tokens, routing.indices, options.num_experts(),
                                         routing.probs, trust);
       y = run_experts_parallel(routed, is_first_microbatch);
-    } else if (options.fuse_permutation()) {
+    } else if (options.fuse_permutation().value_or(fp8::enabled())) {
       routed = autograd::route_tokens(tokens, routing.indices, options.num_experts(), routing.probs,
                                       trust);
       y = experts->forward_routed(tokens, routed, is_first_microbatch);

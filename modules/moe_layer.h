@@ -5,8 +5,9 @@
 //     -> GroupedMLP (fc1 -> ScaledSwiGLU with each row's routing probability -> fc2)
 //     -> unpermute_tokens (a plain sum over each token's k expert outputs) -> [.., hidden]
 //
-// On the sm90 backend, with options fuse_permutation, the permutation is fused into fc1, which
-// reads the tokens through the routing map (GroupedMLP::forward_routed).
+// With options fuse_permutation (by default in FP8), the permutation is fused into fc1, which
+// reads the tokens through the routing map (GroupedMLP::forward_routed): its GEMMs on the sm90
+// backend, in FP8 the quantize of its input.
 //
 // The probabilities are applied inside the scaled activation (Megatron's memory-efficient
 // permutation), so unpermute needs no weights and no copy of the expert outputs is kept for the
@@ -75,13 +76,14 @@ struct MoELayerOptions {
   /// capturable). Needs expert_parallel and router().capacity_factor, and the same token count T
   /// on every rank.
   TORCH_ARG(bool, pad_to_capacity) = false;
-  /// Without expert_parallel, on the sm90 grouped GEMM backend: fc1 reads the tokens through the
-  /// routing map instead of a permuted copy (GroupedMLP::forward_routed), which is neither
-  /// written nor kept for backward: T·k·hidden elements less activation memory per layer. Off by
-  /// default because it is slower today: the layer's fwd+bwd measured 1.3-2.6x the copying path's
-  /// on the H100 (docs/performance.md, "Ideas tried"). Other backends and expert parallelism always
-  /// make the copy.
-  TORCH_ARG(bool, fuse_permutation) = false;
+  /// Without expert_parallel, on the sm90 grouped GEMM backend or in FP8: fc1 reads the tokens
+  /// through the routing map instead of a permuted copy (GroupedMLP::forward_routed), which is
+  /// neither written nor kept for backward: T·k·hidden elements less activation memory per layer.
+  /// In FP8 the quantize of fc1's input gathers the rows (ops::gather_split_quantize). Unset: on
+  /// in FP8 (fp8::Autocast), where it is faster, and off in bf16, where the layer's fwd+bwd
+  /// measured 1.1-1.5x the copying path's on the H100 (docs/performance.md). Other backends in
+  /// bf16 and expert parallelism always make the copy.
+  TORCH_ARG(std::optional<bool>, fuse_permutation) = std::nullopt;
 };
 
 struct MoEOutput {

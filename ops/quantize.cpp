@@ -15,6 +15,7 @@ namespace torchmoe::ops {
 namespace {
 
 constexpr const char* kSplitOp = "torchmoe::split_quantize";
+constexpr const char* kGatherOp = "torchmoe::gather_split_quantize";
 constexpr const char* kGluOp = "torchmoe::glu_split_quantize";
 constexpr const char* kGluGradOp = "torchmoe::glu_backward_split_quantize";
 constexpr const char* kUpdateOp = "torchmoe::update_delayed_scaling";
@@ -63,9 +64,10 @@ void check_input_type(const char* op, at::ScalarType dtype, int64_t k) {
 // its width) or its gradient (its width) is quantized.
 enum class InputKind { kRows, kGluActivation, kGluGradient };
 
+// gathered_rows: the row count of a gathered input (the splits' bound), else -1.
 void check_split_inputs(const char* op, const at::Tensor& input, const SplitSizes& m_splits,
                         const SplitQuantizeOptions& o, const at::Tensor& scale,
-                        const at::Tensor& amax, InputKind kind) {
+                        const at::Tensor& amax, InputKind kind, int64_t gathered_rows = -1) {
   TORCH_CHECK(input.defined() && input.dim() == 2, op, ": input must be a 2-D [rows, ",
               kind == InputKind::kRows ? "features" : "2 * features", "] tensor",
               input.defined() ? ", got " + std::to_string(input.dim()) + "-D" : std::string());
@@ -80,8 +82,10 @@ void check_split_inputs(const char* op, const at::Tensor& input, const SplitSize
                   m_splits.host()[g]);
       sum += m_splits.host()[g];
     }
-    TORCH_CHECK(sum <= input.size(0), op, ": m_splits must sum to at most the input's ",
-                input.size(0), " rows, got ", m_splits.host(), " (sum ", sum, ")");
+    const int64_t bound = gathered_rows >= 0 ? gathered_rows : input.size(0);
+    TORCH_CHECK(sum <= bound, op, ": m_splits must sum to at most the ",
+                gathered_rows >= 0 ? "gathered " : "input's ", bound, " rows, got ",
+                m_splits.host(), " (sum ", sum, ")");
   } else {
     TORCH_CHECK(m_splits.device().device() == input.device(), op, ": m_splits must be on ",
                 input.device(), " like the input, or on the host, got ",
@@ -107,13 +111,12 @@ int64_t columnwise_rows(const SplitSizes& m_splits, int64_t rows) {
   return total;
 }
 
-// Allocation and launch for checked arguments: `rows` rows of width k split by m_splits, read
-// from `input` or, per split, from `split_inputs`; `like` gives the input's dtype and device.
+// Allocation and launch for checked arguments: `rows` rows of width k split by m_splits, read as
+// `p`'s source fields say (input, split_inputs, gather_rows, glu; the rest is filled here); `like`
+// gives the input's dtype and device.
 SplitQuantized launch(const at::Tensor& like, int64_t rows, int64_t k, const SplitSizes& m_splits,
                       const SplitQuantizeOptions& o, const at::Tensor& scale,
-                      const at::Tensor& amax, const void* input, kernels::GroupAddress split_inputs,
-                      const kernels::GluParams& glu = {},
-                      float* glu_grad_scales_partial = nullptr) {
+                      const at::Tensor& amax, kernels::SplitQuantizeParams p) {
   const c10::cuda::CUDAGuard guard(like.device());
   const at::Tensor splits = detail::device_splits(m_splits, like);
   const int groups = static_cast<int>(splits.numel());
@@ -146,7 +149,6 @@ SplitQuantized launch(const at::Tensor& like, int64_t rows, int64_t k, const Spl
   out.format = o.format;
   out.scaling = o.scaling;
 
-  kernels::SplitQuantizeParams p;
   p.input_type = kernel_type(like.scalar_type());
   p.format = o.format;
   p.scaling = o.scaling;
@@ -157,10 +159,6 @@ SplitQuantized launch(const at::Tensor& like, int64_t rows, int64_t k, const Spl
   p.k = k;
   p.m_splits = splits.const_data_ptr();
   p.splits_int32 = splits.scalar_type() == at::kInt;
-  p.input = input;
-  p.split_inputs = split_inputs;
-  p.glu = glu;
-  p.glu_grad_scales_partial = glu_grad_scales_partial;
   p.rowwise = o.rowwise ? out.data.data_ptr() : nullptr;
   p.columnwise = o.columnwise ? out.columnwise_data.data_ptr() : nullptr;
   p.scale_inv = out.scale_inv.defined() ? out.scale_inv.data_ptr<float>() : nullptr;
@@ -188,8 +186,30 @@ SplitQuantized split_quantize(const at::Tensor& input, const SplitSizes& m_split
   check_cuda(kSplitOp, input);
   const c10::cuda::CUDAGuard guard(input.device());
   const at::Tensor x = detail::aligned_operand(input);
-  return launch(input, input.size(0), input.size(1), m_splits, o, scale, amax, x.const_data_ptr(),
-                {});
+  kernels::SplitQuantizeParams source;
+  source.input = x.const_data_ptr();
+  return launch(input, input.size(0), input.size(1), m_splits, o, scale, amax, source);
+}
+
+SplitQuantized gather_split_quantize(const at::Tensor& input, const at::Tensor& rows,
+                                     const SplitSizes& m_splits, const SplitQuantizeOptions& o,
+                                     const at::Tensor& scale, const at::Tensor& amax) {
+  TORCH_CHECK(rows.defined() && rows.dim() == 1 && rows.scalar_type() == at::kLong, kGatherOp,
+              ": rows must be a 1-D int64 tensor, got ",
+              rows.defined() ? rows.sizes() : at::IntArrayRef{}, " ",
+              rows.defined() ? rows.scalar_type() : at::ScalarType::Undefined);
+  check_split_inputs(kGatherOp, input, m_splits, o, scale, amax, InputKind::kRows, rows.size(0));
+  TORCH_CHECK(rows.device() == input.device(), kGatherOp, ": rows must be on ", input.device(),
+              " like the input, got ", rows.device());
+  TORCH_CHECK(rows.is_contiguous(), kGatherOp, ": rows must be contiguous");
+  check_cuda(kGatherOp, input);
+  const c10::cuda::CUDAGuard guard(input.device());
+  const at::Tensor x = detail::aligned_operand(input);
+  kernels::SplitQuantizeParams source;
+  source.input = x.const_data_ptr();
+  source.gather_rows = rows.const_data_ptr<int64_t>();
+  source.gather_source_rows = input.size(0);
+  return launch(input, rows.size(0), input.size(1), m_splits, o, scale, amax, source);
 }
 
 SplitQuantized glu_split_quantize(const at::Tensor& input, const at::Tensor& scales,
@@ -203,8 +223,9 @@ SplitQuantized glu_split_quantize(const at::Tensor& input, const at::Tensor& sca
   const c10::cuda::CUDAGuard guard(input.device());
   const at::Tensor x = detail::aligned_operand(input);
   params.input = x.const_data_ptr();
-  return launch(input, input.size(0), input.size(1) / 2, m_splits, o, scale, amax, nullptr, {},
-                params);
+  kernels::SplitQuantizeParams source;
+  source.glu = params;
+  return launch(input, input.size(0), input.size(1) / 2, m_splits, o, scale, amax, source);
 }
 
 GluGradsQuantized glu_backward_split_quantize(const at::Tensor& grad_output,
@@ -239,8 +260,10 @@ GluGradsQuantized glu_backward_split_quantize(const at::Tensor& grad_output,
                                                      input.options().dtype(at::kFloat))
                                          : at::Tensor();
   GluGradsQuantized out;
-  out.grad_input = launch(input, rows, width, m_splits, o, scale, amax, nullptr, {}, params,
-                          grad_scales ? partial.data_ptr<float>() : nullptr);
+  kernels::SplitQuantizeParams source;
+  source.glu = params;
+  source.glu_grad_scales_partial = grad_scales ? partial.data_ptr<float>() : nullptr;
+  out.grad_input = launch(input, rows, width, m_splits, o, scale, amax, source);
   if (grad_scales) out.grad_scales = partial.sum(0).to(s.scalar_type()).reshape(s.sizes());
   return out;
 }
@@ -267,7 +290,9 @@ SplitQuantized quantize_weights(const GroupedTensors& weights, const SplitQuanti
   // on every FP8 forward, and a copy from pageable memory cannot be captured in a CUDA graph).
   const SplitSizes sizes(std::vector<int64_t>(static_cast<size_t>(groups), n),
                          at::full({groups}, n, first.options().dtype(at::kLong)));
-  return launch(first, groups * n, k, sizes, o, scale, amax, nullptr, detail::group_address(w));
+  kernels::SplitQuantizeParams source;
+  source.split_inputs = detail::group_address(w);
+  return launch(first, groups * n, k, sizes, o, scale, amax, source);
 }
 
 void update_delayed_scaling(const at::Tensor& amax_history, const at::Tensor& amax,

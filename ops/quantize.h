@@ -53,6 +53,18 @@ SplitQuantized split_quantize(const at::Tensor& input, const SplitSizes& m_split
                               const SplitQuantizeOptions& options, const at::Tensor& scale = {},
                               const at::Tensor& amax = {});
 
+// split_quantize of input.index_select(0, rows) in one launch that never writes the gathered
+// rows: row r is quantized from input row rows[r], so the result is bit for bit that of the two
+// ops (fc1's FP8 input in an MoE layer with fuse_permutation: the tokens in expert order without
+// the permuted copy). An index outside [0, T) is not an error here (checking would cost a host
+// sync): its row reads as zeros. input: [T, K] as split_quantize's; rows: [M] int64, contiguous,
+// on the input's device; m_splits (summing to at most M), options, scale, amax: as
+// split_quantize's.
+SplitQuantized gather_split_quantize(const at::Tensor& input, const at::Tensor& rows,
+                                     const SplitSizes& m_splits,
+                                     const SplitQuantizeOptions& options,
+                                     const at::Tensor& scale = {}, const at::Tensor& amax = {});
+
 // split_quantize of glu_forward(input, scales, glu) in one launch that never writes the 16-bit
 // activation: each tile computes its part of the activation from `input` (rounded to the input's
 // dtype as glu_forward rounds it) and casts it, so the result is bit for bit that of the two ops

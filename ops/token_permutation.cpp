@@ -174,12 +174,15 @@ RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts, Inde
   return map;
 }
 
-at::Tensor permute_rows(const at::Tensor& tokens, const at::Tensor& sorted_slots, int64_t topk,
-                        const at::Tensor& probs) {
+at::Tensor permute_rows(const at::Tensor& tokens, const at::Tensor& row_map,
+                        const at::Tensor& sorted_slots, const at::Tensor& probs) {
   constexpr const char* kOp = "torchmoe::permute_rows";
   check_rows(kOp, "tokens", tokens);
+  check_index_tensor(kOp, "row_map", row_map, 2, " [tokens, topk]", tokens);
   check_index_tensor(kOp, "sorted_slots", sorted_slots, 1, "", tokens);
-  TORCH_CHECK(topk >= 1, kOp, ": topk must be positive, got ", topk);
+  TORCH_CHECK(row_map.size(0) == tokens.size(0) && row_map.size(1) >= 1, kOp,
+              ": row_map must be [tokens=", tokens.size(0), ", topk >= 1], got ", row_map.sizes());
+  const int64_t topk = row_map.size(1);
   check_probs(kOp, probs, {tokens.size(0), topk}, tokens);
   const int64_t rows = sorted_slots.size(0);
   switch (select_backend(kOp, tokens)) {
@@ -199,6 +202,7 @@ at::Tensor permute_rows(const at::Tensor& tokens, const at::Tensor& sorted_slots
       at::Tensor output = at::empty({rows, tokens.size(1)}, tokens.options());
       kernels::PermuteParams p =
           kernel_params(tokens.size(0), topk, rows, tokens.size(1), tokens, probs);
+      p.row_map = row_map.const_data_ptr<int64_t>();
       p.sorted_slots = sorted_slots.const_data_ptr<int64_t>();
       p.input = tokens.const_data_ptr();
       p.output = output.data_ptr();

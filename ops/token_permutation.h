@@ -40,10 +40,13 @@ SplitSizes split_sizes(const RoutingMap& map);
 RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts,
                             IndexTrust trust = IndexTrust::kChecked);
 
-// tokens [T, H] -> [N, H]: row r = tokens[sorted_slots[r] / topk] (· probs.flat[sorted_slots[r]]
-// when given, probs [T, topk]); zeros where sorted_slots[r] is -1.
-at::Tensor permute_rows(const at::Tensor& tokens, const at::Tensor& sorted_slots, int64_t topk,
-                        const at::Tensor& probs);
+// tokens [T, H] -> [N, H]: row r = tokens[sorted_slots[r] / k] (· probs.flat[sorted_slots[r]]
+// when given, probs [T, k]); zeros where sorted_slots[r] is -1. row_map [T, k] and sorted_slots
+// [N] are the two directions of one permutation (make_routing_map's, or a row_map meeting the
+// contract below with its slots_of_rows): the CUDA kernel reads each token row once and writes
+// the rows row_map names.
+at::Tensor permute_rows(const at::Tensor& tokens, const at::Tensor& row_map,
+                        const at::Tensor& sorted_slots, const at::Tensor& probs);
 
 // The contract of a row_map [T, k] over num_rows permuted rows: every entry is -1 (a dropped slot)
 // or a row in [0, num_rows), and no row is named twice; rows no entry names (padding) are

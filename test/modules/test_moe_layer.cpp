@@ -133,7 +133,13 @@ TEST_CASE("MoELayer: the permutation fused into fc1 matches the permuted copy",
   TORCHMOE_REQUIRE_SM90();
   const int64_t topk = GENERATE(1, 2, 4);
   const bool delay = GENERATE(false, true);
-  INFO("topk=" << topk << " delay_wgrad_compute=" << delay);
+  // bf16, or FP8 (fc1's input quantize gathers the rows): none, current, delayed, block scaling.
+  const int recipe = GENERATE(0, 1, 2, 3);
+  INFO("topk=" << topk << " delay_wgrad_compute=" << delay << " recipe=" << recipe);
+  std::optional<torchmoe::fp8::Recipe> fp8;
+  if (recipe == 1) fp8 = torchmoe::fp8::CurrentScaling();
+  if (recipe == 2) fp8 = torchmoe::fp8::DelayedScaling().amax_history_len(4);
+  if (recipe == 3) fp8 = torchmoe::fp8::BlockScaling();
   const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
   torch::manual_seed(31);
   const torch::Tensor x_in = torch::randn({777, 256}, cuda);
@@ -145,14 +151,22 @@ TEST_CASE("MoELayer: the permutation fused into fc1 matches the permuted copy",
   // The same layer (same seed) with and without the fused permutation.
   auto run = [&](bool fuse) {
     torch::manual_seed(29);
-    MoELayerOptions options(/*hidden=*/256, /*ffn_hidden=*/200, /*num_experts=*/12, topk);
+    // FP8 operands need features in multiples of 16.
+    MoELayerOptions options(/*hidden=*/256, /*ffn_hidden=*/fp8 ? 208 : 200, /*num_experts=*/12,
+                            topk);
     options.params_dtype(torch::kBFloat16).device(torch::kCUDA);
     options.router().aux_loss_coeff(1e-2);
     options.experts().linear().delay_wgrad_compute(delay);
     options.fuse_permutation(fuse);
+    options.experts().linear().fp8_amax_history_len(4);
     MoELayer moe(options);
     const torch::Tensor x = x_in.clone().requires_grad_(true);
-    const torchmoe::MoEOutput out = moe(x);
+    torchmoe::MoEOutput out;
+    {
+      const torchmoe::fp8::Autocast guard(fp8.value_or(torchmoe::fp8::DelayedScaling()),
+                                          fp8.has_value());
+      out = moe(x);
+    }
     (out.output * dy).sum().add(out.aux_loss).backward();
     if (delay) moe->backward_dw();
     Result r{out.output.detach(), out.aux_loss.detach(), x.grad(), {}};

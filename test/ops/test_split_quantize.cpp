@@ -537,6 +537,40 @@ TEST_CASE("split_quantize: inf and NaN inputs follow TransformerEngine", "[ops][
 // The fused activation + cast (fc2's input in an FP8 GroupedMLP) against the two ops it replaces:
 // bit for bit equal to glu_forward then split_quantize, and, through the activation glu_forward
 // wrote, to the reference quantizer. Axes: every scaling; bf16/fp16/fp32; SwiGLU in halves and
+// Token rows in expert order: each token picked 0 to 3 times, one index out of range (its row
+// reads as zeros, as a zero row of the gathered copy does); host and device splits with an
+// empty, odd and multi-tile split; K not a multiple of 128.
+TEST_CASE("gather_split_quantize equals index_select then split_quantize",
+          "[ops][quantize][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const QuantizeScaling scaling =
+      GENERATE(QuantizeScaling::kCurrent, QuantizeScaling::kDelayed, QuantizeScaling::kBlock1x128,
+               QuantizeScaling::kBlock128x128);
+  const torch::Dtype dtype = GENERATE(torch::kBFloat16, torch::kHalf, torch::kFloat);
+  const bool device_splits = GENERATE(false, true);
+  INFO("scaling " << scaling_name(scaling) << ", dtype " << dtype << ", device splits "
+                  << device_splits);
+  const std::vector<int64_t> sizes = {131, 0, 256, 17, 300};
+  const int64_t tokens = 301, rows = 704, k = 160;
+  const torch::Tensor x = make_input(tokens, k, dtype, 43);
+  const auto gen = at::make_generator<at::CPUGeneratorImpl>(47);
+  torch::Tensor index = torch::randint(0, tokens, {rows}, gen, torch::kLong);
+  index[500] = tokens + 7;
+  // The out-of-range index picks an appended zero row (+0: a product with 0 could give -0).
+  const torch::Tensor gathered = torch::cat({x, torch::zeros({1, k}, x.options())})
+                                     .index_select(0, index.clamp_max(tokens).cuda());
+  SplitQuantizeOptions o;
+  o.scaling = scaling;
+  const torch::Tensor scale = scale_argument(scaling, static_cast<int64_t>(sizes.size()));
+  const SplitQuantized two_ops = run(gathered, sizes, o, scale);
+  const torchmoe::SplitSizes splits =
+      device_splits ? torchmoe::SplitSizes(torch::tensor(sizes, torch::kInt).cuda())
+                    : torchmoe::SplitSizes(sizes);
+  const SplitQuantized fused =
+      torchmoe::ops::gather_split_quantize(x, index.cuda(), splits, o, scale);
+  check_same(fused, two_ops, sizes, rows, k);
+}
+
 // GLU-interleaved, ClampedSwiGLU; scales float32, in the input's dtype, or none; host and device
 // splits (an empty split, odd and multi-tile ones, K not a multiple of 128).
 TEST_CASE("glu_split_quantize equals glu_forward then split_quantize", "[ops][quantize][cuda]") {
@@ -822,6 +856,23 @@ TEST_CASE("split_quantize and update_delayed_scaling reject bad arguments", "[op
   CHECK_THROWS_WITH(glu_split_quantize(z, {}, glu, {8}, delayed),
                     Contains("glu_split_quantize: scale must be a defined tensor"));
   CHECK_THROWS_AS(glu_split_quantize(z, {}, glu, {8}, o), c10::NotImplementedError);
+
+  using torchmoe::ops::gather_split_quantize;
+  const torch::Tensor rows = torch::zeros({10}, torch::kLong);
+  CHECK_THROWS_WITH(
+      gather_split_quantize(x, rows.to(torch::kInt), {8}, o),
+      Contains("gather_split_quantize: rows must be a 1-D int64 tensor, got [10] Int"));
+  CHECK_THROWS_WITH(gather_split_quantize(x, rows.view({2, 5}), {8}, o),
+                    Contains("rows must be a 1-D int64 tensor, got [2, 5] Long"));
+  CHECK_THROWS_WITH(gather_split_quantize(x, rows, {4, 7}, o),
+                    Contains("gather_split_quantize: m_splits must sum to at most the gathered 10 "
+                             "rows, got [4, 7] (sum 11)"));
+  CHECK_THROWS_WITH(
+      gather_split_quantize(x, torch::zeros({20}, torch::kLong).slice(0, 0, 20, 2), {8}, o),
+      Contains("gather_split_quantize: rows must be contiguous"));
+  CHECK_THROWS_WITH(gather_split_quantize(x.view({-1}), rows, {8}, o),
+                    Contains("gather_split_quantize: input must be a 2-D"));
+  CHECK_THROWS_AS(gather_split_quantize(x, rows, {10}, o), c10::NotImplementedError);
 
   using torchmoe::ops::glu_backward_split_quantize;
   const torch::Tensor dy = torch::randn({8, 32});

@@ -158,8 +158,14 @@ TEST_CASE("permutation errors", "[ops][permutation]") {
                     Contains("row_map must be a 2-D int64 tensor"));
   CHECK_THROWS_WITH(F::unpermute_tokens(routed.tokens, routed.row_map, torch::rand({4})),
                     Contains("probs must have shape [4, 2]"));
-  CHECK_THROWS_WITH(torchmoe::ops::permute_rows(x, routed.row_map, 2, torch::Tensor()),
+  CHECK_THROWS_WITH(torchmoe::ops::permute_rows(x, routed.row_map, routed.row_map, torch::Tensor()),
                     Contains("sorted_slots must be a 1-D int64 tensor"));
+  CHECK_THROWS_WITH(
+      torchmoe::ops::permute_rows(x, routed.sorted_slots, routed.sorted_slots, torch::Tensor()),
+      Contains("row_map must be a 2-D int64 tensor [tokens, topk]"));
+  CHECK_THROWS_WITH(torchmoe::ops::permute_rows(x, routed.row_map.narrow(0, 0, 3),
+                                                routed.sorted_slots, torch::Tensor()),
+                    Contains("row_map must be [tokens=4, topk >= 1], got [3, 2]"));
   CHECK_THROWS_WITH(F::unpermute_tokens(routed.tokens.narrow(0, 0, 7), routed),
                     Contains("unpermute_tokens: permuted must be [rows=8, hidden] like the "
                              "permuted tokens"));
@@ -232,8 +238,9 @@ TEST_CASE("permutation on CUDA matches the CPU reference", "[ops][permutation][c
   const torch::Dtype dtype = GENERATE(torch::kFloat32, torch::kBFloat16);
   const int64_t topk = GENERATE(1, 2, 8);
   const int64_t experts = GENERATE(4, 16, 128);
-  // 128 takes 16-byte vectors; 100 the scalar path.
-  const int64_t hidden = GENERATE(128, 100);
+  // 128 and 1320 take 16-byte vectors (1320: more chunks per row than permute loads at once, the
+  // last one partial); 100 the scalar path.
+  const int64_t hidden = GENERATE(128, 1320, 100);
   // all: every expert eligible; few: only 3 (the rest empty); one: everything to expert 0.
   const int64_t allowed = GENERATE(-1, 3, 1);
   INFO("dtype=" << dtype << " topk=" << topk << " experts=" << experts << " hidden=" << hidden
@@ -267,6 +274,12 @@ TEST_CASE("permutation on CUDA matches the CPU reference", "[ops][permutation][c
     check_close(y, cpu_y, tol, "unpermute");
     check_close(dx, cpu_dx, tol, "grad tokens");
     check_close(dp, cpu_dp, {tol.rtol, tol.atol * hidden}, "grad probs");
+    // The op with probabilities (scaled in fp32, one rounding on both devices).
+    const torch::Tensor scaled = torchmoe::ops::permute_rows(
+        x.cuda(), routed.row_map, routed.sorted_slots, probs.cuda().to(dtype));
+    const torch::Tensor cpu_scaled = torchmoe::ops::permute_rows(
+        x, cpu_routed.row_map, cpu_routed.sorted_slots, probs.to(dtype));
+    CHECK(torch::equal(scaled.cpu(), cpu_scaled));
   }
 }
 
