@@ -77,6 +77,22 @@ Fp8QuantizeArgs quantize_args(const fp8::Recipe& recipe, const fp8::Fp8State& st
   return args;
 }
 
+}  // namespace
+
+ops::SplitQuantized quantize_linked_gradient(const Fp8GradLink& link, const at::Tensor& grad,
+                                             const at::Tensor& gather_rows) {
+  TORCH_INTERNAL_ASSERT(link.armed, "quantize_linked_gradient: the link is not armed");
+  const Fp8QuantizeArgs args = quantize_args(link.recipe, link.state, fp8::TensorRole::kGradOutput,
+                                             link.rowwise, link.columnwise);
+  if (!gather_rows.defined()) {
+    return ops::split_quantize(grad, *link.m_splits, args.options, args.scale, args.amax);
+  }
+  return ops::gather_split_quantize(grad, gather_rows, *link.m_splits, args.options, args.scale,
+                                    args.amax);
+}
+
+namespace {
+
 ops::SplitQuantized split_quantize(const at::Tensor& t, const GemmPlan& plan,
                                    const Fp8QuantizeArgs& args) {
   return ops::split_quantize(t, plan.m_splits, args.options, args.scale, args.amax);
@@ -213,6 +229,7 @@ at::Tensor GroupedLinearFunction::forward(AutogradContext* ctx, const at::Tensor
     link.recipe = config->fp8->recipe;
     link.state = config->fp8->state;
     link.rows = config->plan.rows;
+    link.m_splits = config->plan.m_splits;
     link.rowwise = needs.input;
     link.columnwise = needs.weights;
   }

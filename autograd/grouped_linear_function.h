@@ -75,24 +75,33 @@ struct Fp8Config {
   ops::SplitQuantized weights;
 };
 
-// FP8 GroupedMLP's handoff of fc1's output gradient: fc2's backward differentiates its input
-// activation and quantizes the result for fc1 in one pass (ops::glu_backward_split_quantize), so
-// the 16-bit gradient is never written. fc1's forward arms the link with how its backward would
-// quantize its output gradient; fc2's backward leaves the FP8 copies here and hands autograd, as
-// the gradient of fc1's output, a zero of its shape that takes no memory; fc1's backward takes the
-// copies instead of quantizing that. Unarmed (fc1 has bias gradients, which are sums of the 16-bit
-// gradient), the layers exchange the 16-bit gradient as any two layers do.
+// An FP8 layer's output gradient handed over already quantized by the backward that produces it,
+// so that the 16-bit gradient is never written: in FP8 GroupedMLP fc2's backward differentiates
+// its input activation and quantizes the result for fc1 in one pass
+// (ops::glu_backward_split_quantize); in an FP8 MoE layer the unpermute's backward quantizes the
+// layer's output gradient for fc2 straight from the tokens' rows (ops::gather_split_quantize). The
+// consumer's forward arms the link with how its backward would quantize its output gradient; the
+// producer's backward leaves the FP8 copies here and hands autograd, as the consumer's output
+// gradient, a zero of its shape that takes no memory; the consumer's backward takes the copies
+// instead of quantizing that. Unarmed (the consumer has bias gradients, which are sums of the
+// 16-bit gradient), the two exchange the 16-bit gradient as any two functions do.
 struct Fp8GradLink {
-  // Set by fc1's forward.
+  // Set by the consumer's forward.
   bool armed = false;
   fp8::Recipe recipe;
   fp8::Fp8State state{nullptr};
-  int64_t rows = 0;         // fc1's; fc2 has the same rows and split sizes (plan_layers)
+  int64_t rows = 0;         // the consumer's
+  std::optional<SplitSizes> m_splits;  // the consumer's
   bool rowwise = false;     // dgrad's copy
   bool columnwise = false;  // wgrad's copy
-  // Set by fc2's backward, taken by fc1's.
+  // Set by the producer's backward, taken by the consumer's.
   std::optional<ops::SplitQuantized> grad;
 };
+
+// The producer's side of an armed link: the consumer's output gradient is rows `gather_rows` of
+// `grad` (every row of it when undefined); quantizes them as the consumer's backward would.
+ops::SplitQuantized quantize_linked_gradient(const Fp8GradLink& link, const at::Tensor& grad,
+                                             const at::Tensor& gather_rows);
 
 // FIFO of delayed weight-gradient GEMMs: oldest backward first.
 class WgradQueue : public std::deque<DelayedWgrad> {};

@@ -22,16 +22,31 @@ variable_list PermuteFunction::backward(AutogradContext* ctx, variable_list grad
   return {grad_tokens, at::Tensor(), at::Tensor()};
 }
 
+namespace {
+
+// An Fp8GradLink in the context's saved data.
+struct LinkHolder : torch::CustomClassHolder {
+  std::shared_ptr<Fp8GradLink> link;
+};
+
+}  // namespace
+
 at::Tensor UnpermuteFunction::forward(AutogradContext* ctx, const at::Tensor& permuted,
                                       const at::Tensor& row_map,
                                       const std::optional<at::Tensor>& sorted_slots,
-                                      const std::optional<at::Tensor>& probs) {
+                                      const std::optional<at::Tensor>& probs,
+                                      const std::shared_ptr<Fp8GradLink>& grad_link) {
   const at::Tensor x = permuted.contiguous();
   const at::Tensor p = probs.has_value() ? probs->contiguous() : at::Tensor();
   // The permuted rows are only needed for the probabilities' gradient.
   ctx->save_for_backward(
       {row_map, sorted_slots.value_or(at::Tensor()), p, p.defined() ? x : at::Tensor()});
   ctx->saved_data["num_rows"] = x.size(0);
+  if (grad_link && !p.defined()) {
+    auto holder = c10::make_intrusive<LinkHolder>();
+    holder->link = grad_link;
+    ctx->saved_data["grad_link"] = c10::IValue::make_capsule(std::move(holder));
+  }
   return ops::unpermute_rows(x, row_map, p);
 }
 
@@ -44,14 +59,29 @@ variable_list UnpermuteFunction::backward(AutogradContext* ctx, variable_list gr
       saved[1].defined() ? saved[1]
                          : ops::slots_of_rows(row_map, ctx->saved_data["num_rows"].toInt());
   if (!probs.defined()) {
+    const auto linked = ctx->saved_data.find("grad_link");
+    if (linked != ctx->saved_data.end()) {
+      Fp8GradLink& link =
+          *c10::static_intrusive_pointer_cast<LinkHolder>(linked->second.toCapsule())->link;
+      if (link.armed) {
+        // Permuted row r is token sorted_slots[r] / k (a padding row's -1 reads zeros).
+        const int64_t num_rows = ctx->saved_data["num_rows"].toInt();
+        TORCH_INTERNAL_ASSERT(link.rows == num_rows, "UnpermuteFunction: the linked layer has ",
+                              link.rows, " rows, the permuted tokens ", num_rows);
+        link.grad =
+            quantize_linked_gradient(link, grad, sorted_slots.div(row_map.size(1), "floor"));
+        return {at::zeros({1}, grad.options()).expand({num_rows, grad.size(1)}), at::Tensor(),
+                at::Tensor(), at::Tensor(), at::Tensor()};
+      }
+    }
     return {ops::permute_rows(grad, row_map, sorted_slots, at::Tensor()), at::Tensor(),
-            at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor()};
   }
   ops::UnpermuteGrads grads = ops::unpermute_rows_backward(grad, saved[3], sorted_slots, probs);
   // One gradient per forward argument; autograd edges exist only for the optionals given.
   const size_t probs_edge = saved[1].defined() ? 3 : 2;
   return {ctx->needs_input_grad(0) ? grads.grad_permuted : at::Tensor(), at::Tensor(), at::Tensor(),
-          ctx->needs_input_grad(probs_edge) ? grads.grad_probs : at::Tensor()};
+          ctx->needs_input_grad(probs_edge) ? grads.grad_probs : at::Tensor(), at::Tensor()};
 }
 
 PermutedTokens permute_tokens(const at::Tensor& tokens, const at::Tensor& indices,
@@ -108,13 +138,14 @@ at::Tensor unpermute_tokens(const at::Tensor& permuted, const at::Tensor& row_ma
 }
 
 at::Tensor unpermute_tokens(const at::Tensor& permuted, const PermutedTokens& routed,
-                            const std::optional<at::Tensor>& probs) {
+                            const std::optional<at::Tensor>& probs,
+                            const std::shared_ptr<Fp8GradLink>& grad_link) {
   TORCH_CHECK(
       permuted.defined() && permuted.dim() == 2 && permuted.size(0) == routed.sorted_slots.size(0),
       "unpermute_tokens: permuted must be [rows=", routed.sorted_slots.size(0),
       ", hidden] like the permuted tokens (to unpermute padded rows, pass the row_map), got ",
       permuted.defined() ? permuted.sizes() : at::IntArrayRef{});
-  return UnpermuteFunction::apply(permuted, routed.row_map, routed.sorted_slots, probs);
+  return UnpermuteFunction::apply(permuted, routed.row_map, routed.sorted_slots, probs, grad_link);
 }
 
 }  // namespace torchmoe::autograd

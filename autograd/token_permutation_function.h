@@ -8,8 +8,10 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 
+#include "torchmoe/autograd/grouped_linear_function.h"
 #include "torchmoe/ops/token_permutation.h"
 #include "torchmoe/ops/types.h"
 
@@ -29,11 +31,15 @@ class UnpermuteFunction : public torch::autograd::Function<UnpermuteFunction> {
  public:
   // permuted [N, H], row_map [T, k] meeting ops::check_row_map's contract, sorted_slots: its
   // inverse [N] when the caller has it (else backward derives it), probs none or [T, k]
-  // -> [T, H]. Gradients for permuted (zero on rows no slot names) and probs.
+  // -> [T, H]. Gradients for permuted (zero on rows no slot names) and probs. grad_link: the FP8
+  // layer that produced `permuted` (an FP8 MoE layer's fc2), when armed and without probs, gets
+  // its output gradient quantized from grad_out's rows (Fp8GradLink), and permuted's gradient is a
+  // placeholder zero.
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& permuted,
                             const at::Tensor& row_map,
                             const std::optional<at::Tensor>& sorted_slots,
-                            const std::optional<at::Tensor>& probs);
+                            const std::optional<at::Tensor>& probs,
+                            const std::shared_ptr<Fp8GradLink>& grad_link = nullptr);
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs);
 };
@@ -56,8 +62,10 @@ PermutedTokens route_tokens(const at::Tensor& tokens, const at::Tensor& indices,
 // copy on CUDA).
 at::Tensor unpermute_tokens(const at::Tensor& permuted, const at::Tensor& row_map,
                             const std::optional<at::Tensor>& probs);
-// Through the map permute_tokens made (trusted: no check, no host sync).
+// Through the map permute_tokens made (trusted: no check, no host sync); grad_link as
+// UnpermuteFunction's.
 at::Tensor unpermute_tokens(const at::Tensor& permuted, const PermutedTokens& routed,
-                            const std::optional<at::Tensor>& probs);
+                            const std::optional<at::Tensor>& probs,
+                            const std::shared_ptr<Fp8GradLink>& grad_link = nullptr);
 
 }  // namespace torchmoe::autograd

@@ -1,7 +1,7 @@
 // MoELayer forward+backward on the benchmark MoE shapes (bf16, tokens x hidden input), split into
 // its parts, in one process:
 //   router     TopKRouter forward (fp32 logits, softmax, top-k, aux loss)
-//   permute    permute_tokens: routing map (CUB sort) + split-size copy to the host + row gather;
+//   permute    permute_tokens: routing map (CUB sort) + split-size copy to the host + row copies;
 //              also its two parts alone: map (ops::make_routing_map) and rows (ops::permute_rows)
 //   unpermute  unpermute_tokens forward (sum over each token's k rows)
 //   mlp        GroupedMLP forward+backward on the permuted rows (3 grouped GEMMs each way + GLU)

@@ -123,10 +123,9 @@ __device__ __forceinline__ void store_zero_row(T* row, int lane, int64_t hidden)
   for (int64_t c = lane * V; c < hidden; c += kWarpSize * V) store<T, V>(row + c, zero);
 }
 
-// A store that asks L2 to evict its lines first (st.global.cs): the gathers below write M rows
-// once while each of their T source rows is read k times, and those reads hit L2 only if the
-// written rows do not push the sources out (qwen3-30b-a3b's gather: 64% L2 hits, 174 MB read from
-// DRAM for a 34 MB source).
+// A store that asks L2 to evict its lines first (st.global.cs): unpermute's backward writes M rows
+// once while each of its T gradient rows is read k times, and those reads hit L2 only if the
+// written rows do not push the sources out.
 template <typename T, int V>
 __device__ __forceinline__ void store_streaming(T* p, const Vec<T, V>& x) {
   if constexpr (sizeof(Vec<T, V>) == 16) {
@@ -164,7 +163,7 @@ __global__ void permute_kernel(const T* __restrict__ input, const int64_t* __res
       }
       for (int64_t j = 0; j < topk; ++j) {
         const int64_t row = row_map[t * topk + j];
-        if (row < 0) continue;  // a dropped slot
+        if (row < 0 || row >= rows) continue;  // a dropped slot (or a map out of contract)
         const float p = prob_at(probs, t * topk + j);
 #pragma unroll
         for (int b = 0; b < kBatch; ++b) {

@@ -94,6 +94,13 @@ torch::Tensor GroupedMLPImpl::forward(const torch::Tensor& x, const SplitSizes& 
 torch::Tensor GroupedMLPImpl::forward_routed(const torch::Tensor& tokens,
                                              const PermutedTokens& routed,
                                              std::optional<bool> is_first_microbatch) {
+  return forward_routed(tokens, routed, is_first_microbatch, nullptr);
+}
+
+torch::Tensor GroupedMLPImpl::forward_routed(
+    const torch::Tensor& tokens, const PermutedTokens& routed,
+    std::optional<bool> is_first_microbatch,
+    std::shared_ptr<autograd::Fp8GradLink> output_grad_link) {
   const torch::Tensor x = checked_input(tokens);
   TORCH_CHECK(routed.row_map.defined() && routed.row_map.dim() == 2 &&
                   routed.row_map.size(0) == x.size(0) && routed.sorted_slots.defined() &&
@@ -110,19 +117,22 @@ torch::Tensor GroupedMLPImpl::forward_routed(const torch::Tensor& tokens,
   // backend (FP8 products read no row map).
   if (plans[0].backend == ops::Backend::kSm90 || plans[0].fp8) {
     const autograd::RowGather gather{source_rows, routed.row_map};
-    return run_layers(x, &gather, plans, routed.probs, is_first_microbatch);
+    return run_layers(x, &gather, plans, routed.probs, is_first_microbatch,
+                      std::move(output_grad_link));
   }
   const torch::Tensor rows = routed.tokens.defined() ? routed.tokens.contiguous()
                                                      : autograd::PermuteFunction::apply(
                                                            x, routed.row_map, routed.sorted_slots);
-  return run_layers(rows, nullptr, plans, routed.probs, is_first_microbatch);
+  return run_layers(rows, nullptr, plans, routed.probs, is_first_microbatch,
+                    std::move(output_grad_link));
 }
 
 torch::Tensor GroupedMLPImpl::run_layers(const torch::Tensor& input,
                                          const autograd::RowGather* gather,
                                          const std::vector<ops::GemmPlan>& plans,
                                          const torch::Tensor& probs,
-                                         std::optional<bool> is_first_microbatch) {
+                                         std::optional<bool> is_first_microbatch,
+                                         std::shared_ptr<autograd::Fp8GradLink> output_grad_link) {
   const int64_t rows = plans[0].rows;
   TORCH_CHECK(probs.defined() && probs.dim() == 1 && probs.size(0) == rows, kModule,
               ": probs must be [rows] with one probability per row of x (", rows, "), got ",
@@ -141,7 +151,11 @@ torch::Tensor GroupedMLPImpl::run_layers(const torch::Tensor& input,
   const ops::GluOptions activation = activation_of(options);
   torch::Tensor y;
   if (options.recompute_activation() || fp8) {
-    y = fc2->run(z, plans[1], is_first_microbatch, probs, &activation, nullptr, nullptr, link);
+    // fc2's output gradient from the link only when fc2's output is this module's: scale_bias
+    // below differentiates through it.
+    if (!fp8 || options.linear().bias()) output_grad_link = nullptr;
+    y = fc2->run(z, plans[1], is_first_microbatch, probs, &activation, nullptr,
+                 std::move(output_grad_link), link);
   } else {
     const torch::Tensor h = autograd::GluFunction::apply(z, probs, activation);
     y = fc2->run(h, plans[1], is_first_microbatch, torch::Tensor(), nullptr);

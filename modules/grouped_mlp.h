@@ -80,6 +80,12 @@ class GroupedMLPImpl : public torch::nn::Cloneable<GroupedMLPImpl> {
   /// written nor kept for backward; otherwise the copy is made (routed.tokens when given).
   torch::Tensor forward_routed(const torch::Tensor& tokens, const PermutedTokens& routed,
                                std::optional<bool> is_first_microbatch = std::nullopt);
+  /// forward_routed whose FP8 fc2 takes its output gradient from `output_grad_link`
+  /// (autograd::Fp8GradLink) when its output goes straight into the unpermute that produces
+  /// that gradient: MoELayer's FP8 path.
+  torch::Tensor forward_routed(const torch::Tensor& tokens, const PermutedTokens& routed,
+                               std::optional<bool> is_first_microbatch,
+                               std::shared_ptr<autograd::Fp8GradLink> output_grad_link);
 
   /// Runs the oldest delayed weight-gradient computation of both layers.
   void backward_dw();
@@ -91,10 +97,12 @@ class GroupedMLPImpl : public torch::nn::Cloneable<GroupedMLPImpl> {
  private:
   // Checks x [rows, hidden] against the parameters; returns it contiguous.
   torch::Tensor checked_input(const torch::Tensor& x) const;
-  // fc1 -> activation -> fc2 on fc1's input (read through `gather` when given), planned as `plans`.
+  // fc1 -> activation -> fc2 on fc1's input (read through `gather` when given), planned as `plans`;
+  // output_grad_link: fc2's (FP8, without bias).
   torch::Tensor run_layers(const torch::Tensor& input, const autograd::RowGather* gather,
                            const std::vector<ops::GemmPlan>& plans, const torch::Tensor& probs,
-                           std::optional<bool> is_first_microbatch);
+                           std::optional<bool> is_first_microbatch,
+                           std::shared_ptr<autograd::Fp8GradLink> output_grad_link = nullptr);
 };
 
 TORCH_MODULE(GroupedMLP);

@@ -113,6 +113,7 @@ MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_f
         options.router().capacity_factor() ? ops::IndexTrust::kChecked : ops::IndexTrust::kDropless;
     torch::Tensor y;
     PermutedTokens routed;
+    std::shared_ptr<autograd::Fp8GradLink> grad_link;
     if (options.expert_parallel()) {
       routed = autograd::permute_tokens(tokens, routing.indices, options.num_experts(),
                                         routing.probs, trust);
@@ -120,13 +121,16 @@ MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_f
     } else if (options.fuse_permutation().value_or(fp8::enabled())) {
       routed = autograd::route_tokens(tokens, routing.indices, options.num_experts(), routing.probs,
                                       trust);
-      y = experts->forward_routed(tokens, routed, is_first_microbatch);
+      // In FP8 the unpermute's backward quantizes fc2's output gradient from the rows of the
+      // layer's, so the permuted 16-bit gradient is not written either.
+      if (fp8::enabled()) grad_link = std::make_shared<autograd::Fp8GradLink>();
+      y = experts->forward_routed(tokens, routed, is_first_microbatch, grad_link);
     } else {
       routed = autograd::permute_tokens(tokens, routing.indices, options.num_experts(),
                                         routing.probs, trust);
       y = experts(routed.tokens, routed.m_splits, routed.probs, is_first_microbatch);
     }
-    out.output = autograd::unpermute_tokens(y, routed, std::nullopt).view(x.sizes());
+    out.output = autograd::unpermute_tokens(y, routed, std::nullopt, grad_link).view(x.sizes());
   }
   out.aux_loss = routing.aux_loss + routing.z_loss;
   out.tokens_per_expert = routing.tokens_per_expert;

@@ -79,10 +79,11 @@ struct MoELayerOptions {
   /// Without expert_parallel, on the sm90 grouped GEMM backend or in FP8: fc1 reads the tokens
   /// through the routing map instead of a permuted copy (GroupedMLP::forward_routed), which is
   /// neither written nor kept for backward: T·k·hidden elements less activation memory per layer.
-  /// In FP8 the quantize of fc1's input gathers the rows (ops::gather_split_quantize). Unset: on
-  /// in FP8 (fp8::Autocast), where it is faster, and off in bf16, where the layer's fwd+bwd
-  /// measured 1.1-1.5x the copying path's on the H100 (docs/performance.md). Other backends in
-  /// bf16 and expert parallelism always make the copy.
+  /// In FP8 the quantize of fc1's input gathers the rows (ops::gather_split_quantize), and the
+  /// unpermute's backward quantizes fc2's output gradient likewise. Unset: on in FP8
+  /// (fp8::Autocast), where it saves time on the H100 except on host-bound layers, and off in
+  /// bf16, where the layer's fwd+bwd measured 1.1-1.5x the copying path's (docs/performance.md).
+  /// Other backends in bf16 and expert parallelism always make the copy.
   TORCH_ARG(std::optional<bool>, fuse_permutation) = std::nullopt;
 };
 

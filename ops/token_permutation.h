@@ -42,9 +42,10 @@ RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts,
 
 // tokens [T, H] -> [N, H]: row r = tokens[sorted_slots[r] / k] (· probs.flat[sorted_slots[r]]
 // when given, probs [T, k]); zeros where sorted_slots[r] is -1. row_map [T, k] and sorted_slots
-// [N] are the two directions of one permutation (make_routing_map's, or a row_map meeting the
-// contract below with its slots_of_rows): the CUDA kernel reads each token row once and writes
-// the rows row_map names.
+// [N] must be the two directions of one permutation (make_routing_map's, or a row_map meeting
+// the contract below with its slots_of_rows): the CUDA kernel reads each token row once and writes
+// the rows row_map names (a row sorted_slots gives a slot that row_map does not name back is left
+// unwritten there).
 at::Tensor permute_rows(const at::Tensor& tokens, const at::Tensor& row_map,
                         const at::Tensor& sorted_slots, const at::Tensor& probs);
 

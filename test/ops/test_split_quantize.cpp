@@ -534,12 +534,10 @@ TEST_CASE("split_quantize: inf and NaN inputs follow TransformerEngine", "[ops][
   }
 }
 
-// The fused activation + cast (fc2's input in an FP8 GroupedMLP) against the two ops it replaces:
-// bit for bit equal to glu_forward then split_quantize, and, through the activation glu_forward
-// wrote, to the reference quantizer. Axes: every scaling; bf16/fp16/fp32; SwiGLU in halves and
-// Token rows in expert order: each token picked 0 to 3 times, one index out of range (its row
-// reads as zeros, as a zero row of the gathered copy does); host and device splits with an
-// empty, odd and multi-tile split; K not a multiple of 128.
+// Token rows in expert order: each token picked 0 to 3 times, two indices out of range (-1, a
+// padding row's, and one past the end: their rows read as zeros, as a zero row of the gathered
+// copy does); host and device splits with an empty, odd and multi-tile split; K not a multiple
+// of 128.
 TEST_CASE("gather_split_quantize equals index_select then split_quantize",
           "[ops][quantize][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
@@ -556,9 +554,11 @@ TEST_CASE("gather_split_quantize equals index_select then split_quantize",
   const auto gen = at::make_generator<at::CPUGeneratorImpl>(47);
   torch::Tensor index = torch::randint(0, tokens, {rows}, gen, torch::kLong);
   index[500] = tokens + 7;
-  // The out-of-range index picks an appended zero row (+0: a product with 0 could give -0).
-  const torch::Tensor gathered = torch::cat({x, torch::zeros({1, k}, x.options())})
-                                     .index_select(0, index.clamp_max(tokens).cuda());
+  index[133] = -1;
+  // The out-of-range indices pick an appended zero row (+0: a product with 0 could give -0).
+  const torch::Tensor source = torch::where(index >= 0, index, tokens).clamp_max(tokens);
+  const torch::Tensor gathered =
+      torch::cat({x, torch::zeros({1, k}, x.options())}).index_select(0, source.cuda());
   SplitQuantizeOptions o;
   o.scaling = scaling;
   const torch::Tensor scale = scale_argument(scaling, static_cast<int64_t>(sizes.size()));
@@ -571,6 +571,9 @@ TEST_CASE("gather_split_quantize equals index_select then split_quantize",
   check_same(fused, two_ops, sizes, rows, k);
 }
 
+// The fused activation + cast (fc2's input in an FP8 GroupedMLP) against the two ops it replaces:
+// bit for bit equal to glu_forward then split_quantize, and, through the activation glu_forward
+// wrote, to the reference quantizer. Axes: every scaling; bf16/fp16/fp32; SwiGLU in halves and
 // GLU-interleaved, ClampedSwiGLU; scales float32, in the input's dtype, or none; host and device
 // splits (an empty split, odd and multi-tile ones, K not a multiple of 128).
 TEST_CASE("glu_split_quantize equals glu_forward then split_quantize", "[ops][quantize][cuda]") {

@@ -283,6 +283,33 @@ TEST_CASE("permutation on CUDA matches the CPU reference", "[ops][permutation][c
   }
 }
 
+// A caller's row_map into a buffer with padding rows spread over many warps' 32-row groups: the
+// CUDA permutation writes each token's rows and zeroes every padding row, as the CPU reference.
+TEST_CASE("permute_rows on CUDA zeroes padding rows and matches the CPU",
+          "[ops][permutation][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const int64_t tokens = 150, topk = 2, rows = 1000, hidden = 264;
+  const auto gen = at::make_generator<at::CPUGeneratorImpl>(53);
+  torch::Tensor row_map =
+      torch::randperm(rows, gen, torch::kLong).narrow(0, 0, tokens * topk).view({tokens, topk});
+  row_map.index_put_({torch::rand({tokens, topk}, gen) < 0.1}, -1);  // dropped slots
+  const torch::Tensor sorted_slots = torchmoe::ops::slots_of_rows(row_map, rows);
+  const torch::Tensor x = torch::randn({tokens, hidden}, gen).to(torch::kBFloat16);
+  const torch::Tensor probs = torch::rand({tokens, topk}, gen);
+  for (const bool weighted : {false, true}) {
+    INFO("weighted=" << weighted);
+    const torch::Tensor p = weighted ? probs : torch::Tensor();
+    const torch::Tensor expected = torchmoe::ops::permute_rows(x, row_map, sorted_slots, p);
+    const torch::Tensor actual = torchmoe::ops::permute_rows(
+        x.cuda(), row_map.cuda(), sorted_slots.cuda(), weighted ? p.cuda() : p);
+    CHECK(torch::equal(actual.cpu(), expected));
+    CHECK(expected.index_select(0, torch::nonzero(sorted_slots < 0).view(-1))
+              .abs()
+              .sum()
+              .item<float>() == 0.0f);
+  }
+}
+
 TEST_CASE(
     "the dropless routing map keeps the split sizes on the device and matches the checked one",
     "[ops][permutation][cuda]") {
