@@ -14,10 +14,17 @@
 // to both e4m3 copies with delayed scaling, as glu_forward then split_quantize (the bf16
 // activation written and read back) and as one glu_split_quantize; GB/s counts the pre-activation
 // read and the two FP8 copies written (6·M·ffn bytes), against a copy in the same run.
+//
+// Then fc1's input in an FP8 MoE layer: T token rows [T, K] (random top-k routing over E experts)
+// to both e4m3 copies of the M = T·k rows in expert order with delayed scaling, as permute_rows
+// then split_quantize (the bf16 permuted copy written and read back) and as one
+// gather_split_quantize; GB/s counts the tokens read once and the two FP8 copies written
+// ((2·T + 2·M)·K bytes), against a copy of [M, K] in the same run.
 
 #include <ATen/cuda/CUDAContext.h>
 #include <torchmoe/ops/glu.h>
 #include <torchmoe/ops/quantize.h>
+#include <torchmoe/ops/token_permutation.h>
 
 #include "bench_common.h"
 
@@ -141,6 +148,46 @@ int main(int argc, char** argv) {
               << std::setw(7) << 100 * fused_gbs / copy_gbs << "%\n";
     json << "    {\"shape\": \"" << shape.name << "\", \"rows\": " << m << ", \"ffn\": " << f
          << ", \"copy\": " << copy_gbs << ", \"two_ops_ms\": " << ms[1]
+         << ", \"fused_ms\": " << ms[2] << ", \"fused\": " << fused_gbs << "}"
+         << (i + 1 < shapes.size() ? "," : "") << "\n";
+  }
+  json << "  ],\n  \"gather_delayed\": [\n";
+  std::cout << "\nfc1's input in an MoE layer: T tokens -> the T*k rows in expert order -> e4m3 "
+               "rowwise + columnwise, delayed\n"
+            << std::left << std::setw(17) << "shape" << std::right << std::setw(9) << "copy"
+            << std::setw(12) << "two ops ms" << std::setw(10) << "fused ms" << std::setw(9)
+            << "speedup" << std::setw(10) << "fused" << std::setw(8) << "%copy\n";
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const torchmoe::bench::Shape& shape = shapes[i];
+    const int64_t t = shape.tokens, m = shape.tokens * shape.topk, k = shape.hidden;
+    const torch::Tensor tokens = torch::randn({t, k}, bf16);
+    const torch::Tensor indices =
+        torch::randint(0, shape.experts, {t, shape.topk}, bf16.dtype(torch::kLong));
+    const torchmoe::ops::RoutingMap map = torchmoe::ops::make_routing_map(indices, shape.experts);
+    const torch::Tensor source_rows = map.sorted_slots.div(shape.topk, "floor");
+    const torchmoe::SplitSizes splits = torchmoe::ops::split_sizes(map);
+    torch::Tensor copy_src = torch::randn({m, k}, bf16), copy_dst = torch::empty_like(copy_src);
+    const torch::Tensor scale = torch::full({shape.experts}, 1.0f, bf16.dtype(torch::kFloat));
+    torchmoe::ops::SplitQuantizeOptions o;
+    o.scaling = QuantizeScaling::kDelayed;
+    const std::vector<double> ms = torchmoe::bench::median_ms_each(
+        {[&] { copy_dst.copy_(copy_src); },
+         [&] {
+           torchmoe::ops::split_quantize(
+               torchmoe::ops::permute_rows(tokens, map.row_map, map.sorted_slots, {}), splits, o,
+               scale);
+         },
+         [&] { torchmoe::ops::gather_split_quantize(tokens, source_rows, splits, o, scale); }},
+        args.iters, args.warmup);
+    const double copy_gbs = 4.0 * static_cast<double>(m) * k / ms[0] * 1e-6;
+    const double fused_gbs = 2.0 * static_cast<double>(t + m) * k / ms[2] * 1e-6;
+    std::cout << std::left << std::setw(17) << shape.name << std::right << std::fixed
+              << std::setprecision(0) << std::setw(9) << copy_gbs << std::setprecision(3)
+              << std::setw(12) << ms[1] << std::setw(10) << ms[2] << std::setprecision(2)
+              << std::setw(9) << ms[1] / ms[2] << std::setprecision(0) << std::setw(10) << fused_gbs
+              << std::setw(7) << 100 * fused_gbs / copy_gbs << "%\n";
+    json << "    {\"shape\": \"" << shape.name << "\", \"tokens\": " << t << ", \"rows\": " << m
+         << ", \"k\": " << k << ", \"copy\": " << copy_gbs << ", \"two_ops_ms\": " << ms[1]
          << ", \"fused_ms\": " << ms[2] << ", \"fused\": " << fused_gbs << "}"
          << (i + 1 < shapes.size() ? "," : "") << "\n";
   }
