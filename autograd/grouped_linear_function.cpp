@@ -255,6 +255,15 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
   // Linked (Fp8GradLink): grad_outputs[0] is a placeholder, and the FP8 copies wait in the link.
   std::optional<ops::SplitQuantized> linked_grad;
   if (cfg.grad_output_link) linked_grad.swap(cfg.grad_output_link->grad);
+  if (linked_grad) {
+    // The producer's placeholder is all zero strides; anything else means autograd summed another
+    // gradient into the output, which the quantized copies do not hold.
+    bool placeholder = true;
+    for (const int64_t stride : grad_outputs[0].strides()) placeholder &= stride == 0;
+    TORCH_CHECK(placeholder, "GroupedLinear backward: this layer's output gradient was handed ",
+                "over already quantized (Fp8GradLink), but the output was also used elsewhere; a ",
+                "linked output must feed only the function that produces its gradient");
+  }
   const at::Tensor grad_output = linked_grad ? grad_outputs[0] : grad_outputs[0].contiguous();
 
   // Gradient slots: input, input_scales, weights..., biases..., config (one per forward

@@ -90,10 +90,10 @@ struct Fp8GradLink {
   bool armed = false;
   fp8::Recipe recipe;
   fp8::Fp8State state{nullptr};
-  int64_t rows = 0;         // the consumer's
+  int64_t rows = 0;                    // the consumer's
   std::optional<SplitSizes> m_splits;  // the consumer's
-  bool rowwise = false;     // dgrad's copy
-  bool columnwise = false;  // wgrad's copy
+  bool rowwise = false;                // dgrad's copy
+  bool columnwise = false;             // wgrad's copy
   // Set by the producer's backward, taken by the consumer's.
   std::optional<ops::SplitQuantized> grad;
 };
@@ -134,9 +134,9 @@ struct GroupedLinearConfig : torch::CustomClassHolder {
   // FP8 products (the plan is an FP8 plan): forward quantizes the GEMM input and the weights,
   // backward the output gradient, and the GEMMs read the FP8 copies.
   std::optional<Fp8Config> fp8;
-  // FP8 GroupedMLP (Fp8GradLink): fc1's config takes its output gradient's copies from
-  // grad_output_link; fc2's config (with input_activation) leaves its input gradient's copies in
-  // grad_input_link.
+  // Fp8GradLink: the config takes its output gradient's copies from grad_output_link (fc1 in FP8
+  // GroupedMLP, from fc2; fc2 in an FP8 MoE layer, from the unpermute); fc2's config (with
+  // input_activation) leaves its input gradient's copies in grad_input_link.
   std::shared_ptr<Fp8GradLink> grad_output_link;
   std::shared_ptr<Fp8GradLink> grad_input_link;
 };

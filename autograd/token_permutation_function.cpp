@@ -43,6 +43,9 @@ at::Tensor UnpermuteFunction::forward(AutogradContext* ctx, const at::Tensor& pe
       {row_map, sorted_slots.value_or(at::Tensor()), p, p.defined() ? x : at::Tensor()});
   ctx->saved_data["num_rows"] = x.size(0);
   if (grad_link && !p.defined()) {
+    TORCH_CHECK(!grad_link->armed || grad_link->rows == x.size(0), "unpermute_tokens: grad_link's ",
+                "layer has ", grad_link->rows, " rows, permuted ", x.size(0),
+                "; permuted must be that layer's output");
     auto holder = c10::make_intrusive<LinkHolder>();
     holder->link = grad_link;
     ctx->saved_data["grad_link"] = c10::IValue::make_capsule(std::move(holder));
@@ -66,8 +69,6 @@ variable_list UnpermuteFunction::backward(AutogradContext* ctx, variable_list gr
       if (link.armed) {
         // Permuted row r is token sorted_slots[r] / k (a padding row's -1 reads zeros).
         const int64_t num_rows = ctx->saved_data["num_rows"].toInt();
-        TORCH_INTERNAL_ASSERT(link.rows == num_rows, "UnpermuteFunction: the linked layer has ",
-                              link.rows, " rows, the permuted tokens ", num_rows);
         link.grad =
             quantize_linked_gradient(link, grad, sorted_slots.div(row_map.size(1), "floor"));
         return {at::zeros({1}, grad.options()).expand({num_rows, grad.size(1)}), at::Tensor(),

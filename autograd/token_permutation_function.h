@@ -34,7 +34,8 @@ class UnpermuteFunction : public torch::autograd::Function<UnpermuteFunction> {
   // -> [T, H]. Gradients for permuted (zero on rows no slot names) and probs. grad_link: the FP8
   // layer that produced `permuted` (an FP8 MoE layer's fc2), when armed and without probs, gets
   // its output gradient quantized from grad_out's rows (Fp8GradLink), and permuted's gradient is a
-  // placeholder zero.
+  // placeholder zero; `permuted` must then be that layer's output, used nowhere else (the layer's
+  // backward refuses a gradient summed from other uses).
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& permuted,
                             const at::Tensor& row_map,
                             const std::optional<at::Tensor>& sorted_slots,

@@ -173,7 +173,8 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
   // layer saves those and recomputes the activation in backward), or read through `gather`'s row
   // map (then input has any row count; the plan's rows are the map's). FP8 GroupedMLP links its
   // two layers' backward (autograd::Fp8GradLink): fc1 takes its output gradient from
-  // `grad_output_link`, fc2 gives its input gradient to `grad_input_link`.
+  // `grad_output_link`, fc2 gives its input gradient to `grad_input_link` (and in an FP8 MoE
+  // layer takes its own output gradient from the unpermute through `grad_output_link`).
   torch::Tensor run(const torch::Tensor& input, const ops::GemmPlan& plan,
                     std::optional<bool> is_first_microbatch, const torch::Tensor& scales,
                     const ops::GluOptions* activation, const autograd::RowGather* gather = nullptr,

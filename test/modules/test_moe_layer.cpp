@@ -135,7 +135,10 @@ TEST_CASE("MoELayer: the permutation fused into fc1 matches the permuted copy",
   const bool delay = GENERATE(false, true);
   // bf16, or FP8 (fc1's input quantize gathers the rows): none, current, delayed, block scaling.
   const int recipe = GENERATE(0, 1, 2, 3);
-  INFO("topk=" << topk << " delay_wgrad_compute=" << delay << " recipe=" << recipe);
+  // Dropless (device splits), or with a capacity (dropped slots, host splits, fewer rows).
+  const bool capacity = GENERATE(false, true);
+  INFO("topk=" << topk << " delay_wgrad_compute=" << delay << " recipe=" << recipe
+               << " capacity=" << capacity);
   std::optional<torchmoe::fp8::Recipe> fp8;
   if (recipe == 1) fp8 = torchmoe::fp8::CurrentScaling();
   if (recipe == 2) fp8 = torchmoe::fp8::DelayedScaling().amax_history_len(4);
@@ -156,6 +159,7 @@ TEST_CASE("MoELayer: the permutation fused into fc1 matches the permuted copy",
                             topk);
     options.params_dtype(torch::kBFloat16).device(torch::kCUDA);
     options.router().aux_loss_coeff(1e-2);
+    if (capacity) options.router().capacity_factor(1.0);
     options.experts().linear().delay_wgrad_compute(delay);
     options.fuse_permutation(fuse);
     options.experts().linear().fp8_amax_history_len(4);
