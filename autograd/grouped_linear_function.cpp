@@ -79,6 +79,10 @@ Fp8QuantizeArgs quantize_args(const fp8::Recipe& recipe, const fp8::Fp8State& st
 
 }  // namespace
 
+at::Tensor linked_gradient_placeholder(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  return at::zeros({1}, options).expand(sizes);
+}
+
 ops::SplitQuantized quantize_linked_gradient(const Fp8GradLink& link, const at::Tensor& grad,
                                              const at::Tensor& gather_rows) {
   TORCH_INTERNAL_ASSERT(link.armed, "quantize_linked_gradient: the link is not armed");
@@ -256,8 +260,8 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
   std::optional<ops::SplitQuantized> linked_grad;
   if (cfg.grad_output_link) linked_grad.swap(cfg.grad_output_link->grad);
   if (linked_grad) {
-    // The producer's placeholder is all zero strides; anything else means autograd summed another
-    // gradient into the output, which the quantized copies do not hold.
+    // Anything but the producer's placeholder (linked_gradient_placeholder: every stride 0) means
+    // autograd summed another gradient into the output, which the quantized copies do not hold.
     bool placeholder = true;
     for (const int64_t stride : grad_outputs[0].strides()) placeholder &= stride == 0;
     TORCH_CHECK(placeholder, "GroupedLinear backward: this layer's output gradient was handed ",
@@ -318,7 +322,7 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
           grad_gemm_input, input, scales, *cfg.input_activation, scales_need_grad,
           cfg.plan.m_splits, args.options, args.scale, args.amax);
       link->grad = std::move(glu.grad_input);
-      grads[0] = at::zeros({1}, input.options()).expand(input.sizes());
+      grads[0] = linked_gradient_placeholder(input.sizes(), input.options());
       if (scales_need_grad) grads[1] = std::move(glu.grad_scales);
     } else if (cfg.input_activation) {
       ops::GluGrads glu = ops::glu_backward(grad_gemm_input, input, scales, *cfg.input_activation,

@@ -98,6 +98,11 @@ struct Fp8GradLink {
   std::optional<ops::SplitQuantized> grad;
 };
 
+// What the producer hands autograd as the consumer's output gradient: a zero of that shape that
+// takes no memory, every stride 0, which is how the consumer's backward knows that nothing else
+// was summed into it.
+at::Tensor linked_gradient_placeholder(at::IntArrayRef sizes, const at::TensorOptions& options);
+
 // The producer's side of an armed link: the consumer's output gradient is rows `gather_rows` of
 // `grad` (every row of it when undefined); quantizes them as the consumer's backward would.
 ops::SplitQuantized quantize_linked_gradient(const Fp8GradLink& link, const at::Tensor& grad,

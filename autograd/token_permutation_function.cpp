@@ -67,12 +67,11 @@ variable_list UnpermuteFunction::backward(AutogradContext* ctx, variable_list gr
       Fp8GradLink& link =
           *c10::static_intrusive_pointer_cast<LinkHolder>(linked->second.toCapsule())->link;
       if (link.armed) {
-        // Permuted row r is token sorted_slots[r] / k (a padding row's -1 reads zeros).
-        const int64_t num_rows = ctx->saved_data["num_rows"].toInt();
-        link.grad =
-            quantize_linked_gradient(link, grad, sorted_slots.div(row_map.size(1), "floor"));
-        return {at::zeros({1}, grad.options()).expand({num_rows, grad.size(1)}), at::Tensor(),
-                at::Tensor(), at::Tensor(), at::Tensor()};
+        link.grad = quantize_linked_gradient(link, grad,
+                                             ops::tokens_of_rows(sorted_slots, row_map.size(1)));
+        return {linked_gradient_placeholder({ctx->saved_data["num_rows"].toInt(), grad.size(1)},
+                                            grad.options()),
+                at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
       }
     }
     return {ops::permute_rows(grad, row_map, sorted_slots, at::Tensor()), at::Tensor(),

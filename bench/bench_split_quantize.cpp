@@ -62,6 +62,33 @@ double scale_bytes(QuantizeScaling s, int64_t m, int64_t k, int64_t groups) {
   return 4.0 * static_cast<double>(elements);
 }
 
+// The fused-cast tables: a title, then per shape a copy's GB/s, the two ops' and the fused
+// launch's times, and the fused launch's GB/s.
+void print_fused_header(const char* title) {
+  std::cout << "\n"
+            << title << "\n"
+            << std::left << std::setw(17) << "shape" << std::right << std::setw(9) << "copy"
+            << std::setw(12) << "two ops ms" << std::setw(10) << "fused ms" << std::setw(9)
+            << "speedup" << std::setw(10) << "fused" << std::setw(8) << "%copy\n";
+}
+
+// One row of a fused-cast table and its JSON object: ms = {copy, two ops, fused}, the bytes each
+// GB/s counts, and the object's leading fields (`sizes`).
+void report_fused_row(std::ostream& json, const std::string& shape, const std::string& sizes,
+                      const std::vector<double>& ms, double copy_bytes, double fused_bytes,
+                      bool last) {
+  const double copy_gbs = copy_bytes / ms[0] * 1e-6;
+  const double fused_gbs = fused_bytes / ms[2] * 1e-6;
+  std::cout << std::left << std::setw(17) << shape << std::right << std::fixed
+            << std::setprecision(0) << std::setw(9) << copy_gbs << std::setprecision(3)
+            << std::setw(12) << ms[1] << std::setw(10) << ms[2] << std::setprecision(2)
+            << std::setw(9) << ms[1] / ms[2] << std::setprecision(0) << std::setw(10) << fused_gbs
+            << std::setw(7) << 100 * fused_gbs / copy_gbs << "%\n";
+  json << "    {\"shape\": \"" << shape << "\", " << sizes << ", \"copy\": " << copy_gbs
+       << ", \"two_ops_ms\": " << ms[1] << ", \"fused_ms\": " << ms[2]
+       << ", \"fused\": " << fused_gbs << "}" << (last ? "" : ",") << "\n";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -113,11 +140,8 @@ int main(int argc, char** argv) {
     json << "}" << (i + 1 < shapes.size() ? "," : "") << "\n";
   }
   json << "  ],\n  \"swiglu_delayed\": [\n";
-  std::cout
-      << "\nfc2's input: SwiGLU of [M, 2*ffn] with probs -> e4m3 rowwise + columnwise, delayed\n"
-      << std::left << std::setw(17) << "shape" << std::right << std::setw(9) << "copy"
-      << std::setw(12) << "two ops ms" << std::setw(10) << "fused ms" << std::setw(9) << "speedup"
-      << std::setw(10) << "fused" << std::setw(8) << "%copy\n";
+  print_fused_header(
+      "fc2's input: SwiGLU of [M, 2*ffn] with probs -> e4m3 rowwise + columnwise, delayed");
   for (size_t i = 0; i < shapes.size(); ++i) {
     const torchmoe::bench::Shape& shape = shapes[i];
     const int64_t m = shape.tokens * shape.topk, f = shape.ffn, groups = shape.experts;
@@ -139,24 +163,14 @@ int main(int argc, char** argv) {
          [&] { torchmoe::ops::glu_split_quantize(z, probs, glu, splits, o, scale); }},
         args.iters, args.warmup);
     const double elements = static_cast<double>(m) * static_cast<double>(f);
-    const double copy_gbs = 4.0 * elements / ms[0] * 1e-6;
-    const double fused_gbs = 6.0 * elements / ms[2] * 1e-6;
-    std::cout << std::left << std::setw(17) << shape.name << std::right << std::fixed
-              << std::setprecision(0) << std::setw(9) << copy_gbs << std::setprecision(3)
-              << std::setw(12) << ms[1] << std::setw(10) << ms[2] << std::setprecision(2)
-              << std::setw(9) << ms[1] / ms[2] << std::setprecision(0) << std::setw(10) << fused_gbs
-              << std::setw(7) << 100 * fused_gbs / copy_gbs << "%\n";
-    json << "    {\"shape\": \"" << shape.name << "\", \"rows\": " << m << ", \"ffn\": " << f
-         << ", \"copy\": " << copy_gbs << ", \"two_ops_ms\": " << ms[1]
-         << ", \"fused_ms\": " << ms[2] << ", \"fused\": " << fused_gbs << "}"
-         << (i + 1 < shapes.size() ? "," : "") << "\n";
+    report_fused_row(json, shape.name,
+                     "\"rows\": " + std::to_string(m) + ", \"ffn\": " + std::to_string(f), ms,
+                     4.0 * elements, 6.0 * elements, i + 1 == shapes.size());
   }
   json << "  ],\n  \"gather_delayed\": [\n";
-  std::cout << "\nfc1's input in an MoE layer: T tokens -> the T*k rows in expert order -> e4m3 "
-               "rowwise + columnwise, delayed\n"
-            << std::left << std::setw(17) << "shape" << std::right << std::setw(9) << "copy"
-            << std::setw(12) << "two ops ms" << std::setw(10) << "fused ms" << std::setw(9)
-            << "speedup" << std::setw(10) << "fused" << std::setw(8) << "%copy\n";
+  print_fused_header(
+      "fc1's input in an MoE layer: T tokens -> the T*k rows in expert order -> e4m3 rowwise + "
+      "columnwise, delayed");
   for (size_t i = 0; i < shapes.size(); ++i) {
     const torchmoe::bench::Shape& shape = shapes[i];
     const int64_t t = shape.tokens, m = shape.tokens * shape.topk, k = shape.hidden;
@@ -164,7 +178,7 @@ int main(int argc, char** argv) {
     const torch::Tensor indices =
         torch::randint(0, shape.experts, {t, shape.topk}, bf16.dtype(torch::kLong));
     const torchmoe::ops::RoutingMap map = torchmoe::ops::make_routing_map(indices, shape.experts);
-    const torch::Tensor source_rows = map.sorted_slots.div(shape.topk, "floor");
+    const torch::Tensor source_rows = torchmoe::ops::tokens_of_rows(map.sorted_slots, shape.topk);
     const torchmoe::SplitSizes splits = torchmoe::ops::split_sizes(map);
     torch::Tensor copy_src = torch::randn({m, k}, bf16), copy_dst = torch::empty_like(copy_src);
     const torch::Tensor scale = torch::full({shape.experts}, 1.0f, bf16.dtype(torch::kFloat));
@@ -179,17 +193,11 @@ int main(int argc, char** argv) {
          },
          [&] { torchmoe::ops::gather_split_quantize(tokens, source_rows, splits, o, scale); }},
         args.iters, args.warmup);
-    const double copy_gbs = 4.0 * static_cast<double>(m) * k / ms[0] * 1e-6;
-    const double fused_gbs = 2.0 * static_cast<double>(t + m) * k / ms[2] * 1e-6;
-    std::cout << std::left << std::setw(17) << shape.name << std::right << std::fixed
-              << std::setprecision(0) << std::setw(9) << copy_gbs << std::setprecision(3)
-              << std::setw(12) << ms[1] << std::setw(10) << ms[2] << std::setprecision(2)
-              << std::setw(9) << ms[1] / ms[2] << std::setprecision(0) << std::setw(10) << fused_gbs
-              << std::setw(7) << 100 * fused_gbs / copy_gbs << "%\n";
-    json << "    {\"shape\": \"" << shape.name << "\", \"tokens\": " << t << ", \"rows\": " << m
-         << ", \"k\": " << k << ", \"copy\": " << copy_gbs << ", \"two_ops_ms\": " << ms[1]
-         << ", \"fused_ms\": " << ms[2] << ", \"fused\": " << fused_gbs << "}"
-         << (i + 1 < shapes.size() ? "," : "") << "\n";
+    report_fused_row(json, shape.name,
+                     "\"tokens\": " + std::to_string(t) + ", \"rows\": " + std::to_string(m) +
+                         ", \"k\": " + std::to_string(k),
+                     ms, 4.0 * static_cast<double>(m) * k, 2.0 * static_cast<double>(t + m) * k,
+                     i + 1 == shapes.size());
   }
   json << "  ]\n}\n";
   std::cout << "wrote " << args.json_path << "\n";

@@ -108,8 +108,8 @@ torch::Tensor GroupedMLPImpl::forward_routed(
               kModule, ": routed must be the routing of the ", x.size(0),
               " tokens (row_map [T, k] and sorted_slots [N]), got row_map ",
               routed.row_map.defined() ? routed.row_map.sizes() : torch::IntArrayRef{});
-  // Permuted row r is token sorted_slots[r] / k (the slot of choice j of token t is t·k + j).
-  const torch::Tensor source_rows = routed.sorted_slots.div(routed.row_map.size(1), "floor");
+  const torch::Tensor source_rows =
+      ops::tokens_of_rows(routed.sorted_slots, routed.row_map.size(1));
   const std::vector<ops::GemmPlan> plans =
       autograd::plan_layers(kModule, x, {fc1->gemm_shape(), fc2->gemm_shape()}, routed.m_splits,
                             options.linear().gemm_backend(), source_rows, fp8::enabled());

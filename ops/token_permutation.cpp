@@ -225,6 +225,10 @@ at::Tensor slots_of_rows(const at::Tensor& row_map, int64_t num_rows) {
       .narrow(0, 0, num_rows);
 }
 
+at::Tensor tokens_of_rows(const at::Tensor& sorted_slots, int64_t topk) {
+  return sorted_slots.div(topk, "floor");
+}
+
 void check_row_map(const char* op, const at::Tensor& row_map, int64_t num_rows) {
   if (row_map.numel() == 0) return;
   const at::Tensor flat = row_map.reshape(-1);

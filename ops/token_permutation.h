@@ -58,6 +58,10 @@ void check_row_map(const char* op, const at::Tensor& row_map, int64_t num_rows);
 // (no host synchronisation; row_map must meet the contract above).
 at::Tensor slots_of_rows(const at::Tensor& row_map, int64_t num_rows);
 
+// The token each permuted row copies: sorted_slots / topk, floored, so that a padding row's -1
+// stays -1 (which the row gathers read as a zero row).
+at::Tensor tokens_of_rows(const at::Tensor& sorted_slots, int64_t topk);
+
 // permuted [N, H] -> [T, H]: out[t] = Σ_j probs[t, j] · permuted[row_map[t, j]] (weight 1 without
 // probs), summed in fp32 (fp64 for fp64 data) with one rounding.
 at::Tensor unpermute_rows(const at::Tensor& permuted, const at::Tensor& row_map,
