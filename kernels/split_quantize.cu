@@ -22,12 +22,19 @@
 // column writes (lanes 8 or 4 columns apart) and the row reads (two output rows per half-warp)
 // are free of bank conflicts.
 //
-// kCurrent needs each split's amax before any of its elements can be cast. The same launch
-// visits every tile twice, first for its split's amax, later for its cast, the amax visits
-// running a split and a wave of tiles ahead so that a cast seldom waits and finds part of its
-// split still in L2. A cast waits (spinning on a per-split count of finished amax visits) only
-// for visits handed out before it: items come in order from a counter, so the visits it waits
-// for belong to running blocks.
+// kCurrent needs each split's amax before any of its elements can be cast. Each block takes units
+// in order from a ticket counter and visits each first for its split's amax, keeping the loaded
+// pieces in shared memory (one unit per block, 32 KB for a 16-bit tile) until the split's amax
+// is complete, so a tile is usually read from HBM once: the block loads its next unit while the
+// kept one's split completes (thread 0 asks while the loads are in flight), then casts the kept
+// one, exchanging the two units' pieces. Thread 0 announces each tile's amax with one release
+// (a max, then a count per split) after the block's barrier, so one warp, not every warp, waits
+// for its earlier stores to be visible. A unit that finds the stash still waiting (a split larger
+// than what the blocks can keep) or no stash (fp32 pieces, paired GLU gradient units) is dropped
+// after its amax visit and loaded again for its cast once every unit has had its amax visit.
+// Amax visits never wait, and a cast waits only for visits that running blocks hold: no deadlock
+// whatever is resident. (The earlier scheme, the amax visits a split and a wave ahead of separate
+// cast visits, found most second reads in HBM: 61-67% of copy.)
 
 #include "torchmoe/kernels/split_quantize.h"
 
@@ -58,16 +65,15 @@ struct SplitLayout {
   int32_t* tiles;   // Σ_{h<g} ceil(m_h / 128): row tiles before split g
   int32_t* rows4;   // Σ_{h<g} r4(m_h)
   int32_t* tiles4;  // Σ_{h<g} r4(ceil(m_h / 128))
-  int32_t* largest;  // one entry: max_g ceil(m_g / 128)
 };
 
 __host__ __device__ size_t layout_bytes(int groups) {
-  return static_cast<size_t>(groups + 1) * (2 * sizeof(int64_t) + 3 * sizeof(int32_t)) +
-         sizeof(int32_t);
+  return static_cast<size_t>(groups + 1) * (2 * sizeof(int64_t) + 3 * sizeof(int32_t));
 }
 
-// A paired GLU gradient source's stash (the kernel's loop says why) follows the layout in dynamic
-// shared memory: one 16-byte piece per row of each thread, P = 8 rows for 16-bit types.
+// The stash of a paired GLU gradient source, or kCurrent's (the kernel's loop says why), follows
+// the layout in dynamic shared memory: one 16-byte piece per row of each thread, P = 8 rows for
+// 16-bit types. With it, the block's 57 KB of shared memory still let three blocks share an SM.
 constexpr size_t kStashBytes = size_t{8} * kThreads * 16;
 __host__ __device__ size_t stash_offset(int groups) {
   return (layout_bytes(groups) + 15) / 16 * 16;
@@ -82,7 +88,6 @@ __device__ SplitLayout build_layout(const SplitQuantizeParams& p, char* shared) 
   l.tiles = reinterpret_cast<int32_t*>(l.cstart + groups + 1);
   l.rows4 = l.tiles + groups + 1;
   l.tiles4 = l.rows4 + groups + 1;
-  l.largest = l.tiles4 + groups + 1;
   if (threadIdx.x < kWarpSize) {
     const int lane = threadIdx.x;
     // Sizes are capped at `rows` and the running sum clamped at every step: garbage sizes clamp
@@ -97,7 +102,7 @@ __device__ SplitLayout build_layout(const SplitQuantizeParams& p, char* shared) 
     }
     if (lane == 0) l.start[groups] = carry;
     __syncwarp();
-    int32_t tiles = 0, rows4 = 0, tiles4 = 0, largest = 0;
+    int32_t tiles = 0, rows4 = 0, tiles4 = 0;
     int64_t rows16 = 0;
     for (int base = 0; base < groups; base += kWarpSize) {
       const int g = base + lane;
@@ -110,7 +115,6 @@ __device__ SplitLayout build_layout(const SplitQuantizeParams& p, char* shared) 
         r4 = static_cast<int32_t>(round_up4(m));
         mb4 = static_cast<int32_t>(round_up4(mb));
       }
-      largest = max(largest, mb);
       const int32_t i_mb = warp_inclusive_scan(mb), i_r4 = warp_inclusive_scan(r4),
                     i_mb4 = warp_inclusive_scan(mb4);
       const int64_t i_r16 = warp_inclusive_scan(r16);
@@ -131,11 +135,6 @@ __device__ SplitLayout build_layout(const SplitQuantizeParams& p, char* shared) 
       l.rows4[groups] = rows4;
       l.tiles4[groups] = tiles4;
     }
-#pragma unroll
-    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-      largest = max(largest, __shfl_xor_sync(kFullMask, largest, offset));
-    }
-    if (lane == 0) *l.largest = largest;
   }
   __syncthreads();
   return l;
@@ -292,19 +291,51 @@ __device__ __forceinline__ int swizzle(int c) {
   return ((c / V) ^ (c & 1)) & 15;
 }
 
-// kCurrent's items in ticket order: each tile twice, first for its split's amax, then for its cast,
-// the amax items `lag` tiles ahead of the casts: t < lag: amax of tile t; then amax and cast
-// alternate (amax of tile lag + u/2, cast of tile u/2); the last `lag` tickets are casts.
-struct Item {
-  int64_t tile;
-  bool amax_only;
+// What a block does with a unit in an iteration (kCurrent's visits; the file's header).
+enum class Visit : int {
+  kOnly,         // every scaling but kCurrent: the unit's one visit
+  kAmax,         // load, max into the split's amax, then keep, swap or drop the pieces
+  kCastStashed,  // cast the pieces the block's stash holds
+  kCastReload,   // load again and cast (a dropped unit)
+  kDone,
 };
+struct Step {
+  int64_t unit;
+  Visit visit;
+};
+// After an amax visit: the pieces go to the empty stash, or are exchanged for the stash's (whose
+// split has become complete: those are cast now), or are dropped (cast again from the input).
+enum class Keep : int { kStash, kSwap, kDrop };
+struct AmaxOutcome {
+  Keep keep;
+  int64_t cast_unit;  // kSwap: the unit that left the stash
+};
+// kCurrent's workspace: four counters, then a count of announced tiles per split, then the
+// list of dropped units.
+enum Counter : int { kTickets, kRetired, kDropped, kDropClaims, kCounters };
+static_assert(kCounters == 4, "split_quantize_workspace_ints counts four counters");
+// Polls of a stashed unit's split after the next unit's amax visit before that unit is dropped:
+// the split usually completes while the next unit loads.
+constexpr int kStashPolls = 4;
+constexpr unsigned kPollNanoseconds = 128;
 
-__device__ __forceinline__ Item current_item(int64_t t, int64_t tiles, int64_t lag) {
-  if (t < lag) return {t, true};
-  const int64_t u = t - lag;
-  if (u < 2 * (tiles - lag)) return u % 2 == 0 ? Item{lag + u / 2, true} : Item{u / 2, false};
-  return {t - tiles, false};
+// Exchanges this thread's pieces with its place in a [P][kThreads] stash: x gets the stash's
+// when `load`, the stash gets x's when `store`.
+template <int P>
+__device__ __forceinline__ void exchange_pieces(uint4* stash, uint32_t (&x)[P][4], bool load,
+                                                bool store) {
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    uint4& slot = stash[i * kThreads + threadIdx.x];
+    const uint4 kept = load ? slot : make_uint4(0, 0, 0, 0);
+    if (store) slot = make_uint4(x[i][0], x[i][1], x[i][2], x[i][3]);
+    if (load) {
+      x[i][0] = kept.x;
+      x[i][1] = kept.y;
+      x[i][2] = kept.z;
+      x[i][3] = kept.w;
+    }
+  }
 }
 
 // Where a 128×128 tile lies: its split, its place in the split, and its first input row.
@@ -438,6 +469,12 @@ __device__ __forceinline__ float glu_grad_piece(const GluParams& g, int64_t row,
   return is_b ? 0.0f : scale_grad;
 }
 
+// An add that publishes this thread's earlier writes to whoever reads the count with
+// load_acquire (lighter than __threadfence's sequentially consistent fence).
+__device__ __forceinline__ void add_release(int* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 __device__ __forceinline__ int load_acquire(const int* p) {
   int v;
   asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -465,8 +502,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   __shared__ __align__(16) float column_partial[kWarps][kTile];
   __shared__ __align__(16) float column_scale[kTile];
   __shared__ float scratch[kWarps];
-  __shared__ int64_t ticket[2];  // kCurrent: the item of this iteration, by its parity
-  __shared__ float split_scale;  // kCurrent: the scale of the cast item's split
+  // kCurrent: the step and amax outcome of this iteration, by its parity (so that one barrier
+  // each suffices), and the scale of the cast unit's split (thread 0 writes it before a barrier
+  // that precedes its reads, and after the next iteration's first barrier).
+  __shared__ Step step[2];
+  __shared__ AmaxOutcome outcome[2];
+  // kCurrent: the warps' amaxes of the tile of each half of the unit (halves: a warp may reach
+  // the second before thread 0 has read the first).
+  __shared__ float warp_amaxes[2][kWarps];
+  __shared__ float split_scale;
 
   const int groups = p.num_groups;
   const SplitLayout layout = build_layout(p, dynamic_shared);
@@ -497,53 +541,146 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   const int r0 = threadIdx.x / kRowThreads * P;  // first tile row of this thread
   const int warp = threadIdx.x / kWarpSize;
 
-  // kCurrent: items come from a ticket counter, so a block only ever waits for items of smaller
-  // tickets, which running blocks hold: no deadlock whatever is resident. The other scalings take
-  // tiles in a grid-stride loop.
-  //
   // A GLU gradient source pairs each tile of a columns with the tile of b columns that has the
   // same j when a and b blocks are whole tiles (16-bit types; their stash fits): one work unit
   // does both, loading a, b and dy and computing the activation's terms once for the two. The a
   // tile goes first and leaves its partner's gradient in shared memory (each thread its own
   // pieces, so no barrier). Else a unit is one tile.
-  [[maybe_unused]] uint4* stash = nullptr;  // [P][kThreads]: the b tile's pieces
+  //
+  // kCurrent keeps a unit's pieces in the same shared memory between its amax visit and its
+  // cast, where a unit is one tile of a 16-bit type (`has_slot`).
+  [[maybe_unused]] uint4* stash = nullptr;  // [P][kThreads]: the b tile's or the kept unit's pieces
   bool paired = false;
   int64_t block = 0, block_tiles = 0;  // when paired: a (or b) block's columns and tiles
   if constexpr (kSource == Source::kGluBackward && sizeof(T) == 2) {
     block = glu_block(p.glu);
     paired = block % kTile == 0;
     block_tiles = block / kTile;
+  }
+  if constexpr (sizeof(T) == 2 && (kSource == Source::kGluBackward || kCurrent)) {
     stash = reinterpret_cast<uint4*>(dynamic_shared + stash_offset(groups));
   }
+  [[maybe_unused]] const bool has_slot = kCurrent && sizeof(T) == 2 && !paired;
   const int64_t unit_cols = paired ? col_tiles / 2 : col_tiles;  // units per row tile
   const int64_t units = static_cast<int64_t>(layout.tiles[groups]) * unit_cols;
-  const int64_t items = kCurrent ? 2 * units : units;
-  const int64_t lag = min(units, static_cast<int64_t>(*layout.largest) * unit_cols + gridDim.x);
-  int* ticket_counter = p.workspace;
-  int* amax_done = p.workspace + 1;  // kCurrent: warps of amax items finished, per split
 
-  int64_t t = blockIdx.x;
-  for (int parity = 0;; parity ^= 1) {
-    if constexpr (kCurrent) {
-      if (threadIdx.x == 0) ticket[parity] = atomicAdd(ticket_counter, 1);
-      __syncthreads();
-      t = ticket[parity];
+  // kCurrent's scheduling (thread 0 decides, the block follows). Units are handed out in order
+  // from a ticket counter for their amax visits, which never wait, so whatever waits (a cast for
+  // its split's amax) waits only for visits that running blocks hold: no deadlock whatever is
+  // resident. `stashed`: the unit whose pieces the stash holds, or -1.
+  [[maybe_unused]] int* counters = p.workspace;
+  [[maybe_unused]] int* amax_done = p.workspace + kCounters;  // announced tiles per split
+  [[maybe_unused]] int* dropped = amax_done + groups;
+  [[maybe_unused]] int64_t stashed = -1;
+  [[maybe_unused]] bool exhausted = false;
+  auto split_of_unit = [&](int64_t unit) {
+    return split_of_tile(layout, groups, static_cast<int32_t>(unit / unit_cols));
+  };
+  auto amax_complete = [&](int g) {
+    const int needed = (layout.tiles[g + 1] - layout.tiles[g]) * static_cast<int>(col_tiles);
+    return load_acquire(amax_done + g) >= needed;
+  };
+  auto complete_split_scale = [&](int g) {  // once amax_complete(g)
+    return scale_from_amax(__ldcg(p.amax + g), max_fp8, p.power_of_2_scales, p.epsilon,
+                           value_for_inf);
+  };
+  // Thread 0 claims each ticket an iteration before it is used, so that the claim's round trip
+  // overlaps the iteration's work. A block holding a valid ticket never waits without bound (its
+  // next visit is an amax visit), so the argument above holds.
+  [[maybe_unused]] int pending_ticket = 0;
+  if (kCurrent && threadIdx.x == 0) pending_ticket = atomicAdd(counters + kTickets, 1);
+  // The next unit's amax visit while tickets last; then the stash's cast; then the dropped
+  // units' casts, once every amax visit has retired (the list is complete).
+  auto next_current_step = [&]() -> Step {
+    if (!exhausted) {
+      const int ticket = pending_ticket;
+      if (ticket < units) {
+        pending_ticket = atomicAdd(counters + kTickets, 1);
+        return {ticket, Visit::kAmax};
+      }
+      exhausted = true;
     }
-    if (t >= items) break;
-    const Item it = kCurrent ? current_item(t, units, lag) : Item{t, false};
-    t += gridDim.x;
+    if (stashed >= 0) {
+      const Step cast{stashed, Visit::kCastStashed};
+      stashed = -1;
+      return cast;
+    }
+    while (load_acquire(counters + kRetired) < units) __nanosleep(kPollNanoseconds);
+    const int claim = atomicAdd(counters + kDropClaims, 1);
+    if (claim < __ldcg(counters + kDropped)) return {__ldcg(dropped + claim), Visit::kCastReload};
+    return {0, Visit::kDone};
+  };
+  // Whether the stash's split is complete; if so, split_scale gets its scale. Thread 0 asks
+  // first while the next unit's loads are in flight (`stash_ready`), then in keep_or_drop.
+  [[maybe_unused]] bool stash_ready = false;
+  auto stash_split_complete = [&]() {
+    const int g = split_of_unit(stashed);
+    if (!amax_complete(g)) return false;
+    split_scale = complete_split_scale(g);
+    return true;
+  };
+  // After `unit`'s amax visit.
+  auto keep_or_drop = [&](int64_t unit) -> AmaxOutcome {
+    AmaxOutcome o{Keep::kDrop, stashed};
+    if (has_slot && stashed < 0) {
+      o.keep = Keep::kStash;
+    } else if (has_slot && split_of_unit(unit) != split_of_unit(stashed)) {
+      // (The stash's split cannot be complete before this unit of it is announced.)
+      for (int poll = 0; !stash_ready && poll < kStashPolls; ++poll) {
+        __nanosleep(kPollNanoseconds);
+        stash_ready = stash_split_complete();
+      }
+      if (stash_ready) o.keep = Keep::kSwap;
+    }
+    stash_ready = false;
+    if (o.keep == Keep::kDrop) {
+      dropped[atomicAdd(counters + kDropped, 1)] = static_cast<int>(unit);
+      add_release(counters + kRetired, 1);  // the entry is visible before the count
+    } else {
+      stashed = unit;
+      atomicAdd(counters + kRetired, 1);
+    }
+    return o;
+  };
+
+  int64_t t = blockIdx.x;  // every scaling but kCurrent: a grid-stride loop over the units
+  for (int parity = 0;; parity ^= 1) {
+    int64_t unit = t;
+    Visit visit = Visit::kOnly;
+    if constexpr (kCurrent) {
+      if (threadIdx.x == 0) step[parity] = next_current_step();
+      __syncthreads();
+      unit = step[parity].unit;
+      visit = step[parity].visit;
+      if (visit == Visit::kDone) break;
+    } else {
+      if (t >= units) break;
+      t += gridDim.x;
+    }
     for (int half = 0; half < (paired ? 2 : 1); ++half) {
-      int64_t tile = it.tile;
+      int64_t tile = unit;
       if (paired) {  // unit → its row tile and a's tile column, then half 1 is b's
-        const int64_t rt = it.tile / unit_cols, pair = it.tile % unit_cols;
+        const int64_t rt = unit / unit_cols, pair = unit % unit_cols;
         tile = rt * col_tiles + pair / block_tiles * 2 * block_tiles + pair % block_tiles +
                half * block_tiles;
       }
-      const TileSpot<T> spot = locate<T>(p, layout, tile, col_tiles);
-      const int g = spot.g, mb = spot.mb, kb = spot.kb, rows_valid = spot.rows_valid,
-                cols_valid = spot.cols_valid;
-      const int64_t m = spot.m, row0 = spot.row0, col0 = spot.col0;
-      const bool col_ok = c0 < cols_valid;  // k % 16 == 0: a piece is wholly in or out
+      TileSpot<T> spot;
+      int g, mb, kb, rows_valid, cols_valid;
+      int64_t m, row0, col0;
+      bool col_ok;
+      auto place = [&](int64_t at) {
+        spot = locate<T>(p, layout, at, col_tiles);
+        g = spot.g;
+        mb = spot.mb;
+        kb = spot.kb;
+        rows_valid = spot.rows_valid;
+        cols_valid = spot.cols_valid;
+        m = spot.m;
+        row0 = spot.row0;
+        col0 = spot.col0;
+        col_ok = c0 < cols_valid;  // k % 16 == 0: a piece is wholly in or out
+      };
+      place(tile);
       uint32_t x[P][4];
       [[maybe_unused]] float
           scale_grad[P];  // kGluBackward: this thread's share of each row's scale gradient
@@ -594,17 +731,23 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
         }
       };
       using SwiGLU = std::integral_constant<GluActivation, GluActivation::kSwiGLU>;
-      if constexpr (kSource == Source::kTensor) {
+      if (kCurrent && visit == Visit::kCastStashed) {
+        exchange_pieces(stash, x, true, false);
+      } else if constexpr (kSource == Source::kTensor) {
         load_rows(SwiGLU{});  // no activation
       } else if (p.glu.activation == GluActivation::kSwiGLU) {
         load_rows(SwiGLU{});
       } else {
         load_rows(std::integral_constant<GluActivation, GluActivation::kClampedSwiGLU>{});
       }
-      // The scale gradient's partial sums: one per row and tile column, from the visit that casts
-      // (kCurrent visits each tile twice).
+      if (kCurrent && has_slot && visit == Visit::kAmax && threadIdx.x == 0 && stashed >= 0) {
+        stash_ready = stash_split_complete();  // overlaps the loads just issued
+      }
+      // The scale gradient's partial sums: one per row and tile column, from the visit that loads
+      // for the amax (kCurrent may load a unit twice).
       if constexpr (kSource == Source::kGluBackward) {
-        if (p.glu_grad_scales_partial != nullptr && !(kCurrent && it.amax_only) && half == 0) {
+        if (p.glu_grad_scales_partial != nullptr && (!kCurrent || visit == Visit::kAmax) &&
+            half == 0) {
           float* partial = p.glu_grad_scales_partial + kb * p.rows + row0 + r0;
 #pragma unroll
           for (int i = 0; i < P; ++i) {
@@ -620,10 +763,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 
       // The tile's amax (zero rows and columns past the tile add nothing). Unless the tile needs it
       // whole (128×128 blocks), each warp maxes its part into the split's amax itself: no block
-      // barrier. kCurrent's amax items then count the warp as done; a cast waits for every warp of
-      // every tile of its split.
+      // barrier. kCurrent's amax visits instead leave the warps' parts to thread 0, which
+      // announces the tile (below); a cast waits for every tile of its split.
       float tile_amax = 0.0f;
-      const bool reports_amax = (kCurrent && it.amax_only) || writes_amax;
+      const bool reports_amax = (kCurrent && visit == Visit::kAmax) || writes_amax;
       if (reports_amax || S == QuantizeScaling::kBlock128x128) {
         AbsMax<T> a;
 #pragma unroll
@@ -637,15 +780,35 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
         } else if (reports_amax) {
           const float warp_amax = warp_max(a.value());
           if (threadIdx.x % kWarpSize == 0) {
-            atomic_max_nonnegative(p.amax + g, warp_amax);
             if (kCurrent) {
-              __threadfence();  // the max is visible before the count that announces it
-              atomicAdd(amax_done + g, 1);
+              warp_amaxes[half][warp] = warp_amax;
+            } else {
+              atomic_max_nonnegative(p.amax + g, warp_amax);
             }
           }
         }
       }
-      if (kCurrent && it.amax_only) continue;
+      if (kCurrent && visit == Visit::kAmax) {
+        // Thread 0 decides what becomes of the pieces, then announces the tile's amax after the
+        // barrier: the release waits for thread 0's earlier stores while the other warps go on
+        // (one warp's wait per tile; a release per warp stalled every warp, ncu).
+        const bool last_half = half + 1 == (paired ? 2 : 1);
+        if (threadIdx.x == 0 && last_half) outcome[parity] = keep_or_drop(unit);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          float amax = warp_amaxes[half][0];
+#pragma unroll
+          for (int w = 1; w < kWarps; ++w) amax = fmaxf(amax, warp_amaxes[half][w]);
+          atomic_max_nonnegative(p.amax + g, amax);
+          add_release(amax_done + g, 1);  // the max is visible before the count
+        }
+        if (!last_half) continue;
+        const AmaxOutcome o = outcome[parity];
+        if (o.keep == Keep::kDrop) continue;
+        exchange_pieces(stash, x, o.keep == Keep::kSwap, true);
+        if (o.keep == Keep::kStash) continue;
+        place(o.cast_unit);  // kSwap: cast the unit that left the stash
+      }
 
       // ---- rowwise scales, then the rowwise copy (also the columnwise bytes when one scale
       // serves both copies) ----
@@ -655,16 +818,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       if constexpr (S == QuantizeScaling::kDelayed) {
         tensor_scale = p.scale[g];
       } else if constexpr (kCurrent) {
-        if (threadIdx.x == 0) {
-          const int needed = static_cast<int>(layout.tiles[g + 1] - layout.tiles[g]) *
-                             static_cast<int>(col_tiles) * kWarps;
-          while (load_acquire(amax_done + g) < needed) __nanosleep(64);
-          const float scale = scale_from_amax(__ldcg(p.amax + g), max_fp8, p.power_of_2_scales,
-                                              p.epsilon, value_for_inf);
-          if (mb == 0 && kb == 0) p.scale_inv[g] = __frcp_rn(scale);
-          split_scale = scale;
+        if (visit != Visit::kAmax) {  // a swap found its scale already
+          if (threadIdx.x == 0) {
+            // Every tile of the split has been announced (a unit retires before its announcement;
+            // the stash's split may be complete already).
+            while (!amax_complete(g)) __nanosleep(kPollNanoseconds);
+            split_scale = complete_split_scale(g);
+          }
+          __syncthreads();
         }
-        __syncthreads();
+        if (threadIdx.x == 0 && mb == 0 && kb == 0) p.scale_inv[g] = __frcp_rn(split_scale);
         tensor_scale = split_scale;
       } else if constexpr (S == QuantizeScaling::kBlock128x128) {
         tensor_scale =
@@ -883,17 +1046,18 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T, __nv_fp8_interpretation_t F, QuantizeScaling S, Source kSource>
 void launch_source(const SplitQuantizeParams& p, cudaStream_t stream) {
   auto* kernel = split_quantize_kernel<T, F, S, kSource>;
-  const size_t shared = kSource == Source::kGluBackward && sizeof(T) == 2
-                            ? stash_offset(p.num_groups) + kStashBytes
-                            : layout_bytes(p.num_groups);
+  const bool stash =
+      sizeof(T) == 2 && (kSource == Source::kGluBackward || S == QuantizeScaling::kCurrent);
+  const size_t shared =
+      stash ? stash_offset(p.num_groups) + kStashBytes : layout_bytes(p.num_groups);
   // The kernel's static shared memory (about 21 KB) plus the layout may pass the 48 KB default.
   TORCHMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(shared)));
   const int64_t tiles_bound =
       (p.rows / kTile + p.num_groups) * ((p.k + kTile - 1) / kTile);  // Σ_g ceil(m_g / 128)
-  // Tile indices are divided in 32 bits, and kCurrent counts in ints its tickets (two per tile and
-  // one per block) and a split's finished amax warps (eight per tile): 2^27 tiles (2·10^12
-  // elements) leave room for both.
+  // Tile indices are divided in 32 bits, and kCurrent counts in ints its tickets (one per unit and
+  // per block), its units and a split's announced tiles: 2^27 tiles (2·10^12 elements) leave room
+  // for all.
   TORCH_INTERNAL_ASSERT(tiles_bound < (int64_t{1} << 27), "launch_split_quantize: too many tiles");
   const unsigned grid = one_wave_grid(kernel, kThreads, shared, tiles_bound);
   kernel<<<grid, kThreads, shared, stream>>>(p, fp8_max(p.format));
@@ -962,7 +1126,7 @@ void launch_split_quantize(const SplitQuantizeParams& p, cudaStream_t stream) {
   }
   if (p.scaling == QuantizeScaling::kCurrent) {
     TORCHMOE_CUDA_CHECK(cudaMemsetAsync(
-        p.workspace, 0, split_quantize_workspace_ints(p.num_groups) * sizeof(int32_t), stream));
+        p.workspace, 0, (kCounters + static_cast<size_t>(p.num_groups)) * sizeof(int32_t), stream));
   }
   dispatch_type(p.input_type, [&](auto tag) {
     using T = decltype(tag);

@@ -162,12 +162,16 @@ struct SplitQuantizeParams {
   // kDelayed: max into `amax` as it is (e.g. several micro-batches into one history row) instead
   // of zeroing it first.
   bool accumulate_amax = false;
-  // kCurrent: split_quantize_workspace_ints(G) int32 (a ticket counter and a count per split),
-  // zeroed by the launch.
+  // kCurrent: split_quantize_workspace_ints(G, M, K) int32 (counters, a count per split and a
+  // list of units), its counters zeroed by the launch.
   int32_t* workspace = nullptr;
 };
 
-inline int64_t split_quantize_workspace_ints(int groups) { return 1 + groups; }
+// Four counters, a count per split, and room for every 128×128 tile's index (Σ_g ceil(m_g/128)
+// row tiles <= M/128 + G).
+inline int64_t split_quantize_workspace_ints(int groups, int64_t rows, int64_t k) {
+  return 4 + groups + (rows / kQuantizeBlock + groups) * block_count(k);
+}
 
 // One kernel launch for every scaling (kCurrent: each split's amax is reduced, then the split is
 // cast, in the same launch). Every scaling that writes amax without accumulate_amax zeroes it

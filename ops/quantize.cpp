@@ -169,8 +169,8 @@ SplitQuantized launch(const at::Tensor& like, int64_t rows, int64_t k, const Spl
   p.accumulate_amax = amax.defined();
   at::Tensor workspace;
   if (o.scaling == QuantizeScaling::kCurrent) {
-    workspace =
-        at::empty({kernels::split_quantize_workspace_ints(groups)}, like.options().dtype(at::kInt));
+    workspace = at::empty({kernels::split_quantize_workspace_ints(groups, rows, k)},
+                          like.options().dtype(at::kInt));
     p.workspace = workspace.data_ptr<int32_t>();
   }
   kernels::launch_split_quantize(p, at::cuda::getCurrentCUDAStream().stream());

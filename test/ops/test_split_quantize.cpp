@@ -421,9 +421,11 @@ TEST_CASE("split_quantize: device splits (int32, int64) give the host splits' re
 }
 
 // More tiles than a wave of blocks holds (~1,200 against ~400 on an H100), so the grid-stride
-// loop and the prefetch of the next tile wrap around, and current scaling's amax visits run ahead
-// of the casts by a split and a wave: splits of very different sizes, and one split holding
-// every row (every amax visit before any cast). Repeated: a race would show as a difference.
+// loop wraps around, and current scaling takes every path: tiles kept in a block's stash until
+// their split is complete and then exchanged for the next tile (the 6,000-row split: ~380 tiles),
+// and tiles dropped after their amax and loaded again (the 9,000-row split and the one split
+// holding every row: more tiles than the blocks can keep). Repeated: a race would show as a
+// difference.
 TEST_CASE("split_quantize: many waves of tiles", "[ops][quantize][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
   const QuantizeScaling scaling =
