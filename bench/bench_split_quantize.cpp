@@ -7,8 +7,8 @@
 //
 // Bytes counted (each tensor once): the input [M, K] read, both FP8 copies [M, K] written, and the
 // scales and amaxes written, so that the copy of the input (read 2MK, write 2MK bytes) moves the
-// same data bytes. Current scaling reads the input twice (each split's amax, then its cast; the
-// second read partly from L2), which the count does not include.
+// same data bytes. Current scaling reads a tile twice where its split is too large for the blocks
+// to keep it until the split's amax is complete (docs/fp8.md), which the count does not include.
 //
 // Then fc2's input in an FP8 GroupedMLP: the scaled SwiGLU of the [M, 2·ffn] pre-activation cast
 // to both e4m3 copies with delayed scaling, as glu_forward then split_quantize (the bf16
@@ -20,6 +20,13 @@
 // then split_quantize (the bf16 permuted copy written and read back) and as one
 // gather_split_quantize; GB/s counts the tokens read once and the two FP8 copies written
 // ((2·T + 2·M)·K bytes), against a copy of [M, K] in the same run.
+//
+// Then fc1's output gradient in an FP8 GroupedMLP under current scaling: the SwiGLU's input
+// gradient from dy [M, ffn] and the pre-activation [M, 2·ffn], cast to both e4m3 copies, as
+// glu_backward then split_quantize and as one glu_backward_split_quantize (whose a and b tiles are
+// computed in pairs, so each tile is loaded twice: for its split's amax, then for its cast); GB/s
+// counts dy and the pre-activation read and the two FP8 copies written (10·M·ffn bytes), against
+// a copy of [M, 2·ffn] in the same run.
 
 #include <ATen/cuda/CUDAContext.h>
 #include <torchmoe/ops/glu.h>
@@ -198,6 +205,35 @@ int main(int argc, char** argv) {
                          ", \"k\": " + std::to_string(k),
                      ms, 4.0 * static_cast<double>(m) * k, 2.0 * static_cast<double>(t + m) * k,
                      i + 1 == shapes.size());
+  }
+  json << "  ],\n  \"swiglu_backward_current\": [\n";
+  print_fused_header(
+      "fc1's output gradient: SwiGLU backward of dy [M, ffn] -> e4m3 rowwise + columnwise of "
+      "[M, 2*ffn], current");
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const torchmoe::bench::Shape& shape = shapes[i];
+    const int64_t m = shape.tokens * shape.topk, f = shape.ffn, groups = shape.experts;
+    const torch::Tensor z = torch::randn({m, 2 * f}, bf16);
+    const torch::Tensor dy = torch::randn({m, f}, bf16);
+    const torch::Tensor probs = torch::rand({m}, bf16.dtype(torch::kFloat));
+    torch::Tensor copy_src = torch::randn({m, 2 * f}, bf16), copy_dst = torch::empty_like(copy_src);
+    const std::vector<int64_t> host(groups, m / groups);
+    const torchmoe::SplitSizes splits(host, torch::tensor(host, torch::kLong).to(torch::kCUDA));
+    torchmoe::ops::SplitQuantizeOptions o;
+    o.scaling = QuantizeScaling::kCurrent;
+    const torchmoe::ops::GluOptions glu;
+    const std::vector<double> ms = torchmoe::bench::median_ms_each(
+        {[&] { copy_dst.copy_(copy_src); },
+         [&] {
+           torchmoe::ops::split_quantize(
+               torchmoe::ops::glu_backward(dy, z, probs, glu, true).grad_input, splits, o);
+         },
+         [&] { torchmoe::ops::glu_backward_split_quantize(dy, z, probs, glu, true, splits, o); }},
+        args.iters, args.warmup);
+    const double elements = static_cast<double>(m) * static_cast<double>(f);
+    report_fused_row(json, shape.name,
+                     "\"rows\": " + std::to_string(m) + ", \"ffn\": " + std::to_string(f), ms,
+                     8.0 * elements, 10.0 * elements, i + 1 == shapes.size());
   }
   json << "  ]\n}\n";
   std::cout << "wrote " << args.json_path << "\n";

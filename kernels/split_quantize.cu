@@ -31,10 +31,11 @@
 // (a max, then a count per split) after the block's barrier, so one warp, not every warp, waits
 // for its earlier stores to be visible. A unit that finds the stash still waiting (a split larger
 // than what the blocks can keep) or no stash (fp32 pieces, paired GLU gradient units) is dropped
-// after its amax visit and loaded again for its cast once every unit has had its amax visit.
-// Amax visits never wait, and a cast waits only for visits that running blocks hold: no deadlock
-// whatever is resident. (The earlier scheme, the amax visits a split and a wave ahead of separate
-// cast visits, found most second reads in HBM: 61-67% of copy.)
+// after its amax visit and loaded again for its cast: by the same block as soon as its split is
+// complete (a few held per block), or once every unit has had its amax visit. Amax visits and
+// the casts of held units before that never wait, and a cast waits only for visits that running
+// blocks hold: no deadlock whatever is resident. (The earlier scheme, the amax visits a split and a
+// wave ahead of separate cast visits, found most second reads in HBM: 61-67% of copy.)
 
 #include "torchmoe/kernels/split_quantize.h"
 
@@ -318,6 +319,8 @@ static_assert(kCounters == 4, "split_quantize_workspace_ints counts four counter
 // the split usually completes while the next unit loads.
 constexpr int kStashPolls = 4;
 constexpr unsigned kPollNanoseconds = 128;
+// Dropped units a block holds for itself (thread 0's, in shared memory).
+constexpr int kHeldDrops = 4;
 
 // Exchanges this thread's pieces with its place in a [P][kThreads] stash: x gets the stash's
 // when `load`, the stash gets x's when `store`.
@@ -510,6 +513,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   // kCurrent: the warps' amaxes of the tile of each half of the unit (halves: a warp may reach
   // the second before thread 0 has read the first).
   __shared__ float warp_amaxes[2][kWarps];
+  __shared__ int held[kHeldDrops];  // kCurrent, thread 0's: next_current_step
   __shared__ float split_scale;
 
   const int groups = p.num_groups;
@@ -589,9 +593,20 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   // next visit is an amax visit), so the argument above holds.
   [[maybe_unused]] int pending_ticket = 0;
   if (kCurrent && threadIdx.x == 0) pending_ticket = atomicAdd(counters + kTickets, 1);
-  // The next unit's amax visit while tickets last; then the stash's cast; then the dropped
-  // units' casts, once every amax visit has retired (the list is complete).
+  // Thread 0's last few dropped units, in order, held to be cast as soon as their split is
+  // complete (their second read may still find them in L2); more go to the workspace's list.
+  [[maybe_unused]] int held_first = 0, held_count = 0;
+  auto pop_held = [&]() -> Step {
+    const int unit = held[held_first];
+    held_first = (held_first + 1) % kHeldDrops;
+    --held_count;
+    return {unit, Visit::kCastReload};
+  };
+  // A held unit whose split is complete; else the next unit's amax visit while tickets last;
+  // then the stash's cast, the held units' casts, and the list's once every amax visit has
+  // retired (the list is complete).
   auto next_current_step = [&]() -> Step {
+    if (held_count > 0 && amax_complete(split_of_unit(held[held_first]))) return pop_held();
     if (!exhausted) {
       const int ticket = pending_ticket;
       if (ticket < units) {
@@ -605,6 +620,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       stashed = -1;
       return cast;
     }
+    if (held_count > 0) return pop_held();  // every amax visit is handed out: waiting is safe
     while (load_acquire(counters + kRetired) < units) __nanosleep(kPollNanoseconds);
     const int claim = atomicAdd(counters + kDropClaims, 1);
     if (claim < __ldcg(counters + kDropped)) return {__ldcg(dropped + claim), Visit::kCastReload};
@@ -633,13 +649,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       if (stash_ready) o.keep = Keep::kSwap;
     }
     stash_ready = false;
-    if (o.keep == Keep::kDrop) {
+    if (o.keep == Keep::kDrop && held_count == kHeldDrops) {
       dropped[atomicAdd(counters + kDropped, 1)] = static_cast<int>(unit);
       add_release(counters + kRetired, 1);  // the entry is visible before the count
+      return o;
+    }
+    if (o.keep == Keep::kDrop) {
+      held[(held_first + held_count++) % kHeldDrops] = static_cast<int>(unit);
     } else {
       stashed = unit;
-      atomicAdd(counters + kRetired, 1);
     }
+    atomicAdd(counters + kRetired, 1);
     return o;
   };
 
