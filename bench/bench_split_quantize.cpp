@@ -120,8 +120,8 @@ int main(int argc, char** argv) {
     const int64_t m = shape.tokens * shape.topk, k = shape.hidden, groups = shape.experts;
     const torch::Tensor x = torch::randn({m, k}, bf16);
     torch::Tensor copy_dst = torch::empty_like(x);
-    const std::vector<int64_t> host(groups, m / groups);
-    const torchmoe::SplitSizes splits(host, torch::tensor(host, torch::kLong).to(torch::kCUDA));
+    const torchmoe::SplitSizes splits =
+        torchmoe::SplitSizes::uniform(groups, m / groups, torch::kCUDA);
     const torch::Tensor scale = torch::full({groups}, 1.0f, bf16.dtype(torch::kFloat));
     std::vector<std::function<void()>> fns = {[&] { copy_dst.copy_(x); }};
     for (const Scaling& s : kScalings) {
@@ -155,8 +155,8 @@ int main(int argc, char** argv) {
     const torch::Tensor z = torch::randn({m, 2 * f}, bf16);
     const torch::Tensor probs = torch::rand({m}, bf16.dtype(torch::kFloat));
     torch::Tensor copy_src = torch::randn({m, f}, bf16), copy_dst = torch::empty_like(copy_src);
-    const std::vector<int64_t> host(groups, m / groups);
-    const torchmoe::SplitSizes splits(host, torch::tensor(host, torch::kLong).to(torch::kCUDA));
+    const torchmoe::SplitSizes splits =
+        torchmoe::SplitSizes::uniform(groups, m / groups, torch::kCUDA);
     const torch::Tensor scale = torch::full({groups}, 1.0f, bf16.dtype(torch::kFloat));
     torchmoe::ops::SplitQuantizeOptions o;
     o.scaling = QuantizeScaling::kDelayed;
@@ -217,8 +217,8 @@ int main(int argc, char** argv) {
     const torch::Tensor dy = torch::randn({m, f}, bf16);
     const torch::Tensor probs = torch::rand({m}, bf16.dtype(torch::kFloat));
     torch::Tensor copy_src = torch::randn({m, 2 * f}, bf16), copy_dst = torch::empty_like(copy_src);
-    const std::vector<int64_t> host(groups, m / groups);
-    const torchmoe::SplitSizes splits(host, torch::tensor(host, torch::kLong).to(torch::kCUDA));
+    const torchmoe::SplitSizes splits =
+        torchmoe::SplitSizes::uniform(groups, m / groups, torch::kCUDA);
     torchmoe::ops::SplitQuantizeOptions o;
     o.scaling = QuantizeScaling::kCurrent;
     const torchmoe::ops::GluOptions glu;

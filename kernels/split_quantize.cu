@@ -1073,8 +1073,7 @@ void launch_source(const SplitQuantizeParams& p, cudaStream_t stream) {
   // The kernel's static shared memory (about 21 KB) plus the layout may pass the 48 KB default.
   TORCHMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(shared)));
-  const int64_t tiles_bound =
-      (p.rows / kTile + p.num_groups) * ((p.k + kTile - 1) / kTile);  // Σ_g ceil(m_g / 128)
+  const int64_t tiles_bound = split_quantize_tiles_bound(p.num_groups, p.rows, p.k);
   // Tile indices are divided in 32 bits, and kCurrent counts in ints its tickets (one per unit and
   // per block), its units and a split's announced tiles: 2^27 tiles (2·10^12 elements) leave room
   // for all.

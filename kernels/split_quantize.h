@@ -167,10 +167,14 @@ struct SplitQuantizeParams {
   int32_t* workspace = nullptr;
 };
 
-// Four counters, a count per split, and room for every 128×128 tile's index (Σ_g ceil(m_g/128)
-// row tiles <= M/128 + G).
+// 128×128 tiles of any G splits of M rows and K columns, at most: Σ_g ceil(m_g / 128) row tiles
+// <= M/128 + G, each of ceil(K / 128) tiles.
+inline int64_t split_quantize_tiles_bound(int groups, int64_t rows, int64_t k) {
+  return (rows / kQuantizeBlock + groups) * block_count(k);
+}
+// Four counters, a count per split, and room for every tile's index.
 inline int64_t split_quantize_workspace_ints(int groups, int64_t rows, int64_t k) {
-  return 4 + groups + (rows / kQuantizeBlock + groups) * block_count(k);
+  return 4 + groups + split_quantize_tiles_bound(groups, rows, k);
 }
 
 // One kernel launch for every scaling (kCurrent: each split's amax is reduced, then the split is
