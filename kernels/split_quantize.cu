@@ -30,12 +30,13 @@
 // one, exchanging the two units' pieces. Thread 0 announces each tile's amax with one release
 // (a max, then a count per split) after the block's barrier, so one warp, not every warp, waits
 // for its earlier stores to be visible. A unit that finds the stash still waiting (a split larger
-// than what the blocks can keep) or no stash (fp32 pieces, paired GLU gradient units) is dropped
-// after its amax visit and loaded again for its cast: by the same block as soon as its split is
-// complete (a few held per block), or once every unit has had its amax visit. Amax visits and
-// the casts of held units before that never wait, and a cast waits only for visits that running
-// blocks hold: no deadlock whatever is resident. (The earlier scheme, the amax visits a split and a
-// wave ahead of separate cast visits, found most second reads in HBM: 61-67% of copy.)
+// than what the blocks can keep) or no stash (fp32 pieces: a 64 KB stash would cost a block per
+// SM) is dropped after its amax visit and loaded again for its cast: by the same block as soon as
+// its split is complete (a few held per block), or once every unit has had its amax visit. Amax
+// visits and the casts of held units before that never wait, and a cast waits only for visits
+// that running blocks hold: no deadlock whatever is resident. (The earlier scheme, the amax visits
+// a split and a wave ahead of separate cast visits, found most second reads in HBM: 61-67% of
+// copy.) kCurrent has no GLU gradient source (ops/quantize.h says why), so its units are tiles.
 
 #include "torchmoe/kernels/split_quantize.h"
 
@@ -510,9 +511,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   // that precedes its reads, and after the next iteration's first barrier).
   __shared__ Step step[2];
   __shared__ AmaxOutcome outcome[2];
-  // kCurrent: the warps' amaxes of the tile of each half of the unit (halves: a warp may reach
-  // the second before thread 0 has read the first).
-  __shared__ float warp_amaxes[2][kWarps];
+  // kCurrent: the warps' amaxes of the tile of an amax visit, for thread 0.
+  __shared__ float warp_amaxes[kWarps];
   __shared__ int held[kHeldDrops];  // kCurrent, thread 0's: next_current_step
   __shared__ float split_scale;
 
@@ -564,7 +564,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   if constexpr (sizeof(T) == 2 && (kSource == Source::kGluBackward || kCurrent)) {
     stash = reinterpret_cast<uint4*>(dynamic_shared + stash_offset(groups));
   }
-  [[maybe_unused]] const bool has_slot = kCurrent && sizeof(T) == 2 && !paired;
+  [[maybe_unused]] const bool has_slot = kCurrent && sizeof(T) == 2;
   const int64_t unit_cols = paired ? col_tiles / 2 : col_tiles;  // units per row tile
   const int64_t units = static_cast<int64_t>(layout.tiles[groups]) * unit_cols;
 
@@ -763,11 +763,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       if (kCurrent && has_slot && visit == Visit::kAmax && threadIdx.x == 0 && stashed >= 0) {
         stash_ready = stash_split_complete();  // overlaps the loads just issued
       }
-      // The scale gradient's partial sums: one per row and tile column, from the visit that loads
-      // for the amax (kCurrent may load a unit twice).
+      // The scale gradient's partial sums: one per row and tile column.
       if constexpr (kSource == Source::kGluBackward) {
-        if (p.glu_grad_scales_partial != nullptr && (!kCurrent || visit == Visit::kAmax) &&
-            half == 0) {
+        if (p.glu_grad_scales_partial != nullptr && half == 0) {
           float* partial = p.glu_grad_scales_partial + kb * p.rows + row0 + r0;
 #pragma unroll
           for (int i = 0; i < P; ++i) {
@@ -801,7 +799,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
           const float warp_amax = warp_max(a.value());
           if (threadIdx.x % kWarpSize == 0) {
             if (kCurrent) {
-              warp_amaxes[half][warp] = warp_amax;
+              warp_amaxes[warp] = warp_amax;
             } else {
               atomic_max_nonnegative(p.amax + g, warp_amax);
             }
@@ -812,17 +810,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
         // Thread 0 decides what becomes of the pieces, then announces the tile's amax after the
         // barrier: the release waits for thread 0's earlier stores while the other warps go on
         // (one warp's wait per tile; a release per warp stalled every warp, ncu).
-        const bool last_half = half + 1 == (paired ? 2 : 1);
-        if (threadIdx.x == 0 && last_half) outcome[parity] = keep_or_drop(unit);
+        if (threadIdx.x == 0) outcome[parity] = keep_or_drop(unit);
         __syncthreads();
         if (threadIdx.x == 0) {
-          float amax = warp_amaxes[half][0];
+          float amax = warp_amaxes[0];
 #pragma unroll
-          for (int w = 1; w < kWarps; ++w) amax = fmaxf(amax, warp_amaxes[half][w]);
+          for (int w = 1; w < kWarps; ++w) amax = fmaxf(amax, warp_amaxes[w]);
           atomic_max_nonnegative(p.amax + g, amax);
           add_release(amax_done + g, 1);  // the max is visible before the count
         }
-        if (!last_half) continue;
         const AmaxOutcome o = outcome[parity];
         if (o.keep == Keep::kDrop) continue;
         exchange_pieces(stash, x, o.keep == Keep::kSwap, true);
@@ -1087,7 +1083,11 @@ template <typename T, __nv_fp8_interpretation_t F, QuantizeScaling S>
 void launch_scaling(const SplitQuantizeParams& p, cudaStream_t stream) {
   if (p.glu.input == nullptr) return launch_source<T, F, S, Source::kTensor>(p, stream);
   if (p.glu.grad_output == nullptr) return launch_source<T, F, S, Source::kGluForward>(p, stream);
-  return launch_source<T, F, S, Source::kGluBackward>(p, stream);
+  if constexpr (S == QuantizeScaling::kCurrent) {
+    TORCH_INTERNAL_ASSERT(false, "launch_split_quantize: no GLU gradient source with kCurrent");
+  } else {
+    return launch_source<T, F, S, Source::kGluBackward>(p, stream);
+  }
 }
 
 template <typename T, __nv_fp8_interpretation_t F>

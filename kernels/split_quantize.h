@@ -134,7 +134,8 @@ struct SplitQuantizeParams {
   // stored. `input` and `split_inputs` are then unused; glu's output and gradient fields too.
   // When glu.grad_output ([M, glu.hidden]) is set as well, the tensor cast is instead the gradient
   // of the GLU input, k = 2·glu.hidden in glu.input's layout, computed and rounded exactly as
-  // launch_glu_backward writes grad_input (glu.grad_input and glu.grad_scales stay unused).
+  // launch_glu_backward writes grad_input (glu.grad_input and glu.grad_scales stay unused). Not
+  // with kCurrent (ops casts the written gradient instead: ops/quantize.h says why).
   GluParams glu;
   // GLU gradient source only, or null: float32 [ceil(k / 128), M], zeroed by the caller. Entry
   // [kb][r] gets row r's share of the scale gradient Σ_j dy_j·act(a_j)·gate(b_j) over the a_j in

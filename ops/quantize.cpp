@@ -4,6 +4,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -249,6 +250,26 @@ GluGradsQuantized glu_backward_split_quantize(const at::Tensor& grad_output,
   TORCH_CHECK(grad_output.is_contiguous(), kGluGradOp, ": grad_output must be contiguous");
   check_cuda(kGluGradOp, input);
   const c10::cuda::CUDAGuard guard(input.device());
+  if (o.scaling == QuantizeScaling::kCurrent) {
+    GluGrads grads = glu_backward(grad_output, input, scales, glu, grad_scales);
+    if (grad_scales) {
+      // Rows past the splits get 0, as the one launch (which never visits them) leaves them: the
+      // clamped split sum, without a host sync when the sizes are on the device.
+      at::Tensor covered;
+      if (m_splits.has_host()) {
+        int64_t total = 0;
+        for (const int64_t size : m_splits.host()) {
+          total = std::min(total + std::max<int64_t>(size, 0), rows);
+        }
+        covered = at::scalar_tensor(total, input.options().dtype(at::kLong));
+      } else {
+        covered = m_splits.device().clamp_min(0).sum().clamp_max(rows);
+      }
+      const at::Tensor past = at::arange(rows, input.options().dtype(at::kLong)).ge(covered);
+      grads.grad_scales.masked_fill_(past.reshape(grads.grad_scales.sizes()), 0);
+    }
+    return {split_quantize(grads.grad_input, m_splits, o, scale, amax), grads.grad_scales};
+  }
   const at::Tensor x = detail::aligned_operand(input);
   const at::Tensor dy = detail::aligned_operand(grad_output);
   params.input = x.const_data_ptr();
