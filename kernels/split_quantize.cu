@@ -323,22 +323,32 @@ constexpr unsigned kPollNanoseconds = 128;
 // Dropped units a block holds for itself (thread 0's, in shared memory).
 constexpr int kHeldDrops = 4;
 
-// Exchanges this thread's pieces with its place in a [P][kThreads] stash: x gets the stash's
-// when `load`, the stash gets x's when `store`.
+// A 16-byte piece as the four words the kernel works on, and back.
+__device__ __forceinline__ void set_words(uint32_t (&w)[4], const uint4& u) {
+  w[0] = u.x;
+  w[1] = u.y;
+  w[2] = u.z;
+  w[3] = u.w;
+}
+__device__ __forceinline__ uint4 pack_words(const uint32_t (&w)[4]) {
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+// This thread's place for its piece i in a [P][kThreads] stash.
+__device__ __forceinline__ uint4& stash_piece(uint4* stash, int i) {
+  return stash[i * kThreads + threadIdx.x];
+}
+
+// Exchanges this thread's pieces with its places in a stash: x gets the stash's when `load`, the
+// stash gets x's when `store`.
 template <int P>
 __device__ __forceinline__ void exchange_pieces(uint4* stash, uint32_t (&x)[P][4], bool load,
                                                 bool store) {
 #pragma unroll
   for (int i = 0; i < P; ++i) {
-    uint4& slot = stash[i * kThreads + threadIdx.x];
+    uint4& slot = stash_piece(stash, i);
     const uint4 kept = load ? slot : make_uint4(0, 0, 0, 0);
-    if (store) slot = make_uint4(x[i][0], x[i][1], x[i][2], x[i][3]);
-    if (load) {
-      x[i][0] = kept.x;
-      x[i][1] = kept.y;
-      x[i][2] = kept.z;
-      x[i][3] = kept.w;
-    }
+    if (store) slot = pack_words(x[i]);
+    if (load) set_words(x[i], kept);
   }
 }
 
@@ -382,11 +392,7 @@ __device__ __forceinline__ TileSpot<T> locate(const SplitQuantizeParams& p, cons
 // The words of a 16-byte vector.
 template <typename T, int V>
 __device__ __forceinline__ void to_words(const Vec<T, V>& v, uint32_t (&w)[4]) {
-  const uint4 u = *reinterpret_cast<const uint4*>(&v);
-  w[0] = u.x;
-  w[1] = u.y;
-  w[2] = u.z;
-  w[3] = u.w;
+  set_words(w, *reinterpret_cast<const uint4*>(&v));
 }
 
 // A GLU source's piece of row `row` at column `col` (glu.h's layout and math): act(a)·gate(b)
@@ -720,10 +726,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
             }
             uint4 v = make_uint4(0, 0, 0, 0);
             if (valid) v = *reinterpret_cast<const uint4*>(spot.input + in_row * k + c0);
-            x[i][0] = v.x;
-            x[i][1] = v.y;
-            x[i][2] = v.z;
-            x[i][3] = v.w;
+            set_words(x[i], v);
           } else {
             x[i][0] = x[i][1] = x[i][2] = x[i][3] = 0u;
             scale_grad[i] = 0.0f;
@@ -739,13 +742,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
                 scale_grad[i] = glu_grads<T, K>(p.glu, row0 + r0 + i, a_col, glu_j(a_col, block),
                                                 block, x[i], db);
               }
-              stash[i * kThreads + threadIdx.x] = make_uint4(db[0], db[1], db[2], db[3]);
+              stash_piece(stash, i) = pack_words(db);
             } else {
-              const uint4 v = stash[i * kThreads + threadIdx.x];
-              x[i][0] = v.x;
-              x[i][1] = v.y;
-              x[i][2] = v.z;
-              x[i][3] = v.w;
+              set_words(x[i], stash_piece(stash, i));
             }
           }
         }
