@@ -2,7 +2,8 @@
 // next to the sum of its parts timed alone in the same process: fc1 (GroupedLinear fwd+bwd),
 // ScaledSwiGLU (fwd+bwd), fc2 (GroupedLinear fwd+bwd); and the same step with both layers' GEMMs in
 // FP8 (fp8::DelayedScaling, amax history 16, the weights quantized every step, the
-// delayed-scaling update after the step as a training loop runs it).
+// delayed-scaling update after the step as a training loop runs it). The five take turns
+// (bench_common.h's median_ms_each), so that they compare under the same clocks.
 //
 //   bench_grouped_mlp [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
 //
@@ -26,7 +27,7 @@
 #include <vector>
 
 namespace fp8 = torchmoe::fp8;
-using torchmoe::bench::median_ms;
+using torchmoe::bench::median_ms_each;
 using torchmoe::bench::Shape;
 
 constexpr int64_t kHistory = 16;
@@ -68,15 +69,6 @@ int main(int argc, char** argv) {
         forward().backward(grad);
       };
     };
-    const double mlp_ms =
-        median_ms(step([&] { return mlp(x, splits, probs); }, dy), args.iters, args.warmup);
-    const double fc1_ms =
-        median_ms(step([&] { return mlp->fc1(x, splits); }, dz), args.iters, args.warmup);
-    const double act_ms =
-        median_ms(step([&] { return torchmoe::functional::scaled_swiglu(z, probs); }, da),
-                  args.iters, args.warmup);
-    const double fc2_ms =
-        median_ms(step([&] { return mlp->fc2(a, splits); }, dy), args.iters, args.warmup);
     const fp8::DelayedScaling delayed = fp8::DelayedScaling().amax_history_len(kHistory);
     const std::function<void()> fp8_step = [&] {
       mlp->zero_grad();
@@ -90,7 +82,14 @@ int main(int argc, char** argv) {
       fp8::update_delayed_scaling(*mlp, delayed, fp8::Pass::kForward);
       fp8::update_delayed_scaling(*mlp, delayed, fp8::Pass::kBackward);
     };
-    const double fp8_ms = median_ms(fp8_step, args.iters, args.warmup);
+    // Taking turns (bench_common.h): the step and its parts under the same clocks.
+    const std::vector<double> ms =
+        median_ms_each({step([&] { return mlp(x, splits, probs); }, dy),
+                        step([&] { return mlp->fc1(x, splits); }, dz),
+                        step([&] { return torchmoe::functional::scaled_swiglu(z, probs); }, da),
+                        step([&] { return mlp->fc2(a, splits); }, dy), fp8_step},
+                       args.iters, args.warmup);
+    const double mlp_ms = ms[0], fc1_ms = ms[1], act_ms = ms[2], fc2_ms = ms[3], fp8_ms = ms[4];
     torchmoe::bench::trace_if_asked(shape.name + ".fp8", fp8_step);
     const double tflops = 3 * 2.0 * m * (2 * f * h + f * h) / mlp_ms * 1e-9;
     std::cout << std::left << std::setw(17) << shape.name << std::right << std::fixed

@@ -9,6 +9,8 @@
 //   fused      the same with fuse_permutation(true): fc1 reads the tokens through the row map
 //   fp8        the layer with its experts in FP8 (delayed scaling), and fp8 fus the same fused:
 //              fc1's input quantize gathers the tokens
+// mlp, layer, fused and the two fp8 layers take turns (bench_common.h's median_ms_each), so that
+// their ratios compare them under the same clocks.
 // permute/unpermute are reported in GB/s (T token rows + M = T·k permuted rows, each read or
 // written once) next to the device-to-device copy bandwidth of an [M, hidden] tensor; mlp and
 // layer in TFLOP/s of the expert GEMMs (6·M·hidden·3·ffn).
@@ -40,6 +42,7 @@ int main(int argc, char** argv) {
   if (setup.exit_code != 0) return setup.exit_code;
   const torchmoe::bench::Args& args = setup.args;
   using torchmoe::bench::median_ms;
+  using torchmoe::bench::median_ms_each;
   std::cout << "device: " << at::cuda::getCurrentDeviceProperties()->name
             << ", bf16, times in ms (GB/s, TFLOP/s)\n"
             << std::left << std::setw(17) << "shape" << std::right << std::setw(8) << "router"
@@ -97,8 +100,6 @@ int main(int argc, char** argv) {
     const torch::Tensor rows = routed.tokens.detach().requires_grad_(true);
     const torch::Tensor probs = routed.probs.detach().requires_grad_(true);
     const torch::Tensor dy = torch::randn({m, s.hidden}, bf16);
-    const double mlp_ms = median_ms(
-        [&] { moe->experts(rows, routed.m_splits, probs).backward(dy); }, args.iters, args.warmup);
     const double unpermute_ms = median_ms(
         [&] {
           torch::NoGradGuard no_grad;
@@ -110,8 +111,6 @@ int main(int argc, char** argv) {
       const torchmoe::MoEOutput out = layer(x);
       torch::autograd::backward({out.output, out.aux_loss}, {dout, torch::ones_like(out.aux_loss)});
     };
-    const double layer_ms = median_ms([&] { layer_step(moe); }, args.iters, args.warmup);
-    const double fused_ms = median_ms([&] { layer_step(moe_fused); }, args.iters, args.warmup);
     // The experts in FP8 (delayed scaling, its scales left at their initial values: the speed is
     // the same), with the permuted copy quantized, and with fc1's input quantize gathering the
     // tokens (no permuted copy).
@@ -120,8 +119,14 @@ int main(int argc, char** argv) {
       const torchmoe::fp8::Autocast fp8(recipe);
       layer_step(layer);
     };
-    const double fp8_ms = median_ms([&] { fp8_step(moe); }, args.iters, args.warmup);
-    const double fp8_fused_ms = median_ms([&] { fp8_step(moe_fused); }, args.iters, args.warmup);
+    // The GroupedMLP alone and the layers take turns (bench_common.h), so that their ratios are
+    // taken under the same clocks.
+    const std::vector<double> steps_ms = median_ms_each(
+        {[&] { moe->experts(rows, routed.m_splits, probs).backward(dy); }, [&] { layer_step(moe); },
+         [&] { layer_step(moe_fused); }, [&] { fp8_step(moe); }, [&] { fp8_step(moe_fused); }},
+        args.iters, args.warmup);
+    const double mlp_ms = steps_ms[0], layer_ms = steps_ms[1], fused_ms = steps_ms[2],
+                 fp8_ms = steps_ms[3], fp8_fused_ms = steps_ms[4];
     torchmoe::bench::trace_if_asked(s.name, [&] { layer_step(moe); });
     torchmoe::bench::trace_if_asked(
         s.name + ".mlp", [&] { moe->experts(rows, routed.m_splits, probs).backward(dy); });
