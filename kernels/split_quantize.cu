@@ -505,6 +505,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   constexpr bool kPerTensor = S == QuantizeScaling::kCurrent || S == QuantizeScaling::kDelayed;
   constexpr bool kCurrent = S == QuantizeScaling::kCurrent;
   static_assert(P % 8 == 0 && V % 2 == 0, "whole 8-byte chunks and fp8 pairs");
+  // Current scaling's scheduling counts tiles as units (its amax_complete): no paired GLU units.
+  static_assert(!(kCurrent && kSource == Source::kGluBackward),
+                "no GLU gradient source in kCurrent");
   static_assert(sizeof(T) != 2 || P * kThreads * sizeof(uint4) == kStashBytes, "stash size");
 
   extern __shared__ __align__(16) char dynamic_shared[];
@@ -558,7 +561,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   // pieces, so no barrier). Else a unit is one tile.
   //
   // kCurrent keeps a unit's pieces in the same shared memory between its amax visit and its
-  // cast, where a unit is one tile of a 16-bit type (`has_slot`).
+  // cast, where a unit is one tile of a 16-bit type (`kHasSlot`).
   [[maybe_unused]] uint4* stash = nullptr;  // [P][kThreads]: the b tile's or the kept unit's pieces
   bool paired = false;
   int64_t block = 0, block_tiles = 0;  // when paired: a (or b) block's columns and tiles
@@ -570,7 +573,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   if constexpr (sizeof(T) == 2 && (kSource == Source::kGluBackward || kCurrent)) {
     stash = reinterpret_cast<uint4*>(dynamic_shared + stash_offset(groups));
   }
-  [[maybe_unused]] const bool has_slot = kCurrent && sizeof(T) == 2;
+  constexpr bool kHasSlot = kCurrent && sizeof(T) == 2;
   const int64_t unit_cols = paired ? col_tiles / 2 : col_tiles;  // units per row tile
   const int64_t units = static_cast<int64_t>(layout.tiles[groups]) * unit_cols;
 
@@ -644,9 +647,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   // After `unit`'s amax visit.
   auto keep_or_drop = [&](int64_t unit) -> AmaxOutcome {
     AmaxOutcome o{Keep::kDrop, stashed};
-    if (has_slot && stashed < 0) {
+    if (kHasSlot && stashed < 0) {
       o.keep = Keep::kStash;
-    } else if (has_slot && split_of_unit(unit) != split_of_unit(stashed)) {
+    } else if (kHasSlot && split_of_unit(unit) != split_of_unit(stashed)) {
       // (The stash's split cannot be complete before this unit of it is announced.)
       for (int poll = 0; !stash_ready && poll < kStashPolls; ++poll) {
         __nanosleep(kPollNanoseconds);
@@ -759,7 +762,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       } else {
         load_rows(std::integral_constant<GluActivation, GluActivation::kClampedSwiGLU>{});
       }
-      if (kCurrent && has_slot && visit == Visit::kAmax && threadIdx.x == 0 && stashed >= 0) {
+      if (kCurrent && kHasSlot && visit == Visit::kAmax && threadIdx.x == 0 && stashed >= 0) {
         stash_ready = stash_split_complete();  // overlaps the loads just issued
       }
       // The scale gradient's partial sums: one per row and tile column.

@@ -3,8 +3,8 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/util/accumulate.h>
 
-#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -253,19 +253,14 @@ GluGradsQuantized glu_backward_split_quantize(const at::Tensor& grad_output,
   if (o.scaling == QuantizeScaling::kCurrent) {
     GluGrads grads = glu_backward(grad_output, input, scales, glu, grad_scales);
     if (grad_scales) {
-      // Rows past the splits get 0, as the one launch (which never visits them) leaves them: the
-      // clamped split sum, without a host sync when the sizes are on the device.
-      at::Tensor covered;
-      if (m_splits.has_host()) {
-        int64_t total = 0;
-        for (const int64_t size : m_splits.host()) {
-          total = std::min(total + std::max<int64_t>(size, 0), rows);
-        }
-        covered = at::scalar_tensor(total, input.options().dtype(at::kLong));
-      } else {
-        covered = m_splits.device().clamp_min(0).sum().clamp_max(rows);
-      }
-      const at::Tensor past = at::arange(rows, input.options().dtype(at::kLong)).ge(covered);
+      // Rows past the splits get 0, as the fused launch of the other scalings leaves them (it
+      // never visits them). Device sizes are clamped as the kernel clamps them, each to [0, rows]
+      // before the sum, and stay on the device (no host sync); host sizes were checked above.
+      const at::Tensor row = at::arange(rows, input.options().dtype(at::kLong));
+      const at::Tensor past =
+          m_splits.has_host()
+              ? row.ge(c10::sum_integers(m_splits.host()))
+              : row.ge(m_splits.device().to(at::kLong).clamp(0, rows).sum().clamp_max(rows));
       grads.grad_scales.masked_fill_(past.reshape(grads.grad_scales.sizes()), 0);
     }
     return {split_quantize(grads.grad_input, m_splits, o, scale, amax), grads.grad_scales};

@@ -720,14 +720,23 @@ TEST_CASE("glu_backward_split_quantize equals glu_backward then split_quantize",
     CHECK(torch::equal(part.narrow(0, 0, 695),
                        fused.grad_scales.to(torch::kFloat).narrow(0, 0, 695)));
     CHECK(torch::equal(part.narrow(0, 695, 9), torch::zeros({9}, part.options())));
+    if (device_splits) {
+      // Garbage device sizes clamp (a negative one to 0, the sum to the rows): every row visited.
+      const torch::Tensor wild = torch::tensor({131, -5, 256, 17, 400}, torch::kInt).cuda();
+      const torch::Tensor all = torchmoe::ops::glu_backward_split_quantize(
+                                    dy, z, scales, glu, true, torchmoe::SplitSizes(wild), o, scale)
+                                    .grad_scales.to(torch::kFloat);
+      CHECK(torch::equal(all, fused.grad_scales.to(torch::kFloat)));
+    }
   }
 }
 
-// Current scaling's amax visits compute the gradient too, and the scale-gradient sums come from
-// the cast visits only: many waves, one split holding most rows, repeated.
+// The fused launch over many waves of tiles (paired a and b tiles, one split holding most rows),
+// repeated: the same bytes as the two ops and the scale gradient summed from every tile column.
+// (Under current scaling the op is the two ops.)
 TEST_CASE("glu_backward_split_quantize: many waves of tiles", "[ops][quantize][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
-  const QuantizeScaling scaling = GENERATE(QuantizeScaling::kCurrent, QuantizeScaling::kBlock1x128);
+  const QuantizeScaling scaling = GENERATE(QuantizeScaling::kDelayed, QuantizeScaling::kBlock1x128);
   const std::vector<int64_t> sizes = {9000, 0, 37, 4000};
   const int64_t rows = 13037, k = 768;
   const torch::Tensor z = make_input(rows, 2 * k, torch::kBFloat16, 47);
@@ -736,11 +745,12 @@ TEST_CASE("glu_backward_split_quantize: many waves of tiles", "[ops][quantize][c
   SplitQuantizeOptions o;
   o.scaling = scaling;
   const torchmoe::ops::GluOptions glu;
+  const torch::Tensor scale = scale_argument(scaling, static_cast<int64_t>(sizes.size()));
   const SplitQuantized expected =
-      run(torchmoe::ops::glu_backward(dy, z, probs, glu, false).grad_input, sizes, o, {});
+      run(torchmoe::ops::glu_backward(dy, z, probs, glu, false).grad_input, sizes, o, scale);
   for (int repeat = 0; repeat < 3; ++repeat) {
     const torchmoe::ops::GluGradsQuantized fused =
-        torchmoe::ops::glu_backward_split_quantize(dy, z, probs, glu, true, sizes, o);
+        torchmoe::ops::glu_backward_split_quantize(dy, z, probs, glu, true, sizes, o, scale);
     check_same(fused.grad_input, expected, sizes, rows, 2 * k);
     check_grad_scales(fused.grad_scales, dy, z, probs, glu);
   }
