@@ -863,29 +863,40 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       if (rowwise != nullptr || S != QuantizeScaling::kBlock1x128) {
         const int64_t m4 = layout.rows4[g + 1] - layout.rows4[g];
         uint8_t* out_row = rowwise != nullptr ? rowwise + (row0 + r0) * k + col0 + c0 : nullptr;
-        // kBlock1x128: the P row amaxes of this row group, then lane i of the group (i < P) turns
-        // row i's into its scale (one division per lane, not P) and hands it to the others.
+        // kBlock1x128: the P row amaxes of this row group, reduced over its 2P lanes by halving
+        // exchanges (at each step a lane keeps half of its rows and sends the other half to the
+        // partner that keeps those: P shuffles instead of P·log2(2P)), so that lanes 2i and
+        // 2i + 1 end with row i's; they turn it into its scale (one division per lane, not P),
+        // which the others fetch.
         float own_row_scale = 1.0f;
         if constexpr (S == QuantizeScaling::kBlock1x128) {
-          float row_amax[P];
+          static_assert(kRowThreads == 2 * P, "two lanes per row after the exchanges");
+          float v[P];
 #pragma unroll
           for (int i = 0; i < P; ++i) {
             AbsMax<T> a;
 #pragma unroll
             for (int w = 0; w < 4; ++w) a.add(x[i][w]);
-            row_amax[i] = a.value();
+            v[i] = a.value();
+          }
+          // The lane with bit `offset` set keeps rows [half, 2·half) of its current ones: after
+          // the steps, row lane_col / 2 of the group.
 #pragma unroll
-            for (int offset = kRowThreads / 2; offset > 0; offset /= 2) {
-              row_amax[i] = fmaxf(row_amax[i], __shfl_xor_sync(kFullMask, row_amax[i], offset));
+          for (int half = P / 2, offset = kRowThreads / 2; half > 0; half /= 2, offset /= 2) {
+            const bool upper = (lane_col & offset) != 0;
+#pragma unroll
+            for (int j = 0; j < half; ++j) {
+              const float send = upper ? v[j] : v[j + half];
+              const float keep = upper ? v[j + half] : v[j];
+              v[j] = fmaxf(keep, __shfl_xor_sync(kFullMask, send, offset));
             }
           }
-          float own = row_amax[0];
-#pragma unroll
-          for (int i = 1; i < P; ++i) own = lane_col % P == i ? row_amax[i] : own;
+          const float own = fmaxf(v[0], __shfl_xor_sync(kFullMask, v[0], 1));
           own_row_scale =
               scale_from_amax(own, max_fp8, p.power_of_2_scales, p.epsilon, value_for_inf);
-          if (lane_col < P && r0 + lane_col < rows_valid) {
-            p.scale_inv[col_tiles * layout.rows4[g] + kb * m4 + mb * kTile + r0 + lane_col] =
+          const int own_row = lane_col / 2;
+          if (lane_col % 2 == 0 && r0 + own_row < rows_valid) {
+            p.scale_inv[col_tiles * layout.rows4[g] + kb * m4 + mb * kTile + r0 + own_row] =
                 __frcp_rn(own_row_scale);
           }
         }
@@ -894,7 +905,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
         for (int i = 0; i < P; ++i) {
           float scale = tensor_scale;
           if constexpr (S == QuantizeScaling::kBlock1x128) {
-            scale = __shfl_sync(kFullMask, own_row_scale, group_lane0 + i);
+            scale = __shfl_sync(kFullMask, own_row_scale, group_lane0 + 2 * i);
           }
           cast_piece<T, F>(x[i], scale, q[i]);
           if (rowwise != nullptr && col_ok && r0 + i < rows_valid) {
