@@ -495,6 +495,13 @@ __device__ __forceinline__ int load_acquire(const int* p) {
 // pre-activation (its output, or the gradient of its input).
 enum class Source { kTensor, kGluForward, kGluBackward };
 
+// Whether a launch has a stash (kStashBytes above): 16-bit pieces, and a GLU gradient source or
+// kCurrent.
+template <typename T, QuantizeScaling S, Source kSource>
+constexpr bool has_stash() {
+  return sizeof(T) == 2 && (kSource == Source::kGluBackward || S == QuantizeScaling::kCurrent);
+}
+
 template <typename T, __nv_fp8_interpretation_t F, QuantizeScaling S, Source kSource>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     split_quantize_kernel(const SplitQuantizeParams p, float max_fp8) {
@@ -570,7 +577,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     paired = block % kTile == 0;
     block_tiles = block / kTile;
   }
-  if constexpr (sizeof(T) == 2 && (kSource == Source::kGluBackward || kCurrent)) {
+  if constexpr (has_stash<T, S, kSource>()) {
     stash = reinterpret_cast<uint4*>(dynamic_shared + stash_offset(groups));
   }
   constexpr bool kHasSlot = kCurrent && sizeof(T) == 2;
@@ -1075,10 +1082,8 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T, __nv_fp8_interpretation_t F, QuantizeScaling S, Source kSource>
 void launch_source(const SplitQuantizeParams& p, cudaStream_t stream) {
   auto* kernel = split_quantize_kernel<T, F, S, kSource>;
-  const bool stash =
-      sizeof(T) == 2 && (kSource == Source::kGluBackward || S == QuantizeScaling::kCurrent);
-  const size_t shared =
-      stash ? stash_offset(p.num_groups) + kStashBytes : layout_bytes(p.num_groups);
+  const size_t shared = has_stash<T, S, kSource>() ? stash_offset(p.num_groups) + kStashBytes
+                                                   : layout_bytes(p.num_groups);
   // The kernel's static shared memory (about 21 KB) plus the layout may pass the 48 KB default.
   TORCHMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(shared)));
