@@ -95,6 +95,35 @@ void report_fused_row(std::ostream& json, const std::string& shape, const std::s
        << ", \"fused\": " << fused_gbs << "}" << (last ? "" : ",") << "\n";
 }
 
+// The fused-cast tables' cast: delayed scaling, a unit scale per split.
+struct DelayedCast {
+  torchmoe::ops::SplitQuantizeOptions options;
+  torch::Tensor scale;
+};
+
+DelayedCast delayed_cast(int64_t groups) {
+  DelayedCast c;
+  c.options.scaling = QuantizeScaling::kDelayed;
+  c.scale = torch::ones({groups}, torch::TensorOptions().device(torch::kCUDA));
+  return c;
+}
+
+// The SwiGLU tables' operands for a shape: the bf16 pre-activation [M, 2·ffn], the fp32
+// probabilities and E uniform device splits.
+struct GluOperands {
+  int64_t m, ffn;
+  torch::Tensor z, probs;
+  torchmoe::SplitSizes splits;
+};
+
+GluOperands glu_operands(const torchmoe::bench::Shape& shape) {
+  const auto on_gpu = torch::TensorOptions().device(torch::kCUDA);
+  const int64_t m = shape.tokens * shape.topk;
+  return {m, shape.ffn, torch::randn({m, 2 * shape.ffn}, on_gpu.dtype(torch::kBFloat16)),
+          torch::rand({m}, on_gpu),
+          torchmoe::SplitSizes::uniform(shape.experts, m / shape.experts, torch::kCUDA)};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -149,27 +178,23 @@ int main(int argc, char** argv) {
   print_fused_header(
       "fc2's input: SwiGLU of [M, 2*ffn] with probs -> e4m3 rowwise + columnwise, delayed");
   for (size_t i = 0; i < shapes.size(); ++i) {
-    const torchmoe::bench::Shape& shape = shapes[i];
-    const int64_t m = shape.tokens * shape.topk, f = shape.ffn, groups = shape.experts;
-    const torch::Tensor z = torch::randn({m, 2 * f}, bf16);
-    const torch::Tensor probs = torch::rand({m}, bf16.dtype(torch::kFloat));
+    const GluOperands g = glu_operands(shapes[i]);
+    const int64_t m = g.m, f = g.ffn;
     torch::Tensor copy_src = torch::randn({m, f}, bf16), copy_dst = torch::empty_like(copy_src);
-    const torchmoe::SplitSizes splits =
-        torchmoe::SplitSizes::uniform(groups, m / groups, torch::kCUDA);
-    const torch::Tensor scale = torch::full({groups}, 1.0f, bf16.dtype(torch::kFloat));
-    torchmoe::ops::SplitQuantizeOptions o;
-    o.scaling = QuantizeScaling::kDelayed;
+    const DelayedCast cast = delayed_cast(shapes[i].experts);
     const torchmoe::ops::GluOptions glu;
     const std::vector<double> ms = torchmoe::bench::median_ms_each(
         {[&] { copy_dst.copy_(copy_src); },
          [&] {
-           torchmoe::ops::split_quantize(torchmoe::ops::glu_forward(z, probs, glu), splits, o,
-                                         scale);
+           torchmoe::ops::split_quantize(torchmoe::ops::glu_forward(g.z, g.probs, glu), g.splits,
+                                         cast.options, cast.scale);
          },
-         [&] { torchmoe::ops::glu_split_quantize(z, probs, glu, splits, o, scale); }},
+         [&] {
+           torchmoe::ops::glu_split_quantize(g.z, g.probs, glu, g.splits, cast.options, cast.scale);
+         }},
         args.iters, args.warmup);
     const double elements = static_cast<double>(m) * static_cast<double>(f);
-    report_fused_row(json, shape.name,
+    report_fused_row(json, shapes[i].name,
                      "\"rows\": " + std::to_string(m) + ", \"ffn\": " + std::to_string(f), ms,
                      4.0 * elements, 6.0 * elements, i + 1 == shapes.size());
   }
@@ -187,17 +212,18 @@ int main(int argc, char** argv) {
     const torch::Tensor source_rows = torchmoe::ops::tokens_of_rows(map.sorted_slots, shape.topk);
     const torchmoe::SplitSizes splits = torchmoe::ops::split_sizes(map);
     torch::Tensor copy_src = torch::randn({m, k}, bf16), copy_dst = torch::empty_like(copy_src);
-    const torch::Tensor scale = torch::full({shape.experts}, 1.0f, bf16.dtype(torch::kFloat));
-    torchmoe::ops::SplitQuantizeOptions o;
-    o.scaling = QuantizeScaling::kDelayed;
+    const DelayedCast cast = delayed_cast(shape.experts);
     const std::vector<double> ms = torchmoe::bench::median_ms_each(
         {[&] { copy_dst.copy_(copy_src); },
          [&] {
            torchmoe::ops::split_quantize(
-               torchmoe::ops::permute_rows(tokens, map.row_map, map.sorted_slots, {}), splits, o,
-               scale);
+               torchmoe::ops::permute_rows(tokens, map.row_map, map.sorted_slots, {}), splits,
+               cast.options, cast.scale);
          },
-         [&] { torchmoe::ops::gather_split_quantize(tokens, source_rows, splits, o, scale); }},
+         [&] {
+           torchmoe::ops::gather_split_quantize(tokens, source_rows, splits, cast.options,
+                                                cast.scale);
+         }},
         args.iters, args.warmup);
     report_fused_row(json, shape.name,
                      "\"tokens\": " + std::to_string(t) + ", \"rows\": " + std::to_string(m) +
@@ -210,30 +236,26 @@ int main(int argc, char** argv) {
       "fc1's output gradient: SwiGLU backward of dy [M, ffn] -> e4m3 rowwise + columnwise of "
       "[M, 2*ffn], delayed");
   for (size_t i = 0; i < shapes.size(); ++i) {
-    const torchmoe::bench::Shape& shape = shapes[i];
-    const int64_t m = shape.tokens * shape.topk, f = shape.ffn, groups = shape.experts;
-    const torch::Tensor z = torch::randn({m, 2 * f}, bf16);
+    const GluOperands g = glu_operands(shapes[i]);
+    const int64_t m = g.m, f = g.ffn;
     const torch::Tensor dy = torch::randn({m, f}, bf16);
-    const torch::Tensor probs = torch::rand({m}, bf16.dtype(torch::kFloat));
     torch::Tensor copy_src = torch::randn({m, 2 * f}, bf16), copy_dst = torch::empty_like(copy_src);
-    const torchmoe::SplitSizes splits =
-        torchmoe::SplitSizes::uniform(groups, m / groups, torch::kCUDA);
-    const torch::Tensor scale = torch::full({groups}, 1.0f, bf16.dtype(torch::kFloat));
-    torchmoe::ops::SplitQuantizeOptions o;
-    o.scaling = QuantizeScaling::kDelayed;
+    const DelayedCast cast = delayed_cast(shapes[i].experts);
     const torchmoe::ops::GluOptions glu;
     const std::vector<double> ms = torchmoe::bench::median_ms_each(
         {[&] { copy_dst.copy_(copy_src); },
          [&] {
            torchmoe::ops::split_quantize(
-               torchmoe::ops::glu_backward(dy, z, probs, glu, true).grad_input, splits, o, scale);
+               torchmoe::ops::glu_backward(dy, g.z, g.probs, glu, true).grad_input, g.splits,
+               cast.options, cast.scale);
          },
          [&] {
-           torchmoe::ops::glu_backward_split_quantize(dy, z, probs, glu, true, splits, o, scale);
+           torchmoe::ops::glu_backward_split_quantize(dy, g.z, g.probs, glu, true, g.splits,
+                                                      cast.options, cast.scale);
          }},
         args.iters, args.warmup);
     const double elements = static_cast<double>(m) * static_cast<double>(f);
-    report_fused_row(json, shape.name,
+    report_fused_row(json, shapes[i].name,
                      "\"rows\": " + std::to_string(m) + ", \"ffn\": " + std::to_string(f), ms,
                      8.0 * elements, 10.0 * elements, i + 1 == shapes.size());
   }
