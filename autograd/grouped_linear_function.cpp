@@ -158,7 +158,8 @@ at::Tensor fp8_forward_output(const at::Tensor& input, const at::Tensor& scales,
   }
   ops::SplitQuantized w = fp8_weights(f, grouped(weights, config.grouped_weight), needs.input);
   at::Tensor output = ops::grouped_linear_forward_fp8(
-      plan, quantized, w, grouped(biases, config.grouped_bias), input.scalar_type());
+      plan, quantized, w, grouped(biases, config.grouped_bias), input.scalar_type(),
+      !fp8::split_accumulator(f.recipe, kernels::GemmKind::kFprop));
   if (needs.weights) {
     quantized.data = at::Tensor();  // backward reads the columnwise copy only
     f.input = std::move(quantized);
@@ -196,7 +197,9 @@ void run_wgrad(const GroupedLinearConfig& cfg, const at::Tensor& input,
                               gather_rows);
     return;
   }
-  ops::grouped_linear_wgrad_fp8(cfg.plan, fp8_input, fp8_grad_output, out, accumulate);
+  ops::grouped_linear_wgrad_fp8(
+      cfg.plan, fp8_input, fp8_grad_output, out, accumulate,
+      !fp8::split_accumulator(cfg.fp8->recipe, kernels::GemmKind::kWgrad));
   if (!bias_grads.empty()) ops::grouped_bias_grad(cfg.plan, grad_output, bias_grads);
 }
 
@@ -298,8 +301,9 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
   if (input_needs_grad) {
     at::Tensor grad_gemm_input;
     if (cfg.fp8) {
-      grad_gemm_input = ops::grouped_linear_dgrad_fp8(cfg.plan, fp8_grad_output, cfg.fp8->weights,
-                                                      grad_output.scalar_type());
+      grad_gemm_input = ops::grouped_linear_dgrad_fp8(
+          cfg.plan, fp8_grad_output, cfg.fp8->weights, grad_output.scalar_type(),
+          !fp8::split_accumulator(cfg.fp8->recipe, kernels::GemmKind::kDgrad));
     } else {
       for (size_t i = 0; i < num_weights; ++i) {
         TORCH_CHECK(weights[i]._version() == cfg.weight_versions[i],

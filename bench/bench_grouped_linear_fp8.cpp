@@ -19,6 +19,15 @@
 //   fp8_grouped   fp8_delayed on gemm_backend kCublasLtGrouped (one grouped FP8 matmul per
 //                 product; only when the process loaded cuBLASLt >= 13.8, else not measured)
 //
+// Then the three products alone, per shape, on operands made once (split_quantize and
+// quantize_weights under current scaling, e4m3 x and W, e5m2 dy as HYBRID casts them): our bf16
+// products (kAuto) and FP8 products on the sm90 kernel (fprop with fast accumulation, dgrad and
+// wgrad with split accumulation, as TE, and with fast accumulation as CurrentScaling's
+// dgrad/wgrad_split_accumulator(false) runs them), next to the peers' fprop in the same run
+// taking turns:
+// torch._grouped_mm (bf16) and torch._scaled_grouped_mm (FP8 with rowwise scales, fast
+// accumulation), both called through ATen.
+//
 //   bench_grouped_linear_fp8 [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
 //   (TORCHMOE_BENCH_TRACE=PREFIX: also Kineto traces of 5 bf16, 5 fp8_sm90 and 5 fp8_block steps
 //   per shape)
@@ -32,6 +41,9 @@
 // spec, 989 TFLOP/s bf16 and 1979 FP8 (the 1979 / 3958 headline numbers are with 2:4 sparsity).
 
 #include <ATen/cuda/CUDAContext.h>
+#include <torchmoe/ops/grouped_gemm.h>
+#include <torchmoe/ops/grouped_gemm_fp8.h>
+#include <torchmoe/ops/quantize.h>
 #include <torchmoe/torchmoe.h>
 
 #include "bench_common.h"
@@ -72,6 +84,80 @@ struct Record {
   int64_t experts, m, n, k;
   std::vector<double> tflops;  // per column
 };
+
+// The products table's columns: ours bf16 and FP8 per product, then the peers' fprop.
+const char* const kProductColumns[] = {"bf16_fprop",       "bf16_dgrad",
+                                       "bf16_wgrad",       "fp8_fprop",
+                                       "fp8_dgrad",        "fp8_wgrad",
+                                       "fp8_dgrad_fast",   "fp8_wgrad_fast",
+                                       "grouped_mm_fprop", "scaled_grouped_mm_fprop"};
+constexpr size_t kNumProductColumns = 10;
+
+struct ProductRecord {
+  std::string shape;
+  std::vector<double> tflops;         // per product column
+  double fp8_over_bf16_geomean;       // split accumulation in dgrad and wgrad (TE's)
+  double fp8_fast_over_bf16_geomean;  // fast accumulation in all three
+  double fp8_fprop_over_scaled_grouped_mm;
+};
+
+// The products table of one shape (see the header).
+ProductRecord measure_products(const Shape& shape, const torchmoe::bench::Args& args) {
+  namespace ops = torchmoe::ops;
+  const int64_t m = shape.tokens * shape.topk, n = 2 * shape.ffn, k = shape.hidden;
+  const int64_t e = shape.experts;
+  std::vector<int64_t> host(e, m / e);
+  host.back() += m - m / e * e;
+  const auto bf16 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+  const torchmoe::SplitSizes splits(host, torch::tensor(host, torch::kLong).to(torch::kCUDA));
+  torch::manual_seed(0);
+  const torch::Tensor x = torch::randn({m, k}, bf16), dy = torch::randn({m, n}, bf16);
+  const torch::Tensor w = torch::randn({e, n, k}, bf16) * (1.0 / std::sqrt(k));
+  const ops::GroupedTensors weights = ops::GroupedTensors::stacked(w);
+  const torch::Tensor dw = torch::empty_like(w);
+  const ops::GroupedTensors weight_grads = ops::GroupedTensors::stacked(dw);
+  const std::vector<ops::GemmShape> gemm{{n, k, static_cast<size_t>(e), true}};
+  const ops::GemmPlan plan =
+      ops::plan_grouped_gemms("bench", x, gemm, splits, torchmoe::GemmBackend::kAuto)[0];
+  const ops::GemmPlan fp8_plan = ops::plan_grouped_gemms(
+      "bench", x, gemm, splits, torchmoe::GemmBackend::kSm90, {}, /*fp8=*/true)[0];
+  ops::SplitQuantizeOptions forward;  // e4m3, current scaling, both copies
+  ops::SplitQuantizeOptions backward = forward;
+  backward.format = ops::Fp8Format::kE5M2;
+  const ops::SplitQuantized xq = ops::split_quantize(x, splits, forward);
+  const ops::SplitQuantized wq = ops::quantize_weights(weights, forward);
+  const ops::SplitQuantized dyq = ops::split_quantize(dy, splits, backward);
+  // The peers: offsets (int32 cumulative sizes), W as [E, k, n] views, unit rowwise scales.
+  const torch::Tensor offsets =
+      torch::tensor(host, torch::kLong).cumsum(0).to(torch::kInt).to(torch::kCUDA);
+  const torch::Tensor w_t = w.transpose(-2, -1);
+  const torch::Tensor w8_t = wq.data.view({e, n, k}).transpose(-2, -1);
+  const torch::Tensor scale_a = torch::ones({m}, bf16.dtype(torch::kFloat));
+  const torch::Tensor scale_b = torch::ones({e, n}, bf16.dtype(torch::kFloat));
+  const std::vector<std::function<void()>> fns = {
+      [&] { ops::grouped_linear_forward(plan, x, weights, {}); },
+      [&] { ops::grouped_linear_dgrad(plan, dy, weights); },
+      [&] { ops::grouped_linear_wgrad(plan, x, dy, weight_grads, false, {}); },
+      [&] { ops::grouped_linear_forward_fp8(fp8_plan, xq, wq, {}, torch::kBFloat16); },
+      [&] { ops::grouped_linear_dgrad_fp8(fp8_plan, dyq, wq, torch::kBFloat16); },
+      [&] { ops::grouped_linear_wgrad_fp8(fp8_plan, xq, dyq, weight_grads, false); },
+      [&] { ops::grouped_linear_dgrad_fp8(fp8_plan, dyq, wq, torch::kBFloat16, true); },
+      [&] { ops::grouped_linear_wgrad_fp8(fp8_plan, xq, dyq, weight_grads, false, true); },
+      [&] { at::_grouped_mm(x, w_t, offsets); },
+      [&] {
+        at::_scaled_grouped_mm(xq.data, w8_t, scale_a, scale_b, offsets, {}, {}, torch::kBFloat16,
+                               /*use_fast_accum=*/true);
+      }};
+  const std::vector<double> ms = median_ms_each(fns, args.iters, args.warmup);
+  const double flops = 2.0 * static_cast<double>(m) * n * k;
+  ProductRecord r{shape.name, {}, 0.0, 0.0, 0.0};
+  for (double t : ms) r.tflops.push_back(flops / t * 1e-9);
+  const std::vector<double>& t = r.tflops;
+  r.fp8_over_bf16_geomean = std::cbrt(t[3] / t[0] * t[4] / t[1] * t[5] / t[2]);
+  r.fp8_fast_over_bf16_geomean = std::cbrt(t[3] / t[0] * t[6] / t[1] * t[7] / t[2]);
+  r.fp8_fprop_over_scaled_grouped_mm = t[3] / t[9];
+  return r;
+}
 
 }  // namespace
 
@@ -215,6 +301,24 @@ int main(int argc, char** argv) {
     }
   }
 
+  std::cout << "\nthe products alone (operands made once; FP8 on the sm90 kernel), TFLOP/s\n"
+            << std::left << std::setw(17) << "shape" << std::right;
+  for (const char* column : kProductColumns) std::cout << " " << std::setw(12) << column;
+  std::cout << std::setw(10) << "fp8/bf16" << std::setw(10) << "fast/bf16" << std::setw(11)
+            << "fp8/scaled"
+            << "\n";
+  std::vector<ProductRecord> products;
+  for (const Shape& shape : torchmoe::bench::selected_shapes(args)) {
+    ProductRecord r = measure_products(shape, args);
+    std::cout << std::left << std::setw(17) << r.shape << std::right << std::fixed
+              << std::setprecision(1);
+    for (double v : r.tflops) std::cout << " " << std::setw(12) << v;
+    std::cout << std::setprecision(3) << std::setw(10) << r.fp8_over_bf16_geomean << std::setw(10)
+              << r.fp8_fast_over_bf16_geomean << std::setw(11) << r.fp8_fprop_over_scaled_grouped_mm
+              << "\n";
+    products.push_back(std::move(r));
+  }
+
   std::ofstream json(args.json_path);
   json << "{\n  \"device\": \"" << device
        << "\",\n  \"params_dtype\": \"bfloat16\",\n  \"unit\": \"TFLOP/s\",\n"
@@ -241,6 +345,18 @@ int main(int argc, char** argv) {
          << ", \"fp8_cached_over_bf16\": " << r.tflops[5] / r.tflops[0]
          << ", \"fp8_sm90_over_fp8_cublaslt\": " << r.tflops[7] / r.tflops[6] << "}"
          << (i + 1 < records.size() ? "," : "") << "\n";
+  }
+  json << "  ],\n  \"products\": [\n";
+  for (size_t i = 0; i < products.size(); ++i) {
+    const ProductRecord& r = products[i];
+    json << "    {\"shape\": \"" << r.shape << "\"";
+    for (size_t c = 0; c < kNumProductColumns; ++c) {
+      json << ", \"" << kProductColumns[c] << "\": " << r.tflops[c];
+    }
+    json << ", \"fp8_over_bf16_geomean\": " << r.fp8_over_bf16_geomean
+         << ", \"fp8_fast_over_bf16_geomean\": " << r.fp8_fast_over_bf16_geomean
+         << ", \"fp8_fprop_over_scaled_grouped_mm\": " << r.fp8_fprop_over_scaled_grouped_mm << "}"
+         << (i + 1 < products.size() ? "," : "") << "\n";
   }
   json << "  ]\n}\n";
   std::cout << "wrote " << args.json_path << "\n";

@@ -91,6 +91,20 @@ Format recipe_format(const Recipe& recipe) {
   return std::visit([](const auto& r) { return r.format(); }, recipe);
 }
 
+bool split_accumulator(const Recipe& recipe, kernels::GemmKind product) {
+  if (const auto* current = std::get_if<CurrentScaling>(&recipe)) {
+    switch (product) {
+      case kernels::GemmKind::kFprop:
+        return current->fprop_split_accumulator();
+      case kernels::GemmKind::kDgrad:
+        return current->dgrad_split_accumulator();
+      case kernels::GemmKind::kWgrad:
+        return current->wgrad_split_accumulator();
+    }
+  }
+  return std::holds_alternative<BlockScaling>(recipe) || product != kernels::GemmKind::kFprop;
+}
+
 const char* recipe_name(const Recipe& recipe) {
   switch (recipe.index()) {
     case 0:

@@ -67,6 +67,13 @@ class CurrentScaling {
   TORCH_ARG(Format, format) = Format::kHybrid;
   /// Round scales down to powers of two (exact scale_inv; TE's force_pow_2_scales).
   TORCH_ARG(bool, power_of_2_scales) = false;
+  /// Split accumulation per product (TE's fp8_gemm_fprop/dgrad/wgrad MMParams'
+  /// use_split_accumulator, with its defaults): each 128-deep block of the reduction is summed by
+  /// the tensor cores and added to fp32 accumulators. Off, the tensor cores accumulate the whole
+  /// reduction themselves: faster, with several times the error (docs/fp8.md, "Accumulation").
+  TORCH_ARG(bool, fprop_split_accumulator) = false;
+  TORCH_ARG(bool, dgrad_split_accumulator) = true;
+  TORCH_ARG(bool, wgrad_split_accumulator) = true;
 
  public:  // TORCH_ARG leaves the access private
   /// amaxes below this are raised to it (keeps the scale of tiny tensors bounded). Finite, >= 0.
@@ -117,6 +124,10 @@ using Recipe = std::variant<DelayedScaling, CurrentScaling, BlockScaling>;
 void validate(const Recipe& recipe);
 /// The recipe's format.
 Format recipe_format(const Recipe& recipe);
+/// Whether `product` runs split accumulation under `recipe`: CurrentScaling's fields;
+/// DelayedScaling TE's fixed choice (fprop no, dgrad and wgrad yes); BlockScaling always (its
+/// scales apply per 128-deep block, which is split accumulation).
+bool split_accumulator(const Recipe& recipe, kernels::GemmKind product);
 /// "DelayedScaling", "CurrentScaling" or "BlockScaling".
 const char* recipe_name(const Recipe& recipe);
 

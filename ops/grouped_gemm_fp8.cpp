@@ -365,7 +365,8 @@ at::Tensor grouped_linear_forward_fp8(const GemmPlan& plan, const SplitQuantized
 }
 
 at::Tensor grouped_linear_dgrad_fp8(const GemmPlan& plan, const SplitQuantized& grad_output,
-                                    const SplitQuantized& weights, at::ScalarType output_dtype) {
+                                    const SplitQuantized& weights, at::ScalarType output_dtype,
+                                    bool fast_accumulation) {
   check_plan(kDgradOp, plan);
   check_output_dtype(kDgradOp, output_dtype);
   const int64_t n = plan.shape.n, k = plan.shape.k, groups = plan.shape.groups;
@@ -388,22 +389,25 @@ at::Tensor grouped_linear_dgrad_fp8(const GemmPlan& plan, const SplitQuantized& 
                                output_dtype);
       std::swap(p.n, p.k);
       p.output = grad_input.data_ptr();
+      p.fast_accumulation = fast_accumulation;
       detail::sm90_fp8(grad_input, p);
     } else {
       auto p = device_fp8_params<kernels::CublasLtGroupedFp8Params>(
           kernels::GemmKind::kDgrad, plan, grad_output, true, weights, false, output_dtype);
       p.output = grad_input.data_ptr();
+      p.fast_accumulation = fast_accumulation;
       detail::cublaslt_grouped_fp8(grad_input, p);
     }
     return grad_input;
   }
   return per_group_rows_product(grad_output, weights, false, host_sizes(plan), k, n, output_dtype,
-                                /*fast_accumulation=*/false, {});
+                                fast_accumulation, {});
 }
 
 void grouped_linear_wgrad_fp8(const GemmPlan& plan, const SplitQuantized& input,
                               const SplitQuantized& grad_output,
-                              const GroupedTensors& weight_grads_out, bool accumulate) {
+                              const GroupedTensors& weight_grads_out, bool accumulate,
+                              bool fast_accumulation) {
   check_plan(kWgradOp, plan);
   const int64_t n = plan.shape.n, k = plan.shape.k, groups = plan.shape.groups;
   check_operand(kWgradOp, "grad_output", grad_output, false, plan.rows, n, groups,
@@ -436,12 +440,14 @@ void grouped_linear_wgrad_fp8(const GemmPlan& plan, const SplitQuantized& input,
                                out_dtype);
       p.weight_grad = detail::group_address(checked);
       p.accumulate = accumulate;
+      p.fast_accumulation = fast_accumulation;
       detail::sm90_fp8(weight_grads_out[0], p);
     } else {
       auto p = device_fp8_params<kernels::CublasLtGroupedFp8Params>(
           kernels::GemmKind::kWgrad, plan, grad_output, false, input, false, out_dtype);
       p.weight_grad = detail::group_address(checked);
       p.accumulate = accumulate;
+      p.fast_accumulation = fast_accumulation;
       detail::cublaslt_grouped_fp8(weight_grads_out[0], p);
     }
     return;
@@ -451,6 +457,7 @@ void grouped_linear_wgrad_fp8(const GemmPlan& plan, const SplitQuantized& input,
   const OperandGroups b = operand_groups(input, false, sizes, k);
   kernels::Fp8GroupedGemmParams p = product_params(grad_output, input, k, out_dtype);
   p.accumulate = accumulate;
+  p.fast_accumulation = fast_accumulation;
   detail::for_each_group(sizes, [&](size_t g, int64_t, int64_t rows) {
     kernels::Fp8GemmGroup group;
     group.m = n;

@@ -30,15 +30,19 @@ at::Tensor grouped_linear_forward_fp8(const GemmPlan& plan, const SplitQuantized
                                       at::ScalarType output_dtype, bool fast_accumulation = true);
 
 // dx[rows of g] = dy_g · W_g in output_dtype. grad_output: the rowwise copy of dy [rows, n];
-// weights: quantize_weights' columnwise copy.
+// weights: quantize_weights' columnwise copy. fast_accumulation: as in fprop (TE's choice for
+// dgrad is split accumulation).
 at::Tensor grouped_linear_dgrad_fp8(const GemmPlan& plan, const SplitQuantized& grad_output,
-                                    const SplitQuantized& weights, at::ScalarType output_dtype);
+                                    const SplitQuantized& weights, at::ScalarType output_dtype,
+                                    bool fast_accumulation = false);
 
 // dW_g = dy_gᵀ · x_g from the columnwise copies of dy [rows, n] and x [rows, k], into
 // weight_grads_out (G × [n, k], any of float32/float16/bfloat16): overwritten, or added to when
 // `accumulate` (float32 only; an empty split then leaves its buffer as it is, else zeroes it).
+// fast_accumulation: as in fprop (TE's choice for wgrad is split accumulation).
 void grouped_linear_wgrad_fp8(const GemmPlan& plan, const SplitQuantized& input,
                               const SplitQuantized& grad_output,
-                              const GroupedTensors& weight_grads_out, bool accumulate);
+                              const GroupedTensors& weight_grads_out, bool accumulate,
+                              bool fast_accumulation = false);
 
 }  // namespace torchmoe::ops

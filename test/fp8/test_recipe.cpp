@@ -26,6 +26,9 @@ TEST_CASE("FP8 recipes default to TransformerEngine's values", "[fp8][recipe]") 
   CHECK(current.format() == Format::kHybrid);
   CHECK_FALSE(current.power_of_2_scales());
   CHECK(current.amax_epsilon() == 0.0);
+  CHECK_FALSE(current.fprop_split_accumulator());
+  CHECK(current.dgrad_split_accumulator());
+  CHECK(current.wgrad_split_accumulator());
   const BlockScaling block;
   CHECK(block.format() == Format::kE4M3);
   CHECK(block.power_of_2_scales());
@@ -56,6 +59,32 @@ TEST_CASE("FP8 recipe setters chain and keep their values", "[fp8][recipe]") {
   CHECK(recipe_format(recipe) == Format::kE4M3);
   CHECK(std::string(recipe_name(Recipe(delayed))) == "DelayedScaling");
   CHECK(std::string(recipe_name(Recipe(current))) == "CurrentScaling");
+}
+
+TEST_CASE("FP8 recipes choose each product's accumulation as TransformerEngine's",
+          "[fp8][recipe]") {
+  using torchmoe::kernels::GemmKind;
+  // TE's fixed _2X_ACC_FPROP/DGRAD/WGRAD for delayed scaling, Float8CurrentScaling's MMParams
+  // defaults, and block scales (applied per 128-deep block) always split.
+  for (const Recipe& recipe : {Recipe(DelayedScaling()), Recipe(CurrentScaling())}) {
+    INFO(recipe_name(recipe));
+    CHECK_FALSE(split_accumulator(recipe, GemmKind::kFprop));
+    CHECK(split_accumulator(recipe, GemmKind::kDgrad));
+    CHECK(split_accumulator(recipe, GemmKind::kWgrad));
+  }
+  for (const GemmKind product : {GemmKind::kFprop, GemmKind::kDgrad, GemmKind::kWgrad}) {
+    CHECK(split_accumulator(BlockScaling(), product));
+  }
+  const Recipe flipped = CurrentScaling()
+                             .fprop_split_accumulator(true)
+                             .dgrad_split_accumulator(false)
+                             .wgrad_split_accumulator(false);
+  CHECK(split_accumulator(flipped, GemmKind::kFprop));
+  CHECK_FALSE(split_accumulator(flipped, GemmKind::kDgrad));
+  CHECK_FALSE(split_accumulator(flipped, GemmKind::kWgrad));
+  const Recipe dgrad_only = CurrentScaling().wgrad_split_accumulator(false);
+  CHECK(split_accumulator(dgrad_only, GemmKind::kDgrad));
+  CHECK_FALSE(split_accumulator(dgrad_only, GemmKind::kWgrad));
 }
 
 TEST_CASE("FP8 recipes reject bad values with clear errors", "[fp8][recipe][errors]") {

@@ -195,6 +195,13 @@ RecipeCase recipe_case(int index) {
     case 2:
       return {"BlockScaling (e4m3; 1x128 input and grad, 128x128 weight)", fp8::BlockScaling(),
               false};
+    case 3:
+      return {"CurrentScaling (hybrid; split accumulation in fprop only)",
+              fp8::CurrentScaling()
+                  .fprop_split_accumulator(true)
+                  .dgrad_split_accumulator(false)
+                  .wgrad_split_accumulator(false),
+              true};
     default:
       return {
           "BlockScaling (hybrid; all 1x128)",
@@ -207,7 +214,7 @@ RecipeCase recipe_case(int index) {
 
 TEST_CASE("GroupedLinear FP8 is close to the same layer in bf16", "[modules][fp8][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
-  const RecipeCase rc = recipe_case(GENERATE(range(0, 4)));
+  const RecipeCase rc = recipe_case(GENERATE(range(0, 5)));
   INFO(rc.name);
   const bool delayed = std::holds_alternative<fp8::DelayedScaling>(rc.recipe);
   GroupedLinear m = make_layer(layer_options(delayed ? kHistory : 0));
@@ -233,6 +240,35 @@ TEST_CASE("GroupedLinear FP8 is close to the same layer in bf16", "[modules][fp8
   // And it did run in FP8: quantization noise (~0.04) is far above bf16's (~0.004).
   CHECK(relative_error(out.y.to(torch::kFloat), ref.y.to(torch::kFloat)) > 0.01);
   CHECK(relative_error(out.dx.to(torch::kFloat), ref.dx.to(torch::kFloat)) > 0.01);
+}
+
+// The recipe's accumulation choice reaches each product: the same quantized operands (current
+// scaling casts the same tensors the same way) give results that differ by the accumulation's
+// rounding alone, in every product (reductions of 256, 384 and up to 211 deep: two or more
+// 128-deep blocks, where the two accumulations part).
+TEST_CASE("GroupedLinear FP8: CurrentScaling's split_accumulator fields reach the products",
+          "[modules][fp8][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  GroupedLinear m = make_layer(layer_options());
+  const torch::Tensor x = make_input(), dy = make_grad();
+  const Grads te = run_layer(m, x, dy, fp8::Recipe(fp8::CurrentScaling()));
+  const Grads flipped = run_layer(m, x, dy,
+                                  fp8::Recipe(fp8::CurrentScaling()
+                                                  .fprop_split_accumulator(true)
+                                                  .dgrad_split_accumulator(false)
+                                                  .wgrad_split_accumulator(false)));
+  CHECK_FALSE(torch::equal(te.y, flipped.y));
+  CHECK_FALSE(torch::equal(te.dx, flipped.dx));
+  bool dw_differs = false;
+  for (int64_t g = 0; g < kGroups; ++g) dw_differs |= !torch::equal(te.dw[g], flipped.dw[g]);
+  CHECK(dw_differs);
+  // By little: far inside the quantization's error (bf16 rounding and fast accumulation's ~1e-3).
+  CHECK(relative_error(flipped.y.to(torch::kFloat), te.y.to(torch::kFloat)) < 0.01);
+  CHECK(relative_error(flipped.dx.to(torch::kFloat), te.dx.to(torch::kFloat)) < 0.01);
+  for (int64_t g = 0; g < kGroups; ++g) {
+    if (te.dw[g].abs().max().item<double>() == 0.0) continue;  // the empty split's expert
+    CHECK(relative_error(flipped.dw[g].to(torch::kFloat), te.dw[g].to(torch::kFloat)) < 0.01);
+  }
 }
 
 TEST_CASE("GroupedLinear FP8 delayed scaling records amaxes and updates the scales",

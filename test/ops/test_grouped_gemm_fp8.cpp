@@ -385,17 +385,18 @@ TEST_CASE("FP8 grouped dgrad matches the dequantized float64 reference", "[ops][
   const ShapeCase& shape = kShapeCases[GENERATE(0, 1)];
   const torch::Dtype out_dtype = GENERATE(torch::kBFloat16, torch::kFloat);
   const Fp8Format grad_format = GENERATE(kE4M3, kE5M2);
+  const bool fast = GENERATE(false, true);  // TE's choice for dgrad is split accumulation
   const GemmBackend backend =
       GENERATE(GemmBackend::kCublasLt, GemmBackend::kCublasLtGrouped, GemmBackend::kSm90);
   TORCHMOE_REQUIRE_GEMM_BACKEND(backend);
   INFO(describe(sc, shape) << "; output " << out_dtype << "; grad_output "
-                           << format_name(grad_format) << " x weight e4m3; "
-                           << backend_name(backend));
+                           << format_name(grad_format) << " x weight e4m3; fast accumulation "
+                           << fast << "; " << backend_name(backend));
   const Problem p = make_problem(shape, 12);
   const SplitQuantized dyq = quantize(p.dy, p.sizes, sc.grad, grad_format);
   const SplitQuantized wq = quantize_w(p.w, sc.weight);
   const ops::GemmPlan plan = fp8_plan(p.x, p.n, p.k, p.sizes, backend);
-  const torch::Tensor dx = ops::grouped_linear_dgrad_fp8(plan, dyq, wq, out_dtype);
+  const torch::Tensor dx = ops::grouped_linear_dgrad_fp8(plan, dyq, wq, out_dtype, fast);
   REQUIRE(dx.sizes() == torch::IntArrayRef({total(p.sizes), p.k}));
   // dx_g = dy_g · W_g = dy_g · (W_gᵀ)ᵀ with W_gᵀ [k, n] the weights' columnwise copy.
   const torch::Tensor w_hat =
@@ -404,7 +405,7 @@ TEST_CASE("FP8 grouped dgrad matches the dequantized float64 reference", "[ops][
       per_split_abt(dequantize(dyq, true, p.sizes, p.n),
                     w_hat.view({p.groups, p.n, p.k}).transpose(1, 2).reshape({p.groups * p.k, p.n}),
                     p.sizes, p.k);
-  check_product(dx, ref, out_dtype, accumulation_tol(false, sc), "dx");
+  check_product(dx, ref, out_dtype, accumulation_tol(fast, sc), "dx");
 }
 
 TEST_CASE("FP8 grouped wgrad matches the dequantized float64 reference", "[ops][fp8][cuda]") {
@@ -414,12 +415,14 @@ TEST_CASE("FP8 grouped wgrad matches the dequantized float64 reference", "[ops][
   const torch::Dtype out_dtype = GENERATE(torch::kBFloat16, torch::kFloat);
   const Fp8Format grad_format = GENERATE(kE4M3, kE5M2);
   const bool stacked = GENERATE(false, true);
+  const bool fast = GENERATE(false, true);  // TE's choice for wgrad is split accumulation
   const GemmBackend backend =
       GENERATE(GemmBackend::kCublasLt, GemmBackend::kCublasLtGrouped, GemmBackend::kSm90);
   TORCHMOE_REQUIRE_GEMM_BACKEND(backend);
   INFO(describe(sc, shape) << "; output " << out_dtype << "; grad_output "
                            << format_name(grad_format) << " x input e4m3; stacked buffers "
-                           << stacked << "; " << backend_name(backend));
+                           << stacked << "; fast accumulation " << fast << "; "
+                           << backend_name(backend));
   const Problem p = make_problem(shape, 13);
   const SplitQuantized xq = quantize(p.x, p.sizes, sc.input, kE4M3);
   const SplitQuantized dyq = quantize(p.dy, p.sizes, sc.grad, grad_format);
@@ -430,10 +433,10 @@ TEST_CASE("FP8 grouped wgrad matches the dequantized float64 reference", "[ops][
   const std::vector<torch::Tensor> views = dw.unbind(0);
   ops::grouped_linear_wgrad_fp8(plan, xq, dyq,
                                 stacked ? GroupedTensors::stacked(dw) : GroupedTensors(views),
-                                /*accumulate=*/false);
+                                /*accumulate=*/false, fast);
   const Product ref = per_split_atb(dequantize(dyq, false, p.sizes, p.n),
                                     dequantize(xq, false, p.sizes, p.k), p.sizes);
-  check_product(dw, ref, out_dtype, accumulation_tol(false, sc), "dW");
+  check_product(dw, ref, out_dtype, accumulation_tol(fast, sc), "dW");
 }
 
 // Long reductions, where the tensor cores' accumulation error grows (K 4096 in fprop, 4096 rows
