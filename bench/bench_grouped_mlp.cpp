@@ -2,8 +2,10 @@
 // next to the sum of its parts timed alone in the same process: fc1 (GroupedLinear fwd+bwd),
 // ScaledSwiGLU (fwd+bwd), fc2 (GroupedLinear fwd+bwd); and the same step with both layers' GEMMs in
 // FP8 (fp8::DelayedScaling, amax history 16, the weights quantized every step, the
-// delayed-scaling update after the step as a training loop runs it). The five take turns
-// (bench_common.h's median_ms_each), so that they compare under the same clocks.
+// delayed-scaling update after the step as a training loop runs it), and under fp8::CurrentScaling
+// with TE's accumulation (split in dgrad and wgrad) and with fast accumulation in all three
+// products. The seven take turns (bench_common.h's median_ms_each), so that they compare under the
+// same clocks.
 //
 //   bench_grouped_mlp [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
 //
@@ -42,7 +44,8 @@ int main(int argc, char** argv) {
             << std::left << std::setw(17) << "shape" << std::right << std::setw(10) << "mlp"
             << std::setw(10) << "fc1" << std::setw(10) << "act" << std::setw(10) << "fc2"
             << std::setw(10) << "parts" << std::setw(11) << "TFLOP/s" << std::setw(10) << "fp8"
-            << std::setw(10) << "bf16/fp8\n";
+            << std::setw(10) << "bf16/fp8" << std::setw(10) << "current" << std::setw(10)
+            << "bf16/cur" << std::setw(10) << "cur fast" << std::setw(11) << "bf16/fast\n";
   std::ofstream json(args.json_path);
   json << "{\n  \"device\": \"" << at::cuda::getCurrentDeviceProperties()->name
        << "\",\n  \"unit\": \"ms\",\n  \"results\": [";
@@ -82,14 +85,30 @@ int main(int argc, char** argv) {
       fp8::update_delayed_scaling(*mlp, delayed, fp8::Pass::kForward);
       fp8::update_delayed_scaling(*mlp, delayed, fp8::Pass::kBackward);
     };
+    auto current_step = [&](const fp8::CurrentScaling& recipe) -> std::function<void()> {
+      return [&, recipe] {
+        mlp->zero_grad();
+        for (const torch::Tensor* leaf : {&x, &probs}) leaf->mutable_grad().reset();
+        torch::Tensor y;
+        {
+          const fp8::Autocast guard{fp8::Recipe(recipe)};
+          y = mlp(x, splits, probs);
+        }
+        y.backward(dy);
+      };
+    };
+    const fp8::CurrentScaling fast =
+        fp8::CurrentScaling().dgrad_split_accumulator(false).wgrad_split_accumulator(false);
     // Taking turns (bench_common.h): the step and its parts under the same clocks.
     const std::vector<double> ms =
         median_ms_each({step([&] { return mlp(x, splits, probs); }, dy),
                         step([&] { return mlp->fc1(x, splits); }, dz),
                         step([&] { return torchmoe::functional::scaled_swiglu(z, probs); }, da),
-                        step([&] { return mlp->fc2(a, splits); }, dy), fp8_step},
+                        step([&] { return mlp->fc2(a, splits); }, dy), fp8_step,
+                        current_step(fp8::CurrentScaling()), current_step(fast)},
                        args.iters, args.warmup);
     const double mlp_ms = ms[0], fc1_ms = ms[1], act_ms = ms[2], fc2_ms = ms[3], fp8_ms = ms[4];
+    const double current_ms = ms[5], fast_ms = ms[6];
     torchmoe::bench::trace_if_asked(shape.name + ".fp8", fp8_step);
     const double tflops = 3 * 2.0 * m * (2 * f * h + f * h) / mlp_ms * 1e-9;
     std::cout << std::left << std::setw(17) << shape.name << std::right << std::fixed
@@ -97,11 +116,13 @@ int main(int argc, char** argv) {
               << std::setw(10) << act_ms << std::setw(10) << fc2_ms << std::setw(10)
               << fc1_ms + act_ms + fc2_ms << std::setprecision(0) << std::setw(11) << tflops
               << std::setprecision(2) << std::setw(10) << fp8_ms << std::setw(10) << mlp_ms / fp8_ms
-              << "\n";
+              << std::setw(10) << current_ms << std::setw(10) << mlp_ms / current_ms
+              << std::setw(10) << fast_ms << std::setw(11) << mlp_ms / fast_ms << "\n";
     json << (first ? "\n" : ",\n") << "    {\"shape\": \"" << shape.name
          << "\", \"mlp\": " << mlp_ms << ", \"fc1\": " << fc1_ms << ", \"act\": " << act_ms
          << ", \"fc2\": " << fc2_ms << ", \"tflops\": " << tflops
-         << ", \"mlp_fp8_delayed\": " << fp8_ms << "}";
+         << ", \"mlp_fp8_delayed\": " << fp8_ms << ", \"mlp_fp8_current\": " << current_ms
+         << ", \"mlp_fp8_current_fast_accumulation\": " << fast_ms << "}";
     first = false;
   }
   json << "\n  ]\n}\n";
