@@ -310,6 +310,38 @@ __global__ void add_bias_kernel(T* y, const float* product, int64_t rows, int64_
   }
 }
 
+// A bias is added to the fp32 product, rounding once as the fused epilogues of the other
+// backends do (adding it to a rounded 16-bit product measured errors of several percent where
+// product and bias cancel): the matmul then writes env.fprop_product, the bias kernel the output.
+template <typename Params>
+bool has_bias(const Params& p) {
+  return p.kind == GemmKind::kFprop && !p.bias.empty();
+}
+
+template <typename Params>
+Params matmul_params(const Params& p, const CublasLtGroupedEnv& env) {
+  Params matmul = p;
+  if (has_bias(p)) {
+    TORCH_INTERNAL_ASSERT(env.fprop_product != nullptr,
+                          "run_grouped_gemm_cublaslt_grouped: a bias needs fprop_product");
+    matmul.output = env.fprop_product;
+    matmul.output_type = ScalarType::kFloat32;
+  }
+  return matmul;
+}
+
+// add_bias_kernel on `type`'s output y.
+void launch_add_bias(void* y, ScalarType type, const float* product, int64_t rows, int64_t n,
+                     GroupAddress bias, const int64_t* starts, int groups, cudaStream_t stream) {
+  const int blocks = static_cast<int>(std::min<int64_t>(rows, 8 * sm_count()));
+  dispatch_type(type, [&](auto tag) {
+    using T = decltype(tag);
+    add_bias_kernel<T>
+        <<<blocks, 256, 0, stream>>>(static_cast<T*>(y), product, rows, n, bias, starts, groups);
+  });
+  TORCHMOE_CUDA_CHECK(cudaGetLastError());
+}
+
 // The matmul descriptor and algorithm for one call shape, found once per host thread.
 struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
@@ -552,17 +584,8 @@ void run_grouped_gemm_cublaslt_grouped(const CublasLtGroupedParams& p,
   TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(env.workspace) % 256 == 0,
                         "run_grouped_gemm_cublaslt_grouped: workspace");
   const GroupArrays arrays = group_arrays(env.arrays, p.num_groups);
-  // A bias is added to the fp32 product, rounding once as the fused epilogues of the other
-  // backends do (adding it to a rounded 16-bit product measured errors of several percent where
-  // product and bias cancel): the matmul writes fp32 scratch, the bias kernel the output.
-  const bool with_bias = p.kind == GemmKind::kFprop && !p.bias.empty();
-  CublasLtGroupedParams matmul = p;
-  if (with_bias) {
-    TORCH_INTERNAL_ASSERT(env.fprop_product != nullptr,
-                          "run_grouped_gemm_cublaslt_grouped: a bias needs fprop_product");
-    matmul.output = env.fprop_product;
-    matmul.output_type = ScalarType::kFloat32;
-  }
+  const bool with_bias = has_bias(p);
+  const CublasLtGroupedParams matmul = matmul_params(p, env);
   setup_groups_kernel<<<1, kSetupThreads, 0, env.stream>>>(
       matmul, arrays, element_size(matmul.input_type), element_size(matmul.output_type));
   TORCHMOE_CUDA_CHECK(cudaGetLastError());
@@ -588,16 +611,9 @@ void run_grouped_gemm_cublaslt_grouped(const CublasLtGroupedParams& p,
                                          arrays.d, layouts.d.get(), &plan.algo, env.workspace,
                                          env.workspace_bytes, env.stream));
 
-  if (with_bias) {
-    const int blocks = static_cast<int>(std::min<int64_t>(p.rows, 8 * sm_count()));
-    dispatch_type(p.input_type, [&](auto tag) {
-      using T = decltype(tag);
-      add_bias_kernel<T><<<blocks, 256, 0, env.stream>>>(static_cast<T*>(p.output),
-                                                         env.fprop_product, p.rows, p.n, p.bias,
-                                                         arrays.starts, p.num_groups);
-    });
-    TORCHMOE_CUDA_CHECK(cudaGetLastError());
-  }
+  if (with_bias)
+    launch_add_bias(p.output, p.input_type, env.fprop_product, p.rows, p.n, p.bias, arrays.starts,
+                    p.num_groups, env.stream);
 }
 
 void run_grouped_gemm_cublaslt_grouped_fp8(const CublasLtGroupedFp8Params& p,
@@ -613,8 +629,10 @@ void run_grouped_gemm_cublaslt_grouped_fp8(const CublasLtGroupedFp8Params& p,
       aligned16(env.arrays) && reinterpret_cast<uintptr_t>(env.workspace) % 256 == 0,
       "run_grouped_gemm_cublaslt_grouped_fp8: arrays or workspace misaligned");
   const GroupArrays arrays = group_arrays(env.arrays, p.num_groups);
-  setup_fp8_groups_kernel<<<1, kSetupThreads, 0, env.stream>>>(p, arrays,
-                                                               element_size(p.output_type));
+  const bool with_bias = has_bias(p);
+  const CublasLtGroupedFp8Params matmul = matmul_params(p, env);
+  setup_fp8_groups_kernel<<<1, kSetupThreads, 0, env.stream>>>(matmul, arrays,
+                                                               element_size(matmul.output_type));
   TORCHMOE_CUDA_CHECK(cudaGetLastError());
   if (p.kind == GemmKind::kWgrad && !p.accumulate) {
     const dim3 grid(kZeroBlocksPerGroup, p.num_groups);
@@ -625,8 +643,8 @@ void run_grouped_gemm_cublaslt_grouped_fp8(const CublasLtGroupedFp8Params& p,
     TORCHMOE_CUDA_CHECK(cudaGetLastError());
   }
   Layouts layouts;
-  init_fp8_layouts(layouts, p, arrays);
-  const Plan& plan = find_fp8_plan(p, layouts, arrays, env.workspace_bytes, env.handle);
+  init_fp8_layouts(layouts, matmul, arrays);
+  const Plan& plan = find_fp8_plan(matmul, layouts, arrays, env.workspace_bytes, env.handle);
   TORCH_CHECK_NOT_IMPLEMENTED(plan.found, "torchmoe: cuBLASLt ", grouped_api().info.version,
                               " has no grouped FP8 algorithm for ", kind_name(p.kind), " with ",
                               p.num_groups, " groups, n=", p.n, ", k=", p.k);
@@ -639,6 +657,9 @@ void run_grouped_gemm_cublaslt_grouped_fp8(const CublasLtGroupedFp8Params& p,
                                          arrays.b, layouts.b.get(), beta, arrays.d, layouts.d.get(),
                                          arrays.d, layouts.d.get(), &plan.algo, env.workspace,
                                          env.workspace_bytes, env.stream));
+  if (with_bias)
+    launch_add_bias(p.output, p.output_type, env.fprop_product, p.rows, p.n, p.bias, arrays.starts,
+                    p.num_groups, env.stream);
 }
 
 }  // namespace torchmoe::kernels

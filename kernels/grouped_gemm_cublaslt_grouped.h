@@ -112,6 +112,7 @@ struct CublasLtGroupedFp8Params {
   const float* a_scale_inv = nullptr;  // [G] device
   const float* b_scale_inv = nullptr;  // [G] device
   void* output = nullptr;              // y / dx [rows, ·] (kFprop, kDgrad)
+  GroupAddress bias;                   // b_g [n] of output_type (kFprop; empty = no bias)
   GroupAddress weight_grad;            // dW_g [n, k] (kWgrad)
   bool accumulate = false;             // kWgrad: dW_g += product (fp32); empty groups untouched
   bool fast_accumulation = false;

@@ -16,20 +16,10 @@ namespace torchmoe::ops {
 namespace {
 
 using detail::check_groups;
+using detail::check_host_splits;
 using detail::CheckedGroups;
 
 // ---- argument checks ---------------------------------------------------------------------------
-
-void check_host_splits(const char* op, c10::IntArrayRef m_splits, int64_t rows) {
-  int64_t sum = 0;
-  for (size_t g = 0; g < m_splits.size(); ++g) {
-    TORCH_CHECK(m_splits[g] >= 0, op, ": m_splits[", g, "] must be non-negative, got ",
-                m_splits[g]);
-    sum += m_splits[g];
-  }
-  TORCH_CHECK(sum == rows, op, ": m_splits must sum to the number of rows (", rows, "), got ",
-              m_splits, " (sum ", sum, ")");
-}
 
 // Device sizes can only be checked for what the host knows without a copy.
 void check_device_splits(const char* op, const at::Tensor& m_splits, const at::Tensor& input) {
@@ -283,6 +273,17 @@ at::Tensor GroupedTensors::operator[](size_t g) const {
 }
 
 namespace detail {
+
+void check_host_splits(const char* op, c10::IntArrayRef m_splits, int64_t rows) {
+  int64_t sum = 0;
+  for (size_t g = 0; g < m_splits.size(); ++g) {
+    TORCH_CHECK(m_splits[g] >= 0, op, ": m_splits[", g, "] must be non-negative, got ",
+                m_splits[g]);
+    sum += m_splits[g];
+  }
+  TORCH_CHECK(sum == rows, op, ": m_splits must sum to the number of rows (", rows, "), got ",
+              m_splits, " (sum ", sum, ")");
+}
 
 const void* CheckedGroups::data(size_t g) const {
   if (tensors.is_stacked()) {

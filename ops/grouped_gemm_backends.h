@@ -46,6 +46,10 @@ CheckedGroups check_groups(const char* op, const char* what, const GroupedTensor
                            size_t groups, const at::Tensor& like, c10::IntArrayRef shape,
                            at::ScalarType dtype, const char* dtype_rule);
 
+// Host sizes for backends that loop over groups on the host: non-negative, summing to `rows`
+// (they cannot clamp as the device-split engines do).
+void check_host_splits(const char* op, c10::IntArrayRef m_splits, int64_t rows);
+
 // Calls fn(g, first_row, rows) for every group of host sizes, in order.
 template <typename Fn>
 void for_each_group(c10::IntArrayRef m_splits, Fn&& fn) {

@@ -149,7 +149,12 @@ void cublaslt_grouped_wgrad(const GemmPlan& plan, const at::Tensor& input,
 
 void cublaslt_grouped_fp8(const at::Tensor& like, const kernels::CublasLtGroupedFp8Params& p) {
   const c10::cuda::CUDAGuard guard(like.device());
-  const Launch launch = environment(like, p.num_groups);
+  Launch launch = environment(like, p.num_groups);
+  at::Tensor product;  // a bias is added to the fp32 product (one rounding), as in launch()
+  if (p.kind == kernels::GemmKind::kFprop && !p.bias.empty()) {
+    product = at::empty({p.rows, p.n}, like.options().dtype(at::kFloat));
+    launch.env.fprop_product = product.mutable_data_ptr<float>();
+  }
   kernels::run_grouped_gemm_cublaslt_grouped_fp8(p, launch.env);
 }
 

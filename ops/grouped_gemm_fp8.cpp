@@ -37,11 +37,16 @@ void check_plan(const char* op, const GemmPlan& plan) {
 }
 
 // The plan's host sizes, copied from the device when it has none (a device-size plan whose
-// engine does not take the operands: see engine_of).
-std::vector<int64_t> host_sizes(const GemmPlan& plan) {
+// engine does not take the operands: see engine_of) and then checked as planning checks host
+// sizes: the per-group matmuls cannot clamp sizes nor leave capacity padding as the device-split
+// engines do.
+std::vector<int64_t> host_sizes(const char* op, const GemmPlan& plan) {
   if (plan.m_splits.has_host()) return plan.m_splits.host().vec();
   const at::Tensor copy = plan.m_splits.device().to(at::kCPU, at::kLong);
-  return {copy.const_data_ptr<int64_t>(), copy.const_data_ptr<int64_t>() + copy.numel()};
+  std::vector<int64_t> sizes(copy.const_data_ptr<int64_t>(),
+                             copy.const_data_ptr<int64_t>() + copy.numel());
+  detail::check_host_splits(op, sizes, plan.rows);
+  return sizes;
 }
 
 // The sizes a check can see without a device-to-host copy: the host sizes, or none.
@@ -206,12 +211,12 @@ at::Tensor unpad_rows(const at::Tensor& padded, const OutputRows& layout, c10::I
 // recipe's weights and wgrad input), a bias, and per-tensor scales or the block scales of
 // BlockScaling's default blocks: a 1x128 A (activations, gradients) with 128x128 weights in fprop
 // and dgrad, or with a 1x128 B (the input) in wgrad. The grouped matmul takes per-tensor scales
-// and no bias (it has no bias epilogue). Other block scales run per group.
+// and a bias (added to its fp32 product by a second kernel). Other block scales run per group.
 enum class Engine { kPerGroup, kGrouped, kSm90 };
 
 // kind: which product (kDgrad reads the weights' columnwise copy, kWgrad both columnwise copies).
 Engine engine_of(const GemmPlan& plan, kernels::GemmKind kind, const SplitQuantized& a,
-                 const SplitQuantized& b, bool bias) {
+                 const SplitQuantized& b) {
   const bool per_tensor = !is_block_scaling(a.scaling) && !is_block_scaling(b.scaling);
   const bool wgrad = kind == kernels::GemmKind::kWgrad;
   // The kernel copies block scales in 16-byte chunks at 32-bit offsets.
@@ -228,7 +233,7 @@ Engine engine_of(const GemmPlan& plan, kernels::GemmKind kind, const SplitQuanti
       b.format == Fp8Format::kE4M3) {
     return Engine::kSm90;
   }
-  if (plan.backend == Backend::kCublasLtGrouped && per_tensor && !bias) return Engine::kGrouped;
+  if (plan.backend == Backend::kCublasLtGrouped && per_tensor) return Engine::kGrouped;
   return Engine::kPerGroup;
 }
 
@@ -339,7 +344,7 @@ at::Tensor grouped_linear_forward_fp8(const GemmPlan& plan, const SplitQuantized
                      : detail::check_groups(kForwardOp, "biases", biases, groups, input.data, {n},
                                             output_dtype, "the output dtype");
   const c10::cuda::CUDAGuard guard(plan.device);
-  const Engine engine = engine_of(plan, kernels::GemmKind::kFprop, input, weights, !biases.empty());
+  const Engine engine = engine_of(plan, kernels::GemmKind::kFprop, input, weights);
   if (engine == Engine::kSm90) {
     at::Tensor output = at::empty({plan.rows, n}, input.data.options().dtype(output_dtype));
     if (plan.rows == 0) return output;
@@ -357,11 +362,12 @@ at::Tensor grouped_linear_forward_fp8(const GemmPlan& plan, const SplitQuantized
         kernels::GemmKind::kFprop, plan, input, true, weights, true, output_dtype);
     p.output = output.data_ptr();
     p.fast_accumulation = fast_accumulation;
+    if (!biases.empty()) p.bias = detail::group_address(checked_biases);
     if (plan.rows > 0) detail::cublaslt_grouped_fp8(output, p);
     return output;
   }
-  return per_group_rows_product(input, weights, true, host_sizes(plan), n, k, output_dtype,
-                                fast_accumulation, checked_biases);
+  return per_group_rows_product(input, weights, true, host_sizes(kForwardOp, plan), n, k,
+                                output_dtype, fast_accumulation, checked_biases);
 }
 
 at::Tensor grouped_linear_dgrad_fp8(const GemmPlan& plan, const SplitQuantized& grad_output,
@@ -377,7 +383,7 @@ at::Tensor grouped_linear_dgrad_fp8(const GemmPlan& plan, const SplitQuantized& 
                 plan.device);
   check_pair(kDgradOp, "grad_output", grad_output, "weights", weights);
   const c10::cuda::CUDAGuard guard(plan.device);
-  const Engine engine = engine_of(plan, kernels::GemmKind::kDgrad, grad_output, weights, false);
+  const Engine engine = engine_of(plan, kernels::GemmKind::kDgrad, grad_output, weights);
   if (engine != Engine::kPerGroup) {
     at::Tensor grad_input =
         at::empty({plan.rows, k}, grad_output.data.options().dtype(output_dtype));
@@ -400,8 +406,8 @@ at::Tensor grouped_linear_dgrad_fp8(const GemmPlan& plan, const SplitQuantized& 
     }
     return grad_input;
   }
-  return per_group_rows_product(grad_output, weights, false, host_sizes(plan), k, n, output_dtype,
-                                fast_accumulation, {});
+  return per_group_rows_product(grad_output, weights, false, host_sizes(kDgradOp, plan), k, n,
+                                output_dtype, fast_accumulation, {});
 }
 
 void grouped_linear_wgrad_fp8(const GemmPlan& plan, const SplitQuantized& input,
@@ -426,7 +432,7 @@ void grouped_linear_wgrad_fp8(const GemmPlan& plan, const SplitQuantized& input,
       kWgradOp, "weight_grads_out", weight_grads_out, static_cast<size_t>(groups),
       input.columnwise_data, {n, k}, out_dtype, "weight_grads_out[0]'s dtype");
   const c10::cuda::CUDAGuard guard(plan.device);
-  const Engine engine = engine_of(plan, kernels::GemmKind::kWgrad, grad_output, input, false);
+  const Engine engine = engine_of(plan, kernels::GemmKind::kWgrad, grad_output, input);
   if (engine != Engine::kPerGroup) {
     if (plan.rows == 0) {  // nothing to read: every group is empty
       if (!accumulate) {
@@ -452,7 +458,7 @@ void grouped_linear_wgrad_fp8(const GemmPlan& plan, const SplitQuantized& input,
     }
     return;
   }
-  const std::vector<int64_t> sizes = host_sizes(plan);
+  const std::vector<int64_t> sizes = host_sizes(kWgradOp, plan);
   const OperandGroups a = operand_groups(grad_output, false, sizes, n);
   const OperandGroups b = operand_groups(input, false, sizes, k);
   kernels::Fp8GroupedGemmParams p = product_params(grad_output, input, k, out_dtype);

@@ -540,7 +540,10 @@ TEST_CASE("FP8 grouped forward adds the biases", "[ops][fp8][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
   const ScalingCase& sc = kScalingCases[GENERATE(0, 2)];
   const torch::Dtype out_dtype = GENERATE(torch::kBFloat16, torch::kFloat);
-  const GemmBackend backend = GENERATE(GemmBackend::kCublasLt, GemmBackend::kSm90);
+  // The grouped matmul adds them to its fp32 product in a second kernel (per-tensor scales; block
+  // scales run per group there).
+  const GemmBackend backend =
+      GENERATE(GemmBackend::kCublasLt, GemmBackend::kCublasLtGrouped, GemmBackend::kSm90);
   TORCHMOE_REQUIRE_GEMM_BACKEND(backend);
   const ShapeCase& shape = kShapeCases[0];
   INFO(describe(sc, shape) << "; output and biases " << out_dtype << "; " << backend_name(backend));
@@ -571,6 +574,54 @@ TEST_CASE("FP8 grouped forward adds the biases", "[ops][fp8][cuda]") {
       y, expected,
       u * (expected.abs() + ref.abs_sum + bias_rows.abs()) + kFastAccumulationTol * ref.abs_sum,
       "y + b");
+}
+
+// Operands that no device-split engine takes (all-1x128 block scales in fprop and dgrad: the sm90
+// kernel takes 128x128 weights there, the grouped matmul per-tensor scales; wgrad's 1x128 pair
+// runs on the sm90 kernel) run one matmul per group, which needs
+// the sizes on the host: a device-size plan's are copied and checked as planning checks host
+// sizes, since per-group matmuls can neither clamp a size nor leave capacity-padding rows.
+TEST_CASE("FP8 per-group products check the device sizes they copy", "[ops][fp8][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  TORCHMOE_REQUIRE_GEMM_BACKEND(GemmBackend::kSm90);
+  const ScalingCase& sc = kScalingCases[3];
+  const ShapeCase& shape = kShapeCases[0];
+  const Problem p = make_problem(shape, 16);
+  const int64_t rows = total(p.sizes);
+  const SplitQuantized xq = quantize(p.x, p.sizes, sc.input, kE4M3);
+  const SplitQuantized wq = quantize_w(p.w, sc.weight);
+  const SplitQuantized dyq = quantize(p.dy, p.sizes, sc.grad, kE5M2);
+  auto plan_with = [&](std::vector<int64_t> device_sizes) {
+    return ops::plan_grouped_gemms(
+               "test", p.x, {ops::GemmShape{p.n, p.k, p.sizes.size()}},
+               SplitSizes(torch::tensor(device_sizes, torch::kLong).to(torch::kCUDA)),
+               GemmBackend::kSm90, torch::Tensor(), /*fp8=*/true)
+        .front();
+  };
+  SECTION("sizes summing to the rows: the per-group results") {
+    const ops::GemmPlan plan = plan_with(p.sizes);
+    const ops::GemmPlan host = fp8_plan(p.x, p.n, p.k, p.sizes, GemmBackend::kSm90);
+    CHECK(torch::equal(ops::grouped_linear_forward_fp8(plan, xq, wq, {}, torch::kBFloat16),
+                       ops::grouped_linear_forward_fp8(host, xq, wq, {}, torch::kBFloat16)));
+  }
+  SECTION("capacity padding (a smaller sum) is refused") {
+    std::vector<int64_t> short_sizes = p.sizes;
+    short_sizes.back() -= 3;
+    const ops::GemmPlan plan = plan_with(short_sizes);
+    const std::string message = "must sum to the number of rows (" + std::to_string(rows) + ")";
+    REQUIRE_THROWS_WITH(ops::grouped_linear_forward_fp8(plan, xq, wq, {}, torch::kBFloat16),
+                        Contains("grouped_linear_forward_fp8") && Contains(message));
+    REQUIRE_THROWS_WITH(ops::grouped_linear_dgrad_fp8(plan, dyq, wq, torch::kBFloat16),
+                        Contains("grouped_linear_dgrad_fp8") && Contains(message));
+  }
+  SECTION("a negative size is refused") {
+    std::vector<int64_t> negative = p.sizes;
+    negative[0] = -1;
+    negative[1] += 1 + p.sizes[0];
+    const ops::GemmPlan plan = plan_with(negative);
+    REQUIRE_THROWS_WITH(ops::grouped_linear_forward_fp8(plan, xq, wq, {}, torch::kBFloat16),
+                        Contains("m_splits[0] must be non-negative, got -1"));
+  }
 }
 
 TEST_CASE("quantize_weights: separate and stacked weights give the same bytes",
