@@ -24,9 +24,8 @@
 // products (kAuto) and FP8 products on the sm90 kernel (fprop with fast accumulation, dgrad and
 // wgrad with split accumulation, as TE, and with fast accumulation as CurrentScaling's
 // dgrad/wgrad_split_accumulator(false) runs them), next to the peers' fprop in the same run
-// taking turns:
-// torch._grouped_mm (bf16) and torch._scaled_grouped_mm (FP8 with rowwise scales, fast
-// accumulation), both called through ATen.
+// taking turns: torch._grouped_mm (bf16) and torch._scaled_grouped_mm (FP8 with rowwise scales,
+// fast accumulation), both called through ATen. Only on sm_90 devices (our sm90 kernel).
 //
 //   bench_grouped_linear_fp8 [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
 //   (TORCHMOE_BENCH_TRACE=PREFIX: also Kineto traces of 5 bf16, 5 fp8_sm90 and 5 fp8_block steps
@@ -55,6 +54,7 @@
 #include <functional>
 #include <iomanip>
 #include <iostream>
+#include <iterator>
 #include <optional>
 #include <string>
 #include <vector>
@@ -91,7 +91,7 @@ const char* const kProductColumns[] = {"bf16_fprop",       "bf16_dgrad",
                                        "fp8_dgrad",        "fp8_wgrad",
                                        "fp8_dgrad_fast",   "fp8_wgrad_fast",
                                        "grouped_mm_fprop", "scaled_grouped_mm_fprop"};
-constexpr size_t kNumProductColumns = 10;
+constexpr size_t kNumProductColumns = std::size(kProductColumns);
 
 struct ProductRecord {
   std::string shape;
@@ -301,14 +301,20 @@ int main(int argc, char** argv) {
     }
   }
 
-  std::cout << "\nthe products alone (operands made once; FP8 on the sm90 kernel), TFLOP/s\n"
-            << std::left << std::setw(17) << "shape" << std::right;
-  for (const char* column : kProductColumns) std::cout << " " << std::setw(12) << column;
-  std::cout << std::setw(10) << "fp8/bf16" << std::setw(10) << "fast/bf16" << std::setw(11)
-            << "fp8/scaled"
-            << "\n";
+  // The products table runs our FP8 products on the sm90 kernel: sm_90 devices only.
+  const bool sm90 = at::cuda::getCurrentDeviceProperties()->major == 9;
+  if (sm90) {
+    std::cout << "\nthe products alone (operands made once; FP8 on the sm90 kernel), TFLOP/s\n"
+              << std::left << std::setw(17) << "shape" << std::right;
+    for (const char* column : kProductColumns) std::cout << " " << std::setw(12) << column;
+    std::cout << std::setw(10) << "fp8/bf16" << std::setw(10) << "fast/bf16" << std::setw(11)
+              << "fp8/scaled"
+              << "\n";
+  } else {
+    std::cout << "\nthe products alone: not measured (they need the sm90 kernel, an sm_90 GPU)\n";
+  }
   std::vector<ProductRecord> products;
-  for (const Shape& shape : torchmoe::bench::selected_shapes(args)) {
+  for (const Shape& shape : sm90 ? torchmoe::bench::selected_shapes(args) : std::vector<Shape>{}) {
     ProductRecord r = measure_products(shape, args);
     std::cout << std::left << std::setw(17) << r.shape << std::right << std::fixed
               << std::setprecision(1);

@@ -612,7 +612,7 @@ void run_grouped_gemm_cublaslt_grouped(const CublasLtGroupedParams& p,
                                          env.workspace_bytes, env.stream));
 
   if (with_bias)
-    launch_add_bias(p.output, p.input_type, env.fprop_product, p.rows, p.n, p.bias, arrays.starts,
+    launch_add_bias(p.output, p.output_type, env.fprop_product, p.rows, p.n, p.bias, arrays.starts,
                     p.num_groups, env.stream);
 }
 

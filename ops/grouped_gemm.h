@@ -120,8 +120,8 @@ struct GemmPlan {
 //     kCublasLtGrouped, or kAuto where the grouped matmul can run the call
 //                                            -> kCublasLtGrouped (one grouped FP8 matmul per
 //                                               product with per-tensor scales, device sizes;
-//                                               block scales and biases run per group), or the
-//                                               forced backend's refusal
+//                                               block scales run per group), or the forced
+//                                               backend's refusal
 //     kCublasLt, or kAuto otherwise          -> kCublasLt (per-group FP8 matmuls, host sizes)
 //   (TORCHMOE_GROUPED_GEMM_BACKEND overrides kAuto here too)
 //   anything else                            -> NotImplementedError

@@ -31,12 +31,15 @@ kernels::CublasLtGroupedParams params_for(kernels::GemmKind kind, const GemmPlan
 struct Launch {
   kernels::CublasLtGroupedEnv env;
   at::Tensor arrays;
+  at::Tensor product;  // a biased fprop's fp32 product, to which the bias is added (one rounding)
 };
 
-Launch environment(const at::Tensor& like, int num_groups) {
+// For the 16-bit and the FP8 params alike.
+template <typename Params>
+Launch environment(const at::Tensor& like, const Params& p) {
   Launch launch;
   launch.arrays =
-      at::empty({static_cast<int64_t>(kernels::cublaslt_grouped_array_bytes(num_groups))},
+      at::empty({static_cast<int64_t>(kernels::cublaslt_grouped_array_bytes(p.num_groups))},
                 like.options().dtype(at::kByte));
   kernels::CublasLtGroupedEnv& env = launch.env;
   env.handle = at::cuda::getCurrentCUDABlasLtHandle();
@@ -44,19 +47,17 @@ Launch environment(const at::Tensor& like, int num_groups) {
   env.arrays = launch.arrays.data_ptr();
   env.workspace = at::cuda::getCUDABlasLtWorkspace();
   env.workspace_bytes = at::cuda::getCUDABlasLtWorkspaceSize();
+  if (p.kind == kernels::GemmKind::kFprop && !p.bias.empty()) {
+    launch.product = at::empty({p.rows, p.n}, like.options().dtype(at::kFloat));
+    env.fprop_product = launch.product.mutable_data_ptr<float>();
+  }
   return launch;
 }
 
 void launch(const at::Tensor& like, const kernels::CublasLtGroupedParams& p) {
   const c10::cuda::CUDAGuard guard(like.device());
-  Launch launch = environment(like, p.num_groups);
-  kernels::CublasLtGroupedEnv& env = launch.env;
-  at::Tensor product;  // a bias is added to the fp32 product (one rounding)
-  if (p.kind == kernels::GemmKind::kFprop && !p.bias.empty()) {
-    product = at::empty({p.rows, p.n}, like.options().dtype(at::kFloat));
-    env.fprop_product = product.mutable_data_ptr<float>();
-  }
-  kernels::run_grouped_gemm_cublaslt_grouped(p, env);
+  const Launch launch = environment(like, p);
+  kernels::run_grouped_gemm_cublaslt_grouped(p, launch.env);
 }
 
 // The refusal for an old cuBLASLt names the version and file the process loaded, built once.
@@ -149,12 +150,7 @@ void cublaslt_grouped_wgrad(const GemmPlan& plan, const at::Tensor& input,
 
 void cublaslt_grouped_fp8(const at::Tensor& like, const kernels::CublasLtGroupedFp8Params& p) {
   const c10::cuda::CUDAGuard guard(like.device());
-  Launch launch = environment(like, p.num_groups);
-  at::Tensor product;  // a bias is added to the fp32 product (one rounding), as in launch()
-  if (p.kind == kernels::GemmKind::kFprop && !p.bias.empty()) {
-    product = at::empty({p.rows, p.n}, like.options().dtype(at::kFloat));
-    launch.env.fprop_product = product.mutable_data_ptr<float>();
-  }
+  const Launch launch = environment(like, p);
   kernels::run_grouped_gemm_cublaslt_grouped_fp8(p, launch.env);
 }
 

@@ -4,15 +4,18 @@
 // (kernels/grouped_gemm_sm90.h) or the cuBLASLt grouped matmul with device sizes where they take
 // the operands (per-tensor scales on both; on the sm90 kernel also 1x128 activations and
 // gradients with 128x128 weights in fprop and dgrad and 1x128 inputs in wgrad), else per-group
-// cuBLASLt FP8 matmuls with host sizes (copied from the device when the plan has none). Validation,
-// allocation and the kernel call; the TN layout of every product and which copy each reads are in
-// kernels/grouped_gemm_cublaslt.h and kernels/grouped_gemm_sm90.h, the numerics in docs/fp8.md.
+// cuBLASLt FP8 matmuls with host sizes. Validation, allocation and the kernel call; the TN layout
+// of every product and which copy each reads are in kernels/grouped_gemm_cublaslt.h and
+// kernels/grouped_gemm_sm90.h, the numerics in docs/fp8.md.
 //
 // The plan must be an FP8 plan (plan_grouped_gemms(..., fp8=true)): CUDA, in_features and
-// out_features multiples of 16. Split sizes are any non-negative values: wgrad
-// reduces over each split's columnwise block, which split_quantize pads with zeros to a multiple
-// of 16 rows. An operand's scaling is any of split_quantize's; two block-scaled operands of one
-// product must not both be 128×128 (cuBLASLt has no such kernel), and e5m2 × e5m2 is refused.
+// out_features multiples of 16. Split sizes are any non-negative values: wgrad reduces over each
+// split's columnwise block, which split_quantize pads with zeros to a multiple of 16 rows. Device
+// sizes are clamped to the rows as the grouped GEMM ops clamp them where the device reads them;
+// a product that runs per group copies them to the host and requires them non-negative and
+// summing to the rows (no capacity padding), as planning requires of host sizes. An operand's
+// scaling is any of split_quantize's; two block-scaled operands of one product must not both be
+// 128×128 (cuBLASLt has no such kernel), and e5m2 × e5m2 is refused.
 
 #include <ATen/core/Tensor.h>
 

@@ -578,9 +578,9 @@ TEST_CASE("FP8 grouped forward adds the biases", "[ops][fp8][cuda]") {
 
 // Operands that no device-split engine takes (all-1x128 block scales in fprop and dgrad: the sm90
 // kernel takes 128x128 weights there, the grouped matmul per-tensor scales; wgrad's 1x128 pair
-// runs on the sm90 kernel) run one matmul per group, which needs
-// the sizes on the host: a device-size plan's are copied and checked as planning checks host
-// sizes, since per-group matmuls can neither clamp a size nor leave capacity-padding rows.
+// runs on the sm90 kernel) run one matmul per group, which needs the sizes on the host: a
+// device-size plan's are copied and checked as planning checks host sizes, since per-group
+// matmuls can neither clamp a size nor leave capacity-padding rows.
 TEST_CASE("FP8 per-group products check the device sizes they copy", "[ops][fp8][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
   TORCHMOE_REQUIRE_GEMM_BACKEND(GemmBackend::kSm90);
