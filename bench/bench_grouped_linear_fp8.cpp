@@ -101,15 +101,21 @@ struct ProductRecord {
   double fp8_fprop_over_scaled_grouped_mm;
 };
 
+// M rows in E splits of M/E (the last takes the remainder), on the host and the device.
+torchmoe::SplitSizes uniform_splits(int64_t m, int64_t e) {
+  std::vector<int64_t> host(e, m / e);
+  host.back() += m - m / e * e;
+  const torch::Tensor device = torch::tensor(host, torch::kLong).to(torch::kCUDA);
+  return torchmoe::SplitSizes(std::move(host), device);
+}
+
 // The products table of one shape (see the header).
 ProductRecord measure_products(const Shape& shape, const torchmoe::bench::Args& args) {
   namespace ops = torchmoe::ops;
   const int64_t m = shape.tokens * shape.topk, n = 2 * shape.ffn, k = shape.hidden;
   const int64_t e = shape.experts;
-  std::vector<int64_t> host(e, m / e);
-  host.back() += m - m / e * e;
   const auto bf16 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
-  const torchmoe::SplitSizes splits(host, torch::tensor(host, torch::kLong).to(torch::kCUDA));
+  const torchmoe::SplitSizes splits = uniform_splits(m, e);
   torch::manual_seed(0);
   const torch::Tensor x = torch::randn({m, k}, bf16), dy = torch::randn({m, n}, bf16);
   const torch::Tensor w = torch::randn({e, n, k}, bf16) * (1.0 / std::sqrt(k));
@@ -129,7 +135,7 @@ ProductRecord measure_products(const Shape& shape, const torchmoe::bench::Args& 
   const ops::SplitQuantized dyq = ops::split_quantize(dy, splits, backward);
   // The peers: offsets (int32 cumulative sizes), W as [E, k, n] views, unit rowwise scales.
   const torch::Tensor offsets =
-      torch::tensor(host, torch::kLong).cumsum(0).to(torch::kInt).to(torch::kCUDA);
+      torch::tensor(splits.host(), torch::kLong).cumsum(0).to(torch::kInt).to(torch::kCUDA);
   const torch::Tensor w_t = w.transpose(-2, -1);
   const torch::Tensor w8_t = wq.data.view({e, n, k}).transpose(-2, -1);
   const torch::Tensor scale_a = torch::ones({m}, bf16.dtype(torch::kFloat));
@@ -193,9 +199,7 @@ int main(int argc, char** argv) {
   std::vector<Record> records;
   for (const Shape& shape : torchmoe::bench::selected_shapes(args)) {
     const int64_t m = shape.tokens * shape.topk, n = 2 * shape.ffn, k = shape.hidden;
-    std::vector<int64_t> host(shape.experts, m / shape.experts);
-    host.back() += m - m / shape.experts * shape.experts;
-    const torchmoe::SplitSizes splits(host, torch::tensor(host, torch::kLong).to(torch::kCUDA));
+    const torchmoe::SplitSizes splits = uniform_splits(m, shape.experts);
     torch::manual_seed(0);
     const auto options = torchmoe::GroupedLinearOptions(shape.experts, k, n)
                              .bias(false)

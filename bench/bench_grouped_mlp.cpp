@@ -26,6 +26,7 @@
 #include <iomanip>
 #include <iostream>
 #include <string>
+#include <variant>
 #include <vector>
 
 namespace fp8 = torchmoe::fp8;
@@ -73,30 +74,24 @@ int main(int argc, char** argv) {
       };
     };
     const fp8::DelayedScaling delayed = fp8::DelayedScaling().amax_history_len(kHistory);
-    const std::function<void()> fp8_step = [&] {
-      mlp->zero_grad();
-      for (const torch::Tensor* leaf : {&x, &probs}) leaf->mutable_grad().reset();
-      torch::Tensor y;
-      {
-        const fp8::Autocast guard{fp8::Recipe(delayed)};
-        y = mlp(x, splits, probs);
-      }
-      y.backward(dy);
-      fp8::update_delayed_scaling(*mlp, delayed, fp8::Pass::kForward);
-      fp8::update_delayed_scaling(*mlp, delayed, fp8::Pass::kBackward);
-    };
-    auto current_step = [&](const fp8::CurrentScaling& recipe) -> std::function<void()> {
+    // An FP8 training step under `recipe`, with delayed scaling's update after it.
+    auto fp8_step = [&](const fp8::Recipe& recipe) -> std::function<void()> {
       return [&, recipe] {
         mlp->zero_grad();
         for (const torch::Tensor* leaf : {&x, &probs}) leaf->mutable_grad().reset();
         torch::Tensor y;
         {
-          const fp8::Autocast guard{fp8::Recipe(recipe)};
+          const fp8::Autocast guard{recipe};
           y = mlp(x, splits, probs);
         }
         y.backward(dy);
+        if (const auto* d = std::get_if<fp8::DelayedScaling>(&recipe)) {
+          fp8::update_delayed_scaling(*mlp, *d, fp8::Pass::kForward);
+          fp8::update_delayed_scaling(*mlp, *d, fp8::Pass::kBackward);
+        }
       };
     };
+    const std::function<void()> delayed_step = fp8_step(fp8::Recipe(delayed));
     const fp8::CurrentScaling fast =
         fp8::CurrentScaling().dgrad_split_accumulator(false).wgrad_split_accumulator(false);
     // Taking turns (bench_common.h): the step and its parts under the same clocks.
@@ -104,12 +99,12 @@ int main(int argc, char** argv) {
         median_ms_each({step([&] { return mlp(x, splits, probs); }, dy),
                         step([&] { return mlp->fc1(x, splits); }, dz),
                         step([&] { return torchmoe::functional::scaled_swiglu(z, probs); }, da),
-                        step([&] { return mlp->fc2(a, splits); }, dy), fp8_step,
-                        current_step(fp8::CurrentScaling()), current_step(fast)},
+                        step([&] { return mlp->fc2(a, splits); }, dy), delayed_step,
+                        fp8_step(fp8::CurrentScaling()), fp8_step(fast)},
                        args.iters, args.warmup);
     const double mlp_ms = ms[0], fc1_ms = ms[1], act_ms = ms[2], fc2_ms = ms[3], fp8_ms = ms[4];
     const double current_ms = ms[5], fast_ms = ms[6];
-    torchmoe::bench::trace_if_asked(shape.name + ".fp8", fp8_step);
+    torchmoe::bench::trace_if_asked(shape.name + ".fp8", delayed_step);
     const double tflops = 3 * 2.0 * m * (2 * f * h + f * h) / mlp_ms * 1e-9;
     std::cout << std::left << std::setw(17) << shape.name << std::right << std::fixed
               << std::setprecision(2) << std::setw(10) << mlp_ms << std::setw(10) << fc1_ms
