@@ -102,10 +102,11 @@ ops::SplitQuantized split_quantize(const at::Tensor& t, const GemmPlan& plan,
   return ops::split_quantize(t, plan.m_splits, args.options, args.scale, args.amax);
 }
 
-// The weights' FP8 copies for this call: quantized now, or made now and cached (is_first_microbatch
-// true), or the cached ones (false). A cache always holds both copies: a later micro-batch's
-// backward reads the columnwise one.
+// The weights' FP8 copies for this call: the optimizer's, or quantized now, or made now and cached
+// (is_first_microbatch true), or the cached ones (false). A cache always holds both copies: a
+// later micro-batch's backward reads the columnwise one.
 ops::SplitQuantized fp8_weights(Fp8Config& f, const ops::GroupedTensors& weights, bool columnwise) {
+  if (f.optimizer_weights) return f.weight_cache->optimizer_weights;
   auto quantize = [&](bool both) {
     const Fp8QuantizeArgs args =
         quantize_args(f.recipe, f.state, fp8::TensorRole::kWeight, true, both);

@@ -59,6 +59,12 @@ struct DelayedWgrad {
 // call with true, read by calls with false. Owned by the layer, shared with its calls' configs.
 struct Fp8WeightCache {
   ops::SplitQuantized weights;  // rowwise (fprop) and columnwise (dgrad), as quantize_weights
+  // Delayed-scaling copies that an optimizer writes with each update
+  // (optim::FusedAdamW::set_fp8_weights), laid out as `weights`, and the layer's weight
+  // parameters' version counters when it last wrote them all: an in-place change by anything
+  // else moves a counter, and forwards quantize the weights again.
+  ops::SplitQuantized optimizer_weights;
+  std::vector<int64_t> versions;
 };
 
 // What an FP8 forward keeps (docs/fp8.md): the recipe, copied from fp8::current() because
@@ -69,6 +75,8 @@ struct Fp8Config {
   fp8::Fp8State state{nullptr};  // the layer's; required by DelayedScaling
   // nullopt: quantize the weights every call; true: quantize and cache; false: use the cache.
   std::optional<bool> is_first_microbatch;
+  // Read weight_cache->optimizer_weights instead, whatever is_first_microbatch says.
+  bool optimizer_weights = false;
   std::shared_ptr<Fp8WeightCache> weight_cache;  // the layer's (used when is_first_microbatch)
   // Set by forward: the input's columnwise copy (wgrad), the weights' (dgrad).
   ops::SplitQuantized input;

@@ -27,6 +27,13 @@
 // taking turns: torch._grouped_mm (bf16) and torch._scaled_grouped_mm (FP8 with rowwise scales,
 // fast accumulation), both called through ATen. Only on sm_90 devices (our sm90 kernel).
 //
+// Last, training steps with the optimizer, per shape, on one layer with a single grouped weight,
+// fused wgrad accumulation into its fp32 master's gradient and FusedAdamW, in milliseconds taking
+// turns: fwd+bwd in bf16, in FP8 (delayed) casting the weights, and in FP8 reading the weights
+// that FusedAdamW::set_fp8_weights has the optimizer write; then the optimizer step alone, plain
+// (master and its bf16 copy) and writing the FP8 weights too. A training step with one
+// micro-batch is fwd+bwd plus the step of its optimizer.
+//
 //   bench_grouped_linear_fp8 [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
 //   (TORCHMOE_BENCH_TRACE=PREFIX: also Kineto traces of 5 bf16, 5 fp8_sm90 and 5 fp8_block steps
 //   per shape)
@@ -162,6 +169,75 @@ ProductRecord measure_products(const Shape& shape, const torchmoe::bench::Args& 
   r.fp8_over_bf16_geomean = std::cbrt(t[3] / t[0] * t[4] / t[1] * t[5] / t[2]);
   r.fp8_fast_over_bf16_geomean = std::cbrt(t[3] / t[0] * t[6] / t[1] * t[7] / t[2]);
   r.fp8_fprop_over_scaled_grouped_mm = t[3] / t[9];
+  return r;
+}
+
+// The training-step table's columns (see the header), in milliseconds.
+const char* const kStepColumns[] = {"bf16_fwd_bwd", "fp8_fwd_bwd", "fp8_optimizer_weights_fwd_bwd",
+                                    "adamw", "adamw_fp8_weights"};
+constexpr size_t kNumStepColumns = std::size(kStepColumns);
+
+struct StepRecord {
+  std::string shape;
+  std::vector<double> ms;               // per step column
+  double fwd_bwd_ratio;                 // bf16 over FP8 reading the optimizer's weights
+  double step_ratio_cast;               // a training step: bf16 over FP8 casting its weights
+  double step_ratio_optimizer_weights;  // bf16 over FP8 with the optimizer's weights
+};
+
+StepRecord measure_training_steps(const Shape& shape, const torchmoe::bench::Args& args) {
+  using torchmoe::optim::FusedAdamW;
+  using torchmoe::optim::FusedAdamWOptions;
+  const int64_t m = shape.tokens * shape.topk, n = 2 * shape.ffn, k = shape.hidden;
+  const auto bf16 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+  const torchmoe::SplitSizes splits = uniform_splits(m, shape.experts);
+  torch::manual_seed(0);
+  torchmoe::GroupedLinear layer(torchmoe::GroupedLinearOptions(shape.experts, k, n)
+                                    .bias(false)
+                                    .params_dtype(torch::kBFloat16)
+                                    .device(torch::kCUDA)
+                                    .single_grouped_weight(true)
+                                    .fuse_wgrad_accumulation(true)
+                                    .fp8_amax_history_len(kHistory));
+  const torch::Tensor weight = layer->weight_parameters()[0];
+  const torch::Tensor master = weight.detach().to(torch::kFloat32).requires_grad_(true);
+  master.mutable_grad() = layer->main_grads()[0];
+  const FusedAdamWOptions adamw_options = FusedAdamWOptions(1e-6).weight_decay(0.1);
+  FusedAdamW plain({master}, adamw_options), writing({master}, adamw_options);
+  plain.set_model_copy(master, weight);
+  writing.set_model_copy(master, weight);
+  writing.set_fp8_weights(layer, {master});
+  const torch::Tensor x = torch::randn({m, k}, bf16).requires_grad_(true);
+  const torch::Tensor dy = torch::randn({m, n}, bf16);
+  const fp8::DelayedScaling delayed = fp8::DelayedScaling().amax_history_len(kHistory);
+  auto fwd_bwd = [&](bool fp8_on) {
+    x.mutable_grad() = torch::Tensor();
+    torch::Tensor y;
+    {
+      const fp8::Autocast guard(fp8::Recipe(delayed), fp8_on);
+      y = layer(x, splits);
+    }
+    y.backward(dy);
+    if (fp8_on) {
+      fp8::update_delayed_scaling(*layer, delayed, fp8::Pass::kForward);
+      fp8::update_delayed_scaling(*layer, delayed, fp8::Pass::kBackward);
+    }
+  };
+  // In this order: the writing optimizer's step leaves FP8 weights that the next forward reads;
+  // the casting column then moves the weight's version counter (no pass over it), so that its
+  // forward casts the weights, until the writing optimizer's next step.
+  const auto casting = [&] {
+    torch::autograd::impl::bump_version(weight);
+    fwd_bwd(true);
+  };
+  const std::vector<std::function<void()>> fns = {[&] { plain.step(); }, [&] { fwd_bwd(false); },
+                                                  [&] { writing.step(); }, [&] { fwd_bwd(true); },
+                                                  casting};
+  const std::vector<double> ms = median_ms_each(fns, args.iters, args.warmup);
+  StepRecord r{shape.name, {ms[1], ms[4], ms[3], ms[0], ms[2]}, 0.0, 0.0, 0.0};
+  r.fwd_bwd_ratio = ms[1] / ms[3];
+  r.step_ratio_cast = (ms[1] + ms[0]) / (ms[4] + ms[0]);
+  r.step_ratio_optimizer_weights = (ms[1] + ms[0]) / (ms[3] + ms[2]);
   return r;
 }
 
@@ -329,6 +405,25 @@ int main(int argc, char** argv) {
     products.push_back(std::move(r));
   }
 
+  std::cout << "\ntraining steps with FusedAdamW (one layer, single grouped weight, fp32 master), "
+               "ms; bf16 over FP8: fwd+bwd with the optimizer's FP8 weights, a step casting, a "
+               "step with the optimizer's FP8 weights\n"
+            << std::left << std::setw(17) << "shape" << std::right;
+  for (const char* column : kStepColumns) std::cout << " " << std::setw(12) << column;
+  std::cout << std::setw(10) << "fwdbwd" << std::setw(10) << "step cast" << std::setw(10)
+            << "step opt"
+            << "\n";
+  std::vector<StepRecord> steps;
+  for (const Shape& shape : torchmoe::bench::selected_shapes(args)) {
+    StepRecord r = measure_training_steps(shape, args);
+    std::cout << std::left << std::setw(17) << r.shape << std::right << std::fixed
+              << std::setprecision(3);
+    for (double v : r.ms) std::cout << " " << std::setw(12) << v;
+    std::cout << std::setw(10) << r.fwd_bwd_ratio << std::setw(10) << r.step_ratio_cast
+              << std::setw(10) << r.step_ratio_optimizer_weights << "\n";
+    steps.push_back(std::move(r));
+  }
+
   std::ofstream json(args.json_path);
   json << "{\n  \"device\": \"" << device
        << "\",\n  \"params_dtype\": \"bfloat16\",\n  \"unit\": \"TFLOP/s\",\n"
@@ -367,6 +462,18 @@ int main(int argc, char** argv) {
          << ", \"fp8_fast_over_bf16_geomean\": " << r.fp8_fast_over_bf16_geomean
          << ", \"fp8_fprop_over_scaled_grouped_mm\": " << r.fp8_fprop_over_scaled_grouped_mm << "}"
          << (i + 1 < products.size() ? "," : "") << "\n";
+  }
+  json << "  ],\n  \"training_steps_ms\": [\n";
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const StepRecord& r = steps[i];
+    json << "    {\"shape\": \"" << r.shape << "\"";
+    for (size_t c = 0; c < kNumStepColumns; ++c) {
+      json << ", \"" << kStepColumns[c] << "\": " << r.ms[c];
+    }
+    json << ", \"bf16_over_fp8_optimizer_weights_fwd_bwd\": " << r.fwd_bwd_ratio
+         << ", \"bf16_over_fp8_step_cast\": " << r.step_ratio_cast
+         << ", \"bf16_over_fp8_step_optimizer_weights\": " << r.step_ratio_optimizer_weights << "}"
+         << (i + 1 < steps.size() ? "," : "") << "\n";
   }
   json << "  ]\n}\n";
   std::cout << "wrote " << args.json_path << "\n";

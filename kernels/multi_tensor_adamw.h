@@ -58,6 +58,37 @@ struct AdamWHyper {
 // Every tensor of `batch` (numel > 0) takes one step.
 void launch_adamw(const AdamWBatch& batch, const AdamWHyper& hyper, cudaStream_t stream);
 
+// A weight whose step also writes its FP8 (e4m3) copies, with delayed scaling: `t` holds
+// `experts` matrices [rows, cols] one after another (a GroupedLinear's [G, out, in] weight, or
+// one expert's [out, in] with experts = 1), and its copies are laid out as quantize_weights lays
+// them out (split_quantize.h with G splits of `rows` rows):
+//   rowwise     [experts·rows, cols]  q = satfinite_rn(p · scale[g]), the input's layout
+//   columnwise  expert g's transpose [cols, rows] at element g·rows·cols
+// amax[g] is maxed with max |p| of expert g's new values (NaN ignored) and scale_inv[g] gets
+// 1 / scale[g], both as split-quantize's kDelayed. rows and cols are multiples of 16.
+struct AdamWFp8Weight {
+  AdamWTensor t;  // t.numel = experts · rows · cols
+  uint8_t* rowwise = nullptr;
+  uint8_t* columnwise = nullptr;
+  const float* scale = nullptr;
+  float* scale_inv = nullptr;
+  float* amax = nullptr;
+  int64_t experts = 0, rows = 0, cols = 0;
+};
+
+inline constexpr int kAdamWFp8WeightsPerLaunch = 16;
+inline constexpr int kAdamWFp8Tile = 64;  // a block's tile: 64 rows × 64 columns of one expert
+
+struct AdamWFp8Batch {
+  AdamWFp8Weight weights[kAdamWFp8WeightsPerLaunch];
+  int num_weights = 0;
+  // tile_prefix[i]: the launch's first tile of weight i; [num_weights] = the launch's tiles.
+  int tile_prefix[kAdamWFp8WeightsPerLaunch + 1] = {};
+};
+
+// Every weight of `batch` takes one step (AdamW as above) and writes its FP8 copies.
+void launch_adamw_fp8(const AdamWFp8Batch& batch, const AdamWHyper& hyper, cudaStream_t stream);
+
 // partials[first_chunk + c] = Σ grad² over chunk c of the batch (its `grad` pointers are read).
 void launch_sum_of_squares(const AdamWBatch& batch, float* partials, int64_t first_chunk,
                            cudaStream_t stream);

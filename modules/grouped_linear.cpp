@@ -206,7 +206,40 @@ autograd::Fp8Config GroupedLinearImpl::fp8_config(std::optional<bool> is_first_m
   config.state = fp8_state_;
   config.is_first_microbatch = is_first_microbatch;
   config.weight_cache = fp8_weight_cache_;
+  const std::vector<int64_t>& versions = fp8_weight_cache_->versions;
+  bool current = std::holds_alternative<fp8::DelayedScaling>(*recipe) &&
+                 versions.size() == weight_params_.size();
+  for (size_t i = 0; current && i < versions.size(); ++i) {
+    current = weight_params_[i]._version() == versions[i];
+  }
+  config.optimizer_weights = current;
   return config;
+}
+
+ops::SplitQuantized& GroupedLinearImpl::optimizer_fp8_weights() {
+  TORCH_CHECK(fp8_state_, kModule, ": FP8 weights written by an optimizer use the layer's ",
+              "delayed-scaling state; build the layer with fp8_amax_history_len > 0");
+  ops::SplitQuantized& q = fp8_weight_cache_->optimizer_weights;
+  if (!q.data.defined()) {
+    const int64_t groups = options.num_gemms(), n = out_features_per_partition,
+                  k = in_features_per_partition;
+    const torch::TensorOptions like = weight_params_.front().options();
+    q.data = torch::empty({groups * n, k}, like.dtype(torch::kFloat8_e4m3fn));
+    q.columnwise_data = torch::empty({groups * n * k}, like.dtype(torch::kFloat8_e4m3fn));
+    q.scale_inv = torch::empty({groups}, like.dtype(torch::kFloat32));
+    q.amax = fp8_state_->tensors(fp8::TensorRole::kWeight).amax_history.select(0, 0);
+    q.format = kernels::Fp8Format::kE4M3;
+    q.scaling = kernels::QuantizeScaling::kDelayed;
+  }
+  return q;
+}
+
+void GroupedLinearImpl::fp8_weights_written() {
+  TORCH_CHECK(fp8_weight_cache_->optimizer_weights.data.defined(), kModule,
+              "::fp8_weights_written: no FP8 weights were handed out (optimizer_fp8_weights)");
+  std::vector<int64_t>& versions = fp8_weight_cache_->versions;
+  versions.clear();
+  for (const torch::Tensor& w : weight_params_) versions.push_back(w._version());
 }
 
 void GroupedLinearImpl::backward_dw() {
@@ -260,6 +293,7 @@ void GroupedLinearImpl::to(torch::Device device, torch::Dtype dtype, bool non_bl
               " delayed weight-gradient computation(s) are queued; run backward_dw() first");
   torch::nn::Module::to(device, dtype, non_blocking);
   move_main_grads(device);
+  drop_optimizer_fp8_weights();
 }
 
 void GroupedLinearImpl::to(torch::Device device, bool non_blocking) {
@@ -267,6 +301,13 @@ void GroupedLinearImpl::to(torch::Device device, bool non_blocking) {
               " delayed weight-gradient computation(s) are queued; run backward_dw() first");
   torch::nn::Module::to(device, non_blocking);
   move_main_grads(device);
+  drop_optimizer_fp8_weights();
+}
+
+// The parameters' new storage keeps their version counters, and the copies stay where they were.
+void GroupedLinearImpl::drop_optimizer_fp8_weights() {
+  fp8_weight_cache_->optimizer_weights = ops::SplitQuantized();
+  fp8_weight_cache_->versions.clear();
 }
 
 // Main grads stay float32 whatever the parameters' dtype; views of one buffer stay views of one

@@ -30,6 +30,7 @@ struct Fp8WeightCache;
 struct Fp8GradLink;
 }  // namespace autograd
 namespace ops {
+struct SplitQuantized;
 struct GemmPlan;
 struct GemmShape;
 struct GluOptions;
@@ -138,6 +139,20 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
   void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
   void to(torch::Device device, bool non_blocking = false) override;
 
+  /// The weight parameters as registered: G tensors [out, in], or one [G, out, in] with
+  /// single_grouped_weight.
+  const std::vector<torch::Tensor>& weight_parameters() const { return weight_params_; }
+
+  /// For an optimizer that writes the layer's FP8 weights with each update
+  /// (optim::FusedAdamW::set_fp8_weights): the delayed-scaling copies to write, allocated on the
+  /// first call (rowwise and columnwise e4m3, scale_inv; amax is the state's weight amax row), and
+  /// the call that says they have been written from the current weights. From then on forwards
+  /// under DelayedScaling read them instead of quantizing the weights, until a weight parameter is
+  /// changed in place by anything else (its version counter moves: e.g. load_state_dict), `to`
+  /// moves the layer or reset() runs. Needs the FP8 state (fp8_amax_history_len > 0).
+  ops::SplitQuantized& optimizer_fp8_weights();
+  void fp8_weights_written();
+
   /// Per-expert [out, in] weights and [out] biases (views into the grouped parameters when used).
   std::vector<torch::Tensor> expert_weights() const;
   std::vector<torch::Tensor> expert_biases() const;
@@ -183,6 +198,7 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
   // Checks an input of `width` features against the parameters; returns it as [rows, width].
   torch::Tensor input_rows(const torch::Tensor& input, int64_t width) const;
   void move_main_grads(torch::Device device);
+  void drop_optimizer_fp8_weights();
   // The FP8 part of a call's config: fp8::current()'s recipe (checked against the layer's FP8
   // state) and the layer's state and weight cache.
   autograd::Fp8Config fp8_config(std::optional<bool> is_first_microbatch) const;

@@ -14,6 +14,7 @@ namespace torchmoe::ops {
 namespace {
 
 constexpr const char* kOp = "torchmoe::ops::adamw_step";
+constexpr double kE4m3Max = 448.0;  // the largest finite e4m3 value
 
 enum class Backend {
   kReference,  // CPU: per-tensor ATen ops
@@ -35,8 +36,8 @@ void check_tensor(const char* op, const char* what, size_t i, const at::Tensor& 
   TORCH_CHECK(t.defined(), op, ": ", what, "[", i, "] must be a defined tensor");
   TORCH_CHECK(t.device() == device, op, ": ", what, "[", i, "] must be on ", device, ", got ",
               t.device());
-  TORCH_CHECK(shape == nullptr || t.sizes() == *shape, op, ": ", what, "[", i,
-              "] must have shape ", *shape, " like params[", i, "], got ", t.sizes());
+  TORCH_CHECK(shape == nullptr || t.sizes() == *shape, op, ": ", what, "[", i, "] must have shape ",
+              *shape, " like params[", i, "], got ", t.sizes());
   TORCH_CHECK(at::isFloatingType(t.scalar_type()), op, ": ", what, "[", i,
               "] must have a floating dtype, got ", t.scalar_type());
   TORCH_CHECK(!fp32_only || t.scalar_type() == at::kFloat, op, ": ", what, "[", i,
@@ -70,6 +71,72 @@ void for_each_batch(size_t count, Make&& make, Launch&& launch) {
   flush();
 }
 
+// A weight with an FP8 copy: `experts` matrices [rows, cols].
+struct Fp8Shape {
+  int64_t experts = 1, rows = 0, cols = 0;
+};
+
+Fp8Shape fp8_shape(const at::Tensor& param) {
+  return {param.dim() == 3 ? param.size(0) : 1, param.size(-2), param.size(-1)};
+}
+
+bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+void check_fp8_copy(size_t i, const AdamWTensors& t, bool cuda) {
+  const at::Tensor& param = t.params[i];
+  const AdamWFp8Copy& c = t.fp8_copies[i];
+  TORCH_CHECK(param.scalar_type() == at::kFloat && (param.dim() == 2 || param.dim() == 3), kOp,
+              ": params[", i, "] has an FP8 copy, so it must be a float32 [rows, cols] or ",
+              "[experts, rows, cols] tensor, got ", param.scalar_type(), " ", param.sizes());
+  const Fp8Shape s = fp8_shape(param);
+  TORCH_CHECK(s.rows % 16 == 0 && s.cols % 16 == 0, kOp, ": params[", i, "] has an FP8 copy, so ",
+              "its rows and columns must be multiples of 16 (FP8 GEMM operands), got ",
+              param.sizes());
+  const auto check = [&](const at::Tensor& x, const char* name, at::ScalarType dtype,
+                         std::vector<int64_t> shape) {
+    TORCH_CHECK(x.defined() && x.scalar_type() == dtype && x.sizes() == at::IntArrayRef(shape) &&
+                    x.device() == param.device() && x.is_contiguous(),
+                kOp, ": fp8_copies[", i, "].", name, " must be a contiguous ", dtype, " ",
+                at::IntArrayRef(shape), " tensor on ", param.device(), ", got ",
+                x.defined() ? x.sizes() : at::IntArrayRef{}, " ",
+                x.defined() ? x.scalar_type() : at::ScalarType::Undefined);
+  };
+  check(c.rowwise, "rowwise", at::kFloat8_e4m3fn, {s.experts * s.rows, s.cols});
+  check(c.columnwise, "columnwise", at::kFloat8_e4m3fn, {s.experts * s.rows * s.cols});
+  check(c.scale, "scale", at::kFloat, {s.experts});
+  check(c.scale_inv, "scale_inv", at::kFloat, {s.experts});
+  check(c.amax, "amax", at::kFloat, {s.experts});
+  if (!cuda) return;
+  // The kernel's vectors: 4 elements of each array per access, 16 rows of the columnwise copy.
+  const at::Tensor& model = t.models[i];
+  TORCH_CHECK(aligned(param.const_data_ptr(), 16) && aligned(t.grads[i].const_data_ptr(), 16) &&
+                  aligned(t.exp_avgs[i].const_data_ptr(), 16) &&
+                  aligned(t.exp_avg_sqs[i].const_data_ptr(), 16) &&
+                  aligned(c.columnwise.const_data_ptr(), 16) &&
+                  aligned(c.rowwise.const_data_ptr(), 4) &&
+                  (!model.defined() || aligned(model.const_data_ptr(), 4 * model.element_size())),
+              kOp, ": params[", i, "] has an FP8 copy, so its tensors must start on 16-byte ",
+              "boundaries (the rowwise copy on 4, the model copy on 4 elements)");
+}
+
+// The FP8 copy from the updated parameter, as the kernel writes it: fp32 products with the
+// scale, cast saturating (a NaN stays NaN), amax maxed with each expert's max |p| ignoring NaN.
+void reference_fp8_copy(const at::Tensor& param, const AdamWFp8Copy& c) {
+  const Fp8Shape s = fp8_shape(param);
+  const at::Tensor p = param.reshape({s.experts, s.rows, s.cols});
+  const at::Tensor q =
+      (p * c.scale.view({s.experts, 1, 1})).clamp(-kE4m3Max, kE4m3Max).to(at::kFloat8_e4m3fn);
+  c.rowwise.copy_(q.view({s.experts * s.rows, s.cols}));
+  c.columnwise.copy_(q.transpose(1, 2).reshape(-1));
+  const at::Tensor magnitude = p.abs();
+  c.amax.copy_(at::fmax(c.amax, at::where(magnitude.isnan(), 0.0, magnitude).amax({1, 2})));
+  c.scale_inv.copy_(c.scale.reciprocal());
+}
+
+bool has_fp8_copy(const AdamWTensors& t, size_t i) {
+  return !t.fp8_copies.empty() && t.fp8_copies[i].rowwise.defined();
+}
+
 void reference_step(const AdamWTensors& t, const AdamWHyperparameters& h,
                     const at::Tensor& grad_scale) {
   const double bias_correction1 = 1 - std::pow(h.beta1, static_cast<double>(h.step));
@@ -85,7 +152,56 @@ void reference_step(const AdamWTensors& t, const AdamWHyperparameters& h,
     const at::Tensor denom = (t.exp_avg_sqs[i].sqrt() / std::sqrt(bias_correction2)).add_(h.eps);
     p.addcdiv_(t.exp_avgs[i], denom, -h.lr / bias_correction1);
     if (t.models[i].defined()) t.models[i].copy_(p);
+    if (has_fp8_copy(t, i) && p.numel() > 0) reference_fp8_copy(p, t.fp8_copies[i]);
   }
+}
+
+kernels::AdamWTensor kernel_tensor(const AdamWTensors& t, size_t i) {
+  kernels::AdamWTensor k;
+  k.param = t.params[i].mutable_data_ptr<float>();
+  k.grad = t.grads[i].const_data_ptr<float>();
+  k.exp_avg = t.exp_avgs[i].mutable_data_ptr<float>();
+  k.exp_avg_sq = t.exp_avg_sqs[i].mutable_data_ptr<float>();
+  k.model = t.models[i].defined() ? t.models[i].mutable_data_ptr() : nullptr;
+  k.numel = t.params[i].numel();
+  return k;
+}
+
+// for_each_batch for the weights with FP8 copies: launches of at most kAdamWFp8WeightsPerLaunch.
+template <typename Launch>
+void for_each_fp8_batch(const AdamWTensors& t, const std::vector<size_t>& members,
+                        Launch&& launch) {
+  constexpr int64_t kTile = kernels::kAdamWFp8Tile;
+  kernels::AdamWFp8Batch batch;
+  auto flush = [&] {
+    if (batch.num_weights > 0) launch(batch);
+    batch = kernels::AdamWFp8Batch();
+  };
+  for (const size_t i : members) {
+    if (t.params[i].numel() == 0) continue;
+    const Fp8Shape s = fp8_shape(t.params[i]);
+    const AdamWFp8Copy& c = t.fp8_copies[i];
+    // A launch's blocks are counted in int: 16 weights of up to 2^26 tiles each fit.
+    const int64_t tiles =
+        s.experts * ((s.rows + kTile - 1) / kTile) * ((s.cols + kTile - 1) / kTile);
+    TORCH_CHECK(tiles <= (int64_t{1} << 26), kOp, ": weights with FP8 copies of more than 2^38 ",
+                "elements are not supported, got ", t.params[i].numel());
+    if (batch.num_weights == kernels::kAdamWFp8WeightsPerLaunch) flush();
+    kernels::AdamWFp8Weight& w = batch.weights[batch.num_weights];
+    w.t = kernel_tensor(t, i);
+    w.rowwise = static_cast<uint8_t*>(c.rowwise.mutable_data_ptr());
+    w.columnwise = static_cast<uint8_t*>(c.columnwise.mutable_data_ptr());
+    w.scale = c.scale.const_data_ptr<float>();
+    w.scale_inv = c.scale_inv.mutable_data_ptr<float>();
+    w.amax = c.amax.mutable_data_ptr<float>();
+    w.experts = s.experts;
+    w.rows = s.rows;
+    w.cols = s.cols;
+    batch.tile_prefix[batch.num_weights + 1] =
+        batch.tile_prefix[batch.num_weights] + static_cast<int>(tiles);
+    ++batch.num_weights;
+  }
+  flush();
 }
 
 void cuda_step(const AdamWTensors& t, const AdamWHyperparameters& h, const at::Tensor& grad_scale) {
@@ -97,34 +213,23 @@ void cuda_step(const AdamWTensors& t, const AdamWHyperparameters& h, const at::T
   hyper.beta2 = static_cast<float>(h.beta2);
   hyper.eps = static_cast<float>(h.eps);
   hyper.weight_decay = static_cast<float>(h.weight_decay);
-  hyper.bias_correction1 =
-      static_cast<float>(1 - std::pow(h.beta1, static_cast<double>(h.step)));
-  hyper.bias_correction2 =
-      static_cast<float>(1 - std::pow(h.beta2, static_cast<double>(h.step)));
+  hyper.bias_correction1 = static_cast<float>(1 - std::pow(h.beta1, static_cast<double>(h.step)));
+  hyper.bias_correction2 = static_cast<float>(1 - std::pow(h.beta2, static_cast<double>(h.step)));
   hyper.grad_scale = grad_scale.defined() ? grad_scale.const_data_ptr<float>() : nullptr;
   // One pass per model dtype (a launch writes one); "none" rides with bfloat16.
   const std::array<at::ScalarType, 3> model_types = {at::kBFloat16, at::kHalf, at::kFloat};
   for (const at::ScalarType model_type : model_types) {
-    std::vector<size_t> members;
+    std::vector<size_t> members, fp8_members;
     for (size_t i = 0; i < t.params.size(); ++i) {
-      const at::ScalarType type =
-          t.models[i].defined() ? t.models[i].scalar_type() : at::kBFloat16;
-      if (type == model_type) members.push_back(i);
+      const at::ScalarType type = t.models[i].defined() ? t.models[i].scalar_type() : at::kBFloat16;
+      if (type == model_type) (has_fp8_copy(t, i) ? fp8_members : members).push_back(i);
     }
     hyper.model_type = kernel_type(model_type);
+    for_each_fp8_batch(t, fp8_members, [&](const kernels::AdamWFp8Batch& batch) {
+      kernels::launch_adamw_fp8(batch, hyper, stream);
+    });
     for_each_batch(
-        members.size(),
-        [&](size_t m) {
-          const size_t i = members[m];
-          kernels::AdamWTensor k;
-          k.param = t.params[i].mutable_data_ptr<float>();
-          k.grad = t.grads[i].const_data_ptr<float>();
-          k.exp_avg = t.exp_avgs[i].mutable_data_ptr<float>();
-          k.exp_avg_sq = t.exp_avg_sqs[i].mutable_data_ptr<float>();
-          k.model = t.models[i].defined() ? t.models[i].mutable_data_ptr() : nullptr;
-          k.numel = t.params[i].numel();
-          return k;
-        },
+        members.size(), [&](size_t m) { return kernel_tensor(t, members[m]); },
         [&](const kernels::AdamWBatch& batch) { kernels::launch_adamw(batch, hyper, stream); });
   }
 }
@@ -139,6 +244,9 @@ void adamw_step(const AdamWTensors& t, const AdamWHyperparameters& h,
               kOp, ": params, grads, exp_avgs, exp_avg_sqs and models must have one entry each, ",
               "got ", n, ", ", t.grads.size(), ", ", t.exp_avgs.size(), ", ", t.exp_avg_sqs.size(),
               ", ", t.models.size());
+  TORCH_CHECK(t.fp8_copies.empty() || t.fp8_copies.size() == n, kOp,
+              ": fp8_copies must be empty or have one entry per parameter (", n, "), got ",
+              t.fp8_copies.size());
   TORCH_CHECK(h.lr >= 0 && h.eps >= 0 && h.weight_decay >= 0 && h.beta1 >= 0 && h.beta1 < 1 &&
                   h.beta2 >= 0 && h.beta2 < 1 && h.step >= 1,
               kOp, ": needs lr, eps, weight_decay >= 0, betas in [0, 1) and step >= 1, got lr ",
@@ -160,6 +268,7 @@ void adamw_step(const AdamWTensors& t, const AdamWHyperparameters& h,
       TORCH_CHECK(!cuda || t.models[i].is_contiguous(), kOp, ": models[", i,
                   "] must be contiguous on CUDA");
     }
+    if (has_fp8_copy(t, i)) check_fp8_copy(i, t, cuda);
   }
   if (grad_scale.defined()) {
     TORCH_CHECK(grad_scale.dim() == 0 && grad_scale.scalar_type() == at::kFloat &&
@@ -203,8 +312,8 @@ GradNorm grad_norm(at::TensorList grads, double max_norm) {
       for (const at::Tensor& g : grads) {
         chunks += (g.numel() + kernels::kAdamWChunk - 1) / kernels::kAdamWChunk;
       }
-      const at::Tensor partials = at::empty({std::max<int64_t>(chunks, 1)},
-                                            first.options().dtype(at::kFloat));
+      const at::Tensor partials =
+          at::empty({std::max<int64_t>(chunks, 1)}, first.options().dtype(at::kFloat));
       int64_t first_chunk = 0;
       for_each_batch(
           grads.size(),

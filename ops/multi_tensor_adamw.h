@@ -16,12 +16,28 @@ struct AdamWHyperparameters {
   int64_t step = 1;  // the step this update makes (1 for the first): bias corrections 1 − β^step
 };
 
+// The FP8 (e4m3) copies of a weight that its step writes with delayed scaling, from the new fp32
+// values, as ops::quantize_weights would make them from those values with `scale`
+// (kernels/multi_tensor_adamw.h has the layouts): the weight is `experts` matrices [rows, cols]
+// (its last two dimensions; experts = its first with three dimensions, else 1), rows and cols
+// multiples of 16. The step overwrites rowwise, columnwise and scale_inv, and maxes each expert's
+// new max |p| (NaN ignored) into amax.
+struct AdamWFp8Copy {
+  at::Tensor rowwise;     // [experts·rows, cols] float8_e4m3fn
+  at::Tensor columnwise;  // [experts·rows·cols] float8_e4m3fn: expert g's transpose at g·rows·cols
+  at::Tensor scale;       // [experts] float32: what the cast multiplies by
+  at::Tensor scale_inv;  // [experts] float32: gets 1 / scale
+  at::Tensor amax;       // [experts] float32
+};
+
 // Parallel lists, one entry per parameter. params, exp_avgs and exp_avg_sqs are updated in place;
 // models[i], when defined, receives params[i] rounded to its dtype (the 16-bit compute copy of an
-// fp32 master weight). On CUDA every tensor is contiguous, params/grads/state are float32, models
-// float32/float16/bfloat16.
+// fp32 master weight); fp8_copies is empty or has an entry per parameter, those with a defined
+// rowwise written as AdamWFp8Copy says (params[i] float32). On CUDA every tensor is contiguous,
+// params/grads/state are float32, models float32/float16/bfloat16.
 struct AdamWTensors {
   std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, models;
+  std::vector<AdamWFp8Copy> fp8_copies;
 };
 
 // One AdamW step (decoupled weight decay) on every tensor. grad_scale: undefined, or a 0-d float32

@@ -2,12 +2,14 @@
 
 #include <torch/optim/serialize.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <memory>
 #include <unordered_set>
 #include <utility>
 
+#include "torchmoe/autograd/grouped_linear_function.h"
 #include "torchmoe/ops/expert_parallel.h"
 #include "torchmoe/ops/multi_tensor_adamw.h"
 
@@ -53,6 +55,67 @@ void FusedAdamW::set_model_copy(const torch::Tensor& param, const torch::Tensor&
               model.defined() ? model.sizes() : torch::IntArrayRef{}, " on ",
               model.defined() ? model.device() : param.device());
   model_copies_[param.unsafeGetTensorImpl()] = model;
+}
+
+void FusedAdamW::set_fp8_weights(GroupedLinear layer, const std::vector<torch::Tensor>& masters) {
+  constexpr const char* kWhere = "FusedAdamW::set_fp8_weights";
+  TORCH_CHECK(!layer.is_empty(), kName, "::set_fp8_weights: layer must be a built GroupedLinear");
+  TORCH_CHECK(layer->fp8_state(), kWhere, ": the copies are scaled with the layer's ",
+              "delayed-scaling state; build the layer with fp8_amax_history_len > 0");
+  TORCH_CHECK(
+      layer->in_features_per_partition % 16 == 0 && layer->out_features_per_partition % 16 == 0,
+      kWhere, ": the layer's in and out features must be multiples of 16 (FP8 GEMM ",
+      "operands), got ", layer->in_features_per_partition, " and ",
+      layer->out_features_per_partition);
+  const std::vector<torch::Tensor>& weights = layer->weight_parameters();
+  TORCH_CHECK(masters.size() == weights.size(), kWhere, ": needs one master per weight parameter ",
+              "of the layer (", weights.size(), "), got ", masters.size());
+  for (size_t i = 0; i < masters.size(); ++i) {
+    const torch::Tensor& m = masters[i];
+    bool known = false;
+    for (const auto& group : param_groups_) {
+      for (const torch::Tensor& p : group.params()) known |= p.is_same(m);
+    }
+    TORCH_CHECK(known, kWhere, ": masters[", i, "] is not one of the optimizer's parameters");
+    TORCH_CHECK(m.scalar_type() == torch::kFloat32 && m.sizes() == weights[i].sizes(), kWhere,
+                ": masters[", i, "] must be float32 of shape ", weights[i].sizes(), ", got ",
+                m.scalar_type(), " ", m.sizes());
+    const auto model = model_copies_.find(m.unsafeGetTensorImpl());
+    TORCH_CHECK(m.is_same(weights[i]) ||
+                    (model != model_copies_.end() && model->second.is_same(weights[i])),
+                kWhere, ": masters[", i, "] must be the layer's weight parameter ", i,
+                " or the master whose model copy it is (set_model_copy first)");
+  }
+  layer->optimizer_fp8_weights();  // allocated now, on the layer's device
+  for (Fp8Weights& f : fp8_weights_) {
+    TORCH_CHECK(f.layer.ptr() != layer.ptr(), kWhere, ": the layer already has its masters");
+  }
+  fp8_weights_.push_back({layer, masters, std::vector<bool>(masters.size(), false)});
+}
+
+ops::AdamWFp8Copy FusedAdamW::fp8_copy_of(const torch::Tensor& param) {
+  for (Fp8Weights& f : fp8_weights_) {
+    for (size_t i = 0; i < f.masters.size(); ++i) {
+      if (!f.masters[i].is_same(param)) continue;
+      ops::SplitQuantized& q = f.layer->optimizer_fp8_weights();
+      const fp8::DelayedScalingTensors& state =
+          f.layer->fp8_state()->tensors(fp8::TensorRole::kWeight);
+      ops::AdamWFp8Copy copy{q.data, q.columnwise_data, state.scale, q.scale_inv,
+                             state.amax_history.select(0, 0)};
+      if (f.masters.size() > 1) {  // separate weights: master i is expert i
+        const int64_t rows = param.size(0), elements = param.numel();
+        const auto index = static_cast<int64_t>(i);
+        copy.rowwise = copy.rowwise.narrow(0, index * rows, rows);
+        copy.columnwise = copy.columnwise.narrow(0, index * elements, elements);
+        copy.scale = copy.scale.narrow(0, index, 1);
+        copy.scale_inv = copy.scale_inv.narrow(0, index, 1);
+        copy.amax = copy.amax.narrow(0, index, 1);
+      }
+      f.written[i] = true;
+      return copy;
+    }
+  }
+  return {};
 }
 
 torch::Tensor FusedAdamW::clip_grad_norm(double max_norm) {
@@ -133,6 +196,7 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
       t.exp_avg_sqs.push_back(state.exp_avg_sq());
       const auto model = model_copies_.find(p.unsafeGetTensorImpl());
       t.models.push_back(model != model_copies_.end() ? model->second : torch::Tensor());
+      t.fp8_copies.push_back(fp8_copy_of(p));
     }
     for (const auto& [step, tensors] : by_step) {
       ops::AdamWHyperparameters h;
@@ -146,6 +210,11 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
     }
   }
   grad_scale_ = torch::Tensor();  // a clip applies to one step
+  for (Fp8Weights& f : fp8_weights_) {
+    if (std::all_of(f.written.begin(), f.written.end(), [](bool w) { return w; })) {
+      f.layer->fp8_weights_written();
+    }
+  }
   return loss;
 }
 

@@ -13,7 +13,12 @@
 #include <unordered_map>
 #include <vector>
 
+#include "torchmoe/modules/grouped_linear.h"
 #include "torchmoe/ops/process_group.h"
+
+namespace torchmoe::ops {
+struct AdamWFp8Copy;
+}  // namespace torchmoe::ops
 
 namespace torchmoe::optim {
 
@@ -47,6 +52,17 @@ class FusedAdamW : public torch::optim::Optimizer {
   /// `param` must be one of the optimizer's parameters.
   void set_model_copy(const torch::Tensor& param, const torch::Tensor& model);
 
+  /// FP8 training under DelayedScaling without the forward's weight cast: every step writes
+  /// `layer`'s FP8 weights (the rowwise copy fprop reads and the transposed one dgrad reads, e4m3
+  /// with the weight scales of the layer's FP8 state) from `masters`' new values in the same pass
+  /// as their update, and maxes their amax into the state's current history row, as the forward's
+  /// cast would. Once every master has been stepped, the layer's forwards under DelayedScaling
+  /// read these copies (GroupedLinearImpl::optimizer_fp8_weights says until when). masters: the
+  /// optimizer's parameters holding the layer's weights, in weight_parameters()' order, each
+  /// float32 and either the weight itself or the master whose model copy (set_model_copy) it is.
+  /// The layer needs fp8_amax_history_len > 0 and in/out features that are multiples of 16.
+  void set_fp8_weights(GroupedLinear layer, const std::vector<torch::Tensor>& masters);
+
   /// The L2 norm of all parameters' gradients together, and the next step() multiplies every
   /// gradient by min(1, max_norm / (norm + 1e-6)) as it reads them: the effect of
   /// torch::nn::utils::clip_grad_norm_ without its pass over the gradients, which are left as they
@@ -68,7 +84,17 @@ class FusedAdamW : public torch::optim::Optimizer {
   void load(torch::serialize::InputArchive& archive) override;
 
  private:
+  // A layer whose FP8 weights the steps write, and which of its masters have been written.
+  struct Fp8Weights {
+    GroupedLinear layer;
+    std::vector<torch::Tensor> masters;
+    std::vector<bool> written;
+  };
+  // The FP8 copy of `param` for this step, if it is one of an Fp8Weights' masters (marked written).
+  ops::AdamWFp8Copy fp8_copy_of(const torch::Tensor& param);
+
   std::unordered_map<const void*, torch::Tensor> model_copies_;  // by the parameter's TensorImpl
+  std::vector<Fp8Weights> fp8_weights_;
   torch::Tensor grad_scale_;  // set by clip_grad_norm, used by the next step
 };
 
