@@ -106,7 +106,12 @@ ops::SplitQuantized split_quantize(const at::Tensor& t, const GemmPlan& plan,
 // (is_first_microbatch true), or the cached ones (false). A cache always holds both copies: a
 // later micro-batch's backward reads the columnwise one.
 ops::SplitQuantized fp8_weights(Fp8Config& f, const ops::GroupedTensors& weights, bool columnwise) {
-  if (f.optimizer_weights) return f.weight_cache->optimizer_weights;
+  if (f.optimizer_weights) {
+    // A later is_first_microbatch=false call reuses what this first micro-batch read.
+    if (f.is_first_microbatch.value_or(false))
+      f.weight_cache->weights = f.weight_cache->optimizer_weights;
+    return f.weight_cache->optimizer_weights;
+  }
   auto quantize = [&](bool both) {
     const Fp8QuantizeArgs args =
         quantize_args(f.recipe, f.state, fp8::TensorRole::kWeight, true, both);

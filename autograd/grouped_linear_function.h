@@ -60,9 +60,10 @@ struct DelayedWgrad {
 struct Fp8WeightCache {
   ops::SplitQuantized weights;  // rowwise (fprop) and columnwise (dgrad), as quantize_weights
   // Delayed-scaling copies that an optimizer writes with each update
-  // (optim::FusedAdamW::set_fp8_weights), laid out as `weights`, and the layer's weight
-  // parameters' version counters when it last wrote them all: an in-place change by anything
-  // else moves a counter, and forwards quantize the weights again.
+  // (optim::FusedAdamW::set_fp8_weights), laid out as `weights` (no amax), and the layer's
+  // weight parameters' version counters when it last wrote them all: an in-place change (an
+  // ATen op, or a FusedAdamW writing the parameter as a model copy) moves a counter, and
+  // forwards quantize the weights again.
   ops::SplitQuantized optimizer_weights;
   std::vector<int64_t> versions;
 };

@@ -9,7 +9,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -140,8 +139,8 @@ __global__ void __launch_bounds__(kFp8Threads)
   const int64_t c0 = local % col_tiles * kAdamWFp8Tile;
   // rows and cols are multiples of 16: a thread's 4×4 block and a 16-row piece of an output row
   // are either wholly inside the matrix or wholly outside.
-  const int64_t valid_rows = std::min<int64_t>(kAdamWFp8Tile, w.rows - r0);
-  const int64_t valid_cols = std::min<int64_t>(kAdamWFp8Tile, w.cols - c0);
+  const int64_t valid_rows = min(static_cast<int64_t>(kAdamWFp8Tile), w.rows - r0);
+  const int64_t valid_cols = min(static_cast<int64_t>(kAdamWFp8Tile), w.cols - c0);
   const int own_row = 4 * (threadIdx.x / 16), own_col = 4 * (threadIdx.x % 16);
   const float scale = w.scale[g];
   const StepConstants c = step_constants(h);

@@ -227,7 +227,6 @@ ops::SplitQuantized& GroupedLinearImpl::optimizer_fp8_weights() {
     q.data = torch::empty({groups * n, k}, like.dtype(torch::kFloat8_e4m3fn));
     q.columnwise_data = torch::empty({groups * n * k}, like.dtype(torch::kFloat8_e4m3fn));
     q.scale_inv = torch::empty({groups}, like.dtype(torch::kFloat32));
-    q.amax = fp8_state_->tensors(fp8::TensorRole::kWeight).amax_history.select(0, 0);
     q.format = kernels::Fp8Format::kE4M3;
     q.scaling = kernels::QuantizeScaling::kDelayed;
   }

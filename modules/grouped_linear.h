@@ -145,11 +145,13 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
 
   /// For an optimizer that writes the layer's FP8 weights with each update
   /// (optim::FusedAdamW::set_fp8_weights): the delayed-scaling copies to write, allocated on the
-  /// first call (rowwise and columnwise e4m3, scale_inv; amax is the state's weight amax row), and
+  /// first call (rowwise and columnwise e4m3 and scale_inv; the amax goes to the FP8 state), and
   /// the call that says they have been written from the current weights. From then on forwards
-  /// under DelayedScaling read them instead of quantizing the weights, until a weight parameter is
-  /// changed in place by anything else (its version counter moves: e.g. load_state_dict), `to`
-  /// moves the layer or reset() runs. Needs the FP8 state (fp8_amax_history_len > 0).
+  /// under DelayedScaling read them instead of quantizing the weights, until a weight parameter's
+  /// version counter moves (an in-place ATen op such as load_state_dict's copies, or a
+  /// FusedAdamW's write of the parameter as a model copy; writes that bypass both, such as a raw
+  /// kernel's or variable_data()'s, are not seen), `to(device)` moves the layer or reset() runs.
+  /// Needs the FP8 state (fp8_amax_history_len > 0).
   ops::SplitQuantized& optimizer_fp8_weights();
   void fp8_weights_written();
 

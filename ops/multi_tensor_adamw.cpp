@@ -94,12 +94,14 @@ void check_fp8_copy(size_t i, const AdamWTensors& t, bool cuda) {
               param.sizes());
   const auto check = [&](const at::Tensor& x, const char* name, at::ScalarType dtype,
                          std::vector<int64_t> shape) {
-    TORCH_CHECK(x.defined() && x.scalar_type() == dtype && x.sizes() == at::IntArrayRef(shape) &&
+    TORCH_CHECK(x.defined(), kOp, ": fp8_copies[", i, "].", name, " must be defined (an entry ",
+                "with a rowwise copy needs all five tensors)");
+    TORCH_CHECK(x.scalar_type() == dtype && x.sizes() == at::IntArrayRef(shape) &&
                     x.device() == param.device() && x.is_contiguous(),
                 kOp, ": fp8_copies[", i, "].", name, " must be a contiguous ", dtype, " ",
                 at::IntArrayRef(shape), " tensor on ", param.device(), ", got ",
-                x.defined() ? x.sizes() : at::IntArrayRef{}, " ",
-                x.defined() ? x.scalar_type() : at::ScalarType::Undefined);
+                x.is_contiguous() ? "a contiguous " : "a non-contiguous ", x.scalar_type(), " ",
+                x.sizes(), " tensor on ", x.device());
   };
   check(c.rowwise, "rowwise", at::kFloat8_e4m3fn, {s.experts * s.rows, s.cols});
   check(c.columnwise, "columnwise", at::kFloat8_e4m3fn, {s.experts * s.rows * s.cols});
@@ -109,14 +111,22 @@ void check_fp8_copy(size_t i, const AdamWTensors& t, bool cuda) {
   if (!cuda) return;
   // The kernel's vectors: 4 elements of each array per access, 16 rows of the columnwise copy.
   const at::Tensor& model = t.models[i];
-  TORCH_CHECK(aligned(param.const_data_ptr(), 16) && aligned(t.grads[i].const_data_ptr(), 16) &&
-                  aligned(t.exp_avgs[i].const_data_ptr(), 16) &&
-                  aligned(t.exp_avg_sqs[i].const_data_ptr(), 16) &&
-                  aligned(c.columnwise.const_data_ptr(), 16) &&
-                  aligned(c.rowwise.const_data_ptr(), 4) &&
-                  (!model.defined() || aligned(model.const_data_ptr(), 4 * model.element_size())),
-              kOp, ": params[", i, "] has an FP8 copy, so its tensors must start on 16-byte ",
-              "boundaries (the rowwise copy on 4, the model copy on 4 elements)");
+  const std::pair<const char*, const void*> vectors[] = {
+      {"params", param.const_data_ptr()},
+      {"grads", t.grads[i].const_data_ptr()},
+      {"exp_avgs", t.exp_avgs[i].const_data_ptr()},
+      {"exp_avg_sqs", t.exp_avg_sqs[i].const_data_ptr()},
+      {"fp8_copies.columnwise", c.columnwise.const_data_ptr()}};
+  for (const auto& [name, pointer] : vectors) {
+    TORCH_CHECK(aligned(pointer, 16), kOp, ": ", name, "[", i, "] must start on a 16-byte ",
+                "boundary (params[", i, "] has an FP8 copy), got address ", pointer);
+  }
+  TORCH_CHECK(aligned(c.rowwise.const_data_ptr(), 4), kOp, ": fp8_copies[", i, "].rowwise must ",
+              "start on a 4-byte boundary, got address ", c.rowwise.const_data_ptr());
+  TORCH_CHECK(!model.defined() || aligned(model.const_data_ptr(), 4 * model.element_size()), kOp,
+              ": models[", i, "] must start on a ", 4 * model.element_size(), "-byte boundary ",
+              "(params[", i, "] has an FP8 copy), got address ",
+              model.defined() ? model.const_data_ptr() : nullptr);
 }
 
 // The FP8 copy from the updated parameter, as the kernel writes it: fp32 products with the
@@ -133,8 +143,12 @@ void reference_fp8_copy(const at::Tensor& param, const AdamWFp8Copy& c) {
   c.scale_inv.copy_(c.scale.reciprocal());
 }
 
+// An entry with any tensor defined is a copy (check_fp8_copy requires all five).
 bool has_fp8_copy(const AdamWTensors& t, size_t i) {
-  return !t.fp8_copies.empty() && t.fp8_copies[i].rowwise.defined();
+  if (t.fp8_copies.empty()) return false;
+  const AdamWFp8Copy& c = t.fp8_copies[i];
+  return c.rowwise.defined() || c.columnwise.defined() || c.scale.defined() ||
+         c.scale_inv.defined() || c.amax.defined();
 }
 
 void reference_step(const AdamWTensors& t, const AdamWHyperparameters& h,
@@ -184,8 +198,8 @@ void for_each_fp8_batch(const AdamWTensors& t, const std::vector<size_t>& member
     // A launch's blocks are counted in int: 16 weights of up to 2^26 tiles each fit.
     const int64_t tiles =
         s.experts * ((s.rows + kTile - 1) / kTile) * ((s.cols + kTile - 1) / kTile);
-    TORCH_CHECK(tiles <= (int64_t{1} << 26), kOp, ": weights with FP8 copies of more than 2^38 ",
-                "elements are not supported, got ", t.params[i].numel());
+    TORCH_CHECK(tiles <= (int64_t{1} << 26), kOp, ": weights with FP8 copies of more than 2^26 ",
+                "64×64 tiles are not supported, got ", tiles, " (shape ", t.params[i].sizes(), ")");
     if (batch.num_weights == kernels::kAdamWFp8WeightsPerLaunch) flush();
     kernels::AdamWFp8Weight& w = batch.weights[batch.num_weights];
     w.t = kernel_tensor(t, i);

@@ -1,5 +1,6 @@
 #include "torchmoe/optim/fused_adamw.h"
 
+#include <torch/csrc/autograd/variable.h>
 #include <torch/optim/serialize.h>
 
 #include <algorithm>
@@ -9,9 +10,10 @@
 #include <unordered_set>
 #include <utility>
 
-#include "torchmoe/autograd/grouped_linear_function.h"
+#include "torchmoe/fp8/state.h"
 #include "torchmoe/ops/expert_parallel.h"
 #include "torchmoe/ops/multi_tensor_adamw.h"
+#include "torchmoe/ops/quantize.h"
 
 namespace torchmoe::optim {
 namespace {
@@ -59,14 +61,18 @@ void FusedAdamW::set_model_copy(const torch::Tensor& param, const torch::Tensor&
 
 void FusedAdamW::set_fp8_weights(GroupedLinear layer, const std::vector<torch::Tensor>& masters) {
   constexpr const char* kWhere = "FusedAdamW::set_fp8_weights";
-  TORCH_CHECK(!layer.is_empty(), kName, "::set_fp8_weights: layer must be a built GroupedLinear");
+  TORCH_CHECK(!layer.is_empty(), kWhere, ": layer must be a built GroupedLinear, got an empty one");
   TORCH_CHECK(layer->fp8_state(), kWhere, ": the copies are scaled with the layer's ",
-              "delayed-scaling state; build the layer with fp8_amax_history_len > 0");
+              "delayed-scaling state, so the layer must be built with fp8_amax_history_len > 0, ",
+              "got ", layer->options.fp8_amax_history_len());
   TORCH_CHECK(
       layer->in_features_per_partition % 16 == 0 && layer->out_features_per_partition % 16 == 0,
       kWhere, ": the layer's in and out features must be multiples of 16 (FP8 GEMM ",
       "operands), got ", layer->in_features_per_partition, " and ",
       layer->out_features_per_partition);
+  for (const Fp8Weights& f : fp8_weights_) {
+    TORCH_CHECK(f.layer.ptr() != layer.ptr(), kWhere, ": the layer already has its masters");
+  }
   const std::vector<torch::Tensor>& weights = layer->weight_parameters();
   TORCH_CHECK(masters.size() == weights.size(), kWhere, ": needs one master per weight parameter ",
               "of the layer (", weights.size(), "), got ", masters.size());
@@ -77,45 +83,52 @@ void FusedAdamW::set_fp8_weights(GroupedLinear layer, const std::vector<torch::T
       for (const torch::Tensor& p : group.params()) known |= p.is_same(m);
     }
     TORCH_CHECK(known, kWhere, ": masters[", i, "] is not one of the optimizer's parameters");
+    TORCH_CHECK(fp8_masters_.count(m.unsafeGetTensorImpl()) == 0, kWhere, ": masters[", i,
+                "] already writes another layer's FP8 weights");
     TORCH_CHECK(m.scalar_type() == torch::kFloat32 && m.sizes() == weights[i].sizes(), kWhere,
                 ": masters[", i, "] must be float32 of shape ", weights[i].sizes(), ", got ",
                 m.scalar_type(), " ", m.sizes());
-    const auto model = model_copies_.find(m.unsafeGetTensorImpl());
-    TORCH_CHECK(m.is_same(weights[i]) ||
-                    (model != model_copies_.end() && model->second.is_same(weights[i])),
-                kWhere, ": masters[", i, "] must be the layer's weight parameter ", i,
-                " or the master whose model copy it is (set_model_copy first)");
+    TORCH_CHECK(writes_weight(m, weights[i]), kWhere, ": masters[", i, "] must be the layer's ",
+                "weight parameter ", i, " or the master whose model copy it is (set_model_copy ",
+                "first), got a tensor that is neither");
   }
   layer->optimizer_fp8_weights();  // allocated now, on the layer's device
-  for (Fp8Weights& f : fp8_weights_) {
-    TORCH_CHECK(f.layer.ptr() != layer.ptr(), kWhere, ": the layer already has its masters");
+  for (size_t i = 0; i < masters.size(); ++i) {
+    fp8_masters_[masters[i].unsafeGetTensorImpl()] = {fp8_weights_.size(), i};
   }
   fp8_weights_.push_back({layer, masters, std::vector<bool>(masters.size(), false)});
 }
 
+bool FusedAdamW::writes_weight(const torch::Tensor& master, const torch::Tensor& weight) const {
+  const auto model = model_copies_.find(master.unsafeGetTensorImpl());
+  return master.is_same(weight) || (model != model_copies_.end() && model->second.is_same(weight));
+}
+
 ops::AdamWFp8Copy FusedAdamW::fp8_copy_of(const torch::Tensor& param) {
-  for (Fp8Weights& f : fp8_weights_) {
-    for (size_t i = 0; i < f.masters.size(); ++i) {
-      if (!f.masters[i].is_same(param)) continue;
-      ops::SplitQuantized& q = f.layer->optimizer_fp8_weights();
-      const fp8::DelayedScalingTensors& state =
-          f.layer->fp8_state()->tensors(fp8::TensorRole::kWeight);
-      ops::AdamWFp8Copy copy{q.data, q.columnwise_data, state.scale, q.scale_inv,
-                             state.amax_history.select(0, 0)};
-      if (f.masters.size() > 1) {  // separate weights: master i is expert i
-        const int64_t rows = param.size(0), elements = param.numel();
-        const auto index = static_cast<int64_t>(i);
-        copy.rowwise = copy.rowwise.narrow(0, index * rows, rows);
-        copy.columnwise = copy.columnwise.narrow(0, index * elements, elements);
-        copy.scale = copy.scale.narrow(0, index, 1);
-        copy.scale_inv = copy.scale_inv.narrow(0, index, 1);
-        copy.amax = copy.amax.narrow(0, index, 1);
-      }
-      f.written[i] = true;
-      return copy;
-    }
+  const auto found = fp8_masters_.find(param.unsafeGetTensorImpl());
+  if (found == fp8_masters_.end()) return {};
+  const auto [layer_index, i] = found->second;
+  Fp8Weights& f = fp8_weights_[layer_index];
+  // A model copy re-pointed since (set_model_copy) would leave the copies following a master
+  // that no longer holds the layer's weights.
+  TORCH_CHECK(writes_weight(param, f.layer->weight_parameters()[i]), kName,
+              "::step: the master of the layer's weight parameter ", i, " (set_fp8_weights) no ",
+              "longer writes that parameter (its model copy was replaced)");
+  ops::SplitQuantized& q = f.layer->optimizer_fp8_weights();
+  const fp8::DelayedScalingTensors& state = f.layer->fp8_state()->tensors(fp8::TensorRole::kWeight);
+  ops::AdamWFp8Copy copy{q.data, q.columnwise_data, state.scale, q.scale_inv,
+                         state.amax_history.select(0, 0)};
+  if (f.masters.size() > 1) {  // separate weights: master i is expert i
+    const int64_t rows = param.size(0), elements = param.numel();
+    const auto index = static_cast<int64_t>(i);
+    copy.rowwise = copy.rowwise.narrow(0, index * rows, rows);
+    copy.columnwise = copy.columnwise.narrow(0, index * elements, elements);
+    copy.scale = copy.scale.narrow(0, index, 1);
+    copy.scale_inv = copy.scale_inv.narrow(0, index, 1);
+    copy.amax = copy.amax.narrow(0, index, 1);
   }
-  return {};
+  f.written[i] = true;
+  return copy;
 }
 
 torch::Tensor FusedAdamW::clip_grad_norm(double max_norm) {
@@ -170,6 +183,7 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
     const at::AutoGradMode enable_grad(true);
     loss = closure();
   }
+  for (Fp8Weights& f : fp8_weights_) std::fill(f.written.begin(), f.written.end(), false);
   for (auto& group : param_groups_) {
     const auto& options = static_cast<const FusedAdamWOptions&>(group.options());
     check_options(options);
@@ -210,6 +224,18 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
     }
   }
   grad_scale_ = torch::Tensor();  // a clip applies to one step
+  // The model copies were written in place: their version counters move as an in-place op's
+  // would, so that anything holding a version (a saved tensor, a layer's FP8 weights) sees it.
+  for (const auto& group : param_groups_) {
+    for (const torch::Tensor& p : group.params()) {
+      const auto model = model_copies_.find(p.unsafeGetTensorImpl());
+      if (p.grad().defined() && model != model_copies_.end()) {
+        torch::autograd::impl::bump_version(model->second);
+      }
+    }
+  }
+  // A layer reads its FP8 weights only when this step wrote all of them: after a step that
+  // skipped a master (no gradient), its version counters no longer match.
   for (Fp8Weights& f : fp8_weights_) {
     if (std::all_of(f.written.begin(), f.written.end(), [](bool w) { return w; })) {
       f.layer->fp8_weights_written();

@@ -11,6 +11,7 @@
 #include <torch/types.h>
 
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "torchmoe/modules/grouped_linear.h"
@@ -92,9 +93,13 @@ class FusedAdamW : public torch::optim::Optimizer {
   };
   // The FP8 copy of `param` for this step, if it is one of an Fp8Weights' masters (marked written).
   ops::AdamWFp8Copy fp8_copy_of(const torch::Tensor& param);
+  // Whether `master` is `weight` or the master whose model copy it is.
+  bool writes_weight(const torch::Tensor& master, const torch::Tensor& weight) const;
 
   std::unordered_map<const void*, torch::Tensor> model_copies_;  // by the parameter's TensorImpl
   std::vector<Fp8Weights> fp8_weights_;
+  // By the master's TensorImpl: its Fp8Weights and which of its masters it is.
+  std::unordered_map<const void*, std::pair<size_t, size_t>> fp8_masters_;
   torch::Tensor grad_scale_;  // set by clip_grad_norm, used by the next step
 };
 

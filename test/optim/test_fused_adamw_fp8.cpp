@@ -1,12 +1,15 @@
 // FusedAdamW writing a GroupedLinear's FP8 weights with each step (set_fp8_weights): the copies'
-// bytes against an e4m3 cast written from the format's definition (CPU) and against the
+// bytes against an e4m3 cast written from the format's definition (CPU and CUDA) and against the
 // split-quantize kernel's cast of the new masters (CUDA), the amax and scale_inv it records, the
 // masters and moments against the plain step, and the layer's forwards: they read the copies
-// while the weights are unchanged, and quantize the weights again once a weight moves. Errors.
+// while the weights are unchanged, and quantize the weights again once a weight moves or a step
+// skips a master. Errors.
 //
-// Axes: the layer's weight layout (one [G, out, in] parameter or G separate ones); shapes whose
-// rows and columns are not multiples of the kernel's 64×64 tiles; per-expert scales that put
-// values in e4m3's subnormal range and near its largest finite value.
+// Axes: the layer's weight layout (one [G, out, in] parameter or G separate ones, 20 of them on
+// CUDA: two launches); shapes whose rows and columns are not multiples of the kernel's 64×64
+// tiles; per-expert scales that put values in e4m3's subnormal range and past its largest finite
+// value (saturated), changed between steps; a clipped step; a plain parameter in the same
+// optimizer.
 
 #include <torchmoe/fp8/autocast.h>
 #include <torchmoe/fp8/recipe.h>
@@ -20,6 +23,7 @@
 #include <vector>
 
 #include "test_utils.h"
+#include "torchmoe/ops/multi_tensor_adamw.h"
 #include "torchmoe/ops/quantize.h"
 
 using namespace torchmoe::test;
@@ -64,13 +68,27 @@ struct Setup {
   std::vector<torch::Tensor> masters;
 };
 
-// A bf16 layer with FP8 state, its fp32 masters (the weights' values) and per-expert weight
-// scales of 64, 0.25 and 8: with weights of ±0.11 at most, the first expert's products reach 7,
-// the second's 0.03 (e4m3 subnormals start below 0.016).
-Setup make_layer(const torch::Device& device, bool single, int64_t in = kIn) {
+// Per-expert weight scales, cycled over the experts: with weights of ±0.11 at most, 64 takes
+// them to 7, 0.25 to 0.03 (e4m3 subnormals start below 0.016), 8192 past 448 for |w| > 0.055
+// (saturated).
+std::vector<float> weight_scales(int64_t groups, float factor = 1.0f) {
+  const float pattern[] = {64.0f, 0.25f, 8192.0f};
+  std::vector<float> scales;
+  for (int64_t g = 0; g < groups; ++g) scales.push_back(pattern[g % 3] * factor);
+  return scales;
+}
+
+void set_weight_scales(const GroupedLinear& layer, const std::vector<float>& scales) {
+  const torch::NoGradGuard no_grad;
+  layer->fp8_state()->tensors(fp8::TensorRole::kWeight).scale.copy_(torch::tensor(scales));
+}
+
+// A bf16 layer with FP8 state and its fp32 masters (the weights' values).
+Setup make_layer(const torch::Device& device, bool single, int64_t in = kIn,
+                 int64_t groups = kGroups) {
   torch::manual_seed(3);
   Setup s;
-  s.layer = GroupedLinear(GroupedLinearOptions(kGroups, in, kOut)
+  s.layer = GroupedLinear(GroupedLinearOptions(groups, in, kOut)
                               .params_dtype(torch::kBFloat16)
                               .device(device)
                               .bias(false)
@@ -79,15 +97,15 @@ Setup make_layer(const torch::Device& device, bool single, int64_t in = kIn) {
   for (const torch::Tensor& w : s.layer->weight_parameters()) {
     s.masters.push_back(w.detach().to(torch::kFloat32).requires_grad_(true));
   }
-  const torch::NoGradGuard no_grad;
-  s.layer->fp8_state()
-      ->tensors(fp8::TensorRole::kWeight)
-      .scale.copy_(torch::tensor({64.0f, 0.25f, 8.0f}));
+  set_weight_scales(s.layer, weight_scales(groups));
   return s;
 }
 
-FusedAdamW make_optimizer(const Setup& s, double lr = 1e-2) {
-  FusedAdamW adamw(s.masters, FusedAdamWOptions(lr).weight_decay(0.1));
+FusedAdamW make_optimizer(const Setup& s, double lr = 1e-2,
+                          const std::vector<torch::Tensor>& extra = {}) {
+  std::vector<torch::Tensor> params = s.masters;
+  params.insert(params.end(), extra.begin(), extra.end());
+  FusedAdamW adamw(params, FusedAdamWOptions(lr).weight_decay(0.1));
   for (size_t i = 0; i < s.masters.size(); ++i) {
     adamw.set_model_copy(s.masters[i], s.layer->weight_parameters()[i]);
   }
@@ -95,15 +113,41 @@ FusedAdamW make_optimizer(const Setup& s, double lr = 1e-2) {
   return adamw;
 }
 
-void set_grads(const std::vector<torch::Tensor>& masters, uint64_t seed) {
+void set_grads(const std::vector<torch::Tensor>& params, uint64_t seed) {
   torch::manual_seed(seed);
-  for (const torch::Tensor& m : masters) m.mutable_grad() = torch::randn_like(m) * 0.1;
+  for (const torch::Tensor& p : params) p.mutable_grad() = torch::randn_like(p) * 0.1;
 }
 
 // The masters as [G, out, in] on the CPU.
 torch::Tensor stacked_masters(const std::vector<torch::Tensor>& masters) {
   const torch::Tensor all = masters.size() == 1 ? masters[0] : torch::stack(masters);
   return all.detach().cpu();
+}
+
+// Bytes of the layer's optimizer-written copies that differ from e4m3_code(p · scale), both
+// copies counted.
+int64_t definition_mismatches(Setup& s, const std::vector<float>& scales) {
+  const torch::Tensor p = stacked_masters(s.masters);
+  const int64_t groups = p.size(0), out = p.size(1), in = p.size(2);
+  const torchmoe::ops::SplitQuantized& q = s.layer->optimizer_fp8_weights();
+  const torch::Tensor rowwise = q.data.view(torch::kUInt8).cpu().view({groups, out, in});
+  const torch::Tensor columnwise =
+      q.columnwise_data.view(torch::kUInt8).cpu().view({groups, in, out});
+  int64_t mismatches = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const torch::Tensor pg = p[g], rg = rowwise[g], cg = columnwise[g];
+    const auto pa = pg.accessor<float, 2>();
+    const auto ra = rg.accessor<uint8_t, 2>();
+    const auto ca = cg.accessor<uint8_t, 2>();
+    for (int64_t r = 0; r < out; ++r) {
+      for (int64_t c = 0; c < in; ++c) {
+        const uint8_t want = e4m3_code(pa[r][c] * scales[g]);
+        mismatches += ra[r][c] != want;
+        mismatches += ca[c][r] != want;
+      }
+    }
+  }
+  return mismatches;
 }
 
 }  // namespace
@@ -117,35 +161,19 @@ TEST_CASE("FusedAdamW writes a GroupedLinear's FP8 weights as the e4m3 definitio
   const fp8::DelayedScalingTensors& state = s.layer->fp8_state()->tensors(fp8::TensorRole::kWeight);
   torch::Tensor previous_amax = torch::zeros({kGroups});
   for (int step = 0; step < 2; ++step) {
+    // The second step casts with other scales (as after a delayed-scaling update).
+    const std::vector<float> scales = weight_scales(kGroups, step == 0 ? 1.0f : 0.5f);
+    set_weight_scales(s.layer, scales);
     set_grads(s.masters, 10 + step);
     adamw.step();
-    const torch::Tensor p = stacked_masters(s.masters);
-    const torchmoe::ops::SplitQuantized& q = s.layer->optimizer_fp8_weights();
-    const torch::Tensor rowwise = q.data.view(torch::kUInt8).view({kGroups, kOut, kIn});
-    const torch::Tensor columnwise =
-        q.columnwise_data.view(torch::kUInt8).view({kGroups, kIn, kOut});
-    const float scales[kGroups] = {64.0f, 0.25f, 8.0f};
-    int64_t mismatches = 0;
-    for (int64_t g = 0; g < kGroups; ++g) {
-      const torch::Tensor pg = p[g], rg = rowwise[g], cg = columnwise[g];
-      const auto pa = pg.accessor<float, 2>();
-      const auto ra = rg.accessor<uint8_t, 2>();
-      const auto ca = cg.accessor<uint8_t, 2>();
-      for (int64_t r = 0; r < kOut; ++r) {
-        for (int64_t c = 0; c < kIn; ++c) {
-          const uint8_t want = e4m3_code(pa[r][c] * scales[g]);
-          mismatches += ra[r][c] != want;
-          mismatches += ca[c][r] != want;
-        }
-      }
-    }
-    CHECK(mismatches == 0);
+    CHECK(definition_mismatches(s, scales) == 0);
     // amax: this step's max |p| per expert, maxed into what the history row held (the first
     // step's values, as no update ran in between).
-    const torch::Tensor amax = std::get<0>(p.abs().view({kGroups, -1}).max(1));
+    const torch::Tensor amax =
+        std::get<0>(stacked_masters(s.masters).abs().view({kGroups, -1}).max(1));
     CHECK(torch::equal(state.amax_history[0], torch::maximum(amax, previous_amax)));
     previous_amax = torch::maximum(amax, previous_amax);
-    CHECK(torch::equal(q.scale_inv, 1.0f / state.scale));
+    CHECK(torch::equal(s.layer->optimizer_fp8_weights().scale_inv, 1.0f / state.scale));
     // The model copies are the masters rounded, as without FP8 copies.
     for (size_t i = 0; i < s.masters.size(); ++i) {
       CHECK(torch::equal(s.layer->weight_parameters()[i],
@@ -174,10 +202,13 @@ TEST_CASE("FusedAdamW::set_fp8_weights refuses layers and masters it cannot writ
   adamw.set_fp8_weights(s.layer, s.masters);
   REQUIRE_THROWS_WITH(adamw.set_fp8_weights(s.layer, s.masters),
                       Contains("the layer already has its masters"));
+  Setup other = make_layer(torch::kCPU, /*single=*/false);
+  REQUIRE_THROWS_WITH(adamw.set_fp8_weights(other.layer, s.masters),
+                      Contains("masters[0] already writes another layer's FP8 weights"));
 
   GroupedLinear no_state(GroupedLinearOptions(kGroups, kIn, kOut).bias(false));
   REQUIRE_THROWS_WITH(adamw.set_fp8_weights(no_state, no_state->weight_parameters()),
-                      Contains("build the layer with fp8_amax_history_len > 0"));
+                      Contains("must be built with fp8_amax_history_len > 0, got 0"));
   Setup narrow = make_layer(torch::kCPU, /*single=*/true, /*in=*/72);
   FusedAdamW narrow_adamw(narrow.masters);
   REQUIRE_THROWS_WITH(
@@ -190,36 +221,103 @@ TEST_CASE("FusedAdamW::set_fp8_weights refuses layers and masters it cannot writ
   FusedAdamW wide_adamw({wide});
   REQUIRE_THROWS_WITH(wide_adamw.set_fp8_weights(grouped.layer, {wide}),
                       Contains("masters[0] must be float32 of shape [3, 112, 80], got Double"));
+
+  // A master whose model copy is no longer the layer's weight.
+  adamw.set_model_copy(s.masters[1], torch::zeros({kOut, kIn}, torch::kBFloat16));
+  set_grads(s.masters, 1);
+  REQUIRE_THROWS_WITH(adamw.step(),
+                      Contains("the master of the layer's weight parameter 1 (set_fp8_weights) no "
+                               "longer writes that parameter"));
+}
+
+TEST_CASE("ops::adamw_step refuses malformed FP8 copies", "[optim][fp8][errors]") {
+  namespace ops = torchmoe::ops;
+  const torch::Tensor p = torch::randn({2, 32, 16});
+  ops::AdamWTensors t;
+  t.params = {p};
+  t.grads = {torch::randn_like(p)};
+  t.exp_avgs = {torch::zeros_like(p)};
+  t.exp_avg_sqs = {torch::zeros_like(p)};
+  t.models = {torch::Tensor()};
+  const auto e4m3 = torch::TensorOptions(torch::kFloat8_e4m3fn);
+  ops::AdamWFp8Copy copy{torch::empty({64, 16}, e4m3), torch::empty({1024}, e4m3), torch::ones({2}),
+                         torch::empty({2}), torch::zeros({2})};
+  t.fp8_copies = {copy};
+  ops::adamw_step(t, {}, {});  // well formed
+
+  t.fp8_copies[0].rowwise = torch::empty({64, 16}, torch::kUInt8);
+  REQUIRE_THROWS_WITH(ops::adamw_step(t, {}, {}),
+                      Contains("fp8_copies[0].rowwise must be a contiguous Float8_e4m3fn [64, 16] "
+                               "tensor on cpu, got a contiguous Byte [64, 16] tensor on cpu"));
+  t.fp8_copies[0] = copy;
+  t.fp8_copies[0].columnwise = torch::Tensor();
+  REQUIRE_THROWS_WITH(ops::adamw_step(t, {}, {}),
+                      Contains("fp8_copies[0].columnwise must be defined"));
+  t.fp8_copies[0] = copy;
+  t.fp8_copies[0].scale = torch::ones({3});
+  REQUIRE_THROWS_WITH(ops::adamw_step(t, {}, {}),
+                      Contains("fp8_copies[0].scale must be a contiguous Float [2] tensor on cpu, "
+                               "got a contiguous Float [3] tensor on cpu"));
+  t.fp8_copies = {copy, copy};
+  REQUIRE_THROWS_WITH(ops::adamw_step(t, {}, {}),
+                      Contains("fp8_copies must be empty or have one entry per parameter (1), "
+                               "got 2"));
+  t.fp8_copies = {copy};
+  t.params = {torch::randn({2, 32, 12})};
+  t.grads = {torch::randn({2, 32, 12})};
+  t.exp_avgs = {torch::zeros({2, 32, 12})};
+  t.exp_avg_sqs = {torch::zeros({2, 32, 12})};
+  REQUIRE_THROWS_WITH(ops::adamw_step(t, {}, {}),
+                      Contains("params[0] has an FP8 copy, so its rows and columns must be "
+                               "multiples of 16 (FP8 GEMM operands), got [2, 32, 12]"));
 }
 
 TEST_CASE("FusedAdamW on CUDA writes FP8 weights that the layer's forwards read",
           "[optim][fp8][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
   const bool single = GENERATE(true, false);
-  INFO("single_grouped_weight=" << single);
-  Setup s = make_layer(torch::kCUDA, single);
-  // The same step without FP8 copies, on clones: the tiled kernel must update every element as
-  // the plain one does.
+  // Separate weights: 20 masters, two launches of at most 16.
+  const int64_t groups = single ? kGroups : 20;
+  INFO("single_grouped_weight=" << single << ", experts=" << groups);
+  Setup s = make_layer(torch::kCUDA, single, kIn, groups);
+  // The same steps without FP8 copies, on clones, and a plain parameter in both: the tiled
+  // kernel must update every element as the flat one does, clipped or not.
   std::vector<torch::Tensor> plain_masters;
   for (const torch::Tensor& m : s.masters) {
     plain_masters.push_back(m.detach().clone().requires_grad_(true));
   }
-  FusedAdamW adamw = make_optimizer(s);
+  const torch::Tensor vector =
+      torch::randn({1001}, torch::TensorOptions(torch::kCUDA)).requires_grad_(true);
+  const torch::Tensor plain_vector = vector.detach().clone().requires_grad_(true);
+  FusedAdamW adamw = make_optimizer(s, 1e-2, {vector});
+  plain_masters.push_back(plain_vector);
   FusedAdamW plain(plain_masters, FusedAdamWOptions(1e-2).weight_decay(0.1));
+  plain_masters.pop_back();
   const fp8::DelayedScalingTensors& state = s.layer->fp8_state()->tensors(fp8::TensorRole::kWeight);
   for (int step = 0; step < 2; ++step) {
-    set_grads(s.masters, 20 + step);
+    const std::vector<float> scales = weight_scales(groups, step == 0 ? 1.0f : 0.5f);
+    set_weight_scales(s.layer, scales);
+    std::vector<torch::Tensor> all = s.masters;
+    all.push_back(vector);
+    set_grads(all, 20 + step);
     for (size_t i = 0; i < s.masters.size(); ++i) {
       plain_masters[i].mutable_grad() = s.masters[i].grad().clone();
+    }
+    plain_vector.mutable_grad() = vector.grad().clone();
+    if (step == 1) {  // a clipped step: every gradient scaled by a device coefficient
+      adamw.clip_grad_norm(0.5);
+      plain.clip_grad_norm(0.5);
     }
     const torch::Tensor amax_before = state.amax_history[0].clone();
     adamw.step();
     plain.step();
+    CHECK(torch::equal(vector, plain_vector));
     for (size_t i = 0; i < s.masters.size(); ++i) {
       CHECK(torch::equal(s.masters[i], plain_masters[i]));
       CHECK(torch::equal(s.layer->weight_parameters()[i],
                          s.masters[i].detach().to(torch::kBFloat16)));
     }
+    CHECK(definition_mismatches(s, scales) == 0);
     // The split-quantize kernel's cast of the new masters with the same scales.
     const torch::Tensor p =
         s.masters.size() == 1 ? s.masters[0].detach() : torch::stack(s.masters).detach();
@@ -239,11 +337,14 @@ TEST_CASE("FusedAdamW on CUDA writes FP8 weights that the layer's forwards read"
   // The layer's forwards. Masters left where they are (lr 0, no decay): the copies then hold what
   // a cast of the bf16 weights gives, so a forward and its input gradient are bit for bit the
   // cast's, and the copies must be read while the weights' version counters stand still.
-  Setup t = make_layer(torch::kCUDA, single);
+  Setup t = make_layer(torch::kCUDA, single, kIn, groups);
+  set_weight_scales(t.layer, std::vector<float>(groups, 64.0f));  // nothing saturates
   FusedAdamW still = make_optimizer(t, /*lr=*/0.0);
   set_grads(t.masters, 30);
   still.step();
-  const std::vector<int64_t> splits = {40, 0, 77};
+  std::vector<int64_t> splits(groups, 0);
+  splits[0] = 40;
+  splits[groups - 1] = 77;
   const torch::Tensor x =
       torch::randn({117, kIn}, torch::TensorOptions(torch::kBFloat16).device(torch::kCUDA));
   const torch::Tensor dy = torch::randn({117, kOut}, x.options());
@@ -254,16 +355,19 @@ TEST_CASE("FusedAdamW on CUDA writes FP8 weights that the layer's forwards read"
     y.backward(dy);
     return std::make_pair(y.detach(), input.grad());
   };
+  // Doubles the weights through tensors that share their storage but not their version
+  // counters: a forward that reads the copies does not see it.
+  const auto scale_unseen = [&](double factor) {
+    for (const torch::Tensor& w : t.layer->weight_parameters()) w.variable_data().mul_(factor);
+  };
   const auto [y_copies, dx_copies] = run();
+  scale_unseen(2);
   {
-    // Doubled through a tensor that shares the storage but not the version counter: the
-    // forward still reads the copies.
-    for (const torch::Tensor& w : t.layer->weight_parameters()) w.variable_data().mul_(2);
     const auto [y, dx] = run();
     CHECK(torch::equal(y, y_copies));
     CHECK(torch::equal(dx, dx_copies));
-    for (const torch::Tensor& w : t.layer->weight_parameters()) w.variable_data().mul_(0.5);
   }
+  scale_unseen(0.5);
   {
     // An in-place change through the parameter moves its version counter: the forward casts
     // the bf16 weights, which hold the copies' values.
@@ -273,11 +377,22 @@ TEST_CASE("FusedAdamW on CUDA writes FP8 weights that the layer's forwards read"
   const auto [y_cast, dx_cast] = run();
   CHECK(torch::equal(y_cast, y_copies));
   CHECK(torch::equal(dx_cast, dx_copies));
+  if (!single) {
+    // A step that skips a master (no gradient) does not make the copies current again.
+    set_grads(t.masters, 31);
+    t.masters[0].mutable_grad() = torch::Tensor();
+    still.step();
+    scale_unseen(2);
+    check_close(run().first, y_copies * 2, {0.1, 0.1}, "y after a step that skipped a master");
+    scale_unseen(0.5);
+  }
+  // A full step makes them current again; an in-place doubling is then read by the next cast.
+  set_grads(t.masters, 32);
+  still.step();
+  CHECK(torch::equal(run().first, y_copies));
   {
-    // ... and reads the weights' values from then on.
     const torch::NoGradGuard no_grad;
     for (const torch::Tensor& w : t.layer->weight_parameters()) w.mul_(2);
   }
-  const torch::Tensor y_doubled = run().first;
-  check_close(y_doubled, y_copies * 2, {0.1, 0.1}, "y with doubled weights");
+  check_close(run().first, y_copies * 2, {0.1, 0.1}, "y with doubled weights");
 }
