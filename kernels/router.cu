@@ -166,6 +166,20 @@ __global__ void __launch_bounds__(kThreads) router_backward_kernel(const RouterP
   }
 }
 
+__global__ void __launch_bounds__(kThreads)
+    router_grad_split_kernel(const float* grad, __nv_bfloat16* hilo, int64_t tokens,
+                             int64_t experts) {
+  const int64_t n = tokens * experts;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int64_t t = i / experts, e = i % experts;
+    const float g = grad[i];
+    const __nv_bfloat16 hi = __float2bfloat16_rn(g);
+    hilo[t * 2 * experts + e] = hi;
+    hilo[t * 2 * experts + experts + e] = __float2bfloat16_rn(g - __bfloat162float(hi));
+  }
+}
+
 template <typename Kernel>
 void launch(Kernel* kernel, const RouterParams& p, cudaStream_t stream) {
   if (p.tokens == 0) return;
@@ -188,6 +202,16 @@ void launch_router_backward(const RouterParams& params, cudaStream_t stream) {
                             params.topk >= 1 && params.topk <= params.experts,
                         "launch_router_backward: unsupported experts/topk");
   launch(router_backward_kernel, params, stream);
+}
+
+void launch_router_grad_split(const float* grad, void* hilo, int64_t tokens, int64_t experts,
+                              cudaStream_t stream) {
+  const int64_t n = tokens * experts;
+  if (n == 0) return;
+  const int64_t blocks = (n + kThreads - 1) / kThreads;
+  router_grad_split_kernel<<<one_wave_grid(router_grad_split_kernel, kThreads, 0, blocks), kThreads,
+                             0, stream>>>(grad, static_cast<__nv_bfloat16*>(hilo), tokens, experts);
+  TORCHMOE_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace torchmoe::kernels

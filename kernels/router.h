@@ -55,4 +55,10 @@ struct RouterParams {
 void launch_router_forward(const RouterParams& params, cudaStream_t stream);
 void launch_router_backward(const RouterParams& params, cudaStream_t stream);
 
+// The logits' gradient [T, E] fp32 as two bf16 halves for the tensor cores, side by side in
+// hilo [T, 2E]: hi = bf16(g) in columns [0, E), lo = bf16(g − hi) in [E, 2E), both rounded to
+// nearest even, so that hi + lo carries ~16 bits of g's mantissa (ops/router.cpp).
+void launch_router_grad_split(const float* grad, void* hilo, int64_t tokens, int64_t experts,
+                              cudaStream_t stream);
+
 }  // namespace torchmoe::kernels

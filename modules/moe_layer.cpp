@@ -98,11 +98,12 @@ MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_f
   const torch::ScalarType dtype = experts->fc1->parameters(/*recurse=*/false).front().scalar_type();
   TORCH_CHECK(x.scalar_type() == dtype, kModule, ": x must have the experts' dtype ", dtype,
               ", got ", x.scalar_type());
-  const torch::Tensor tokens = x.reshape({-1, options.hidden()});
+  // A 2-D x is taken as it is (a reshape and the view back would add two backward nodes).
+  const torch::Tensor tokens = x.dim() == 2 ? x : x.reshape({-1, options.hidden()});
   const RouterOutput routing = router(tokens);
   MoEOutput out;
   if (options.pad_to_capacity()) {
-    out.output = run_padded(tokens, routing, is_first_microbatch).view(x.sizes());
+    out.output = run_padded(tokens, routing, is_first_microbatch);
   } else {
     // Without a capacity the router's top-k has no dropped slot, so the permuted row count is T·k
     // and the split sizes can stay on the device: no host sync in the layer when the experts'
@@ -130,9 +131,12 @@ MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_f
                                         routing.probs, trust);
       y = experts(routed.tokens, routed.m_splits, routed.probs, is_first_microbatch);
     }
-    out.output = autograd::unpermute_tokens(y, routed, std::nullopt, grad_link).view(x.sizes());
+    out.output = autograd::unpermute_tokens(y, routed, std::nullopt, grad_link);
   }
-  out.aux_loss = routing.aux_loss + routing.z_loss;
+  if (x.dim() != 2) out.output = out.output.view(x.sizes());
+  // Without a z-loss its term is a constant zero: no add (and no backward node) for it.
+  out.aux_loss =
+      options.router().z_loss_coeff() > 0 ? routing.aux_loss + routing.z_loss : routing.aux_loss;
   out.tokens_per_expert = routing.tokens_per_expert;
   return out;
 }

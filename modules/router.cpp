@@ -96,8 +96,9 @@ RouterOutput TopKRouterImpl::forward(const torch::Tensor& x) {
   const int64_t experts = o.num_experts(), topk = o.topk();
   // fp32 routing whatever the parameters' dtype (fp64 stays fp64); 16-bit operands are not cast
   // for it (ops/router.h).
-  const torch::Tensor logits =
-      autograd::RouterLogitsFunction::apply(x.reshape({-1, o.hidden()}).contiguous(), weight);
+  // A 2-D x is taken as it is: a reshape would add a view and its backward node per call.
+  const torch::Tensor rows = x.dim() == 2 ? x : x.reshape({-1, o.hidden()});
+  const torch::Tensor logits = autograd::RouterLogitsFunction::apply(rows.contiguous(), weight);
   const auto compute = logits.scalar_type();
   const int64_t tokens = logits.size(0);
   const bool want_aux = o.aux_loss_coeff() > 0 && tokens > 0;
@@ -122,20 +123,22 @@ RouterOutput TopKRouterImpl::forward(const torch::Tensor& x) {
   }
 
   const auto scalar = torch::TensorOptions(compute).device(x.device());
-  out.aux_loss = torch::zeros({}, scalar);
   if (want_aux) {
     // scored[2]: each token's scores (sigmoid: over their row sum).
-    const torch::Tensor weighted = (scored[2].sum(0) * out.tokens_per_expert.to(compute)).sum();
+    const torch::Tensor weighted = torch::dot(scored[2].sum(0), out.tokens_per_expert.to(compute));
     const double coeff = o.aux_loss_coeff() * experts;
     out.aux_loss = group_tokens.defined()
                        ? weighted * (coeff / topk) / group_tokens.square()
                        : weighted * (coeff / (static_cast<double>(topk) * tokens * tokens));
+  } else {
+    out.aux_loss = torch::zeros({}, scalar);
   }
-  out.z_loss = torch::zeros({}, scalar);
   if (o.z_loss_coeff() > 0 && tokens > 0) {
     const torch::Tensor z = scored[3].square();  // scored[3]: logsumexp per token
     out.z_loss = group_tokens.defined() ? z.sum() * o.z_loss_coeff() / group_tokens
                                         : z.mean() * o.z_loss_coeff();
+  } else {
+    out.z_loss = torch::zeros({}, scalar);
   }
 
   if (o.capacity_factor() && tokens > 0) {

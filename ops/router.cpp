@@ -86,13 +86,20 @@ RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at
   RouterLogitsGrads grads;
   // bf16 only: fp16's narrow exponent range makes the small halves of small gradients subnormal.
   if (tensor_core_path(x, weight) && x.scalar_type() == at::kBFloat16) {
-    const at::Tensor g = grad_logits.to(at::kFloat);
-    const at::Tensor hi = g.to(x.scalar_type());
-    const at::Tensor lo = (g - hi.to(at::kFloat)).to(x.scalar_type());
-    if (need_grad_x) grads.grad_x = at::mm(at::cat({hi, lo}, 1), at::cat({weight, weight}, 0));
+    // [hi | lo] (kernels/router.h) in one launch: each product below is then one GEMM over both.
+    const c10::cuda::CUDAGuard guard(x.device());
+    const at::Tensor g = grad_logits.to(at::kFloat).contiguous();
+    const int64_t tokens = g.size(0), experts = g.size(1);
+    const at::Tensor hilo = at::empty({tokens, 2 * experts}, x.options());
+    kernels::launch_router_grad_split(g.const_data_ptr<float>(), hilo.data_ptr(), tokens, experts,
+                                      at::cuda::getCurrentCUDAStream().stream());
+    if (need_grad_x) grads.grad_x = at::mm(hilo, at::cat({weight, weight}, 0));
     if (need_grad_weight) {
-      grads.grad_weight =
-          (at::mm(hi.t(), x, at::kFloat) + at::mm(lo.t(), x, at::kFloat)).to(weight.scalar_type());
+      // Rows [0, E) are hiᵀ·x, rows [E, 2E) loᵀ·x: their fp32 sum, rounded once.
+      grads.grad_weight = at::mm(hilo.t(), x, at::kFloat)
+                              .view({2, experts, x.size(1)})
+                              .sum(0)
+                              .to(weight.scalar_type());
     }
     return grads;
   }

@@ -12,7 +12,9 @@
 // (hi = its rounding, lo = the rounding of the remainder; together ~16 significant bits, against
 // the 8 of the bf16 results), and each product is taken with both halves on tensor cores:
 //   grad_x = [hi | lo] · [W; W]          (one GEMM over 2E, fp32 accumulation, x's dtype out)
-//   grad_W = hiᵀ · x + loᵀ · x           (fp32, W's dtype out)
+//   grad_W = hiᵀ · x + loᵀ · x           (one GEMM [hi | lo]ᵀ · x, its two fp32 halves added,
+//                                         W's dtype out)
+// The split is one launch writing [hi | lo] (kernels/router.h), not five ATen ops.
 // A softmax router's gradient rows sum to zero, so grad_x cancels: with hi alone, 8 071 of the
 // 66 600 grad_x elements of a [333, 200] × 24-expert case (test/ops/test_router.cpp) were off by
 // more than 2 units in the last place of bf16 (plus a small absolute floor); with hi + lo none.

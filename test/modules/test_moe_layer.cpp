@@ -73,8 +73,9 @@ void check_scaled(const torch::Tensor& actual, const torch::Tensor& expected, do
   check_close(actual, expected, {rel, rel * scale + 1e-12}, what);
 }
 
+// flat: x [63, hidden] (taken as it is) instead of [3, 21, hidden] (reshaped and back).
 void check_layer(torch::Dtype dtype, torch::Device device, int64_t topk, double rel,
-                 bool single = false) {
+                 bool single = false, bool flat = false) {
   torch::manual_seed(17);
   const int64_t hidden = 32, ffn = 48, experts = 6;
   MoELayerOptions options(hidden, ffn, experts, topk);
@@ -82,9 +83,10 @@ void check_layer(torch::Dtype dtype, torch::Device device, int64_t topk, double 
   options.router().aux_loss_coeff(0.05);
   options.experts().linear().single_grouped_weight(single);
   MoELayer moe(options);
-  const torch::Tensor x =
-      (torch::randn({3, 21, hidden}) * 0.5).to(dtype).to(device).requires_grad_(true);
-  const torch::Tensor dy = torch::randn({3, 21, hidden}).to(dtype).to(device);
+  const std::vector<int64_t> shape =
+      flat ? std::vector<int64_t>{63, hidden} : std::vector<int64_t>{3, 21, hidden};
+  const torch::Tensor x = (torch::randn(shape) * 0.5).to(dtype).to(device).requires_grad_(true);
+  const torch::Tensor dy = torch::randn(shape).to(dtype).to(device);
   const auto out = moe(x);
   (out.output * dy).sum().add(out.aux_loss).backward();
   const Reference ref = reference_moe(moe, x, dy);
@@ -116,8 +118,9 @@ void check_layer(torch::Dtype dtype, torch::Device device, int64_t topk, double 
 TEST_CASE("MoELayer matches a float64 loop-over-experts reference (CPU)", "[modules][moe]") {
   const int64_t topk = GENERATE(1, 2, 4);
   const bool single = GENERATE(false, true);
-  INFO("topk=" << topk << " single_grouped_weight=" << single);
-  check_layer(torch::kFloat64, torch::kCPU, topk, 1e-10, single);
+  const bool flat = GENERATE(false, true);
+  INFO("topk=" << topk << " single_grouped_weight=" << single << " flat=" << flat);
+  check_layer(torch::kFloat64, torch::kCPU, topk, 1e-10, single, flat);
 }
 
 TEST_CASE("MoELayer matches the reference on CUDA", "[modules][moe][cuda]") {
