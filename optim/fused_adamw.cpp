@@ -45,11 +45,8 @@ FusedAdamW::FusedAdamW(std::vector<torch::Tensor> params, FusedAdamWOptions defa
     : FusedAdamW({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
 
 void FusedAdamW::set_model_copy(const torch::Tensor& param, const torch::Tensor& model) {
-  bool known = false;
-  for (const auto& group : param_groups_) {
-    for (const torch::Tensor& p : group.params()) known |= p.is_same(param);
-  }
-  TORCH_CHECK(known, kName, "::set_model_copy: param is not one of the optimizer's parameters");
+  TORCH_CHECK(is_parameter(param), kName,
+              "::set_model_copy: param is not one of the optimizer's parameters");
   TORCH_CHECK(model.defined() && model.sizes() == param.sizes() &&
                   model.device() == param.device() && torch::isFloatingType(model.scalar_type()),
               kName, "::set_model_copy: model must be a floating tensor of shape ", param.sizes(),
@@ -78,11 +75,8 @@ void FusedAdamW::set_fp8_weights(GroupedLinear layer, const std::vector<torch::T
               "of the layer (", weights.size(), "), got ", masters.size());
   for (size_t i = 0; i < masters.size(); ++i) {
     const torch::Tensor& m = masters[i];
-    bool known = false;
-    for (const auto& group : param_groups_) {
-      for (const torch::Tensor& p : group.params()) known |= p.is_same(m);
-    }
-    TORCH_CHECK(known, kWhere, ": masters[", i, "] is not one of the optimizer's parameters");
+    TORCH_CHECK(is_parameter(m), kWhere, ": masters[", i,
+                "] is not one of the optimizer's parameters");
     TORCH_CHECK(fp8_masters_.count(m.unsafeGetTensorImpl()) == 0, kWhere, ": masters[", i,
                 "] already writes another layer's FP8 weights");
     TORCH_CHECK(m.scalar_type() == torch::kFloat32 && m.sizes() == weights[i].sizes(), kWhere,
@@ -97,6 +91,15 @@ void FusedAdamW::set_fp8_weights(GroupedLinear layer, const std::vector<torch::T
     fp8_masters_[masters[i].unsafeGetTensorImpl()] = {fp8_weights_.size(), i};
   }
   fp8_weights_.push_back({layer, masters, std::vector<bool>(masters.size(), false)});
+}
+
+bool FusedAdamW::is_parameter(const torch::Tensor& t) const {
+  for (const auto& group : param_groups_) {
+    for (const torch::Tensor& p : group.params()) {
+      if (p.is_same(t)) return true;
+    }
+  }
+  return false;
 }
 
 bool FusedAdamW::writes_weight(const torch::Tensor& master, const torch::Tensor& weight) const {
@@ -210,6 +213,9 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
       t.exp_avg_sqs.push_back(state.exp_avg_sq());
       const auto model = model_copies_.find(p.unsafeGetTensorImpl());
       t.models.push_back(model != model_copies_.end() ? model->second : torch::Tensor());
+      // The step writes the model copy in place: its version counter moves as an in-place op's
+      // would, so that anything holding a version (a saved tensor, a layer's FP8 weights) sees it.
+      if (model != model_copies_.end()) torch::autograd::impl::bump_version(model->second);
       t.fp8_copies.push_back(fp8_copy_of(p));
     }
     for (const auto& [step, tensors] : by_step) {
@@ -224,16 +230,6 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
     }
   }
   grad_scale_ = torch::Tensor();  // a clip applies to one step
-  // The model copies were written in place: their version counters move as an in-place op's
-  // would, so that anything holding a version (a saved tensor, a layer's FP8 weights) sees it.
-  for (const auto& group : param_groups_) {
-    for (const torch::Tensor& p : group.params()) {
-      const auto model = model_copies_.find(p.unsafeGetTensorImpl());
-      if (p.grad().defined() && model != model_copies_.end()) {
-        torch::autograd::impl::bump_version(model->second);
-      }
-    }
-  }
   // A layer reads its FP8 weights only when this step wrote all of them: after a step that
   // skipped a master (no gradient), its version counters no longer match.
   for (Fp8Weights& f : fp8_weights_) {

@@ -93,6 +93,8 @@ class FusedAdamW : public torch::optim::Optimizer {
   };
   // The FP8 copy of `param` for this step, if it is one of an Fp8Weights' masters (marked written).
   ops::AdamWFp8Copy fp8_copy_of(const torch::Tensor& param);
+  // Whether `t` is one of the parameter groups' tensors.
+  bool is_parameter(const torch::Tensor& t) const;
   // Whether `master` is `weight` or the master whose model copy it is.
   bool writes_weight(const torch::Tensor& master, const torch::Tensor& weight) const;
 
