@@ -45,8 +45,9 @@ else
   python3 -m venv "$root/.venv" 2>/dev/null || {
     python3 -m pip install -q virtualenv && python3 -m virtualenv -q "$root/.venv"; }
   "$root/.venv/bin/python" -m pip install -q --upgrade pip
-  # Not quiet: the download is a few GB and pip's progress bar shows it is moving.
-  "$root/.venv/bin/python" -m pip install "torch==$torch_version"
+  # Not quiet: the download is a few GB and pip's progress bar shows it is moving. No cache: it
+  # would keep a second copy of those GB on a disk that may be short of space.
+  "$root/.venv/bin/python" -m pip install --no-cache-dir "torch==$torch_version"
   python=$root/.venv/bin/python
 fi
 torch_cmake=$("$python" -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>/dev/null)
