@@ -134,9 +134,10 @@ MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_f
     out.output = autograd::unpermute_tokens(y, routed, std::nullopt, grad_link);
   }
   if (x.dim() != 2) out.output = out.output.view(x.sizes());
-  // Without a z-loss its term is a constant zero: no add (and no backward node) for it.
+  // Without a z-loss its term is a constant zero: no add (and no backward node) for it. The
+  // router's own options decide, which may have been changed since it was built from ours.
   out.aux_loss =
-      options.router().z_loss_coeff() > 0 ? routing.aux_loss + routing.z_loss : routing.aux_loss;
+      router->options.z_loss_coeff() > 0 ? routing.aux_loss + routing.z_loss : routing.aux_loss;
   out.tokens_per_expert = routing.tokens_per_expert;
   return out;
 }

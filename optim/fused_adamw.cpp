@@ -107,16 +107,23 @@ bool FusedAdamW::writes_weight(const torch::Tensor& master, const torch::Tensor&
   return master.is_same(weight) || (model != model_copies_.end() && model->second.is_same(weight));
 }
 
+void FusedAdamW::check_step(const torch::Tensor& param) const {
+  TORCH_CHECK(!param.grad().is_sparse(), kName, ": sparse gradients are not supported");
+  const auto found = fp8_masters_.find(param.unsafeGetTensorImpl());
+  if (found == fp8_masters_.end()) return;
+  const auto [layer_index, i] = found->second;
+  // A model copy re-pointed since (set_model_copy) would leave the copies following a master
+  // that no longer holds the layer's weights.
+  TORCH_CHECK(writes_weight(param, fp8_weights_[layer_index].layer->weight_parameters()[i]), kName,
+              "::step: the master of the layer's weight parameter ", i, " (set_fp8_weights) no ",
+              "longer writes that parameter (its model copy was replaced)");
+}
+
 ops::AdamWFp8Copy FusedAdamW::fp8_copy_of(const torch::Tensor& param) {
   const auto found = fp8_masters_.find(param.unsafeGetTensorImpl());
   if (found == fp8_masters_.end()) return {};
   const auto [layer_index, i] = found->second;
   Fp8Weights& f = fp8_weights_[layer_index];
-  // A model copy re-pointed since (set_model_copy) would leave the copies following a master
-  // that no longer holds the layer's weights.
-  TORCH_CHECK(writes_weight(param, f.layer->weight_parameters()[i]), kName,
-              "::step: the master of the layer's weight parameter ", i, " (set_fp8_weights) no ",
-              "longer writes that parameter (its model copy was replaced)");
   ops::SplitQuantized& q = f.layer->optimizer_fp8_weights();
   const fp8::DelayedScalingTensors& state = f.layer->fp8_state()->tensors(fp8::TensorRole::kWeight);
   ops::AdamWFp8Copy copy{q.data, q.columnwise_data, state.scale, q.scale_inv,
@@ -186,16 +193,22 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
     const at::AutoGradMode enable_grad(true);
     loss = closure();
   }
+  // Every check before anything changes: a refused step leaves the step counts, the weights and
+  // their version counters as they were.
+  for (const auto& group : param_groups_) {
+    check_options(static_cast<const FusedAdamWOptions&>(group.options()));
+    for (const torch::Tensor& p : group.params()) {
+      if (p.grad().defined()) check_step(p);
+    }
+  }
   for (Fp8Weights& f : fp8_weights_) std::fill(f.written.begin(), f.written.end(), false);
   for (auto& group : param_groups_) {
     const auto& options = static_cast<const FusedAdamWOptions&>(group.options());
-    check_options(options);
     // Parameters that missed steps (no gradient then) have their own step counts, as in
     // torch::optim::AdamW: one call per distinct count (one in the usual case).
     std::map<int64_t, ops::AdamWTensors> by_step;
     for (const torch::Tensor& p : group.params()) {
       if (!p.grad().defined()) continue;
-      TORCH_CHECK(!p.grad().is_sparse(), kName, ": sparse gradients are not supported");
       auto& slot = state_[p.unsafeGetTensorImpl()];
       if (!slot) {
         auto fresh = std::make_unique<torch::optim::AdamWParamState>();
@@ -213,8 +226,10 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
       t.exp_avg_sqs.push_back(state.exp_avg_sq());
       const auto model = model_copies_.find(p.unsafeGetTensorImpl());
       t.models.push_back(model != model_copies_.end() ? model->second : torch::Tensor());
-      // The step writes the model copy in place: its version counter moves as an in-place op's
-      // would, so that anything holding a version (a saved tensor, a layer's FP8 weights) sees it.
+      // The step writes the parameter and its model copy in place: their version counters move
+      // as an in-place op's would (torch::optim::AdamW's do), so that anything holding a version
+      // (a saved tensor, a layer's FP8 weights) sees it, also when the parameter is the weight.
+      torch::autograd::impl::bump_version(p);
       if (model != model_copies_.end()) torch::autograd::impl::bump_version(model->second);
       t.fp8_copies.push_back(fp8_copy_of(p));
     }

@@ -91,6 +91,8 @@ class FusedAdamW : public torch::optim::Optimizer {
     std::vector<torch::Tensor> masters;
     std::vector<bool> written;
   };
+  // The checks step() makes on `param` (which has a gradient) before it changes anything.
+  void check_step(const torch::Tensor& param) const;
   // The FP8 copy of `param` for this step, if it is one of an Fp8Weights' masters (marked written).
   ops::AdamWFp8Copy fp8_copy_of(const torch::Tensor& param);
   // Whether `t` is one of the parameter groups' tensors.

@@ -284,3 +284,18 @@ TEST_CASE("MoELayer follows ->to(dtype); the router's expert bias stays float32"
   CHECK(moe->router->expert_load.scalar_type() == torch::kFloat32);
   CHECK(moe->router->expert_load.sum().item<double>() == 10.0);  // 5 tokens, top-2
 }
+
+TEST_CASE("MoELayer's aux loss has the z-loss its router computes", "[modules][moe]") {
+  // The router's options decide, also when changed after the layer was built from its own.
+  MoELayer moe(MoELayerOptions(8, 16, 4, 2));
+  moe->to(torch::kFloat64);
+  const torch::Tensor x = torch::randn({6, 8}, torch::kFloat64);
+  const torch::Tensor without = moe(x).aux_loss;
+  constexpr double kCoeff = 0.25;
+  moe->router->options.z_loss_coeff(kCoeff);
+  const torch::Tensor with = moe(x).aux_loss;
+  // z-loss = coeff · mean over tokens of logsumexp(logits)².
+  const torch::Tensor logits = torch::linear(x, moe->router->weight.detach());
+  const double z = kCoeff * torch::logsumexp(logits, 1).square().mean().item<double>();
+  CHECK(std::abs((with - without).item<double>() - z) <= 1e-12 * std::max(1.0, z));
+}

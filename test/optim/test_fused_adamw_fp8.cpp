@@ -386,13 +386,57 @@ TEST_CASE("FusedAdamW on CUDA writes FP8 weights that the layer's forwards read"
     check_close(run().first, y_copies * 2, {0.1, 0.1}, "y after a step that skipped a master");
     scale_unseen(0.5);
   }
-  // A full step makes them current again; an in-place doubling is then read by the next cast.
+  // A full step makes them current again (a change the counters do not see is not read); an
+  // in-place doubling is then read by the next cast.
   set_grads(t.masters, 32);
   still.step();
+  scale_unseen(2);
   CHECK(torch::equal(run().first, y_copies));
+  scale_unseen(0.5);
   {
     const torch::NoGradGuard no_grad;
     for (const torch::Tensor& w : t.layer->weight_parameters()) w.mul_(2);
   }
   check_close(run().first, y_copies * 2, {0.1, 0.1}, "y with doubled weights");
+}
+
+TEST_CASE("FP8 weights written for an fp32 layer's own weights go stale under another optimizer",
+          "[optim][fp8][cuda]") {
+  // The masters are the layer's weights (no model copies). A second optimizer that steps them
+  // without writing the FP8 copies moves their version counters, so the layer casts them again.
+  TORCHMOE_REQUIRE_CUDA();
+  torch::manual_seed(5);
+  GroupedLinear layer(GroupedLinearOptions(kGroups, kIn, kOut)
+                          .device(torch::kCUDA)
+                          .bias(false)
+                          .single_grouped_weight(true)
+                          .fp8_amax_history_len(kHistory));
+  const std::vector<torch::Tensor> weights = layer->weight_parameters();
+  FusedAdamW writer(weights, FusedAdamWOptions(1e-2));
+  writer.set_fp8_weights(layer, weights);
+  const std::vector<int64_t> splits = {40, 0, 37};
+  const torch::Tensor x = torch::randn({77, kIn}, torch::TensorOptions(torch::kCUDA));
+  const auto forward = [&] {
+    const fp8::Autocast guard(fp8::DelayedScaling().amax_history_len(kHistory));
+    return layer->forward(x, splits).detach();
+  };
+  set_grads(weights, 40);
+  writer.step();
+  const torch::Tensor y_written = forward();
+  FusedAdamW other(weights, FusedAdamWOptions(0.5));
+  set_grads(weights, 41);
+  other.step();  // large steps: the weights move far from what the copies hold
+  const torch::Tensor y_moved = forward();
+  // Splits 0 and 2 against their experts' moved weights in float64: the cast of the moved
+  // weights is within e4m3's error (a few % of the norm), the copies' output (the weights before
+  // the second step, each moved by ~0.5 where they were ~0.1) is not.
+  const torch::Tensor w = weights[0].detach().to(torch::kFloat64);
+  const torch::Tensor x64 = x.to(torch::kFloat64);
+  const torch::Tensor y_ref = torch::cat({torch::linear(x64.narrow(0, 0, 40), w[0]),
+                                          torch::linear(x64.narrow(0, 40, 37), w[2])});
+  const auto relative = [&](const torch::Tensor& y) {
+    return ((y.to(torch::kFloat64) - y_ref).norm() / y_ref.norm()).item<double>();
+  };
+  CHECK(relative(y_moved) < 0.1);
+  CHECK(relative(y_written) > 0.5);
 }
