@@ -32,8 +32,9 @@ struct AdamWFp8Copy {
 
 // Parallel lists, one entry per parameter. params, exp_avgs and exp_avg_sqs are updated in place;
 // models[i], when defined, receives params[i] rounded to its dtype (the 16-bit compute copy of an
-// fp32 master weight); fp8_copies is empty or has an entry per parameter, those with a defined
-// rowwise written as AdamWFp8Copy says (params[i] float32). On CUDA every tensor is contiguous,
+// fp32 master weight); fp8_copies is empty or has an entry per parameter: an entry with any of
+// its tensors defined must have all of them and is written as AdamWFp8Copy says (params[i]
+// float32); an all-undefined entry means no copy. On CUDA every tensor is contiguous,
 // params/grads/state are float32, models float32/float16/bfloat16.
 struct AdamWTensors {
   std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, models;
