@@ -138,14 +138,18 @@ __global__ void __launch_bounds__(kThreads) router_backward_kernel(const RouterP
       const float* probs = p.saved_probs + t * topk;
       const float* gp = p.grad_probs + t * topk;
       float dot = 0.0f, chosen_sum = 0.0f;
+      // An index outside [0, experts) (not one router_topk wrote) contributes nothing rather
+      // than reaching past the row's shared scores.
+      const auto chosen = [&](int j) { return indices[j] >= 0 && indices[j] < experts; };
       for (int j = lane; j < topk; j += kWarpSize) {
         dot += gp[j] * probs[j];
-        chosen_sum += s[indices[j]];
+        if (chosen(j)) chosen_sum += s[indices[j]];
       }
       dot = warp_sum(dot);
       chosen_sum = warp_sum(chosen_sum);
       for (int j = lane; j < topk; j += kWarpSize) {
-        ds[indices[j]] += p.normalize ? (gp[j] - dot) / (chosen_sum + kNormEps) : gp[j];
+        if (chosen(j))
+          ds[indices[j]] += p.normalize ? (gp[j] - dot) / (chosen_sum + kNormEps) : gp[j];
       }
       __syncwarp();
     }

@@ -189,7 +189,7 @@ __global__ void permute_kernel(const T* __restrict__ input, const int64_t* __res
 template <typename T, typename S, int V>
 __global__ void unpermute_kernel(const T* __restrict__ input, const int64_t* __restrict__ row_map,
                                  const S* __restrict__ probs, T* __restrict__ output,
-                                 int64_t tokens, int64_t topk, int64_t hidden) {
+                                 int64_t tokens, int64_t rows, int64_t topk, int64_t hidden) {
   const int64_t chunks = chunk_count<V>(hidden);
   const int lane = threadIdx.x % kWarpSize;
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
@@ -207,7 +207,7 @@ __global__ void unpermute_kernel(const T* __restrict__ input, const int64_t* __r
 #pragma unroll
         for (int b = 0; b < kBatch; ++b) {
           const int64_t row = j0 + b < topk ? row_map[t * topk + j0 + b] : -1;
-          kept[b] = row >= 0;
+          kept[b] = row >= 0 && row < rows;  // else a dropped slot (or a map out of contract)
           if (kept[b]) x[b] = load<T, V>(input + row * hidden + c);
         }
 #pragma unroll
@@ -227,18 +227,17 @@ __global__ void unpermute_kernel(const T* __restrict__ input, const int64_t* __r
 }
 
 template <typename T, typename S, int V>
-__global__ void unpermute_backward_kernel(const T* __restrict__ grad_out,
-                                          const int64_t* __restrict__ sorted_slots,
-                                          const S* __restrict__ probs,
-                                          const T* __restrict__ permuted,
-                                          T* __restrict__ grad_permuted, S* __restrict__ grad_probs,
-                                          int64_t rows, int64_t topk, int64_t hidden) {
+__global__ void unpermute_backward_kernel(
+    const T* __restrict__ grad_out, const int64_t* __restrict__ sorted_slots,
+    const S* __restrict__ probs, const T* __restrict__ permuted, T* __restrict__ grad_permuted,
+    S* __restrict__ grad_probs, int64_t slots, int64_t rows, int64_t topk, int64_t hidden) {
   const int64_t chunks = chunk_count<V>(hidden);
   const int lane = threadIdx.x % kWarpSize;
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
        r < rows; r += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
     const int64_t slot = sorted_slots[r];
-    if (slot < 0) {  // a row no slot maps to (padding): zero gradient, no probability
+    // A row no slot maps to (padding; or a slot out of contract): zero gradient, no probability.
+    if (slot < 0 || slot >= slots) {
       store_zero_row<T, V>(grad_permuted + r * hidden, lane, hidden);
       continue;
     }
@@ -356,7 +355,7 @@ void launch_unpermute(const PermuteParams& params, cudaStream_t stream) {
              kernel<<<row_grid(kernel, params.tokens), kThreads, 0, stream>>>(
                  static_cast<const T*>(params.input), params.row_map,
                  static_cast<const S*>(params.probs), static_cast<T*>(params.output), params.tokens,
-                 params.topk, params.hidden);
+                 params.rows, params.topk, params.hidden);
            });
 }
 
@@ -369,8 +368,8 @@ void launch_unpermute_backward(const PermuteParams& params, cudaStream_t stream)
              kernel<<<row_grid(kernel, params.rows), kThreads, 0, stream>>>(
                  static_cast<const T*>(params.input), params.sorted_slots,
                  static_cast<const S*>(params.probs), static_cast<const T*>(params.permuted),
-                 static_cast<T*>(params.output), static_cast<S*>(params.grad_probs), params.rows,
-                 params.topk, params.hidden);
+                 static_cast<T*>(params.output), static_cast<S*>(params.grad_probs),
+                 params.tokens * params.topk, params.rows, params.topk, params.hidden);
            });
 }
 

@@ -145,9 +145,11 @@ CapacityMap make_capacity_map(const at::Tensor& indices, int64_t num_experts, in
   TORCH_CHECK(num_experts > 0 && capacity >= 0, kOp,
               ": num_experts must be positive and capacity >= 0, got ", num_experts, " and ",
               capacity);
+  TORCH_CHECK(indices.scalar_type() == at::kLong || indices.scalar_type() == at::kInt, kOp,
+              ": indices must be int32 or int64, got ", indices.scalar_type());
   const at::Tensor flat = indices.reshape(-1).to(at::kLong);
-  const at::Tensor valid = flat >= 0;
-  const at::Tensor expert = flat.clamp_min(0).unsqueeze(1);
+  const at::Tensor valid = (flat >= 0) & (flat < num_experts);
+  const at::Tensor expert = flat.clamp(0, num_experts - 1).unsqueeze(1);
   // position[s]: how many earlier slots chose the same expert.
   const at::Tensor chosen = at::zeros({flat.size(0), num_experts}, flat.options())
                                 .scatter_(1, expert, valid.unsqueeze(1).to(at::kLong));

@@ -361,9 +361,17 @@ std::vector<GemmPlan> plan_grouped_gemms(const char* op, const at::Tensor& input
                                          c10::ArrayRef<GemmShape> shapes,
                                          const SplitSizes& m_splits, GemmBackend choice,
                                          const at::Tensor& gather_rows, bool fp8) {
-  TORCH_INTERNAL_ASSERT(!shapes.empty(), "plan_grouped_gemms: no layer to plan");
+  TORCH_CHECK(!shapes.empty(), op, ": needs at least one layer's GemmShape to plan, got none");
   TORCH_CHECK(input.defined() && input.dim() == 2, op,
               ": the input must be a 2-D [rows, features] tensor");
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    TORCH_CHECK(shapes[i].groups >= 1 && shapes[i].n > 0 && shapes[i].k > 0, op, ": shapes[", i,
+                "] must have groups >= 1 and positive n (out features) and k (in features), got ",
+                "groups ", shapes[i].groups, ", n ", shapes[i].n, ", k ", shapes[i].k);
+    TORCH_CHECK(shapes[i].groups == shapes[0].groups, op, ": every layer planned together must ",
+                "have shapes[0]'s ", shapes[0].groups, " groups, got ", shapes[i].groups,
+                " in shapes[", i, "]");
+  }
   if (gather_rows.defined()) check_gather_rows(op, gather_rows, input);
   const int64_t rows = gather_rows.defined() ? gather_rows.size(0) : input.size(0);
   const size_t groups = shapes[0].groups;
@@ -373,8 +381,6 @@ std::vector<GemmPlan> plan_grouped_gemms(const char* op, const at::Tensor& input
   std::vector<GemmPlan> plans(shapes.size());
   bool host_needed = false, device_needed = false;
   for (size_t i = 0; i < shapes.size(); ++i) {
-    TORCH_INTERNAL_ASSERT(shapes[i].groups == groups,
-                          "plan_grouped_gemms: layers differ in groups");
     const ProductBackends backends =
         fp8 ? select_fp8_backends(op, input, shapes[i], rows, choice, m_splits.has_host())
             : select_backends(op, input, shapes[i], rows, choice);
@@ -419,6 +425,8 @@ at::Tensor grouped_linear_forward(const GemmPlan& plan, const at::Tensor& input,
   } else {
     check_rows_operand(op, "input", input, plan);
   }
+  TORCH_CHECK(input.size(1) == plan.shape.k, op, ": input must have ", plan.shape.k,
+              " features, got ", input.size(1));
   const CheckedGroups w = check_weights(op, plan, weights, input);
   const CheckedGroups b = check_vectors(op, "biases", plan, biases, input);
   at::Tensor output = at::empty({plan.rows, plan.shape.n}, input.options());

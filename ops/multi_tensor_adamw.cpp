@@ -250,8 +250,8 @@ void cuda_step(const AdamWTensors& t, const AdamWHyperparameters& h, const at::T
 
 }  // namespace
 
-void adamw_step(const AdamWTensors& t, const AdamWHyperparameters& h,
-                const at::Tensor& grad_scale) {
+void check_adamw_step(const AdamWTensors& t, const AdamWHyperparameters& h,
+                      const at::Tensor& grad_scale) {
   const size_t n = t.params.size();
   TORCH_CHECK(t.grads.size() == n && t.exp_avgs.size() == n && t.exp_avg_sqs.size() == n &&
                   t.models.size() == n,
@@ -278,9 +278,16 @@ void adamw_step(const AdamWTensors& t, const AdamWHyperparameters& h,
     check_tensor(kOp, "exp_avgs", i, t.exp_avgs[i], device, &shape, cuda);
     check_tensor(kOp, "exp_avg_sqs", i, t.exp_avg_sqs[i], device, &shape, cuda);
     if (t.models[i].defined()) {
-      check_tensor(kOp, "models", i, t.models[i], device, &shape, false);
-      TORCH_CHECK(!cuda || t.models[i].is_contiguous(), kOp, ": models[", i,
+      const at::Tensor& model = t.models[i];
+      check_tensor(kOp, "models", i, model, device, &shape, false);
+      TORCH_CHECK(!cuda || model.is_contiguous(), kOp, ": models[", i,
                   "] must be contiguous on CUDA");
+      // The kernels write these three (cuda_step's passes); another floating dtype would be
+      // left out of every pass.
+      TORCH_CHECK(!cuda || model.scalar_type() == at::kFloat || model.scalar_type() == at::kHalf ||
+                      model.scalar_type() == at::kBFloat16,
+                  kOp, ": models[", i, "] must be float32, float16 or bfloat16 on CUDA, got ",
+                  model.scalar_type());
     }
     if (has_fp8_copy(t, i)) check_fp8_copy(i, t, cuda);
   }
@@ -290,7 +297,13 @@ void adamw_step(const AdamWTensors& t, const AdamWHyperparameters& h,
                 kOp, ": grad_scale must be a 0-d float32 tensor on ", first.device(), ", got ",
                 grad_scale.sizes(), " ", grad_scale.scalar_type(), " on ", grad_scale.device());
   }
-  switch (backend) {
+}
+
+void adamw_step(const AdamWTensors& t, const AdamWHyperparameters& h,
+                const at::Tensor& grad_scale) {
+  check_adamw_step(t, h, grad_scale);
+  if (t.params.empty()) return;
+  switch (select_backend(kOp, t.params[0].device())) {
     case Backend::kReference:
       return reference_step(t, h, grad_scale);
     case Backend::kCuda:

@@ -47,6 +47,11 @@ struct AdamWTensors {
 void adamw_step(const AdamWTensors& tensors, const AdamWHyperparameters& hyper,
                 const at::Tensor& grad_scale);
 
+// The checks adamw_step makes before it writes anything, for a caller that must refuse a step
+// made of several adamw_step calls before the first of them runs.
+void check_adamw_step(const AdamWTensors& tensors, const AdamWHyperparameters& hyper,
+                      const at::Tensor& grad_scale);
+
 struct GradNorm {
   at::Tensor norm;         // 0-d float32: the L2 norm of all gradients together
   at::Tensor coefficient;  // 0-d float32: min(1, max_norm / (norm + 1e-6))

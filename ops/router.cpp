@@ -79,10 +79,22 @@ at::Tensor router_logits(const at::Tensor& x, const at::Tensor& weight) {
 RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at::Tensor& x,
                                          const at::Tensor& weight, bool need_grad_x,
                                          bool need_grad_weight) {
+  TORCH_CHECK(x.defined() && x.dim() == 2 && weight.defined() && weight.dim() == 2 &&
+                  weight.size(1) == x.size(1),
+              kOp, ": backward needs x [tokens, hidden] and weight [experts, hidden], got ",
+              x.defined() ? x.sizes() : at::IntArrayRef{}, " and ",
+              weight.defined() ? weight.sizes() : at::IntArrayRef{});
   TORCH_CHECK(grad_logits.defined() && grad_logits.dim() == 2 && grad_logits.size(0) == x.size(0) &&
                   grad_logits.size(1) == weight.size(0),
               kOp, ": grad_logits must be [tokens=", x.size(0), ", experts=", weight.size(0),
               "], got ", grad_logits.defined() ? grad_logits.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(at::isFloatingType(grad_logits.scalar_type()) &&
+                  at::isFloatingType(x.scalar_type()) && at::isFloatingType(weight.scalar_type()),
+              kOp, ": grad_logits, x and weight must have floating dtypes, got ",
+              grad_logits.scalar_type(), ", ", x.scalar_type(), " and ", weight.scalar_type());
+  TORCH_CHECK(grad_logits.device() == x.device() && weight.device() == x.device(), kOp,
+              ": grad_logits, x and weight must be on one device, got ", grad_logits.device(), ", ",
+              x.device(), " and ", weight.device());
   RouterLogitsGrads grads;
   // bf16 only: fp16's narrow exponent range makes the small halves of small gradients subnormal.
   if (tensor_core_path(x, weight) && x.scalar_type() == at::kBFloat16) {
@@ -164,12 +176,33 @@ at::Tensor router_topk_backward(const at::Tensor& logits, const at::Tensor& indi
                                 const at::Tensor& probs, const at::Tensor& grad_probs,
                                 const at::Tensor& grad_aux, const at::Tensor& grad_lse,
                                 const RouterScoring& scoring) {
+  TORCH_CHECK(logits.defined() && logits.dim() == 2 && logits.size(1) > 0, kTopKOp,
+              ": backward needs logits 2-D [tokens, experts > 0], got ",
+              logits.defined() ? logits.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kDouble, kTopKOp,
+              ": logits must be float32 or float64, got ", logits.scalar_type());
+  TORCH_CHECK(logits.is_contiguous(), kTopKOp, ": logits must be contiguous");
   const int64_t tokens = logits.size(0), experts = logits.size(1);
+  TORCH_CHECK(scoring.topk >= 1 && scoring.topk <= experts, kTopKOp, ": topk must be in [1, ",
+              experts, "], got ", scoring.topk);
+  // The forward's outputs: indices and probs as router_topk returned them.
+  const auto check_saved = [&](const at::Tensor& t, at::ScalarType dtype, const char* name) {
+    TORCH_CHECK(t.defined() && t.sizes() == at::IntArrayRef({tokens, scoring.topk}) &&
+                    t.scalar_type() == dtype && t.device() == logits.device() && t.is_contiguous(),
+                kTopKOp, ": ", name, " must be a contiguous ", dtype, " [", tokens, ", ",
+                scoring.topk, "] tensor on ", logits.device(), " (router_topk's), got ",
+                t.defined() ? c10::str(t.is_contiguous() ? "a contiguous " : "a non-contiguous ",
+                                       t.scalar_type(), " ", t.sizes(), " tensor on ", t.device())
+                            : std::string("an undefined tensor"));
+  };
+  check_saved(indices, at::kLong, "indices");
+  check_saved(probs, logits.scalar_type(), "probs");
   auto check_grad = [&](const at::Tensor& g, at::IntArrayRef shape, const char* name) {
-    TORCH_CHECK(
-        !g.defined() || g.numel() == 0 ||
-            (g.sizes() == shape && g.is_contiguous() && g.scalar_type() == logits.scalar_type()),
-        kTopKOp, ": ", name, " must be a contiguous ", logits.scalar_type(), " ", shape, " tensor");
+    TORCH_CHECK(!g.defined() || g.numel() == 0 ||
+                    (g.sizes() == shape && g.is_contiguous() &&
+                     g.scalar_type() == logits.scalar_type() && g.device() == logits.device()),
+                kTopKOp, ": ", name, " must be a contiguous ", logits.scalar_type(), " ", shape,
+                " tensor on ", logits.device());
   };
   check_grad(grad_probs, {tokens, scoring.topk}, "grad_probs");
   check_grad(grad_aux, {tokens, experts}, "grad_aux");

@@ -63,7 +63,10 @@ at::Tensor slots_of_rows(const at::Tensor& row_map, int64_t num_rows);
 at::Tensor tokens_of_rows(const at::Tensor& sorted_slots, int64_t topk);
 
 // permuted [N, H] -> [T, H]: out[t] = Σ_j probs[t, j] · permuted[row_map[t, j]] (weight 1 without
-// probs), summed in fp32 (fp64 for fp64 data) with one rounding.
+// probs), summed in fp32 (fp64 for fp64 data) with one rounding. Entries -1 are dropped slots. The
+// CUDA kernels read any entry outside [0, N) as dropped (and unpermute_rows_backward any slot
+// outside [0, T·k) as padding) rather than as an address; check_row_map refuses them at the cost
+// of a host sync.
 at::Tensor unpermute_rows(const at::Tensor& permuted, const at::Tensor& row_map,
                           const at::Tensor& probs);
 

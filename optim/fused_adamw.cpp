@@ -53,6 +53,11 @@ void FusedAdamW::set_model_copy(const torch::Tensor& param, const torch::Tensor&
               " on ", param.device(), ", got ",
               model.defined() ? model.sizes() : torch::IntArrayRef{}, " on ",
               model.defined() ? model.device() : param.device());
+  const torch::ScalarType type = model.scalar_type();
+  TORCH_CHECK(!model.is_cuda() || type == torch::kFloat32 || type == torch::kFloat16 ||
+                  type == torch::kBFloat16,
+              kName, "::set_model_copy: a CUDA model must be float32, float16 or bfloat16 (the ",
+              "step's kernels write those), got ", type);
   model_copies_[param.unsafeGetTensorImpl()] = model;
 }
 
@@ -137,7 +142,6 @@ ops::AdamWFp8Copy FusedAdamW::fp8_copy_of(const torch::Tensor& param) {
     copy.scale_inv = copy.scale_inv.narrow(0, index, 1);
     copy.amax = copy.amax.narrow(0, index, 1);
   }
-  f.written[i] = true;
   return copy;
 }
 
@@ -193,57 +197,76 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
     const at::AutoGradMode enable_grad(true);
     loss = closure();
   }
-  // Every check before anything changes: a refused step leaves the step counts, the weights and
-  // their version counters as they were.
+  // The step is planned and checked whole before anything is written: a refused step leaves the
+  // state (step counts, moments), the weights and their version counters as they were.
+  struct Launch {
+    ops::AdamWTensors tensors;
+    ops::AdamWHyperparameters hyper;
+  };
+  std::vector<Launch> launches;
+  std::vector<torch::Tensor> stepped;  // parameters with a gradient, in step order
+  std::unordered_map<void*, std::unique_ptr<torch::optim::OptimizerParamState>> fresh;
   for (const auto& group : param_groups_) {
-    check_options(static_cast<const FusedAdamWOptions&>(group.options()));
-    for (const torch::Tensor& p : group.params()) {
-      if (p.grad().defined()) check_step(p);
-    }
-  }
-  for (Fp8Weights& f : fp8_weights_) std::fill(f.written.begin(), f.written.end(), false);
-  for (auto& group : param_groups_) {
     const auto& options = static_cast<const FusedAdamWOptions&>(group.options());
+    check_options(options);
     // Parameters that missed steps (no gradient then) have their own step counts, as in
     // torch::optim::AdamW: one call per distinct count (one in the usual case).
     std::map<int64_t, ops::AdamWTensors> by_step;
     for (const torch::Tensor& p : group.params()) {
       if (!p.grad().defined()) continue;
-      auto& slot = state_[p.unsafeGetTensorImpl()];
+      check_step(p);
+      void* key = p.unsafeGetTensorImpl();
+      const auto found = state_.find(key);
+      std::unique_ptr<torch::optim::OptimizerParamState>& slot =
+          found != state_.end() ? found->second : fresh[key];
       if (!slot) {
-        auto fresh = std::make_unique<torch::optim::AdamWParamState>();
-        fresh->step(0);
-        fresh->exp_avg(torch::zeros_like(p, at::MemoryFormat::Contiguous));
-        fresh->exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Contiguous));
-        slot = std::move(fresh);
+        auto state = std::make_unique<torch::optim::AdamWParamState>();
+        state->step(0);
+        state->exp_avg(torch::zeros_like(p, at::MemoryFormat::Contiguous));
+        state->exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Contiguous));
+        slot = std::move(state);
       }
-      auto& state = static_cast<torch::optim::AdamWParamState&>(*slot);
-      state.step(state.step() + 1);
-      ops::AdamWTensors& t = by_step[state.step()];
+      const auto& state = static_cast<const torch::optim::AdamWParamState&>(*slot);
+      ops::AdamWTensors& t = by_step[state.step() + 1];
       t.params.push_back(p);
       t.grads.push_back(p.grad());
       t.exp_avgs.push_back(state.exp_avg());
       t.exp_avg_sqs.push_back(state.exp_avg_sq());
-      const auto model = model_copies_.find(p.unsafeGetTensorImpl());
+      const auto model = model_copies_.find(key);
       t.models.push_back(model != model_copies_.end() ? model->second : torch::Tensor());
-      // The step writes the parameter and its model copy in place: their version counters move
-      // as an in-place op's would (torch::optim::AdamW's do), so that anything holding a version
-      // (a saved tensor, a layer's FP8 weights) sees it, also when the parameter is the weight.
-      torch::autograd::impl::bump_version(p);
-      if (model != model_copies_.end()) torch::autograd::impl::bump_version(model->second);
       t.fp8_copies.push_back(fp8_copy_of(p));
+      stepped.push_back(p);
     }
-    for (const auto& [step, tensors] : by_step) {
-      ops::AdamWHyperparameters h;
-      h.lr = options.lr();
-      h.beta1 = std::get<0>(options.betas());
-      h.beta2 = std::get<1>(options.betas());
-      h.eps = options.eps();
-      h.weight_decay = options.weight_decay();
-      h.step = step;
-      ops::adamw_step(tensors, h, grad_scale_);
+    for (auto& [step, tensors] : by_step) {
+      Launch launch{std::move(tensors), {}};
+      launch.hyper.lr = options.lr();
+      launch.hyper.beta1 = std::get<0>(options.betas());
+      launch.hyper.beta2 = std::get<1>(options.betas());
+      launch.hyper.eps = options.eps();
+      launch.hyper.weight_decay = options.weight_decay();
+      launch.hyper.step = step;
+      ops::check_adamw_step(launch.tensors, launch.hyper, grad_scale_);
+      launches.push_back(std::move(launch));
     }
   }
+
+  for (auto& [key, state] : fresh) state_[key] = std::move(state);
+  for (Fp8Weights& f : fp8_weights_) std::fill(f.written.begin(), f.written.end(), false);
+  for (const torch::Tensor& p : stepped) {
+    auto& state = static_cast<torch::optim::AdamWParamState&>(*state_[p.unsafeGetTensorImpl()]);
+    state.step(state.step() + 1);
+    // The step writes the parameter and its model copy in place: their version counters move
+    // as an in-place op's would (torch::optim::AdamW's do), so that anything holding a version
+    // (a saved tensor, a layer's FP8 weights) sees it, also when the parameter is the weight.
+    torch::autograd::impl::bump_version(p);
+    const auto model = model_copies_.find(p.unsafeGetTensorImpl());
+    if (model != model_copies_.end()) torch::autograd::impl::bump_version(model->second);
+    const auto master = fp8_masters_.find(p.unsafeGetTensorImpl());
+    if (master != fp8_masters_.end()) {
+      fp8_weights_[master->second.first].written[master->second.second] = true;
+    }
+  }
+  for (const Launch& launch : launches) ops::adamw_step(launch.tensors, launch.hyper, grad_scale_);
   grad_scale_ = torch::Tensor();  // a clip applies to one step
   // A layer reads its FP8 weights only when this step wrote all of them: after a step that
   // skipped a master (no gradient), its version counters no longer match.

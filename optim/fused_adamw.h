@@ -93,7 +93,7 @@ class FusedAdamW : public torch::optim::Optimizer {
   };
   // The checks step() makes on `param` (which has a gradient) before it changes anything.
   void check_step(const torch::Tensor& param) const;
-  // The FP8 copy of `param` for this step, if it is one of an Fp8Weights' masters (marked written).
+  // The FP8 copy of `param` for this step, if it is one of an Fp8Weights' masters.
   ops::AdamWFp8Copy fp8_copy_of(const torch::Tensor& param);
   // Whether `t` is one of the parameter groups' tensors.
   bool is_parameter(const torch::Tensor& t) const;

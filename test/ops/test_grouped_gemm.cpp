@@ -146,6 +146,30 @@ TEST_CASE("planning checks split sizes once and copies them at most once", "[ops
   CHECK_FALSE(plan.m_splits.has_device());
 }
 
+TEST_CASE("planning refuses shapes it cannot plan; the forward, inputs of other widths",
+          "[ops][errors]") {
+  const torch::Tensor x = torch::randn({5, 6});
+  const std::vector<int64_t> splits = {2, 3};
+  const auto plan_shapes = [&](std::vector<ops::GemmShape> shapes) {
+    return ops::plan_grouped_gemms("test", x, shapes, splits, torchmoe::GemmBackend::kAuto);
+  };
+  REQUIRE_THROWS_WITH(plan_shapes({}),
+                      Contains("test: needs at least one layer's GemmShape to plan, got none"));
+  REQUIRE_THROWS_WITH(plan_shapes({ops::GemmShape{4, 6, 0}}),
+                      Contains("test: shapes[0] must have groups >= 1 and positive n (out "
+                               "features) and k (in features), got groups 0, n 4, k 6"));
+  REQUIRE_THROWS_WITH(plan_shapes({ops::GemmShape{4, 6, 2}, ops::GemmShape{0, 4, 2}}),
+                      Contains("shapes[1] must have groups >= 1 and positive n (out features) "
+                               "and k (in features), got groups 2, n 0, k 4"));
+  REQUIRE_THROWS_WITH(plan_shapes({ops::GemmShape{4, 6, 2}, ops::GemmShape{6, 4, 3}}),
+                      Contains("test: every layer planned together must have shapes[0]'s 2 "
+                               "groups, got 3 in shapes[1]"));
+  const ops::GemmPlan plan = plan_shapes({ops::GemmShape{4, 6, 2}}).front();
+  REQUIRE_THROWS_WITH(ops::grouped_linear_forward(plan, torch::randn({5, 7}),
+                                                  make_weights(2, 4, 6, torch::kFloat32), {}),
+                      Contains("grouped_linear_forward: input must have 6 features, got 7"));
+}
+
 TEST_CASE("planning on CUDA: device splits stay, host splits go up once", "[ops][cuda]") {
   TORCHMOE_REQUIRE_SM90();
   const auto cuda = torch::TensorOptions().device(torch::kCUDA);

@@ -155,6 +155,17 @@ TEST_CASE("router top-k: the CUDA kernel matches the ATen path", "[ops][router][
         on_cuda(pick(2, grad_aux)), on_cuda(pick(3, grad_lse)), scoring);
     check_close(actual, expected, {1e-4, 1e-6}, "grad logits");
   }
+  // Indices that router_topk cannot have written (past the experts, negative) are passed over
+  // by the kernel, never read or written out of its row (compute-sanitizer runs this case). The
+  // ATen path (2000 experts) would index with them: not run there.
+  if (experts > 1024) return;
+  const torch::Tensor wild = cuda.indices.clone();
+  wild.select(1, 0).fill_(experts + 1000);
+  wild.select(1, topk - 1).fill_(-7);
+  const torch::Tensor passed_over =
+      torchmoe::ops::router_topk_backward(logits.cuda(), wild, cuda.probs, grad_probs.cuda(),
+                                          on_cuda(grad_aux), on_cuda(grad_lse), scoring);
+  CHECK(passed_over.isfinite().all().item<bool>());
 }
 
 TEST_CASE("router top-k rejects bad arguments", "[ops][router][errors]") {
@@ -178,4 +189,40 @@ TEST_CASE("router top-k rejects bad arguments", "[ops][router][errors]") {
   CHECK_THROWS_WITH(torchmoe::ops::router_topk_backward(logits, out.indices, out.probs,
                                                         torch::zeros({5, 3}), {}, {}, scoring),
                     Contains("grad_probs must be a contiguous Float [5, 2] tensor"));
+  const auto backward = [&](const torch::Tensor& l, const torch::Tensor& indices,
+                            const torch::Tensor& probs, int64_t topk) {
+    torchmoe::ops::RouterScoring s = scoring;
+    s.topk = topk;
+    return torchmoe::ops::router_topk_backward(l, indices, probs, torch::ones({5, topk}), {}, {},
+                                               s);
+  };
+  CHECK_THROWS_WITH(backward(logits.view({20}), out.indices, out.probs, 2),
+                    Contains("router_topk: backward needs logits 2-D [tokens, experts > 0], got "
+                             "[20]"));
+  CHECK_THROWS_WITH(backward(logits, out.indices, out.probs, 5),
+                    Contains("topk must be in [1, 4], got 5"));
+  CHECK_THROWS_WITH(
+      backward(logits, out.indices.to(torch::kInt32), out.probs, 2),
+      Contains("indices must be a contiguous Long [5, 2] tensor on cpu (router_topk's), got a "
+               "contiguous Int [5, 2] tensor on cpu"));
+  CHECK_THROWS_WITH(backward(logits, out.indices.narrow(1, 0, 1), out.probs, 2),
+                    Contains("indices must be a contiguous Long [5, 2] tensor"));
+  CHECK_THROWS_WITH(backward(logits, out.indices, torch::Tensor(), 2),
+                    Contains("probs must be a contiguous Float [5, 2] tensor on cpu "
+                             "(router_topk's), got an undefined tensor"));
+}
+
+TEST_CASE("router logits backward rejects operands it cannot multiply", "[ops][router][errors]") {
+  using torchmoe::ops::router_logits_backward;
+  const torch::Tensor x = torch::randn({5, 8}), weight = torch::randn({4, 8});
+  const torch::Tensor grad = torch::randn({5, 4});
+  CHECK_THROWS_WITH(router_logits_backward(grad, x, weight.narrow(1, 0, 7), true, true),
+                    Contains("router_logits: backward needs x [tokens, hidden] and weight "
+                             "[experts, hidden], got [5, 8] and [4, 7]"));
+  CHECK_THROWS_WITH(router_logits_backward(grad.to(torch::kLong), x, weight, true, true),
+                    Contains("grad_logits, x and weight must have floating dtypes, got Long, "
+                             "Float and Float"));
+  CHECK_THROWS_WITH(
+      router_logits_backward(grad, x.to(torch::kMeta), weight.to(torch::kMeta), true, true),
+      Contains("grad_logits, x and weight must be on one device, got cpu, meta and meta"));
 }

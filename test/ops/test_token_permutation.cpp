@@ -332,3 +332,32 @@ TEST_CASE(
   CHECK(torch::equal(dropless.row_map, checked.row_map));
   CHECK(torch::equal(dropless.sorted_slots, checked.sorted_slots));
 }
+
+TEST_CASE("unpermute on CUDA passes over map entries outside the contract",
+          "[ops][permutation][cuda]") {
+  // Entries the CPU path would refuse or fault on (rows past N, slots past T·k, negatives other
+  // than -1) are read as dropped by the kernels, never as addresses: the results equal the CPU's
+  // with those entries set to -1 (compute-sanitizer runs this case).
+  TORCHMOE_REQUIRE_CUDA();
+  torch::manual_seed(11);
+  const int64_t tokens = 6, topk = 2, rows = 8, hidden = 40;
+  const torch::Tensor permuted = torch::randn({rows, hidden});
+  const torch::Tensor probs = torch::rand({tokens, topk});
+  const torch::Tensor row_map =
+      torch::tensor({0, 1, 2, 9, 3, 4, 100, 5, 6, -1, 7, -3}, torch::kLong).view({tokens, topk});
+  const torch::Tensor in_contract = torch::where((row_map >= 0) & (row_map < rows), row_map, -1);
+  check_close(torchmoe::ops::unpermute_rows(permuted.cuda(), row_map.cuda(), probs.cuda()),
+              torchmoe::ops::unpermute_rows(permuted, in_contract, probs), {1e-6, 1e-6},
+              "unpermute");
+
+  const torch::Tensor sorted_slots = torch::tensor({0, 1, 2, 12, 4, 5, 50, -1}, torch::kLong);
+  const torch::Tensor slots_in_contract =
+      torch::where(sorted_slots < tokens * topk, sorted_slots, -1);
+  const torch::Tensor grad_out = torch::randn({tokens, hidden});
+  const auto cuda = torchmoe::ops::unpermute_rows_backward(grad_out.cuda(), permuted.cuda(),
+                                                           sorted_slots.cuda(), probs.cuda());
+  const auto cpu =
+      torchmoe::ops::unpermute_rows_backward(grad_out, permuted, slots_in_contract, probs);
+  check_close(cuda.grad_permuted, cpu.grad_permuted, {1e-6, 1e-6}, "grad permuted");
+  check_close(cuda.grad_probs, cpu.grad_probs, {1e-5, 1e-5}, "grad probs");
+}

@@ -150,6 +150,39 @@ TEST_CASE("FusedAdamW writes model copies and rejects what it does not support",
   REQUIRE_THROWS_WITH(adamw.clip_grad_norm(0.0), Contains("max_norm must be positive, got 0"));
 }
 
+TEST_CASE("A refused FusedAdamW step changes nothing", "[optim][errors]") {
+  // Two groups; the second's options turn invalid after construction. The step is refused
+  // before the first group is written: values, step counts and version counters stay.
+  const std::vector<torch::Tensor> first = make_params(torch::kFloat32, 9);
+  const std::vector<torch::Tensor> second = make_params(torch::kFloat32, 10);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(first);
+  groups.emplace_back(second);
+  FusedAdamW adamw(groups, FusedAdamWOptions(1e-2));
+  set_grads(first, 2);  // even steps: every parameter has a gradient
+  set_grads(second, 4);
+  adamw.step();  // every parameter has a state of step 1
+  std::vector<torch::Tensor> values;
+  std::vector<int64_t> versions;
+  for (const torch::Tensor& p : first) {
+    values.push_back(p.detach().clone());
+    versions.push_back(p._version());
+  }
+  static_cast<FusedAdamWOptions&>(adamw.param_groups()[1].options()).lr(-1.0);
+  REQUIRE_THROWS_WITH(adamw.step(), Contains("FusedAdamW: lr must be >= 0, got -1"));
+  for (size_t i = 0; i < first.size(); ++i) {
+    CHECK(torch::equal(first[i], values[i]));
+    CHECK(first[i]._version() == versions[i]);
+    const auto& state = static_cast<const torch::optim::AdamWParamState&>(
+        *adamw.state().at(first[i].unsafeGetTensorImpl()));
+    CHECK(state.step() == 1);
+  }
+  static_cast<FusedAdamWOptions&>(adamw.param_groups()[1].options()).lr(1e-2);
+  adamw.step();
+  CHECK_FALSE(torch::equal(first[0], values[0]));
+  CHECK(first[0]._version() > versions[0]);
+}
+
 TEST_CASE("FusedAdamW on CUDA matches a float64 AdamW, in one pass per group",
           "[optim][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
@@ -203,6 +236,24 @@ TEST_CASE("FusedAdamW on CUDA rejects what its kernels do not take", "[optim][cu
   const auto cuda = torch::TensorOptions().device(torch::kCUDA);
   const torch::Tensor p64 = torch::randn({4}, cuda.dtype(torch::kFloat64)).requires_grad_(true);
   p64.mutable_grad() = torch::ones_like(p64);
-  FusedAdamW adamw({p64});
+  // A float32 parameter before it, in its own group: the refused step leaves it, its state and
+  // its version counter as they were.
+  const torch::Tensor p32 = torch::randn({4}, cuda).requires_grad_(true);
+  p32.mutable_grad() = torch::ones_like(p32);
+  const torch::Tensor p32_before = p32.detach().clone();
+  const int64_t p32_version = p32._version();
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<torch::Tensor>{p32});
+  groups.emplace_back(std::vector<torch::Tensor>{p64});
+  FusedAdamW adamw(groups);
   REQUIRE_THROWS_WITH(adamw.step(), Contains("params[0] must be float32 on CUDA, got Double"));
+  CHECK(torch::equal(p32, p32_before));
+  CHECK(p32._version() == p32_version);
+  CHECK(adamw.state().empty());
+
+  FusedAdamW single({p32});
+  REQUIRE_THROWS_WITH(
+      single.set_model_copy(p32, torch::zeros({4}, cuda.dtype(torch::kFloat64))),
+      Contains("set_model_copy: a CUDA model must be float32, float16 or bfloat16 (the step's "
+               "kernels write those), got Double"));
 }
