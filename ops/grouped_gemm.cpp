@@ -68,9 +68,12 @@ void check_gathered_input(const char* op, const at::Tensor& input, const at::Ten
 }
 
 // The input's rows as the grouped operand: the input itself, or its gathered copy (the backends
-// other than sm90 read no row map).
+// other than sm90 read no row map), where a -1 entry (a padding row) is a zero row as the sm90
+// kernel reads it.
 at::Tensor gathered(const at::Tensor& input, const at::Tensor& gather_rows) {
-  return gather_rows.defined() ? input.index_select(0, gather_rows) : input;
+  if (!gather_rows.defined()) return input;
+  const at::Tensor rows = input.index_select(0, gather_rows.clamp_min(0));
+  return at::where((gather_rows >= 0).unsqueeze(1), rows, at::zeros({}, rows.options()));
 }
 
 CheckedGroups check_weights(const char* op, const GemmPlan& plan, const GroupedTensors& weights,

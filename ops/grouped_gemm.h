@@ -19,7 +19,8 @@
 // way, so that the expert-ordered copy of the tokens is never written nor kept for backward. The
 // sm90 kernel loads the rows through the map; the other backends gather a copy first
 // (input.index_select(0, gather_rows)), which is the reference. The map's entries must be rows of
-// the input; they are not checked (that would need a device-to-host copy).
+// the input or -1 (a zero row: a padding row); they are not checked (that would need a
+// device-to-host copy).
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
