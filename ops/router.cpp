@@ -38,6 +38,18 @@ TopKBackend select_topk_backend(const at::Tensor& logits) {
   return TopKBackend::kAten;
 }
 
+// The logits router_topk and its backward take, and a top-k they can choose.
+void check_logits(const at::Tensor& logits, const RouterScoring& scoring) {
+  TORCH_CHECK(logits.defined() && logits.dim() == 2 && logits.size(1) > 0, kTopKOp,
+              ": logits must be 2-D [tokens, experts > 0], got ",
+              logits.defined() ? logits.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kDouble, kTopKOp,
+              ": logits must be float32 or float64, got ", logits.scalar_type());
+  TORCH_CHECK(logits.is_contiguous(), kTopKOp, ": logits must be contiguous");
+  TORCH_CHECK(scoring.topk >= 1 && scoring.topk <= logits.size(1), kTopKOp,
+              ": topk must be in [1, ", logits.size(1), "], got ", scoring.topk);
+}
+
 at::Tensor aten_scores(const at::Tensor& logits, const RouterScoring& scoring) {
   return scoring.sigmoid ? at::sigmoid(logits) : at::softmax(logits, 1);
 }
@@ -124,15 +136,8 @@ RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at
 
 RouterTopK router_topk(const at::Tensor& logits, const at::Tensor& expert_bias,
                        const RouterScoring& scoring) {
-  TORCH_CHECK(logits.defined() && logits.dim() == 2 && logits.size(1) > 0, kTopKOp,
-              ": logits must be 2-D [tokens, experts > 0], got ",
-              logits.defined() ? logits.sizes() : at::IntArrayRef{});
-  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kDouble, kTopKOp,
-              ": logits must be float32 or float64, got ", logits.scalar_type());
-  TORCH_CHECK(logits.is_contiguous(), kTopKOp, ": logits must be contiguous");
+  check_logits(logits, scoring);
   const int64_t tokens = logits.size(0), experts = logits.size(1);
-  TORCH_CHECK(scoring.topk >= 1 && scoring.topk <= experts, kTopKOp, ": topk must be in [1, ",
-              experts, "], got ", scoring.topk);
   TORCH_CHECK(!expert_bias.defined() ||
                   (expert_bias.dim() == 1 && expert_bias.size(0) == experts &&
                    expert_bias.scalar_type() == at::kFloat &&
@@ -176,15 +181,8 @@ at::Tensor router_topk_backward(const at::Tensor& logits, const at::Tensor& indi
                                 const at::Tensor& probs, const at::Tensor& grad_probs,
                                 const at::Tensor& grad_aux, const at::Tensor& grad_lse,
                                 const RouterScoring& scoring) {
-  TORCH_CHECK(logits.defined() && logits.dim() == 2 && logits.size(1) > 0, kTopKOp,
-              ": backward needs logits 2-D [tokens, experts > 0], got ",
-              logits.defined() ? logits.sizes() : at::IntArrayRef{});
-  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kDouble, kTopKOp,
-              ": logits must be float32 or float64, got ", logits.scalar_type());
-  TORCH_CHECK(logits.is_contiguous(), kTopKOp, ": logits must be contiguous");
+  check_logits(logits, scoring);
   const int64_t tokens = logits.size(0), experts = logits.size(1);
-  TORCH_CHECK(scoring.topk >= 1 && scoring.topk <= experts, kTopKOp, ": topk must be in [1, ",
-              experts, "], got ", scoring.topk);
   // The forward's outputs: indices and probs as router_topk returned them.
   const auto check_saved = [&](const at::Tensor& t, at::ScalarType dtype, const char* name) {
     TORCH_CHECK(t.defined() && t.sizes() == at::IntArrayRef({tokens, scoring.topk}) &&
