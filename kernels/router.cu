@@ -138,8 +138,8 @@ __global__ void __launch_bounds__(kThreads) router_backward_kernel(const RouterP
       const float* probs = p.saved_probs + t * topk;
       const float* gp = p.grad_probs + t * topk;
       float dot = 0.0f, chosen_sum = 0.0f;
-      // An index outside [0, experts) (not one router_topk wrote) contributes nothing rather
-      // than reaching past the row's shared scores.
+      // An index outside [0, experts) (not one router_topk wrote) is never used as an address:
+      // it reaches no score past the row's (the row's gradient is then not meaningful).
       const auto chosen = [&](int j) { return indices[j] >= 0 && indices[j] < experts; };
       for (int j = lane; j < topk; j += kWarpSize) {
         dot += gp[j] * probs[j];

@@ -114,6 +114,8 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
 
   /// input [..., in_features] (any strides); m_splits: rows per expert (host sizes or an integer
   /// tensor), summing to the number of rows (input.numel() / in_features); zeros are allowed.
+  /// Sizes that stay on the device are not checked: a sum below the rows (capacity padding) leaves
+  /// the output rows past it unwritten (docs/grouped_linear.md, "Behaviour", Splits).
   /// Returns [..., out_features]. is_first_microbatch == true makes fused main-grad accumulation
   /// overwrite instead of add.
   torch::Tensor forward(const torch::Tensor& input, const SplitSizes& m_splits,

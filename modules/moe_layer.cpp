@@ -111,7 +111,7 @@ MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_f
     // capacity the dropped count decides the row count, and the routing map copies the sizes to
     // the host.
     const ops::IndexTrust trust =
-        options.router().capacity_factor() ? ops::IndexTrust::kChecked : ops::IndexTrust::kDropless;
+        router->options.capacity_factor() ? ops::IndexTrust::kChecked : ops::IndexTrust::kDropless;
     torch::Tensor y;
     PermutedTokens routed;
     std::shared_ptr<autograd::Fp8GradLink> grad_link;
@@ -134,8 +134,8 @@ MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_f
     out.output = autograd::unpermute_tokens(y, routed, std::nullopt, grad_link);
   }
   if (x.dim() != 2) out.output = out.output.view(x.sizes());
-  // Without a z-loss its term is a constant zero: no add (and no backward node) for it. The
-  // router's own options decide, which may have been changed since it was built from ours.
+  // Without a z-loss its term is a constant zero: no add (and no backward node) for it. Here and
+  // for the capacity the router's own options decide, which may have changed since it was built.
   out.aux_loss =
       router->options.z_loss_coeff() > 0 ? routing.aux_loss + routing.z_loss : routing.aux_loss;
   out.tokens_per_expert = routing.tokens_per_expert;
@@ -167,7 +167,7 @@ torch::Tensor MoELayerImpl::run_padded(const torch::Tensor& tokens, const Router
                                        std::optional<bool> is_first_microbatch) {
   const ProcessGroupOptions& group = *options.expert_parallel();
   const int64_t ep = group.group()->getSize(), all = options.num_experts(), local = all / ep;
-  const int64_t capacity = expert_capacity(tokens.size(0), options.router());
+  const int64_t capacity = expert_capacity(tokens.size(0), router->options);
   const PermutedTokens padded =
       autograd::permute_to_capacity(tokens, routing.indices, routing.probs, all, capacity);
   // local·capacity rows to and from every rank: sizes every rank knows, nothing to exchange.

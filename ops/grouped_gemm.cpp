@@ -72,8 +72,8 @@ void check_gathered_input(const char* op, const at::Tensor& input, const at::Ten
 // kernel reads it.
 at::Tensor gathered(const at::Tensor& input, const at::Tensor& gather_rows) {
   if (!gather_rows.defined()) return input;
-  const at::Tensor rows = input.index_select(0, gather_rows.clamp_min(0));
-  return at::where((gather_rows >= 0).unsqueeze(1), rows, at::zeros({}, rows.options()));
+  return input.index_select(0, gather_rows.clamp_min(0))
+      .masked_fill_((gather_rows < 0).unsqueeze(1), 0);
 }
 
 CheckedGroups check_weights(const char* op, const GemmPlan& plan, const GroupedTensors& weights,

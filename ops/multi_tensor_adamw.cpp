@@ -302,6 +302,11 @@ void check_adamw_step(const AdamWTensors& t, const AdamWHyperparameters& h,
 void adamw_step(const AdamWTensors& t, const AdamWHyperparameters& h,
                 const at::Tensor& grad_scale) {
   check_adamw_step(t, h, grad_scale);
+  run_adamw_step(t, h, grad_scale);
+}
+
+void run_adamw_step(const AdamWTensors& t, const AdamWHyperparameters& h,
+                    const at::Tensor& grad_scale) {
   if (t.params.empty()) return;
   switch (select_backend(kOp, t.params[0].device())) {
     case Backend::kReference:

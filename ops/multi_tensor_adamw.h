@@ -47,10 +47,12 @@ struct AdamWTensors {
 void adamw_step(const AdamWTensors& tensors, const AdamWHyperparameters& hyper,
                 const at::Tensor& grad_scale);
 
-// The checks adamw_step makes before it writes anything, for a caller that must refuse a step
-// made of several adamw_step calls before the first of them runs.
+// adamw_step is these two: its checks, and the step on tensors that passed them. A caller whose
+// step is several of them checks them all before it runs the first (FusedAdamW::step).
 void check_adamw_step(const AdamWTensors& tensors, const AdamWHyperparameters& hyper,
                       const at::Tensor& grad_scale);
+void run_adamw_step(const AdamWTensors& tensors, const AdamWHyperparameters& hyper,
+                    const at::Tensor& grad_scale);
 
 struct GradNorm {
   at::Tensor norm;         // 0-d float32: the L2 norm of all gradients together

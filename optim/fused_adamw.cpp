@@ -206,6 +206,7 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
   std::vector<Launch> launches;
   std::vector<torch::Tensor> stepped;  // parameters with a gradient, in step order
   std::unordered_map<void*, std::unique_ptr<torch::optim::OptimizerParamState>> fresh;
+  std::unordered_set<const void*> planned;
   for (const auto& group : param_groups_) {
     const auto& options = static_cast<const FusedAdamWOptions&>(group.options());
     check_options(options);
@@ -216,6 +217,9 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
       if (!p.grad().defined()) continue;
       check_step(p);
       void* key = p.unsafeGetTensorImpl();
+      // Twice in one step it would be updated twice in one launch, a race on its memory.
+      TORCH_CHECK(planned.insert(key).second, kName,
+                  "::step: a parameter appears more than once in the parameter groups");
       const auto found = state_.find(key);
       std::unique_ptr<torch::optim::OptimizerParamState>& slot =
           found != state_.end() ? found->second : fresh[key];
@@ -266,7 +270,9 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
       fp8_weights_[master->second.first].written[master->second.second] = true;
     }
   }
-  for (const Launch& launch : launches) ops::adamw_step(launch.tensors, launch.hyper, grad_scale_);
+  for (const Launch& launch : launches) {
+    ops::run_adamw_step(launch.tensors, launch.hyper, grad_scale_);  // checked when planned
+  }
   grad_scale_ = torch::Tensor();  // a clip applies to one step
   // A layer reads its FP8 weights only when this step wrote all of them: after a step that
   // skipped a master (no gradient), its version counters no longer match.

@@ -155,17 +155,25 @@ TEST_CASE("router top-k: the CUDA kernel matches the ATen path", "[ops][router][
         on_cuda(pick(2, grad_aux)), on_cuda(pick(3, grad_lse)), scoring);
     check_close(actual, expected, {1e-4, 1e-6}, "grad logits");
   }
-  // Indices that router_topk cannot have written (past the experts, negative) are passed over
-  // by the kernel, never read or written out of its row (compute-sanitizer runs this case). The
-  // ATen path (2000 experts) would index with them: not run there.
+  // Indices that router_topk cannot have written (past the experts in token 0, negative in the
+  // last token) are never used as addresses by the kernel: the other tokens' rows (token 1 shares
+  // token 0's block, where a write past its row of scores would land) are those of the valid
+  // indices' run, and no row is NaN (compute-sanitizer runs this case too). The ATen path (2000
+  // experts) would index with them: not run there.
   if (experts > 1024) return;
   const torch::Tensor wild = cuda.indices.clone();
-  wild.select(1, 0).fill_(experts + 1000);
-  wild.select(1, topk - 1).fill_(-7);
-  const torch::Tensor passed_over =
-      torchmoe::ops::router_topk_backward(logits.cuda(), wild, cuda.probs, grad_probs.cuda(),
-                                          on_cuda(grad_aux), on_cuda(grad_lse), scoring);
-  CHECK(passed_over.isfinite().all().item<bool>());
+  wild[0][0].fill_(experts + 1000);
+  wild[tokens - 1][topk - 1].fill_(-7);
+  const auto all_gradients = [&](const torch::Tensor& indices) {
+    return torchmoe::ops::router_topk_backward(logits.cuda(), indices, cuda.probs,
+                                               grad_probs.cuda(), grad_aux.cuda(), grad_lse.cuda(),
+                                               scoring);
+  };
+  const torch::Tensor passed_over = all_gradients(wild);
+  const torch::Tensor valid = all_gradients(cuda.indices);
+  check_close(passed_over.narrow(0, 1, tokens - 2), valid.narrow(0, 1, tokens - 2), {1e-6, 1e-7},
+              "grad logits of the tokens with valid indices");
+  CHECK_FALSE(passed_over.isnan().any().item<bool>());
 }
 
 TEST_CASE("router top-k rejects bad arguments", "[ops][router][errors]") {

@@ -181,6 +181,18 @@ TEST_CASE("A refused FusedAdamW step changes nothing", "[optim][errors]") {
   adamw.step();
   CHECK_FALSE(torch::equal(first[0], values[0]));
   CHECK(first[0]._version() > versions[0]);
+
+  // A parameter in two groups (LibTorch's constructor lets it through) would be updated twice.
+  const torch::Tensor twice = first[2];
+  std::vector<torch::optim::OptimizerParamGroup> overlapping;
+  overlapping.emplace_back(std::vector<torch::Tensor>{twice});
+  overlapping.emplace_back(std::vector<torch::Tensor>{twice});
+  FusedAdamW duplicated(overlapping, FusedAdamWOptions(1e-2));
+  const torch::Tensor before = twice.detach().clone();
+  REQUIRE_THROWS_WITH(duplicated.step(),
+                      Contains("FusedAdamW::step: a parameter appears more than once in the "
+                               "parameter groups"));
+  CHECK(torch::equal(twice, before));
 }
 
 TEST_CASE("FusedAdamW on CUDA matches a float64 AdamW, in one pass per group",
