@@ -38,6 +38,20 @@ TopKBackend select_topk_backend(const at::Tensor& logits) {
   return TopKBackend::kAten;
 }
 
+// The operands router_logits and its backward multiply.
+void check_operands(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.defined() && x.dim() == 2, kOp, ": x must be 2-D [tokens, hidden], got ",
+              x.defined() ? x.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(weight.defined() && weight.dim() == 2 && weight.size(1) == x.size(1), kOp,
+              ": weight must be [experts, hidden=", x.size(1), "], got ",
+              weight.defined() ? weight.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()) && at::isFloatingType(weight.scalar_type()), kOp,
+              ": x and weight must have floating dtypes, got ", x.scalar_type(), " and ",
+              weight.scalar_type());
+  TORCH_CHECK(x.device() == weight.device(), kOp, ": x and weight must be on one device, got ",
+              x.device(), " and ", weight.device());
+}
+
 // The logits router_topk and its backward take, and a top-k they can choose.
 void check_logits(const at::Tensor& logits, const RouterScoring& scoring) {
   TORCH_CHECK(logits.defined() && logits.dim() == 2 && logits.size(1) > 0, kTopKOp,
@@ -73,16 +87,7 @@ const float* optional_data(const at::Tensor& t) {
 }  // namespace
 
 at::Tensor router_logits(const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(x.defined() && x.dim() == 2, kOp, ": x must be 2-D [tokens, hidden], got ",
-              x.defined() ? x.sizes() : at::IntArrayRef{});
-  TORCH_CHECK(weight.defined() && weight.dim() == 2 && weight.size(1) == x.size(1), kOp,
-              ": weight must be [experts, hidden=", x.size(1), "], got ",
-              weight.defined() ? weight.sizes() : at::IntArrayRef{});
-  TORCH_CHECK(at::isFloatingType(x.scalar_type()) && at::isFloatingType(weight.scalar_type()), kOp,
-              ": x and weight must have floating dtypes, got ", x.scalar_type(), " and ",
-              weight.scalar_type());
-  TORCH_CHECK(x.device() == weight.device(), kOp, ": x and weight must be on one device, got ",
-              x.device(), " and ", weight.device());
+  check_operands(x, weight);
   if (tensor_core_path(x, weight)) return at::mm(x, weight.t(), at::kFloat);
   const at::ScalarType compute = logits_type(x, weight);
   return at::mm(x.to(compute), weight.to(compute).t());
@@ -91,22 +96,15 @@ at::Tensor router_logits(const at::Tensor& x, const at::Tensor& weight) {
 RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at::Tensor& x,
                                          const at::Tensor& weight, bool need_grad_x,
                                          bool need_grad_weight) {
-  TORCH_CHECK(x.defined() && x.dim() == 2 && weight.defined() && weight.dim() == 2 &&
-                  weight.size(1) == x.size(1),
-              kOp, ": backward needs x [tokens, hidden] and weight [experts, hidden], got ",
-              x.defined() ? x.sizes() : at::IntArrayRef{}, " and ",
-              weight.defined() ? weight.sizes() : at::IntArrayRef{});
+  check_operands(x, weight);
   TORCH_CHECK(grad_logits.defined() && grad_logits.dim() == 2 && grad_logits.size(0) == x.size(0) &&
                   grad_logits.size(1) == weight.size(0),
               kOp, ": grad_logits must be [tokens=", x.size(0), ", experts=", weight.size(0),
               "], got ", grad_logits.defined() ? grad_logits.sizes() : at::IntArrayRef{});
-  TORCH_CHECK(at::isFloatingType(grad_logits.scalar_type()) &&
-                  at::isFloatingType(x.scalar_type()) && at::isFloatingType(weight.scalar_type()),
-              kOp, ": grad_logits, x and weight must have floating dtypes, got ",
-              grad_logits.scalar_type(), ", ", x.scalar_type(), " and ", weight.scalar_type());
-  TORCH_CHECK(grad_logits.device() == x.device() && weight.device() == x.device(), kOp,
-              ": grad_logits, x and weight must be on one device, got ", grad_logits.device(), ", ",
-              x.device(), " and ", weight.device());
+  TORCH_CHECK(at::isFloatingType(grad_logits.scalar_type()), kOp,
+              ": grad_logits must have a floating dtype, got ", grad_logits.scalar_type());
+  TORCH_CHECK(grad_logits.device() == x.device(), kOp, ": grad_logits must be on ", x.device(),
+              " like x and weight, got ", grad_logits.device());
   RouterLogitsGrads grads;
   // bf16 only: fp16's narrow exponent range makes the small halves of small gradients subnormal.
   if (tensor_core_path(x, weight) && x.scalar_type() == at::kBFloat16) {
