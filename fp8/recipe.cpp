@@ -36,7 +36,10 @@ kernels::Fp8Format tensor_format(Format format, TensorRole role) {
 }
 
 DelayedScaling& DelayedScaling::margin(int64_t value) {
-  TORCH_CHECK(value >= 0, "DelayedScaling: margin must be >= 0, got ", value);
+  // The scale targets fp8_max / 2^margin, a float: past 2^127 that is no longer a normal number
+  // and soon 0 (a zero scale, an infinite scale_inv).
+  TORCH_CHECK(value >= 0 && value <= 127, "DelayedScaling: margin must be in [0, 127], got ",
+              value);
   margin_ = value;
   return *this;
 }

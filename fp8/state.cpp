@@ -85,6 +85,10 @@ Fp8StateOptions::Fp8StateOptions(int64_t num_gemms, int64_t amax_history_len)
 Fp8StateImpl::Fp8StateImpl(Fp8StateOptions options_) : options(std::move(options_)) { reset(); }
 
 void Fp8StateImpl::reset() {
+  // As GroupedLinear::reset: buffers cannot be registered twice, and the tensors the quantize
+  // writes must stay the registered ones.
+  TORCH_CHECK(named_buffers(/*recurse=*/false).is_empty(), kModule,
+              "::reset: the state is built already; build a new one or clone() it");
   TORCH_CHECK(options.num_gemms() > 0, kModule, ": num_gemms must be positive, got ",
               options.num_gemms());
   TORCH_CHECK(options.amax_history_len() >= 1, kModule, ": amax_history_len must be >= 1, got ",
@@ -130,42 +134,50 @@ void Fp8StateImpl::to(torch::Device device, torch::Dtype /*dtype*/, bool non_blo
 
 void Fp8StateImpl::to(torch::Dtype /*dtype*/, bool /*non_blocking*/) {}
 
-void Fp8StateImpl::load_state_dict(const std::unordered_map<std::string, torch::Tensor>& state) {
-  // In registration order, so that a mismatch names the same buffer every time.
+std::vector<std::pair<std::string, torch::Tensor>> Fp8StateImpl::named_state() const {
   std::vector<std::pair<std::string, torch::Tensor>> buffers;
   for (TensorRole role : kRoles) {
     for (auto& entry : named(role, tensors(role))) buffers.push_back(std::move(entry));
   }
+  return buffers;
+}
+
+void Fp8StateImpl::check_state_dict(
+    const std::unordered_map<std::string, torch::Tensor>& state) const {
+  const auto buffers = named_state();
   for (const auto& [key, value] : state) {
     const bool known = std::any_of(buffers.begin(), buffers.end(),
                                    [&](const auto& buffer) { return buffer.first == key; });
     TORCH_CHECK(known, kModule, "::load_state_dict: unexpected key '", key, "'");
   }
-  // Every shape is checked before anything is copied: a rejected checkpoint leaves the state whole.
   for (const auto& [name, target] : buffers) {
     const auto it = state.find(name);
     TORCH_CHECK(it == state.end() || it->second.sizes() == target.sizes(), kModule, ": '", name,
                 "' must have shape ", target.sizes(), " (num_gemms=", options.num_gemms(),
                 ", amax_history_len=", options.amax_history_len(), "), got ", it->second.sizes());
   }
+}
+
+void Fp8StateImpl::load_state_dict(const std::unordered_map<std::string, torch::Tensor>& state) {
+  // Everything is checked before anything is copied: a rejected checkpoint leaves the state whole.
+  check_state_dict(state);
   torch::NoGradGuard no_grad;
-  for (auto& [name, target] : buffers) {
+  for (auto& [name, target] : named_state()) {
     if (const auto it = state.find(name); it != state.end()) target.copy_(it->second);
   }
 }
 
-void Fp8StateImpl::load(torch::serialize::InputArchive& archive) {
+std::unordered_map<std::string, torch::Tensor> Fp8StateImpl::read(
+    torch::serialize::InputArchive& archive) const {
   std::unordered_map<std::string, torch::Tensor> state;
-  for (TensorRole role : kRoles) {
-    for (const auto& entry : named(role, tensors(role))) {
-      torch::Tensor value;
-      if (archive.try_read(entry.first, value, /*is_buffer=*/true)) {
-        state.emplace(entry.first, value);
-      }
-    }
+  for (const auto& [name, target] : named_state()) {
+    torch::Tensor value;
+    if (archive.try_read(name, value, /*is_buffer=*/true)) state.emplace(name, value);
   }
-  load_state_dict(state);
+  return state;
 }
+
+void Fp8StateImpl::load(torch::serialize::InputArchive& archive) { load_state_dict(read(archive)); }
 
 int64_t update_delayed_scaling(torch::nn::Module& model, const DelayedScaling& recipe, Pass pass,
                                const std::optional<ProcessGroupOptions>& group) {

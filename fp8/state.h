@@ -88,12 +88,21 @@ class Fp8StateImpl : public torch::nn::Cloneable<Fp8StateImpl> {
   /// without them (a run without FP8) leaves the initial state. Shapes must match: a different
   /// amax_history_len or expert count is an error, not a silent resize.
   void load_state_dict(const std::unordered_map<std::string, torch::Tensor>& state);
+  /// load_state_dict's checks alone (keys and shapes), so that a layer loading its own tensors
+  /// too can check everything before it copies anything.
+  void check_state_dict(const std::unordered_map<std::string, torch::Tensor>& state) const;
+  /// The buffers an archive of this state holds, by name (for load_state_dict).
+  std::unordered_map<std::string, torch::Tensor> read(
+      torch::serialize::InputArchive& archive) const;
   /// torch::load support, with load_state_dict's rules.
   void load(torch::serialize::InputArchive& archive) override;
 
   Fp8StateOptions options;
 
  private:
+  // The buffers by name, in registration order (so that a mismatch names the same one each time).
+  std::vector<std::pair<std::string, torch::Tensor>> named_state() const;
+
   std::array<DelayedScalingTensors, kNumTensorRoles> roles_;
 };
 

@@ -29,6 +29,10 @@ GroupedLinearImpl::GroupedLinearImpl(GroupedLinearOptions options_) : options(st
 }
 
 void GroupedLinearImpl::reset() {
+  // Parameters cannot be registered twice (LibTorch's register_parameter refuses a name it has):
+  // refused before anything changes. clone() empties the copy before it calls reset().
+  TORCH_CHECK(named_parameters(/*recurse=*/false).is_empty() && named_children().is_empty(),
+              kModule, "::reset: the layer is built already; build a new one or clone() it");
   const auto& o = options;
   TORCH_CHECK(o.num_gemms() > 0, kModule, ": num_gemms must be positive, got ", o.num_gemms());
   TORCH_CHECK(o.in_features() > 0, kModule, ": in_features must be positive, got ",
@@ -292,7 +296,7 @@ void GroupedLinearImpl::to(torch::Device device, torch::Dtype dtype, bool non_bl
               " delayed weight-gradient computation(s) are queued; run backward_dw() first");
   torch::nn::Module::to(device, dtype, non_blocking);
   move_main_grads(device);
-  drop_optimizer_fp8_weights();
+  drop_fp8_weight_copies();
 }
 
 void GroupedLinearImpl::to(torch::Device device, bool non_blocking) {
@@ -300,13 +304,25 @@ void GroupedLinearImpl::to(torch::Device device, bool non_blocking) {
               " delayed weight-gradient computation(s) are queued; run backward_dw() first");
   torch::nn::Module::to(device, non_blocking);
   move_main_grads(device);
-  drop_optimizer_fp8_weights();
+  drop_fp8_weight_copies();
 }
 
-// The parameters' new storage keeps their version counters, and the copies stay where they were.
-void GroupedLinearImpl::drop_optimizer_fp8_weights() {
+std::shared_ptr<torch::nn::Module> GroupedLinearImpl::clone(
+    const std::optional<torch::Device>& device) const {
+  auto copy = std::dynamic_pointer_cast<GroupedLinearImpl>(Cloneable::clone(device));
+  TORCH_INTERNAL_ASSERT(copy, kModule, "::clone: Cloneable made another type");
+  // The copy's reset() made its main grads on options.device().
+  copy->move_main_grads(copy->weight_params_.front().device());
+  return copy;
+}
+
+// The copies stay where they were: the optimizer's (the parameters' new storage keeps their
+// version counters, so they would pass as current) and the is_first_microbatch cache (a later
+// micro-batch would meet them on the old device or in the old dtype's scaling).
+void GroupedLinearImpl::drop_fp8_weight_copies() {
   fp8_weight_cache_->optimizer_weights = ops::SplitQuantized();
   fp8_weight_cache_->versions.clear();
+  fp8_weight_cache_->weights = ops::SplitQuantized();
 }
 
 // Main grads stay float32 whatever the parameters' dtype; views of one buffer stay views of one
@@ -383,18 +399,24 @@ void GroupedLinearImpl::load_state_dict(
     }
     TORCH_CHECK(used.count(key), kModule, "::load_state_dict: unexpected key '", key, "'");
   }
-  torch::NoGradGuard no_grad;
-  auto copy_all = [&](std::vector<torch::Tensor> targets, const std::vector<torch::Tensor>& sources,
-                      const char* name) {
+  // Every shape is checked before anything is copied: a rejected checkpoint leaves the layer
+  // whole.
+  const std::vector<torch::Tensor> weight_targets = expert_weights();
+  const std::vector<torch::Tensor> bias_targets = expert_biases();
+  auto check_all = [&](const std::vector<torch::Tensor>& targets,
+                       const std::vector<torch::Tensor>& sources, const char* name) {
     for (size_t g = 0; g < targets.size(); ++g) {
       TORCH_CHECK(sources[g].sizes() == targets[g].sizes(), kModule, "::load_state_dict: ", name,
                   " of expert ", g, " must have shape ", targets[g].sizes(), ", got ",
                   sources[g].sizes());
-      targets[g].copy_(sources[g]);
     }
   };
-  copy_all(expert_weights(), weights, "weight");
-  copy_all(expert_biases(), biases, "bias");
+  check_all(weight_targets, weights, "weight");
+  check_all(bias_targets, biases, "bias");
+  if (fp8_state_) fp8_state_->check_state_dict(fp8_state);
+  torch::NoGradGuard no_grad;
+  for (size_t g = 0; g < weight_targets.size(); ++g) weight_targets[g].copy_(weights[g]);
+  for (size_t g = 0; g < bias_targets.size(); ++g) bias_targets[g].copy_(biases[g]);
   if (fp8_state_) fp8_state_->load_state_dict(fp8_state);
 }
 
@@ -408,9 +430,15 @@ void GroupedLinearImpl::load(torch::serialize::InputArchive& archive) {
     try_read(name);
     for (int64_t g = 0; g < options.num_gemms(); ++g) try_read(name + std::to_string(g));
   }
-  load_state_dict(state);
+  // The FP8 state's archive is read first, so that one load_state_dict checks everything before
+  // it copies anything.
   torch::serialize::InputArchive fp8_archive;
-  if (fp8_state_ && archive.try_read(kFp8State, fp8_archive)) fp8_state_->load(fp8_archive);
+  if (fp8_state_ && archive.try_read(kFp8State, fp8_archive)) {
+    for (auto& [key, value] : fp8_state_->read(fp8_archive)) {
+      state.emplace(std::string(kFp8State) + "." + key, std::move(value));
+    }
+  }
+  load_state_dict(state);
 }
 
 }  // namespace torchmoe

@@ -140,6 +140,10 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
   using torch::nn::Module::to;
   void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
   void to(torch::Device device, bool non_blocking = false) override;
+  /// Cloneable's deep copy, with its main grads (fuse_wgrad_accumulation) on the device of its
+  /// parameters, which need not be options.device() after to() or with `device`.
+  std::shared_ptr<torch::nn::Module> clone(
+      const std::optional<torch::Device>& device = std::nullopt) const override;
 
   /// The weight parameters as registered: G tensors [out, in], or one [G, out, in] with
   /// single_grouped_weight.
@@ -202,7 +206,7 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
   // Checks an input of `width` features against the parameters; returns it as [rows, width].
   torch::Tensor input_rows(const torch::Tensor& input, int64_t width) const;
   void move_main_grads(torch::Device device);
-  void drop_optimizer_fp8_weights();
+  void drop_fp8_weight_copies();
   // The FP8 part of a call's config: fp8::current()'s recipe (checked against the layer's FP8
   // state) and the layer's state and weight cache.
   autograd::Fp8Config fp8_config(std::optional<bool> is_first_microbatch) const;

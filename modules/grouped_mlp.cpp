@@ -53,6 +53,13 @@ GroupedMLPImpl::GroupedMLPImpl(GroupedMLPOptions options_) : options(std::move(o
 void GroupedMLPImpl::reset() {
   TORCH_CHECK(options.ffn_hidden() > 0, kModule, ": ffn_hidden must be positive, got ",
               options.ffn_hidden());
+  ops::check_glu_options(kModule, activation_of(options), options.ffn_hidden());
+  // Both layers share the options, which cannot split fc1's outputs and fc2's inputs alike.
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      options.linear().parallel_mode() == ParallelMode::kNone && options.linear().tp_size() == 1,
+      kModule, ": tensor parallelism is not implemented, got linear().parallel_mode ",
+      static_cast<int>(options.linear().parallel_mode()), " and tp_size ",
+      options.linear().tp_size());
   fc1 = register_module(
       "fc1", GroupedLinear(layer_options(options, options.hidden(), 2 * options.ffn_hidden())));
   fc2 = register_module(
@@ -146,9 +153,11 @@ torch::Tensor GroupedMLPImpl::run_layers(const torch::Tensor& input,
   // link), so the 16-bit gradient of fc1's output is not written either.
   const bool fp8 = plans[1].fp8;
   const auto link = fp8 ? std::make_shared<autograd::Fp8GradLink>() : nullptr;
+  // Before fc1 runs (in FP8 it records amaxes and fills the weight cache): the options are public.
+  const ops::GluOptions activation = activation_of(options);
+  ops::check_glu_options(kModule, activation, options.ffn_hidden());
   const torch::Tensor z =
       fc1->run(input, plans[0], is_first_microbatch, torch::Tensor(), nullptr, gather, link);
-  const ops::GluOptions activation = activation_of(options);
   torch::Tensor y;
   if (options.recompute_activation() || fp8) {
     // fc2's output gradient from the link only when fc2's output is this module's: scale_bias
@@ -185,8 +194,17 @@ torch::Tensor GroupedMLPImpl::run_layers(const torch::Tensor& input,
 }
 
 void GroupedMLPImpl::backward_dw() {
-  fc1->backward_dw();
-  fc2->backward_dw();
+  // A layer whose weights need no gradient queues nothing: each layer with work runs it, and a
+  // call finding no work anywhere is refused before either layer changes.
+  const bool fc1_queued = fc1->pending_wgrad_count() > 0;
+  const bool fc2_queued = fc2->pending_wgrad_count() > 0;
+  TORCH_CHECK(fc1->options.delay_wgrad_compute(), kModule,
+              "::backward_dw: delay_wgrad_compute is off, so backward already computed the weight "
+              "gradients");
+  TORCH_CHECK(fc1_queued || fc2_queued, kModule,
+              "::backward_dw: no weight-gradient computation is queued (run backward first)");
+  if (fc1_queued) fc1->backward_dw();
+  if (fc2_queued) fc2->backward_dw();
 }
 
 }  // namespace torchmoe

@@ -31,6 +31,26 @@ GroupedMLPOptions local_expert_options(const MoELayerOptions& options) {
   return experts;
 }
 
+// The expert-parallel and capacity options against the router's: reset() checks the layer's
+// options.router(), forward the built router's options (public, like the layer's, so either may
+// have changed since).
+void check_parallel_options(const MoELayerOptions& options, const TopKRouterOptions& router) {
+  if (options.expert_parallel()) {
+    TORCH_CHECK(options.expert_parallel()->group(), kModule,
+                ": expert_parallel must hold a process group, got a null one");
+    const int64_t ep = options.expert_parallel()->group()->getSize();
+    TORCH_CHECK(options.num_experts() % ep == 0, kModule,
+                ": num_experts must be divisible by the expert-parallel size ", ep, ", got ",
+                options.num_experts());
+  }
+  if (options.pad_to_capacity()) {
+    TORCH_CHECK_NOT_IMPLEMENTED(options.expert_parallel(), kModule,
+                                ": pad_to_capacity is implemented for expert_parallel only");
+    TORCH_CHECK(router.capacity_factor(), kModule,
+                ": pad_to_capacity needs router().capacity_factor, got none");
+  }
+}
+
 }  // namespace
 
 MoELayerOptions::MoELayerOptions(int64_t hidden, int64_t ffn_hidden, int64_t num_experts,
@@ -61,20 +81,7 @@ void MoELayerImpl::reset() {
               ": the router and the experts must agree on hidden and num_experts, got router (",
               r.hidden(), ", ", r.num_experts(), ") and experts (", e.hidden(), ", ",
               e.num_experts(), ")");
-  if (options.expert_parallel()) {
-    TORCH_CHECK(options.expert_parallel()->group(), kModule,
-                ": expert_parallel must hold a process group, got a null one");
-    const int64_t ep = options.expert_parallel()->group()->getSize();
-    TORCH_CHECK(r.num_experts() % ep == 0, kModule,
-                ": num_experts must be divisible by the expert-parallel size ", ep, ", got ",
-                r.num_experts());
-  }
-  if (options.pad_to_capacity()) {
-    TORCH_CHECK_NOT_IMPLEMENTED(options.expert_parallel(), kModule,
-                                ": pad_to_capacity is implemented for expert_parallel only");
-    TORCH_CHECK(r.capacity_factor(), kModule,
-                ": pad_to_capacity needs router().capacity_factor, got none");
-  }
+  check_parallel_options(options, r);
   router = register_module("router", TopKRouter(local_router_options(options)));
   experts = register_module("experts", GroupedMLP(local_expert_options(options)));
 }
@@ -98,6 +105,16 @@ MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_f
   const torch::ScalarType dtype = experts->fc1->parameters(/*recurse=*/false).front().scalar_type();
   TORCH_CHECK(x.scalar_type() == dtype, kModule, ": x must have the experts' dtype ", dtype,
               ", got ", x.scalar_type());
+  check_parallel_options(options, router->options);
+  const int64_t ep =
+      options.expert_parallel() ? options.expert_parallel()->group()->getSize() : int64_t{1};
+  TORCH_CHECK(router->options.num_experts() == options.num_experts() &&
+                  experts->options.num_experts() * ep == options.num_experts(),
+              kModule, ": num_experts=", options.num_experts(), " over ", ep,
+              " rank(s) does not match the router (", router->options.num_experts(),
+              " experts) and the experts (", experts->options.num_experts(),
+              " on this rank) the layer was built with; options.num_experts and expert_parallel ",
+              "cannot change after construction: build a new layer");
   // A 2-D x is taken as it is (a reshape and the view back would add two backward nodes).
   const torch::Tensor tokens = x.dim() == 2 ? x : x.reshape({-1, options.hidden()});
   const RouterOutput routing = router(tokens);

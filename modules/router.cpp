@@ -31,8 +31,18 @@ torch::Tensor capacity_mask(const torch::Tensor& indices, const torch::Tensor& p
 
 int64_t expert_capacity(int64_t tokens, const TopKRouterOptions& options) {
   TORCH_CHECK(options.capacity_factor(), "expert_capacity: options must have a capacity_factor");
-  return static_cast<int64_t>(std::ceil(static_cast<double>(tokens * options.topk()) /
-                                        options.num_experts() * *options.capacity_factor()));
+  // Checked here as well as at construction: the options are public and may change since.
+  const double factor = *options.capacity_factor();
+  TORCH_CHECK(std::isfinite(factor) && factor > 0, "expert_capacity: capacity_factor must be ",
+              "finite and positive, got ", factor);
+  TORCH_CHECK(tokens >= 0 && options.num_experts() > 0, "expert_capacity: tokens must be >= 0 ",
+              "and num_experts positive, got ", tokens, " and ", options.num_experts());
+  const double capacity =
+      std::ceil(static_cast<double>(tokens) * static_cast<double>(options.topk()) /
+                static_cast<double>(options.num_experts()) * factor);
+  TORCH_CHECK(capacity < 0x1p62, "expert_capacity: ", tokens, " tokens at capacity_factor ", factor,
+              " give a capacity of ", capacity, " rows per expert, past 2^62");
+  return static_cast<int64_t>(capacity);
 }
 
 TopKRouterOptions::TopKRouterOptions(int64_t hidden, int64_t num_experts, int64_t topk)
@@ -49,11 +59,17 @@ void TopKRouterImpl::reset() {
               o.num_experts());
   TORCH_CHECK(o.topk() >= 1 && o.topk() <= o.num_experts(), kModule,
               ": topk must be in [1, num_experts=", o.num_experts(), "], got ", o.topk());
-  TORCH_CHECK(o.aux_loss_coeff() >= 0 && o.z_loss_coeff() >= 0, kModule,
-              ": loss coefficients must be >= 0, got aux ", o.aux_loss_coeff(), ", z ",
-              o.z_loss_coeff());
-  TORCH_CHECK(!o.capacity_factor() || *o.capacity_factor() > 0, kModule,
-              ": capacity_factor must be positive, got ", o.capacity_factor().value_or(0));
+  TORCH_CHECK(std::isfinite(o.aux_loss_coeff()) && o.aux_loss_coeff() >= 0 &&
+                  std::isfinite(o.z_loss_coeff()) && o.z_loss_coeff() >= 0,
+              kModule, ": loss coefficients must be finite and >= 0, got aux ", o.aux_loss_coeff(),
+              ", z ", o.z_loss_coeff());
+  TORCH_CHECK(
+      !o.capacity_factor() || (std::isfinite(*o.capacity_factor()) && *o.capacity_factor() > 0),
+      kModule, ": capacity_factor must be finite and positive, got ",
+      o.capacity_factor().value_or(0));
+  TORCH_CHECK(std::isfinite(o.expert_bias_update_rate()) && o.expert_bias_update_rate() >= 0,
+              kModule, ": expert_bias_update_rate must be finite and >= 0, got ",
+              o.expert_bias_update_rate());
   TORCH_CHECK(torch::isFloatingType(o.params_dtype()), kModule,
               ": params_dtype must be floating, got ", o.params_dtype());
   const auto tensor_options = torch::TensorOptions(o.params_dtype()).device(o.device());
@@ -156,8 +172,11 @@ RouterOutput TopKRouterImpl::forward(const torch::Tensor& x) {
 
 void TopKRouterImpl::update_expert_bias() {
   if (!expert_bias.defined()) return;
+  const double rate = options.expert_bias_update_rate();
+  TORCH_CHECK(std::isfinite(rate) && rate >= 0, kModule,
+              ": expert_bias_update_rate must be finite and >= 0, got ", rate);
   const torch::NoGradGuard no_grad;
-  expert_bias += options.expert_bias_update_rate() * torch::sign(expert_load.mean() - expert_load);
+  expert_bias += rate * torch::sign(expert_load.mean() - expert_load);
   expert_load.zero_();
 }
 

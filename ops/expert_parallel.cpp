@@ -14,6 +14,9 @@ namespace {
 c10d::ProcessGroup& checked_group(const char* op, const ProcessGroupOptions& group,
                                   const at::Tensor& data) {
   TORCH_CHECK(group.group(), op, ": the process group must be defined, got a null group");
+  // c10d reads a zero timeout as "no timeout": a peer that never comes would hang the others.
+  TORCH_CHECK(group.timeout().count() > 0, op, ": the group's timeout must be positive, got ",
+              group.timeout().count(), " ms");
   c10d::ProcessGroup& pg = *group.group();
   const std::vector<c10::Device> devices = pg.getDeviceTypes();
   const bool has_backend = std::any_of(devices.begin(), devices.end(), [&](const c10::Device& d) {
@@ -67,27 +70,45 @@ ExpertParallelSplits exchange_split_sizes(const at::Tensor& rows_per_expert,
   TORCH_CHECK(rows_per_expert.defined() && rows_per_expert.dim() == 1, kOp,
               ": rows_per_expert must be a 1-D tensor [num_experts], got ",
               rows_per_expert.defined() ? rows_per_expert.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(
+      rows_per_expert.scalar_type() == at::kLong || rows_per_expert.scalar_type() == at::kInt, kOp,
+      ": rows_per_expert must be int32 or int64, got ", rows_per_expert.scalar_type());
   c10d::ProcessGroup& pg = checked_group(kOp, group, rows_per_expert);
   const int64_t ep = pg.getSize(), experts = rows_per_expert.size(0);
   TORCH_CHECK(experts % ep == 0, kOp, ": num_experts must be divisible by the group size ", ep,
               ", got ", experts);
   const int64_t local = experts / ep;
-  at::Tensor send = rows_per_expert.to(at::kLong).contiguous();
+  // Each rank's block for rank r: its counts for r's experts, then whether any of its counts is
+  // negative (computed where the counts are: no sync), so that every rank learns of a bad count
+  // anywhere and all of them stop with the same error instead of some waiting for the others.
+  const at::Tensor counts_by_rank = rows_per_expert.to(at::kLong).reshape({ep, local});
+  const at::Tensor negative = (counts_by_rank < 0).any().to(at::kLong).expand({ep, 1});
+  at::Tensor send = at::cat({counts_by_rank, negative}, 1).contiguous();
   at::Tensor recv = at::empty_like(send);
-  std::vector<int64_t> equal_splits;  // empty: E / ep counts to and from each rank
+  std::vector<int64_t> equal_splits;  // empty: local + 1 entries to and from each rank
   c10d::AllToAllOptions options;
   options.timeout = group.timeout();
   wait(kOp, pg, pg.alltoall_base(recv, send, equal_splits, equal_splits, options), group, send);
-  // The host sync: both count vectors in one copy.
-  const at::Tensor host = at::cat({send, recv}).cpu();
-  const int64_t* counts = host.const_data_ptr<int64_t>();
+  // The host sync: both blocks in one copy. host[0]: what this rank sends, host[1]: receives.
+  const at::Tensor host = at::stack({send, recv}).cpu();
+  const auto blocks = host.accessor<int64_t, 3>();
+  std::vector<int64_t> bad_ranks;
+  for (const int64_t r : c10::irange(ep)) {
+    if (blocks[1][r][local] != 0) bad_ranks.push_back(r);
+  }
+  TORCH_CHECK(bad_ranks.empty(), kOp, ": rows_per_expert must be >= 0 on every rank, got a ",
+              "negative count on rank(s) ", c10::IntArrayRef(bad_ranks));
 
   ExpertParallelSplits splits;
-  splits.recv_per_expert.assign(counts + experts, counts + 2 * experts);
   for (const int64_t r : c10::irange(ep)) {
-    splits.send.push_back(std::accumulate(counts + r * local, counts + (r + 1) * local, 0L));
-    const int64_t* from_r = splits.recv_per_expert.data() + r * local;
-    splits.recv.push_back(std::accumulate(from_r, from_r + local, 0L));
+    int64_t sent = 0, received = 0;
+    for (const int64_t l : c10::irange(local)) {
+      sent += blocks[0][r][l];
+      received += blocks[1][r][l];
+      splits.recv_per_expert.push_back(blocks[1][r][l]);
+    }
+    splits.send.push_back(sent);
+    splits.recv.push_back(received);
   }
   return splits;
 }
@@ -179,6 +200,12 @@ at::Tensor all_to_all_rows(const at::Tensor& rows, c10::IntArrayRef send_splits,
   const int64_t sent = std::accumulate(send_splits.begin(), send_splits.end(), 0L);
   TORCH_CHECK(sent == rows.size(0), kOp, ": send_splits must sum to rows.size(0) = ", rows.size(0),
               ", got ", send_splits, " (sum ", sent, ")");
+  // Gloo requires it (its message would come from a worker thread while the peers wait), and the
+  // rows this rank keeps cannot differ between sending and receiving.
+  const int64_t rank = pg.getRank();
+  TORCH_CHECK(send_splits[rank] == recv_splits[rank], kOp, ": this rank's own block must be as ",
+              "long sent as received, got send_splits[", rank, "] = ", send_splits[rank],
+              " and recv_splits[", rank, "] = ", recv_splits[rank]);
   std::vector<int64_t> out_shape = rows.sizes().vec();
   out_shape[0] = std::accumulate(recv_splits.begin(), recv_splits.end(), 0L);
   at::Tensor input = rows.contiguous();

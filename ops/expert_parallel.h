@@ -23,10 +23,11 @@ struct ExpertParallelSplits {
   std::vector<int64_t> recv_per_expert;
 };
 
-// rows_per_expert [E] int64 on the data's device (E = ep · L; rank r holds the global experts
-// [r·L, (r+1)·L)): the rows this rank sends to each global expert. Exchanged with an all-to-all
-// of L counts per rank, then copied to the host: on CUDA that copy is the host sync the
-// variable-size exchange needs (the receive buffer's size and c10d's split lists live there).
+// rows_per_expert [E] int32/int64 on the data's device (E = ep · L; rank r holds the global
+// experts [r·L, (r+1)·L)): the rows this rank sends to each global expert. Exchanged with an
+// all-to-all of L counts per rank, then copied to the host: on CUDA that copy is the host sync the
+// variable-size exchange needs (the receive buffer's size and c10d's split lists live there). A
+// negative count on any rank is an error on every rank (each block carries its sender's verdict).
 ExpertParallelSplits exchange_split_sizes(const at::Tensor& rows_per_expert,
                                           const ProcessGroupOptions& group);
 
@@ -51,7 +52,9 @@ struct CapacityMap {
 CapacityMap make_capacity_map(const at::Tensor& indices, int64_t num_experts, int64_t capacity);
 
 // rows [N, ...] (N = Σ send_splits, contiguous blocks in rank order) -> [Σ recv_splits, ...]: the
-// send_splits[r] rows of block r go to rank r; the blocks received arrive in rank order.
+// send_splits[r] rows of block r go to rank r; the blocks received arrive in rank order. The
+// splits must pair with the peers' (recv_splits[r] = what rank r sends here), which only the
+// rank's own entry can be checked for without a collective.
 at::Tensor all_to_all_rows(const at::Tensor& rows, c10::IntArrayRef send_splits,
                            c10::IntArrayRef recv_splits, const ProcessGroupOptions& group);
 

@@ -1,9 +1,11 @@
 #include "torchmoe/ops/glu.h"
 
 #include <ATen/ATen.h>
+
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/accumulate.h>
+#include <cmath>
 
 #include <vector>
 
@@ -43,11 +45,7 @@ int64_t check_inputs(const at::Tensor& input, const at::Tensor& scales, const Gl
               input.size(-1));
   TORCH_CHECK(input.is_contiguous(), kOp, ": input must be contiguous");
   const int64_t hidden = input.size(-1) / 2;
-  TORCH_CHECK(o.interleave == 0 ||
-                  (o.interleave > 0 && o.interleave % 32 == 0 && hidden % o.interleave == 0),
-              kOp,
-              ": glu_interleave_size must be a positive multiple of 32 that divides H=", hidden,
-              ", got ", o.interleave);
+  check_glu_options(kOp, o, hidden);
   if (scales.defined()) {
     const auto expected = input.sizes().slice(0, input.dim() - 1);
     TORCH_CHECK(scales.sizes() == expected, kOp, ": scales must have shape ", expected,
@@ -131,9 +129,30 @@ kernels::GluParams kernel_params(const at::Tensor& input, const at::Tensor& scal
 
 }  // namespace
 
+void check_glu_options(const char* op, const GluOptions& o, int64_t hidden) {
+  TORCH_CHECK(o.interleave == 0 ||
+                  (o.interleave > 0 && o.interleave % 32 == 0 && hidden % o.interleave == 0),
+              op, ": glu_interleave_size must be a positive multiple of 32 that divides H=", hidden,
+              ", got ", o.interleave);
+  TORCH_CHECK(o.activation != GluActivation::kClampedSwiGLU ||
+                  (std::isfinite(o.limit) && o.limit > 0 && std::isfinite(o.alpha) &&
+                   std::isfinite(o.offset)),
+              op, ": the clamped SwiGLU needs a finite positive limit and a finite alpha and ",
+              "offset, got limit ", o.limit, ", alpha ", o.alpha, ", offset ", o.offset);
+}
+
 kernels::GluParams detail::glu_kernel_params(const at::Tensor& input, const at::Tensor& scales,
                                              const GluOptions& o) {
   const int64_t hidden = check_inputs(input, scales, o);
+  // The CUDA kernels' types, checked on every device so that the errors are testable on the CPU
+  // (check_inputs lets the CPU reference take any floating dtype).
+  const at::ScalarType dtype = input.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, kOp,
+              ": input must be float32, float16 or bfloat16, got ", dtype);
+  TORCH_CHECK(!scales.defined() || scales.scalar_type() == at::kFloat ||
+                  scales.scalar_type() == input.scalar_type(),
+              kOp, ": scales must be float32 or the input's dtype ", input.scalar_type(), ", got ",
+              scales.scalar_type());
   TORCH_INTERNAL_ASSERT(!scales.defined() || scales.is_contiguous(),
                         "glu_kernel_params: scales must be contiguous");
   return kernel_params(input, scales, o, hidden);

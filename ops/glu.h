@@ -27,6 +27,12 @@ struct GluOptions {
 at::Tensor glu_forward(const at::Tensor& input, const at::Tensor& scales,
                        const GluOptions& options);
 
+// `options` for a gated activation of width H (the input's last dimension is 2H): the interleave a
+// multiple of 32 dividing H, and ClampedSwiGLU's limit finite and positive, its alpha and offset
+// finite. `op` names the caller in errors. glu_forward and glu_backward check them too; a module
+// checks them when it is built, before any GEMM of a layer that feeds the activation runs.
+void check_glu_options(const char* op, const GluOptions& options, int64_t hidden);
+
 struct GluGrads {
   at::Tensor grad_input;   // [..., 2H], in the input's (possibly interleaved) layout
   at::Tensor grad_scales;  // input.shape[:-1] in the scales' dtype; undefined unless requested

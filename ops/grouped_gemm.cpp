@@ -27,6 +27,13 @@ void check_device_splits(const char* op, const at::Tensor& m_splits, const at::T
               " like the input, or on the host, got ", m_splits.device());
 }
 
+// An FP8 plan chose its engine for FP8 operands (the sm90 kernel, e.g., without the 16-bit dtype
+// check): its products are the grouped_linear_*_fp8 ops.
+void check_16bit_plan(const char* op, const GemmPlan& plan) {
+  TORCH_CHECK(!plan.fp8, op, ": got an FP8 plan (plan_grouped_gemms with fp8 = true); its ",
+              "products are the grouped_linear_*_fp8 ops");
+}
+
 void check_rows_operand(const char* op, const char* name, const at::Tensor& t,
                         const GemmPlan& plan) {
   TORCH_CHECK(t.defined() && t.dim() == 2, op, ": ", name, " must be a 2-D [rows, features] tensor",
@@ -277,15 +284,22 @@ at::Tensor GroupedTensors::operator[](size_t g) const {
 
 namespace detail {
 
-void check_host_splits(const char* op, c10::IntArrayRef m_splits, int64_t rows) {
+int64_t split_sum_within(const char* op, c10::IntArrayRef m_splits, int64_t bound) {
   int64_t sum = 0;
+  bool above = false;
   for (size_t g = 0; g < m_splits.size(); ++g) {
     TORCH_CHECK(m_splits[g] >= 0, op, ": m_splits[", g, "] must be non-negative, got ",
                 m_splits[g]);
-    sum += m_splits[g];
+    above = above || m_splits[g] > bound - sum;
+    if (!above) sum += m_splits[g];
   }
+  return above ? -1 : sum;
+}
+
+void check_host_splits(const char* op, c10::IntArrayRef m_splits, int64_t rows) {
+  const int64_t sum = split_sum_within(op, m_splits, rows);
   TORCH_CHECK(sum == rows, op, ": m_splits must sum to the number of rows (", rows, "), got ",
-              m_splits, " (sum ", sum, ")");
+              m_splits, sum < 0 ? " (sum above it)" : " (sum " + std::to_string(sum) + ")");
 }
 
 const void* CheckedGroups::data(size_t g) const {
@@ -423,6 +437,7 @@ at::Tensor grouped_linear_forward(const GemmPlan& plan, const at::Tensor& input,
                                   const GroupedTensors& weights, const GroupedTensors& biases,
                                   const at::Tensor& gather_rows) {
   constexpr const char* op = "torchmoe::ops::grouped_linear_forward";
+  check_16bit_plan(op, plan);
   if (gather_rows.defined()) {
     check_gathered_input(op, input, gather_rows, plan);
   } else {
@@ -453,6 +468,7 @@ at::Tensor grouped_linear_forward(const GemmPlan& plan, const at::Tensor& input,
 at::Tensor grouped_linear_dgrad(const GemmPlan& plan, const at::Tensor& grad_output,
                                 const GroupedTensors& weights) {
   constexpr const char* op = "torchmoe::ops::grouped_linear_dgrad";
+  check_16bit_plan(op, plan);
   check_rows_operand(op, "grad_output", grad_output, plan);
   TORCH_CHECK(grad_output.size(1) == plan.shape.n, op, ": grad_output must have ", plan.shape.n,
               " features, got ", grad_output.size(1));
@@ -495,6 +511,7 @@ void grouped_linear_wgrad(const GemmPlan& plan, const at::Tensor& input,
                           bool accumulate, const GroupedTensors& bias_grads_out,
                           const at::Tensor& gather_rows) {
   constexpr const char* op = "torchmoe::ops::grouped_linear_wgrad";
+  check_16bit_plan(op, plan);
   if (gather_rows.defined()) {
     check_gathered_input(op, input, gather_rows, plan);
   } else {

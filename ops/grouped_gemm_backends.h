@@ -46,6 +46,10 @@ CheckedGroups check_groups(const char* op, const char* what, const GroupedTensor
                            size_t groups, const at::Tensor& like, c10::IntArrayRef shape,
                            at::ScalarType dtype, const char* dtype_rule);
 
+// Σ m_splits after checking that each is non-negative, or -1 once the running sum passes `bound`
+// (sizes near 2^62 would wrap an int64 sum around to a small one).
+int64_t split_sum_within(const char* op, c10::IntArrayRef m_splits, int64_t bound);
+
 // Host sizes for backends that loop over groups on the host: non-negative, summing to `rows`
 // (they cannot clamp as the device-split engines do).
 void check_host_splits(const char* op, c10::IntArrayRef m_splits, int64_t rows);

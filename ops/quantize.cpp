@@ -6,6 +6,8 @@
 #include <c10/util/accumulate.h>
 
 #include <cmath>
+#include <cstdint>
+#include <limits>
 #include <string>
 
 #include "torchmoe/kernels/split_quantize.h"
@@ -60,7 +62,7 @@ void check_input_type(const char* op, at::ScalarType dtype, int64_t k) {
               "multiple of ", kernels::kQuantizeFeatureMultiple, " (FP8 GEMM operands), got ", k);
 }
 
-// What `input` holds: the rows to quantize, or a GLU pre-activation (whose layout
+// What `input` holds: the rows to quantize, or a GLU pre-activation (whose layout and types
 // detail::glu_kernel_params has checked, an even width included) from which its activation (half
 // its width) or its gradient (its width) is quantized.
 enum class InputKind { kRows, kGluActivation, kGluGradient };
@@ -76,23 +78,27 @@ void check_split_inputs(const char* op, const at::Tensor& input, const SplitSize
   check_input_type(op, input.scalar_type(),
                    kind == InputKind::kGluActivation ? input.size(1) / 2 : input.size(1));
   const int64_t groups = static_cast<int64_t>(m_splits.size());
+  const int64_t rows = gathered_rows >= 0 ? gathered_rows : input.size(0);
   if (m_splits.has_host()) {
-    int64_t sum = 0;
-    for (int64_t g = 0; g < groups; ++g) {
-      TORCH_CHECK(m_splits.host()[g] >= 0, op, ": m_splits[", g, "] must be non-negative, got ",
-                  m_splits.host()[g]);
-      sum += m_splits.host()[g];
-    }
-    const int64_t bound = gathered_rows >= 0 ? gathered_rows : input.size(0);
-    TORCH_CHECK(sum <= bound, op, ": m_splits must sum to at most the ",
-                gathered_rows >= 0 ? "gathered " : "input's ", bound, " rows, got ",
-                m_splits.host(), " (sum ", sum, ")");
-  } else {
+    TORCH_CHECK(detail::split_sum_within(op, m_splits.host(), rows) >= 0, op,
+                ": m_splits must sum to at most the ",
+                gathered_rows >= 0 ? "gathered " : "input's ", rows, " rows, got ",
+                m_splits.host());
+  }
+  // The kernel reads the device sizes whenever there are some, also beside host ones.
+  if (m_splits.has_device()) {
     TORCH_CHECK(m_splits.device().device() == input.device(), op, ": m_splits must be on ",
                 input.device(), " like the input, or on the host, got ",
                 m_splits.device().device());
   }
   check_options(op, o, groups, input.device(), scale, amax);
+  // The kernel counts tiles and the 1x128 scales' rows in 32 bits (kernels/split_quantize.cu).
+  const int64_t k = input.size(1) / (kind == InputKind::kGluActivation ? 2 : 1);
+  TORCH_CHECK(rows <= std::numeric_limits<int32_t>::max() - 3 * groups &&
+                  kernels::split_quantize_tiles_bound(static_cast<int>(groups), rows, k) <
+                      (int64_t{1} << 27),
+              op, ": [", rows, ", ", k, "] in ", groups,
+              " splits is too large: at most 2^31 - 1 rows and 2^27 128x128 tiles");
 }
 
 // The ops run on CUDA only; checked after every argument check, so that those are testable on the
@@ -102,9 +108,10 @@ void check_cuda(const char* op, const at::Tensor& t) {
                               " tensors (CUDA only)");
 }
 
-// Σ_g r16(m_g): the columnwise blocks' total width, exact with host sizes, else its bound.
+// Σ_g r16(m_g): the columnwise blocks' total width, exact with host sizes alone, else its bound
+// (the kernel reads device sizes where there are some, and the host cannot see them).
 int64_t columnwise_rows(const SplitSizes& m_splits, int64_t rows) {
-  if (!m_splits.has_host()) {
+  if (m_splits.has_device()) {
     return kernels::columnwise_elements(rows, 1, static_cast<int64_t>(m_splits.size()));
   }
   int64_t total = 0;
@@ -325,7 +332,12 @@ void update_delayed_scaling(const at::Tensor& amax_history, const at::Tensor& am
   check_group_vector(kUpdateOp, "amax", amax, groups, amax_history.device());
   check_group_vector(kUpdateOp, "scale", scale, groups, amax_history.device());
   check_group_vector(kUpdateOp, "scale_inv", scale_inv, groups, amax_history.device());
-  TORCH_CHECK(std::isfinite(o.margin), kUpdateOp, ": margin must be finite, got ", o.margin);
+  // The scales target fp8_max · 2^-margin in float: it must be a normal number (a zero target
+  // would make every scale 0 and scale_inv infinite).
+  const auto scaled_max = static_cast<float>(kernels::fp8_max(o.format) * std::pow(2.0, -o.margin));
+  TORCH_CHECK(std::isfinite(o.margin) && std::isnormal(scaled_max), kUpdateOp,
+              ": margin must be finite and leave fp8_max * 2^-margin a normal float, got ",
+              o.margin);
   check_cuda(kUpdateOp, amax_history);
   const c10::cuda::CUDAGuard guard(amax_history.device());
   kernels::DelayedScalingUpdateParams p;
@@ -335,7 +347,7 @@ void update_delayed_scaling(const at::Tensor& amax_history, const at::Tensor& am
   p.amax = amax.const_data_ptr<float>();
   p.scale = scale.data_ptr<float>();
   p.scale_inv = scale_inv.data_ptr<float>();
-  p.scaled_max = static_cast<float>(kernels::fp8_max(o.format) * std::pow(2.0, -o.margin));
+  p.scaled_max = scaled_max;
   p.algo = o.algo;
   kernels::launch_update_delayed_scaling(p, at::cuda::getCurrentCUDAStream().stream());
 }

@@ -33,6 +33,9 @@ SplitSizes::SplitSizes(std::vector<int64_t> host, const at::Tensor& device) : Sp
 }
 
 SplitSizes SplitSizes::uniform(int64_t groups, int64_t rows, const at::Device& device) {
+  TORCH_CHECK(groups >= 0 && rows >= 0,
+              "SplitSizes::uniform: groups and rows must be non-negative, got ", groups, " and ",
+              rows);
   std::vector<int64_t> host(groups, rows);
   if (!device.is_cuda()) return SplitSizes(std::move(host));
   return SplitSizes(std::move(host),

@@ -396,6 +396,21 @@ int run(const Flags& flags_in) {
           "checkpoint '{}' must be rank {}'s file of an --ep {} run, got {}", resume, rank, f.ep,
           saved_ranks ? fmt::format("rank {} of --ep {}", saved_rank, saved_ranks)
                       : "a single-process checkpoint"));
+    if (group) {
+      // The ranks' files must be of one save (a run killed while saving can leave files of
+      // different steps): else their schedules, optimizer steps and data would drift apart. The
+      // steps are all equal exactly when their squares' sum is the square of their sum over ep.
+      torch::Tensor sums = torch::tensor({start_step, start_step * start_step},
+                                         torch::TensorOptions(torch::kLong).device(device));
+      torchmoe::distributed::all_reduce_sum_(sums, *group);
+      const torch::Tensor host = sums.cpu();
+      const int64_t sum = host[0].item<int64_t>(), squares = host[1].item<int64_t>();
+      if (f.ep * squares != sum * sum)
+        throw std::runtime_error(fmt::format(
+            "--resume: the ranks' files must be of one save, got step {} here and a mean of {} "
+            "over the {} ranks",
+            start_step, static_cast<double>(sum) / static_cast<double>(f.ep), f.ep));
+    }
   }
   torch::manual_seed(f.seed);
   // --fp8 delayed: the experts keep amax histories of the recipe's length (TE's default 1024).

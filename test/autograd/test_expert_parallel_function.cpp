@@ -120,6 +120,21 @@ TEST_CASE("permute_to_capacity pads each expert to capacity and drops the slots 
   REQUIRE(torch::equal(tokens.grad().squeeze(1), torch::tensor({2., 2., 1., 1.}, torch::kFloat64)));
 }
 
+TEST_CASE("exchange_split_sizes: a negative count on one rank is an error on every rank", "[ep]") {
+  const int64_t ep = test_world(), rank = test_rank();
+  torch::Tensor counts = torch::ones({2 * ep}, torch::kLong);
+  if (rank == ep - 1) counts[0] = -1;  // a count for rank 0's expert: only rank 0 receives it
+  REQUIRE_THROWS_WITH(torchmoe::ops::exchange_split_sizes(counts, test_group()),
+                      Contains("rows_per_expert must be >= 0 on every rank, got a negative count "
+                               "on rank(s) [" +
+                               std::to_string(ep - 1) + "]"));
+  // Every rank stopped at the same point: the group still pairs its collectives.
+  const torchmoe::ops::ExpertParallelSplits splits =
+      torchmoe::ops::exchange_split_sizes(torch::ones({2 * ep}, torch::kInt), test_group());
+  CHECK(splits.recv == std::vector<int64_t>(ep, 2));
+  CHECK(splits.send == std::vector<int64_t>(ep, 2));
+}
+
 TEST_CASE("expert-parallel ops: argument errors", "[ep]") {
   const int64_t ep = test_world();
   const torch::Tensor rows = torch::zeros({4, 2});
@@ -134,6 +149,24 @@ TEST_CASE("expert-parallel ops: argument errors", "[ep]") {
   REQUIRE_THROWS_WITH(
       torchmoe::ops::exchange_split_sizes(torch::zeros({2 * ep + 1}, torch::kLong), test_group()),
       Contains("num_experts must be divisible by the group size"));
+  REQUIRE_THROWS_WITH(torchmoe::ops::exchange_split_sizes(torch::zeros({2 * ep}), test_group()),
+                      Contains("rows_per_expert must be int32 or int64, got Float"));
+  // The rows a rank keeps are its own block both ways (every rank refuses before the exchange).
+  const int64_t rank = test_rank();
+  std::vector<int64_t> keep_send(ep, 0), keep_recv(ep, 0);
+  keep_send[rank] = 4;
+  keep_recv[rank] = 3;
+  REQUIRE_THROWS_WITH(
+      torchmoe::ops::all_to_all_rows(rows, keep_send, keep_recv, test_group()),
+      Contains("this rank's own block must be as long sent as received, got "
+               "send_splits[" +
+               std::to_string(rank) + "] = 4 and recv_splits[" + std::to_string(rank) + "] = 3"));
+  // c10d reads a zero timeout as none: a peer that never comes would hang the others.
+  torch::Tensor counts = torch::zeros({2});
+  REQUIRE_THROWS_WITH(
+      torchmoe::ops::all_reduce_sum_(counts, torchmoe::ProcessGroupOptions(test_group().group())
+                                                 .timeout(std::chrono::milliseconds(0))),
+      Contains("all_reduce_sum_: the group's timeout must be positive, got 0 ms"));
   // A group without a CPU backend (as a CUDA-only NCCL group would be) refuses CPU data.
   const auto no_backend = c10::make_intrusive<c10d::ProcessGroup>(
       c10::make_intrusive<c10d::HashStore>(), 0, static_cast<int>(ep));

@@ -3,7 +3,8 @@
 # its losses, gradient norms and validation losses equal a single process's on the same global
 # batch, across a resume from its per-rank checkpoints; merged into one, they resume in a single
 # process as the --ep run went on; rank 0 alone reports; and the errors of --ep without torchrun, of shapes it cannot split, of
-# --cuda-graph, of a rank's file resumed alone and of a merge of missing files.
+# --cuda-graph, of a rank's file resumed alone, of the ranks' files of different saves and of a
+# merge of missing files.
 # usage: moe_lm_ep_test.sh MOE_LM_BINARY WORK_DIR TORCHRUN FIRST_PORT
 set -euo pipefail
 bin=$1
@@ -20,9 +21,11 @@ tiny=(--device cpu --layers 2 --hidden 32 --heads 2 --experts 4 --topk 2 --ffn 6
       --batch 8 --warmup 3 --lr 1e-2 --steps 12 --eval-every 4 --eval-batches 2 --log-every 1)
 # Each launch on a port of its own, so that none waits for the last one's to be released.
 ep2() {
+  local rc=0
   "$torchrun" --nproc-per-node 2 --master-addr 127.0.0.1 --master-port "$port" --no-python \
-    "$bin" --ep 2 "$@"
+    "$bin" --ep 2 "$@" || rc=$?
   port=$((port + 1))
+  return "$rc"
 }
 # The columns loss, aux_loss, grad_norm and val_loss of two CSVs agree to `tol` on the steps
 # both have from `first`; the float32 sums run in another order over 2 ranks.
@@ -79,6 +82,11 @@ expect_error 2 "moe_lm: --cuda-graph does not work with --ep" "$bin" --ep 2 --cu
 expect_error 2 "moe_lm: --merge-checkpoint needs --ep N" "$bin" --merge-checkpoint "$work/ckpt.pt"
 expect_error 1 "is rank 1's file of an --ep 2 run" \
   "$bin" "${tiny[@]}" --resume "$work/ckpt.pt.rank1-of-2"
+# Rank 1's file from another save (step 4 beside rank 0's step 2): every rank stops.
+ep2 "${tiny[@]}" --stop-at 2 --save "$work/mixed.pt" >/dev/null
+cp "$work/ckpt.pt.rank1-of-2" "$work/mixed.pt.rank1-of-2"
+expect_error 1 "--resume: the ranks' files must be of one save, got step 2 here and a mean of 3" \
+  ep2 "${tiny[@]}" --resume "$work/mixed.pt"
 # (--ep 3 divides neither the default --experts nor --batch, which a merge does not use.)
 expect_error 1 "--merge-checkpoint: '$work/ckpt.pt.rank0-of-3' does not exist" \
   "$bin" --merge-checkpoint "$work/ckpt.pt" --ep 3 --save "$work/x.pt"

@@ -91,7 +91,11 @@ TEST_CASE("FP8 recipes reject bad values with clear errors", "[fp8][recipe][erro
   CHECK_THROWS_WITH(DelayedScaling().amax_history_len(0),
                     Contains("DelayedScaling: amax_history_len must be >= 1, got 0"));
   CHECK_THROWS_WITH(DelayedScaling().margin(-1),
-                    Contains("DelayedScaling: margin must be >= 0, got -1"));
+                    Contains("DelayedScaling: margin must be in [0, 127], got -1"));
+  // fp8_max · 2^-128 is no longer a normal float: the scales would underflow to 0.
+  CHECK_THROWS_WITH(DelayedScaling().margin(128),
+                    Contains("DelayedScaling: margin must be in [0, 127], got 128"));
+  CHECK_NOTHROW(DelayedScaling().margin(127));
   CHECK_THROWS_WITH(CurrentScaling().amax_epsilon(-1.0),
                     Contains("CurrentScaling: amax_epsilon must be finite and >= 0, got -1"));
   CHECK_THROWS_WITH(CurrentScaling().amax_epsilon(std::numeric_limits<double>::quiet_NaN()),

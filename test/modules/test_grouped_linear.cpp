@@ -240,6 +240,19 @@ TEST_CASE("GroupedLinear rejects bad options", "[modules][grouped_linear][errors
       Contains("tp_size=2 must divide out_features=5 in column-parallel mode"));
   REQUIRE_THROWS_WITH(GroupedLinear(GroupedLinearOptions(2, 8, 4).tp_size(2)),
                       Contains("bias is not supported with tensor parallelism (tp_size=2)"));
+  // reset() on a built layer: refused before it drops the parameters it holds.
+  GroupedLinear built(GroupedLinearOptions(2, 8, 4).fp8_amax_history_len(2));
+  const torch::Tensor w0 = built->expert_weights()[0];
+  REQUIRE_THROWS_WITH(built->reset(), Contains("GroupedLinear::reset: the layer is built already"));
+  REQUIRE_THROWS_WITH(built->fp8_state()->reset(),
+                      Contains("fp8::Fp8State::reset: the state is built already"));
+  REQUIRE(built->expert_weights().size() == 2);
+  CHECK(built->expert_weights()[0].is_same(w0));
+  CHECK(built->fp8_state()
+            ->tensors(torchmoe::fp8::TensorRole::kInput)
+            .amax_history.is_same(built->fp8_state()->named_buffers()["input_amax_history"]));
+  CHECK(built(torch::randn({3, 8}), std::vector<int64_t>{1, 2}).sizes() ==
+        torch::IntArrayRef({3, 4}));
 }
 
 TEST_CASE("GroupedLinear parameters, init and printing", "[modules][grouped_linear]") {
@@ -332,6 +345,20 @@ TEST_CASE("GroupedLinear load_state_dict rejects incomplete or foreign state",
   state["weight1"] = torch::zeros({3, 4});
   state["extra"] = torch::zeros({1});
   REQUIRE_THROWS_WITH(m->load_state_dict(state), Contains("unexpected key 'extra'"));
+  // A refused state changes nothing: the shapes are all checked first, the FP8 state's included.
+  const torch::Tensor weight0 = m->expert_weights()[0].clone();
+  state.erase("extra");
+  state["bias1"] = torch::zeros({2});
+  REQUIRE_THROWS_WITH(m->load_state_dict(state),
+                      Contains("bias of expert 1 must have shape [3], got [2]"));
+  CHECK(torch::equal(m->expert_weights()[0], weight0));
+  GroupedLinear with_fp8(GroupedLinearOptions(2, 4, 3).fp8_amax_history_len(4));
+  const torch::Tensor fp8_weight0 = with_fp8->expert_weights()[0].clone();
+  state["bias1"] = torch::zeros({3});
+  state["fp8_state.input_amax_history"] = torch::zeros({16, 2});
+  REQUIRE_THROWS_WITH(with_fp8->load_state_dict(state),
+                      Contains("'input_amax_history' must have shape [4, 2]"));
+  CHECK(torch::equal(with_fp8->expert_weights()[0], fp8_weight0));
 }
 
 TEST_CASE("GroupedLinear tensor-parallel metadata", "[modules][grouped_linear]") {

@@ -104,3 +104,35 @@ TEST_CASE("GroupedLinear ->to(kCUDA) moves fused main-grad buffers with the para
   m->to(torch::kCPU);
   CHECK(m->main_grads().front().is_cpu());
 }
+
+TEST_CASE("GroupedLinear clone() keeps the fused main grads beside the parameters",
+          "[modules][grouped_linear][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const bool single = GENERATE(false, true);
+  INFO("single=" << single);
+  const auto options = GroupedLinearOptions(2, 64, 32)
+                           .bias(false)
+                           .fuse_wgrad_accumulation(true)
+                           .single_grouped_weight(single);
+  GroupedLinear moved(options);
+  moved->to(torch::kCUDA);
+  GroupedLinear on_cpu(options);
+  // A layer moved after construction, and a CPU layer cloned onto the GPU: either way the copy's
+  // reset() made its main grads on options.device(), the CPU.
+  for (const auto& copy : {std::dynamic_pointer_cast<torchmoe::GroupedLinearImpl>(moved->clone()),
+                           std::dynamic_pointer_cast<torchmoe::GroupedLinearImpl>(
+                               on_cpu->clone(torch::Device(torch::kCUDA, 0)))}) {
+    REQUIRE(copy);
+    for (const torch::Tensor& mg : copy->main_grads()) CHECK(mg.is_cuda());
+    const torch::Tensor x = torch::randn({24, 64}, torch::device(torch::kCUDA));
+    const torch::Tensor dy = torch::randn({24, 32}, torch::device(torch::kCUDA)) / 5;
+    const std::vector<int64_t> splits = {9, 15};
+    copy->forward(x, splits, /*is_first_microbatch=*/true).backward(dy);
+    const Reference ref = reference_grouped_linear(x, splits, copy->expert_weights(), {}, dy);
+    std::vector<torch::Tensor> main = copy->main_grads();
+    if (single) main = main[0].unbind(0);
+    for (size_t g = 0; g < 2; ++g) {
+      check_close(main[g], ref.grad_weights[g], tolerance_for(torch::kFloat32), "main_grad");
+    }
+  }
+}

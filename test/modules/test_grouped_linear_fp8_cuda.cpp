@@ -397,6 +397,12 @@ TEST_CASE("GroupedLinear FP8 is_first_microbatch caches the FP8 weights", "[modu
     REQUIRE_THROWS_AS(m(x, kSplits, false), c10::Error);
     REQUIRE_THROWS_WITH(m(x, kSplits, false), Contains("is_first_microbatch"));
   }
+  SECTION("to() drops the cache: its copies stay on the old device, in the old dtype") {
+    run_layer(m, x, dy, recipe, true);
+    m->to(torch::kCUDA, torch::kBFloat16);
+    const fp8::Autocast guard(recipe);
+    REQUIRE_THROWS_WITH(m(x, kSplits, false), Contains("and there was none"));
+  }
 }
 
 TEST_CASE("GroupedLinear FP8 with fused main-grad accumulation", "[modules][fp8][cuda]") {

@@ -4,6 +4,8 @@
 
 #include <torchmoe/torchmoe.h>
 
+#include <limits>
+
 #include "test_utils.h"
 
 using namespace torchmoe::test;
@@ -260,10 +262,48 @@ TEST_CASE("GroupedMLP rejects bad input", "[modules][grouped_mlp][errors]") {
                       Contains("x must be [rows, hidden=16], got [6, 12]"));
   REQUIRE_THROWS_WITH(GroupedMLP(GroupedMLPOptions(3, 16, 0)),
                       Contains("ffn_hidden must be positive, got 0"));
+  // The activation's options are checked when the layers are built, not after fc1 has run.
+  REQUIRE_THROWS_WITH(GroupedMLP(GroupedMLPOptions(3, 16, 48).glu_interleave_size(32)),
+                      Contains("GroupedMLP: glu_interleave_size must be a positive multiple of 32 "
+                               "that divides H=48, got 32"));
+  GroupedMLPOptions nan_limit(3, 16, 8);
+  nan_limit.activation(torchmoe::GluActivation::kClampedSwiGLU)
+      .clamped()
+      .limit(std::numeric_limits<double>::quiet_NaN());
+  REQUIRE_THROWS_WITH(GroupedMLP(nan_limit),
+                      Contains("GroupedMLP: the clamped SwiGLU needs a finite positive limit"));
+  GroupedMLP changed(GroupedMLPOptions(3, 16, 8));
+  changed->options.glu_interleave_size(64);
+  REQUIRE_THROWS_WITH(changed(x, splits, torch::rand({6})),
+                      Contains("glu_interleave_size must be a positive multiple of 32"));
+  GroupedMLPOptions row_parallel(3, 16, 8);
+  row_parallel.linear().parallel_mode(torchmoe::ParallelMode::kRow).tp_size(2);
+  REQUIRE_THROWS_AS(GroupedMLP(row_parallel), c10::NotImplementedError);
+  REQUIRE_THROWS_WITH(GroupedMLP(row_parallel), Contains("tensor parallelism is not implemented"));
   std::ostringstream s;
   s << mlp;
   CHECK(s.str().find("torchmoe::GroupedMLP(num_experts=3, hidden=16, ffn_hidden=8, bias=true, "
                      "activation=swiglu)") == 0);
+}
+
+TEST_CASE("GroupedMLP::backward_dw runs each layer's queued work, refusing only none anywhere",
+          "[modules][grouped_mlp]") {
+  GroupedMLPOptions options(3, 16, 8);
+  options.linear().delay_wgrad_compute(true);
+  GroupedMLP mlp(options);
+  REQUIRE_THROWS_WITH(
+      mlp->backward_dw(),
+      Contains("GroupedMLP::backward_dw: no weight-gradient computation is queued"));
+  // fc1 frozen: only fc2 queues its weight gradients.
+  for (torch::Tensor& p : mlp->fc1->parameters()) p.set_requires_grad(false);
+  const std::vector<int64_t> splits = {2, 0, 4};
+  mlp(torch::randn({6, 16}), splits, torch::rand({6})).sum().backward();
+  REQUIRE(mlp->fc1->pending_wgrad_count() == 0);
+  REQUIRE(mlp->fc2->pending_wgrad_count() == 1);
+  CHECK_FALSE(mlp->fc2->named_parameters()["weight0"].grad().defined());
+  mlp->backward_dw();
+  CHECK(mlp->fc2->pending_wgrad_count() == 0);
+  CHECK(mlp->fc2->named_parameters()["weight0"].grad().defined());
 }
 
 TEST_CASE("GroupedMLP options compose the layers' shared settings", "[modules][grouped_mlp]") {

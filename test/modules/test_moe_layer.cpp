@@ -264,6 +264,17 @@ TEST_CASE("MoELayer errors", "[modules][moe]") {
   CHECK_THROWS_WITH(MoELayer(mismatched),
                     Contains("MoELayer: the router and the experts must agree on hidden and "
                              "num_experts, got router (8, 4) and experts (12, 4)"));
+  // The options are public: forward checks what it relies on against what was built.
+  const torch::Tensor x = torch::randn({3, 8});
+  moe->options.pad_to_capacity(true);
+  CHECK_THROWS_AS(moe(x), c10::NotImplementedError);
+  CHECK_THROWS_WITH(moe(x), Contains("pad_to_capacity is implemented for expert_parallel only"));
+  moe->options.pad_to_capacity(false);
+  moe->options.router().num_experts(8);
+  CHECK_THROWS_WITH(moe(x), Contains("num_experts=8 over 1 rank(s) does not match the router (4 "
+                                     "experts) and the experts (4 on this rank)"));
+  moe->options.router().num_experts(4);
+  CHECK_NOTHROW(moe(x));
 }
 
 TEST_CASE("MoELayer options: one aux-loss default, the router's", "[modules][moe]") {

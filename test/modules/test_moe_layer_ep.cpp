@@ -183,6 +183,14 @@ TEST_CASE("MoELayer expert parallel: argument errors", "[ep]") {
   MoELayerOptions no_ep(8, 8, 2 * ep, 1);
   no_ep.pad_to_capacity(true).router().capacity_factor(1.0);
   REQUIRE_THROWS_AS(MoELayer(no_ep), c10::NotImplementedError);
+  // Expert parallelism turned on after the layer holds all E experts: every rank refuses before
+  // any exchange (a rank feeding E/ep-expert chunks to E experts would compute garbage).
+  MoELayer built(MoELayerOptions(8, 8, 2 * ep, 1));
+  built->options.expert_parallel(test_group());
+  REQUIRE_THROWS_WITH(
+      built(torch::randn({3, 8})),
+      Contains("does not match the router (" + std::to_string(2 * ep) +
+               " experts) and the experts (" + std::to_string(2 * ep) + " on this rank)"));
 }
 
 TEST_CASE("init_process_group: a bad environment is an error naming the variable", "[ep]") {

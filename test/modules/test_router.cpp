@@ -3,6 +3,8 @@
 
 #include <torchmoe/torchmoe.h>
 
+#include <limits>
+
 #include "test_utils.h"
 
 using namespace torchmoe::test;
@@ -162,7 +164,19 @@ TEST_CASE("TopKRouter errors", "[modules][router]") {
   CHECK_THROWS_WITH(TopKRouter(4, 3, 4), Contains("topk must be in [1, num_experts=3], got 4"));
   CHECK_THROWS_WITH(TopKRouter(4, 0, 1), Contains("num_experts must be positive"));
   CHECK_THROWS_WITH(TopKRouter(TopKRouterOptions(4, 3, 1).capacity_factor(0.0)),
-                    Contains("capacity_factor must be positive"));
+                    Contains("capacity_factor must be finite and positive"));
+  const double inf = std::numeric_limits<double>::infinity();
+  CHECK_THROWS_WITH(TopKRouter(TopKRouterOptions(4, 3, 1).capacity_factor(inf)),
+                    Contains("capacity_factor must be finite and positive, got inf"));
+  CHECK_THROWS_WITH(TopKRouter(TopKRouterOptions(4, 3, 1).expert_bias_update_rate(-inf)),
+                    Contains("expert_bias_update_rate must be finite and >= 0, got -inf"));
+  CHECK_THROWS_WITH(TopKRouter(TopKRouterOptions(4, 3, 1).aux_loss_coeff(inf)),
+                    Contains("loss coefficients must be finite and >= 0"));
+  // Changed after construction: checked where used.
+  TopKRouter capped(TopKRouterOptions(4, 3, 1).capacity_factor(1.0));
+  capped->options.capacity_factor(std::numeric_limits<double>::quiet_NaN());
+  CHECK_THROWS_WITH(capped(torch::randn({2, 4})),
+                    Contains("expert_capacity: capacity_factor must be finite and positive"));
   TopKRouter router(4, 3, 1);
   CHECK_THROWS_WITH(router(torch::randn({2, 5})),
                     Contains("x must be [..., hidden=4], got [2, 5]"));

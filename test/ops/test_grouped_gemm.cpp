@@ -135,6 +135,11 @@ TEST_CASE("planning checks split sizes once and copies them at most once", "[ops
                                "(sum 4)"));
   REQUIRE_THROWS_WITH(plan_for(x, 4, 6, std::vector<int64_t>{6, -1}),
                       Contains("test: m_splits[1] must be non-negative, got -1"));
+  // 2^62 · 3 + (2^62 + 5) wraps around to 5 in int64: not a sum of 5 rows.
+  const int64_t huge = int64_t{1} << 62;
+  REQUIRE_THROWS_WITH(
+      plan_for(x, 4, 6, std::vector<int64_t>{huge, huge, huge, huge + 5}),
+      Contains("test: m_splits must sum to the number of rows (5)") && Contains("(sum above it)"));
   REQUIRE_THROWS_WITH(
       ops::plan_grouped_gemms("test", x, {ops::GemmShape{4, 6, 3}}, std::vector<int64_t>{2, 3},
                               torchmoe::GemmBackend::kAuto),

@@ -690,6 +690,29 @@ TEST_CASE("FP8 grouped GEMM ops refuse bad operands", "[ops][fp8][cuda][errors]"
     REQUIRE_THROWS_WITH(ops::grouped_linear_wgrad_fp8(plain, xq, dyq, dw_out, false),
                         Contains("needs an FP8 plan"));
   }
+  SECTION("an FP8 plan given to the 16-bit products") {
+    // Planned for FP8 operands (on sm90 without the 16-bit dtype check): a float32 input would
+    // reach the 16-bit kernels' internal asserts.
+    const torch::Tensor x32 = p.x.to(torch::kFloat);
+    const ops::GemmPlan fp8 = fp8_plan(x32, p.n, p.k, p.sizes, GemmBackend::kAuto);
+    const torch::Tensor w32 = p.w.to(torch::kFloat);
+    REQUIRE_THROWS_WITH(ops::grouped_linear_forward(fp8, x32, GroupedTensors::stacked(w32), {}),
+                        Contains("got an FP8 plan"));
+    REQUIRE_THROWS_WITH(
+        ops::grouped_linear_dgrad(fp8, p.dy.to(torch::kFloat), GroupedTensors::stacked(w32)),
+        Contains("got an FP8 plan"));
+    REQUIRE_THROWS_WITH(
+        ops::grouped_linear_wgrad(fp8, x32, p.dy.to(torch::kFloat), dw_out, false, {}),
+        Contains("got an FP8 plan"));
+  }
+  SECTION("operands that do not start on a 16-byte boundary") {
+    SplitQuantized shifted = xq;
+    shifted.data = torch::empty({xq.data.numel() + 1}, xq.data.options())
+                       .narrow(0, 1, xq.data.numel())
+                       .view(xq.data.sizes());
+    REQUIRE_THROWS_WITH(ops::grouped_linear_forward_fp8(plan, shifted, wq, {}, bf16),
+                        Contains("input's rowwise data must start on a 16-byte boundary"));
+  }
   SECTION("e5m2 x e5m2") {
     const SplitQuantized x5 = quantize(p.x, p.sizes, cur, kE5M2);
     const SplitQuantized w5 = quantize_w(p.w, cur, kE5M2);

@@ -885,7 +885,7 @@ TEST_CASE("split_quantize and update_delayed_scaling reject bad arguments", "[op
                     Contains("rows must be a 1-D int64 tensor, got [2, 5] Long"));
   CHECK_THROWS_WITH(gather_split_quantize(x, rows, {4, 7}, o),
                     Contains("gather_split_quantize: m_splits must sum to at most the gathered 10 "
-                             "rows, got [4, 7] (sum 11)"));
+                             "rows, got [4, 7]"));
   CHECK_THROWS_WITH(
       gather_split_quantize(x, torch::zeros({20}, torch::kLong).slice(0, 0, 20, 2), {8}, o),
       Contains("gather_split_quantize: rows must be contiguous"));
@@ -939,4 +939,57 @@ TEST_CASE("split_quantize and update_delayed_scaling reject bad arguments", "[op
   CHECK_THROWS_WITH(update_delayed_scaling(history, v, v, v, bad_margin),
                     Contains("margin must be finite"));
   CHECK_THROWS_AS(update_delayed_scaling(history, v, v, v, {}), c10::NotImplementedError);
+}
+
+TEST_CASE("split_quantize: sizes whose sum wraps around, oversized inputs and GLU types are errors",
+          "[ops][quantize]") {
+  using torchmoe::ops::split_quantize;
+  SplitQuantizeOptions o;
+  // 3·2^62 + 2^62 + 16 wraps to 16 in int64: it must not pass as a sum of at most 64 rows.
+  const int64_t huge = int64_t{1} << 62;
+  CHECK_THROWS_WITH(split_quantize(torch::randn({64, 16}), {huge, huge, huge, huge + 16}, o),
+                    Contains("m_splits must sum to at most the input's 64 rows"));
+  // The kernel counts 128x128 tiles and 1x128 scale rows in 32 bits (meta tensors: no memory).
+  const auto meta = torch::TensorOptions().device(torch::kMeta);
+  std::vector<int64_t> one_row(4096, 0);
+  one_row[0] = 1;
+  CHECK_THROWS_WITH(split_quantize(torch::empty({1, int64_t{1} << 22}, meta), one_row, o),
+                    Contains("in 4096 splits is too large: at most 2^31 - 1 rows and 2^27"));
+  CHECK_THROWS_WITH(split_quantize(torch::empty({int64_t{1} << 31, 16}, meta), {8}, o),
+                    Contains("is too large"));
+  // The GLU source's types are the CUDA kernels', checked before any kernel type is mapped.
+  using torchmoe::ops::glu_split_quantize;
+  const torchmoe::ops::GluOptions glu;
+  CHECK_THROWS_WITH(glu_split_quantize(torch::randn({4, 64}, torch::kDouble), {}, glu, {4}, o),
+                    Contains("input must be float32, float16 or bfloat16, got Double"));
+  CHECK_THROWS_WITH(
+      glu_split_quantize(torch::randn({4, 64}), torch::rand({4}, torch::kDouble), glu, {4}, o),
+      Contains("scales must be float32 or the input's dtype Float, got Double"));
+  torchmoe::ops::GluOptions clamped;
+  clamped.activation = torchmoe::GluActivation::kClampedSwiGLU;
+  clamped.limit = std::numeric_limits<double>::quiet_NaN();
+  CHECK_THROWS_WITH(glu_split_quantize(torch::randn({4, 64}), {}, clamped, {4}, o),
+                    Contains("the clamped SwiGLU needs a finite positive limit"));
+  torchmoe::ops::DelayedScalingUpdateOptions big_margin;
+  big_margin.margin = 200;
+  const torch::Tensor v = torch::ones({2});
+  CHECK_THROWS_WITH(
+      torchmoe::ops::update_delayed_scaling(torch::zeros({4, 2}), v, v, v, big_margin),
+      Contains("margin must be finite and leave fp8_max * 2^-margin a normal float, got 200"));
+  CHECK_THROWS_WITH(torchmoe::SplitSizes::uniform(-1, 4, torch::kCPU),
+                    Contains("SplitSizes::uniform: groups and rows must be non-negative, got -1"));
+}
+
+TEST_CASE("split_quantize: device sizes beside host ones size the columnwise copy by the bound",
+          "[ops][quantize][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  // The kernel reads the device sizes; a host copy that disagrees must not shrink the buffer it
+  // writes (here the host says 16 rows, the device 64).
+  const torch::Tensor x = torch::randn({64, 32}, torch::device(torch::kCUDA));
+  const torchmoe::SplitSizes sizes(
+      std::vector<int64_t>{16},
+      torch::full({1}, 64, torch::dtype(torch::kLong).device(torch::kCUDA)));
+  const SplitQuantized q = torchmoe::ops::split_quantize(x, sizes, SplitQuantizeOptions());
+  CHECK(q.columnwise_data.numel() >= 32 * round_up_columnwise(64));
+  torch::cuda::synchronize();
 }
