@@ -108,10 +108,9 @@ void check_cuda(const char* op, const at::Tensor& t) {
                               " tensors (CUDA only)");
 }
 
-// Σ_g r16(m_g): the columnwise blocks' total width, exact with host sizes alone, else its bound
-// (the kernel reads device sizes where there are some, and the host cannot see them).
+// Σ_g r16(m_g): the columnwise blocks' total width, exact with host sizes, else its bound.
 int64_t columnwise_rows(const SplitSizes& m_splits, int64_t rows) {
-  if (m_splits.has_device()) {
+  if (!m_splits.has_host()) {
     return kernels::columnwise_elements(rows, 1, static_cast<int64_t>(m_splits.size()));
   }
   int64_t total = 0;
@@ -139,7 +138,15 @@ SplitQuantized launch(const at::Tensor& like, int64_t rows, int64_t k, const Spl
     const int64_t slack = o.scaling == QuantizeScaling::kBlock1x128 ? 3 : 0;
     out.data = at::empty({rows + slack, k}, fp8).narrow(0, 0, rows);
   }
-  if (o.columnwise) out.columnwise_data = at::empty({k * columnwise_rows(m_splits, rows)}, fp8);
+  if (o.columnwise) {
+    // The kernel reads the device sizes where there are some: the buffer holds their bound, as
+    // host sizes beside them cannot be checked against them without a sync, and the copy shows
+    // the host sizes' exact width.
+    const int64_t width = columnwise_rows(m_splits, rows);
+    const int64_t allocated =
+        m_splits.has_device() ? kernels::columnwise_elements(rows, 1, groups) : width;
+    out.columnwise_data = at::empty({k * allocated}, fp8).narrow(0, 0, k * width);
+  }
   if (!block) {
     out.scale_inv = at::empty({groups}, f32);
   } else {
