@@ -36,8 +36,9 @@ kernels::Fp8Format tensor_format(Format format, TensorRole role) {
 }
 
 DelayedScaling& DelayedScaling::margin(int64_t value) {
-  // The scale targets fp8_max / 2^margin, a float: past 2^127 that is no longer a normal number
-  // and soon 0 (a zero scale, an infinite scale_inv).
+  // The scale targets fp8_max · 2^-margin, a float, which must stay a normal number (a target of 0
+  // would make a zero scale and an infinite scale_inv): 127 keeps it one in both formats, with room
+  // (e4m3's target leaves the normal range past 134, e5m2's past 141).
   TORCH_CHECK(value >= 0 && value <= 127, "DelayedScaling: margin must be in [0, 127], got ",
               value);
   margin_ = value;

@@ -40,7 +40,7 @@ kernels::Fp8Format tensor_format(Format format, TensorRole role);
 /// histories and scales as buffers (GroupedLinearOptions::fp8_amax_history_len, fp8/state.h).
 class DelayedScaling {
  public:
-  /// Scale margin in powers of two: scale = fp8_max · 2^-margin / amax. >= 0.
+  /// Scale margin in powers of two: scale = fp8_max · 2^-margin / amax. In [0, 127].
   DelayedScaling& margin(int64_t value);
   int64_t margin() const { return margin_; }
   /// Steps of amax history per tensor (TE's default 1024). >= 1.

@@ -307,6 +307,13 @@ void GroupedLinearImpl::to(torch::Device device, bool non_blocking) {
   drop_fp8_weight_copies();
 }
 
+void GroupedLinearImpl::to(torch::Dtype dtype, bool non_blocking) {
+  TORCH_CHECK(wgrad_queue_->empty(), kModule, "::to: ", wgrad_queue_->size(),
+              " delayed weight-gradient computation(s) are queued; run backward_dw() first");
+  torch::nn::Module::to(dtype, non_blocking);
+  drop_fp8_weight_copies();
+}
+
 std::shared_ptr<torch::nn::Module> GroupedLinearImpl::clone(
     const std::optional<torch::Device>& device) const {
   auto copy = std::dynamic_pointer_cast<GroupedLinearImpl>(Cloneable::clone(device));

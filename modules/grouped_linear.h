@@ -140,6 +140,7 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
   using torch::nn::Module::to;
   void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
   void to(torch::Device device, bool non_blocking = false) override;
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
   /// Cloneable's deep copy, with its main grads (fuse_wgrad_accumulation) on the device of its
   /// parameters, which need not be options.device() after to() or with `device`.
   std::shared_ptr<torch::nn::Module> clone(
@@ -156,7 +157,7 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
   /// under DelayedScaling read them instead of quantizing the weights, until a weight parameter's
   /// version counter moves (an in-place ATen op such as load_state_dict's copies, or a
   /// FusedAdamW's write of the parameter as a model copy; writes that bypass both, such as a raw
-  /// kernel's or variable_data()'s, are not seen), `to(device)` moves the layer or reset() runs.
+  /// kernel's or variable_data()'s, are not seen) or `to()` moves or converts the layer.
   /// Needs the FP8 state (fp8_amax_history_len > 0).
   ops::SplitQuantized& optimizer_fp8_weights();
   void fp8_weights_written();

@@ -58,8 +58,10 @@ void GroupedMLPImpl::reset() {
   TORCH_CHECK_NOT_IMPLEMENTED(
       options.linear().parallel_mode() == ParallelMode::kNone && options.linear().tp_size() == 1,
       kModule, ": tensor parallelism is not implemented, got linear().parallel_mode ",
-      static_cast<int>(options.linear().parallel_mode()), " and tp_size ",
-      options.linear().tp_size());
+      options.linear().parallel_mode() == ParallelMode::kRow      ? "kRow"
+      : options.linear().parallel_mode() == ParallelMode::kColumn ? "kColumn"
+                                                                  : "kNone",
+      " and tp_size ", options.linear().tp_size());
   fc1 = register_module(
       "fc1", GroupedLinear(layer_options(options, options.hidden(), 2 * options.ffn_hidden())));
   fc2 = register_module(

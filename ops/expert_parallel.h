@@ -25,9 +25,10 @@ struct ExpertParallelSplits {
 
 // rows_per_expert [E] int32/int64 on the data's device (E = ep · L; rank r holds the global
 // experts [r·L, (r+1)·L)): the rows this rank sends to each global expert. Exchanged with an
-// all-to-all of L counts per rank, then copied to the host: on CUDA that copy is the host sync the
-// variable-size exchange needs (the receive buffer's size and c10d's split lists live there). A
-// negative count on any rank is an error on every rank (each block carries its sender's verdict).
+// all-to-all of L counts and a negative-count flag per rank, then copied to the host: on CUDA that
+// copy is the host sync the variable-size exchange needs (the receive buffer's size and c10d's
+// split lists live there). A negative count on any rank is an error on every rank (each block
+// carries its sender's verdict).
 ExpertParallelSplits exchange_split_sizes(const at::Tensor& rows_per_expert,
                                           const ProcessGroupOptions& group);
 

@@ -1,12 +1,11 @@
 #include "torchmoe/ops/glu.h"
 
 #include <ATen/ATen.h>
-
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/accumulate.h>
-#include <cmath>
 
+#include <cmath>
 #include <vector>
 
 #include "torchmoe/kernels/glu.h"

@@ -30,8 +30,8 @@ void check_device_splits(const char* op, const at::Tensor& m_splits, const at::T
 // An FP8 plan chose its engine for FP8 operands (the sm90 kernel, e.g., without the 16-bit dtype
 // check): its products are the grouped_linear_*_fp8 ops.
 void check_16bit_plan(const char* op, const GemmPlan& plan) {
-  TORCH_CHECK(!plan.fp8, op, ": got an FP8 plan (plan_grouped_gemms with fp8 = true); its ",
-              "products are the grouped_linear_*_fp8 ops");
+  TORCH_CHECK(!plan.fp8, op, ": plan must be a 16-bit plan (plan_grouped_gemms with fp8 = ",
+              "false), got an FP8 plan, whose products are the grouped_linear_*_fp8 ops");
 }
 
 void check_rows_operand(const char* op, const char* name, const at::Tensor& t,

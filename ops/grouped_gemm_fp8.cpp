@@ -76,8 +76,9 @@ void check_operand(const char* op, const char* name, const SplitQuantized& q, bo
               "] in ", groups, " splits (", numel, " contiguous elements), got ", data.sizes());
   // TMA and cuBLASLt take operands and block scales on 16-byte boundaries, as split_quantize
   // allocates them (a view of its buffers may start elsewhere).
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(data.const_data_ptr()) % 16 == 0, op, ": ", name, "'s ",
-              copy, " data must start on a 16-byte boundary");
+  const auto data_offset = reinterpret_cast<uintptr_t>(data.const_data_ptr()) % 16;
+  TORCH_CHECK(data_offset == 0, op, ": ", name, "'s ", copy,
+              " data must start on a 16-byte boundary, got an address ", data_offset, " mod 16");
   TORCH_CHECK(data.scalar_type() == fp8_dtype(q.format), op, ": ", name, "'s data must be ",
               fp8_dtype(q.format), " (its format), got ", data.scalar_type());
   TORCH_CHECK(data.device() == device, op, ": ", name, " must be on ", device, ", got ",
@@ -92,9 +93,10 @@ void check_operand(const char* op, const char* name, const SplitQuantized& q, bo
                   scales.device() == device,
               op, ": ", name, "'s ", copy, " scale_inv must be ", scale_count,
               " contiguous float32 values on ", device);
-  TORCH_CHECK(!is_block_scaling(q.scaling) ||
-                  reinterpret_cast<uintptr_t>(scales.const_data_ptr()) % 16 == 0,
-              op, ": ", name, "'s ", copy, " block scales must start on a 16-byte boundary");
+  const auto scales_offset = reinterpret_cast<uintptr_t>(scales.const_data_ptr()) % 16;
+  TORCH_CHECK(!is_block_scaling(q.scaling) || scales_offset == 0, op, ": ", name, "'s ", copy,
+              " block scales must start on a 16-byte boundary, got an address ", scales_offset,
+              " mod 16");
 }
 
 // The two operands of one product: FP8 kernels exist for e4m3 × e4m3, e4m3 × e5m2 and per-tensor

@@ -80,10 +80,10 @@ void check_split_inputs(const char* op, const at::Tensor& input, const SplitSize
   const int64_t groups = static_cast<int64_t>(m_splits.size());
   const int64_t rows = gathered_rows >= 0 ? gathered_rows : input.size(0);
   if (m_splits.has_host()) {
-    TORCH_CHECK(detail::split_sum_within(op, m_splits.host(), rows) >= 0, op,
-                ": m_splits must sum to at most the ",
-                gathered_rows >= 0 ? "gathered " : "input's ", rows, " rows, got ",
-                m_splits.host());
+    const int64_t sum = detail::split_sum_within(op, m_splits.host(), rows);
+    TORCH_CHECK(sum >= 0, op, ": m_splits must sum to at most the ",
+                gathered_rows >= 0 ? "gathered " : "input's ", rows, " rows, got ", m_splits.host(),
+                " (sum above it)");
   }
   // The kernel reads the device sizes whenever there are some, also beside host ones.
   if (m_splits.has_device()) {
@@ -98,7 +98,8 @@ void check_split_inputs(const char* op, const at::Tensor& input, const SplitSize
                   kernels::split_quantize_tiles_bound(static_cast<int>(groups), rows, k) <
                       (int64_t{1} << 27),
               op, ": [", rows, ", ", k, "] in ", groups,
-              " splits is too large: at most 2^31 - 1 rows and 2^27 128x128 tiles");
+              " splits is too large: at most 2^31 - 1 - ",
+              "3 * splits rows and 2^27 128x128 tiles");
 }
 
 // The ops run on CUDA only; checked after every argument check, so that those are testable on the

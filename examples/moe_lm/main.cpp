@@ -349,13 +349,6 @@ int run(const Flags& flags_in) {
   };
   const std::string resume = f.resume.empty() ? "" : own_file(f.resume);
   const std::string save = f.save.empty() ? "" : own_file(f.save);
-  if (!resume.empty() && !fs::is_regular_file(resume))
-    throw std::runtime_error(fmt::format(
-        "checkpoint '{}' does not exist{}", resume,
-        group ? fmt::format(" (--ep {} resumes from the files an --ep {} run saved as PATH, one "
-                            "per rank: PATH.rank<r>-of-{})",
-                            f.ep, f.ep, f.ep)
-              : ""));
   // Output paths are checked before any work: a run must not train for an hour and then find
   // that it cannot write its checkpoint. Only rank 0 writes the CSV and the trace.
   if (!f.generate) {
@@ -378,7 +371,14 @@ int run(const Flags& flags_in) {
 
   std::optional<torch::serialize::InputArchive> checkpoint;
   int64_t start_step = 0;
-  if (!resume.empty()) {
+  const auto load_resume = [&] {
+    if (!fs::is_regular_file(resume))
+      throw std::runtime_error(fmt::format(
+          "checkpoint '{}' does not exist{}", resume,
+          group ? fmt::format(" (--ep {} resumes from the files an --ep {} run saved as PATH, one "
+                              "per rank: PATH.rank<r>-of-{})",
+                              f.ep, f.ep, f.ep)
+                : ""));
     checkpoint.emplace();
     checkpoint->load_from(resume, device);
     f.model = ModelConfig::load(*checkpoint);
@@ -396,21 +396,37 @@ int run(const Flags& flags_in) {
           "checkpoint '{}' must be rank {}'s file of an --ep {} run, got {}", resume, rank, f.ep,
           saved_ranks ? fmt::format("rank {} of --ep {}", saved_rank, saved_ranks)
                       : "a single-process checkpoint"));
-    if (group) {
-      // The ranks' files must be of one save (a run killed while saving can leave files of
-      // different steps): else their schedules, optimizer steps and data would drift apart. The
-      // steps are all equal exactly when their squares' sum is the square of their sum over ep.
-      torch::Tensor sums = torch::tensor({start_step, start_step * start_step},
-                                         torch::TensorOptions(torch::kLong).device(device));
-      torchmoe::distributed::all_reduce_sum_(sums, *group);
-      const torch::Tensor host = sums.cpu();
-      const int64_t sum = host[0].item<int64_t>(), squares = host[1].item<int64_t>();
-      if (f.ep * squares != sum * sum)
-        throw std::runtime_error(fmt::format(
-            "--resume: the ranks' files must be of one save, got step {} here and a mean of {} "
-            "over the {} ranks",
-            start_step, static_cast<double>(sum) / static_cast<double>(f.ep), f.ep));
+  };
+  if (!resume.empty() && !group) load_resume();
+  if (!resume.empty() && group) {
+    // Every rank learns, in one collective, whether all could load their files and whether the
+    // files are of one save (a run killed while saving can leave files of different steps, whose
+    // schedules, optimizer steps and data would drift apart): a rank that stopped alone would leave
+    // the others waiting in their first collective until the timeout. The steps are all equal
+    // exactly when their squares' sum is the square of their sum over ep.
+    std::string error;
+    try {
+      load_resume();
+    } catch (const std::exception& e) {
+      error = e.what();
     }
+    torch::Tensor sums =
+        torch::tensor({start_step, start_step * start_step, static_cast<int64_t>(!error.empty())},
+                      torch::TensorOptions(torch::kLong).device(device));
+    torchmoe::distributed::all_reduce_sum_(sums, *group);
+    const torch::Tensor host = sums.cpu();
+    const int64_t sum = host[0].item<int64_t>(), squares = host[1].item<int64_t>();
+    const int64_t failed = host[2].item<int64_t>();
+    if (!error.empty()) throw std::runtime_error(error);
+    if (failed > 0)
+      throw std::runtime_error(fmt::format(
+          "--resume: {} of the {} ranks could not load their files (their errors say why)", failed,
+          f.ep));
+    if (f.ep * squares != sum * sum)
+      throw std::runtime_error(fmt::format(
+          "--resume: the ranks' files must be of one save, got step {} here and a mean of {} "
+          "over the {} ranks",
+          start_step, static_cast<double>(sum) / static_cast<double>(f.ep), f.ep));
   }
   torch::manual_seed(f.seed);
   // --fp8 delayed: the experts keep amax histories of the recipe's length (TE's default 1024).

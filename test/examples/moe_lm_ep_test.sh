@@ -87,6 +87,12 @@ ep2 "${tiny[@]}" --stop-at 2 --save "$work/mixed.pt" >/dev/null
 cp "$work/ckpt.pt.rank1-of-2" "$work/mixed.pt.rank1-of-2"
 expect_error 1 "--resume: the ranks' files must be of one save, got step 2 here and a mean of 3" \
   ep2 "${tiny[@]}" --resume "$work/mixed.pt"
+# Rank 1's file missing: rank 0 stops too, instead of waiting for it in a collective. (ep2 ran in
+# expect_error's subshell above, whose port count did not come back.)
+port=$((port + 1))
+rm "$work/mixed.pt.rank1-of-2"
+expect_error 1 "--resume: 1 of the 2 ranks could not load their files" \
+  ep2 "${tiny[@]}" --resume "$work/mixed.pt"
 # (--ep 3 divides neither the default --experts nor --batch, which a merge does not use.)
 expect_error 1 "--merge-checkpoint: '$work/ckpt.pt.rank0-of-3' does not exist" \
   "$bin" --merge-checkpoint "$work/ckpt.pt" --ep 3 --save "$work/x.pt"

@@ -92,7 +92,7 @@ TEST_CASE("FP8 recipes reject bad values with clear errors", "[fp8][recipe][erro
                     Contains("DelayedScaling: amax_history_len must be >= 1, got 0"));
   CHECK_THROWS_WITH(DelayedScaling().margin(-1),
                     Contains("DelayedScaling: margin must be in [0, 127], got -1"));
-  // fp8_max · 2^-128 is no longer a normal float: the scales would underflow to 0.
+  // 127 is the bound that keeps fp8_max · 2^-margin a normal float in both formats, with room.
   CHECK_THROWS_WITH(DelayedScaling().margin(128),
                     Contains("DelayedScaling: margin must be in [0, 127], got 128"));
   CHECK_NOTHROW(DelayedScaling().margin(127));

@@ -397,11 +397,20 @@ TEST_CASE("GroupedLinear FP8 is_first_microbatch caches the FP8 weights", "[modu
     REQUIRE_THROWS_AS(m(x, kSplits, false), c10::Error);
     REQUIRE_THROWS_WITH(m(x, kSplits, false), Contains("is_first_microbatch"));
   }
-  SECTION("to() drops the cache: its copies stay on the old device, in the old dtype") {
-    run_layer(m, x, dy, recipe, true);
-    m->to(torch::kCUDA, torch::kBFloat16);
-    const fp8::Autocast guard(recipe);
-    REQUIRE_THROWS_WITH(m(x, kSplits, false), Contains("and there was none"));
+  SECTION("to() drops the cache: its copies stay on the old device, from the old weights") {
+    for (const bool by_dtype : {true, false}) {
+      INFO("by_dtype=" << by_dtype);
+      run_layer(m, x, dy, recipe, true);
+      if (by_dtype) {
+        m->to(torch::kFloat32);  // a dtype change alone (Module::to(Dtype)), and back
+        m->to(torch::kBFloat16);
+      } else {
+        m->to(torch::kCPU);
+        m->to(torch::kCUDA);
+      }
+      const fp8::Autocast guard(recipe);
+      REQUIRE_THROWS_WITH(m(x, kSplits, false), Contains("and there was none"));
+    }
   }
 }
 

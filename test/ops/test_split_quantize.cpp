@@ -885,7 +885,7 @@ TEST_CASE("split_quantize and update_delayed_scaling reject bad arguments", "[op
                     Contains("rows must be a 1-D int64 tensor, got [2, 5] Long"));
   CHECK_THROWS_WITH(gather_split_quantize(x, rows, {4, 7}, o),
                     Contains("gather_split_quantize: m_splits must sum to at most the gathered 10 "
-                             "rows, got [4, 7]"));
+                             "rows, got [4, 7] (sum above it)"));
   CHECK_THROWS_WITH(
       gather_split_quantize(x, torch::zeros({20}, torch::kLong).slice(0, 0, 20, 2), {8}, o),
       Contains("gather_split_quantize: rows must be contiguous"));
@@ -953,8 +953,9 @@ TEST_CASE("split_quantize: sizes whose sum wraps around, oversized inputs and GL
   const auto meta = torch::TensorOptions().device(torch::kMeta);
   std::vector<int64_t> one_row(4096, 0);
   one_row[0] = 1;
-  CHECK_THROWS_WITH(split_quantize(torch::empty({1, int64_t{1} << 22}, meta), one_row, o),
-                    Contains("in 4096 splits is too large: at most 2^31 - 1 rows and 2^27"));
+  CHECK_THROWS_WITH(
+      split_quantize(torch::empty({1, int64_t{1} << 22}, meta), one_row, o),
+      Contains("in 4096 splits is too large: at most 2^31 - 1 - 3 * splits rows and 2^27"));
   CHECK_THROWS_WITH(split_quantize(torch::empty({int64_t{1} << 31, 16}, meta), {8}, o),
                     Contains("is too large"));
   // The GLU source's types are the CUDA kernels', checked before any kernel type is mapped.
@@ -980,7 +981,7 @@ TEST_CASE("split_quantize: sizes whose sum wraps around, oversized inputs and GL
                     Contains("SplitSizes::uniform: groups and rows must be non-negative, got -1"));
 }
 
-TEST_CASE("split_quantize: device sizes beside host ones size the columnwise copy by the bound",
+TEST_CASE("split_quantize: device sizes beside host ones: the columnwise buffer holds their bound",
           "[ops][quantize][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
   // The kernel reads the device sizes; a host copy that disagrees must not shrink the buffer it
