@@ -2,6 +2,8 @@
 // Shared by the benchmark programs: the MoE shapes they measure and the timing rule.
 
 #include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/cuda.h>
 
@@ -163,5 +165,29 @@ inline void trace_if_asked(const std::string& name, const std::function<void()>&
   torch::cuda::synchronize();
   profiler::disableProfiler()->save(std::string(prefix) + "." + name + ".json");
 }
+
+// A training step captured in a CUDA graph, as a C++ loop runs it to take the host out of the step
+// (examples/moe_lm --cuda-graph): `warmup` eager runs first make the gradients' buffers and the
+// libraries' workspaces that the captured run then reuses. The step must not synchronise with the
+// host, and the program must run on a side stream from the first use of the leaves it steps
+// (the legacy default stream cannot be captured, and a leaf's gradient accumulator keeps the
+// stream it was made on).
+class CapturedStep {
+ public:
+  explicit CapturedStep(const std::function<void()>& step, int warmup = 3) {
+    if (c10::cuda::getCurrentCUDAStream() == c10::cuda::getDefaultCUDAStream()) {
+      throw std::logic_error("CapturedStep: run the program on a side stream (CUDAStreamGuard)");
+    }
+    for (int i = 0; i < warmup; ++i) step();
+    graph_.capture_begin();
+    step();
+    graph_.capture_end();
+    torch::cuda::synchronize();
+  }
+  void replay() { graph_.replay(); }
+
+ private:
+  at::cuda::CUDAGraph graph_;
+};
 
 }  // namespace torchmoe::bench

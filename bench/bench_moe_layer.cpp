@@ -17,6 +17,11 @@
 //
 //   bench_moe_layer [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
 //
+// TORCHMOE_BENCH_GRAPH=1 also times the GroupedMLP alone and the layer captured in CUDA graphs
+// and replayed, taking turns (both on device split sizes, the sm90 kernel): the host's time out of
+// the step, as a C++ loop captures it (examples/moe_lm --cuda-graph). The whole run then goes on a
+// side stream.
+//
 // TORCHMOE_BENCH_TRACE=PREFIX also records Kineto traces (CPU and CUDA) of 5 layer steps per
 // shape into PREFIX.<shape>.json, of 5 steps of its GroupedMLP alone into PREFIX.<shape>.mlp.json,
 // and of the fused and FP8 layers into PREFIX.<shape>.{fused,fp8,fp8_fused}.json, for
@@ -33,6 +38,7 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -43,6 +49,10 @@ int main(int argc, char** argv) {
   const torchmoe::bench::Args& args = setup.args;
   using torchmoe::bench::median_ms;
   using torchmoe::bench::median_ms_each;
+  const bool graphs = std::getenv("TORCHMOE_BENCH_GRAPH") != nullptr;
+  // Captured steps need the whole run on a side stream (bench_common.h's CapturedStep).
+  std::optional<c10::cuda::CUDAStreamGuard> side_stream;
+  if (graphs) side_stream.emplace(c10::cuda::getStreamFromPool());
   std::cout << "device: " << at::cuda::getCurrentDeviceProperties()->name
             << ", bf16, times in ms (GB/s, TFLOP/s)\n"
             << std::left << std::setw(17) << "shape" << std::right << std::setw(8) << "router"
@@ -127,6 +137,22 @@ int main(int argc, char** argv) {
         args.iters, args.warmup);
     const double mlp_ms = steps_ms[0], layer_ms = steps_ms[1], fused_ms = steps_ms[2],
                  fp8_ms = steps_ms[3], fp8_fused_ms = steps_ms[4];
+    double mlp_graph_ms = 0.0, layer_graph_ms = 0.0;
+    if (graphs) {
+      // The MLP on the device sizes alone, as the layer runs it (host sizes may choose per-group
+      // matmuls, which a graph cannot hold).
+      const torchmoe::SplitSizes device_splits(routed.m_splits.device());
+      torchmoe::bench::CapturedStep mlp_graph(
+          [&] { moe->experts(rows, device_splits, probs).backward(dy); });
+      torchmoe::bench::CapturedStep layer_graph([&] { layer_step(moe); });
+      const std::vector<double> graph_ms = median_ms_each(
+          {[&] { mlp_graph.replay(); }, [&] { layer_graph.replay(); }}, args.iters, args.warmup);
+      mlp_graph_ms = graph_ms[0];
+      layer_graph_ms = graph_ms[1];
+      std::cout << "  " << s.name << " captured: mlp " << std::fixed << std::setprecision(3)
+                << mlp_graph_ms << " ms, layer " << layer_graph_ms << " ms, mlp/layer "
+                << mlp_graph_ms / layer_graph_ms << " (eager " << mlp_ms / layer_ms << ")\n";
+    }
     torchmoe::bench::trace_if_asked(s.name, [&] { layer_step(moe); });
     torchmoe::bench::trace_if_asked(
         s.name + ".mlp", [&] { moe->experts(rows, routed.m_splits, probs).backward(dy); });
@@ -156,8 +182,11 @@ int main(int argc, char** argv) {
          << ", \"mlp_ms\": " << mlp_ms << ", \"mlp_tflops\": " << flops / mlp_ms * 1e-9
          << ", \"layer_ms\": " << layer_ms << ", \"layer_tflops\": " << flops / layer_ms * 1e-9
          << ", \"layer_fused_ms\": " << fused_ms << ", \"layer_fp8_ms\": " << fp8_ms
-         << ", \"layer_fp8_fused_ms\": " << fp8_fused_ms << "}"
-         << (i + 1 < shapes.size() ? "," : "") << "\n";
+         << ", \"layer_fp8_fused_ms\": " << fp8_fused_ms;
+    if (layer_graph_ms > 0) {
+      json << ", \"mlp_graph_ms\": " << mlp_graph_ms << ", \"layer_graph_ms\": " << layer_graph_ms;
+    }
+    json << "}" << (i + 1 < shapes.size() ? "," : "") << "\n";
   }
   json << "  ]\n}\n";
   std::cout << "wrote " << args.json_path << "\n";
