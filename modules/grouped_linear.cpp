@@ -307,11 +307,9 @@ void GroupedLinearImpl::to(torch::Device device, bool non_blocking) {
   drop_fp8_weight_copies();
 }
 
+// to(device, dtype) on the parameters' own device: its checks and FP8 copy drop, no move.
 void GroupedLinearImpl::to(torch::Dtype dtype, bool non_blocking) {
-  TORCH_CHECK(wgrad_queue_->empty(), kModule, "::to: ", wgrad_queue_->size(),
-              " delayed weight-gradient computation(s) are queued; run backward_dw() first");
-  torch::nn::Module::to(dtype, non_blocking);
-  drop_fp8_weight_copies();
+  to(weight_params_.front().device(), dtype, non_blocking);
 }
 
 std::shared_ptr<torch::nn::Module> GroupedLinearImpl::clone(
