@@ -216,10 +216,14 @@ void launch(const Sm90GemmParams& p, cudaStream_t stream) {
   std::memset(&args, 0, sizeof(args));
   args.p = p;
   const MapType in = map_type(p.input_type);
-  // Gathered x is copied by the producer warpgroup, through no tensor map.
+  // Gathered x is loaded a row per box from its source (the kernel's gather_stage).
   const bool gather = p.gather_rows != nullptr;
+  const CUtensorMap gather_map =
+      gather ? cached_map(in, p.input, p.k, p.gather_source_rows, 1, 0, operand_box(in, 1))
+             : CUtensorMap{};
   if constexpr (kKind == GemmKind::kFprop) {
-    if (!gather) args.a_map = cached_map(in, p.input, p.k, p.rows, 1, 0, operand_box(in, kBlockM));
+    args.a_map =
+        gather ? gather_map : cached_map(in, p.input, p.k, p.rows, 1, 0, operand_box(in, kBlockM));
     args.out_map = cached_map(in, p.output, p.n, p.rows, 1, 0, output_box(p.input_type));
     args.out_tma = true;
   } else if constexpr (kKind == GemmKind::kDgrad) {
@@ -229,9 +233,8 @@ void launch(const Sm90GemmParams& p, cudaStream_t stream) {
   } else {
     const int block_k = kBlockKOf<T>;
     args.a_map = cached_map(in, p.grad_output, p.n, p.rows, 1, 0, operand_box(in, block_k));
-    if (!gather) {
-      args.b_map = cached_map(in, p.input, p.k, p.rows, 1, 0, operand_box(in, block_k));
-    }
+    args.b_map =
+        gather ? gather_map : cached_map(in, p.input, p.k, p.rows, 1, 0, operand_box(in, block_k));
     // Equally spaced gradients are one 3-D map; a pointer table's are stored from registers.
     args.out_tma = p.weight_grad.table == nullptr;
     if (args.out_tma) {

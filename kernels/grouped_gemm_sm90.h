@@ -23,7 +23,8 @@
 // Gathered x (kFprop, kWgrad): with `gather_rows` set, row i of x is row gather_rows[i] of
 // `input` (an MoE layer's tokens read in expert order through the routing map, so that the
 // permuted copy is never written). Hopper's TMA has no gather mode, so the producer warpgroup's
-// four warps copy those rows with 16-byte cp.async instead (grouped_gemm_sm90_kernel.cuh).
+// four warps load those rows with one TMA load per row and 128-byte box instead
+// (grouped_gemm_sm90_kernel.cuh).
 
 #include <cuda_runtime_api.h>
 
@@ -53,6 +54,7 @@ struct Sm90GemmParams {
   // input[gather_rows[i]]. Null: x is `input` itself.
   const void* gather_rows = nullptr;
   bool gather_rows_int32 = false;     // else int64
+  int64_t gather_source_rows = 0;     // rows of `input` when gathering (entries outside read zeros)
   const void* grad_output = nullptr;  // dy [rows, n]       (kDgrad, kWgrad)
   void* output = nullptr;             // y / dx [rows, ·]   (kFprop, kDgrad)
   // W_g [n, k] (kFprop, kDgrad). Equally spaced weights are read through one 3-D tensor map; others

@@ -38,18 +38,17 @@
 
 namespace torchmoe::kernels::sm90 {
 
-// Gathered rows (Sm90GemmParams::gather_rows). TMA could place them one row per load, a box of
-// one row at row r of a swizzle atom, if 128-byte swizzle is a function of the destination's
-// address bits alone; the documentation describes swizzled boxes written from an atom's
-// 1024-byte boundary, not this, so the kernel does not rely on it. cp.async writes exactly where
-// it is told: the gathering warps copy the rows in 16-byte chunks and swizzle by hand, chunk c
-// of the 128-byte row r of a 1024-byte aligned atom at chunk c ^ (r % 8), which is the layout
-// TMA's 128-byte swizzle produces and wgmma's descriptors read (grouped_gemm_sm90_layout.cuh).
-// Each lane arrives on the stage's full barrier once its copies have landed (noinc: the barrier
-// expects 1 + 4·32 arrivals, lane 0's expect_tx for the operand that still comes through TMA and
-// one per gathering lane). Chunks past the group's rows or the last column are zero-filled, as
-// TMA fills out-of-range boxes. Lane l of a warp holds the source of row l of the warp's share
-// and passes them to the other lanes with shuffles.
+// Gathered rows (Sm90GemmParams::gather_rows): one TMA load per row and 128-byte box, through a
+// map of the source with boxes of one row (a_map in fprop, b_map in wgrad), each box placed at
+// its row of a 1024-byte swizzle atom. TMA's 128-byte swizzle is a function of the destination's
+// shared-memory address bits (bits 4-6 XOR bits 7-9), so a one-row box at atom row r lands as
+// row r of a whole-atom box would: the layout wgmma's descriptors read. The gathered tests
+// compare every product with the one on the gathered copy bit for bit, which holds that.
+// A row without a source (-1: past the group's rows, or a padding row) is loaded from row -1,
+// and columns past k from column k on: out of range, so TMA writes zeros and still counts the
+// box's bytes. Each gathering warp's lane 0 adds the warp's bytes to the stage's full barrier
+// (one arrival per warp, before any of the warp's loads) and its lanes then issue the loads;
+// the barrier completes once every warp has arrived and every byte has landed.
 // Whether this kernel gathers rows: fprop's A rows or wgrad's x rows, 16-bit operands only.
 template <GemmKind kKind, typename T>
 __device__ __forceinline__ bool gathers_rows(const Sm90GemmParams& p) {
@@ -62,65 +61,43 @@ __device__ __forceinline__ int gather_row(const Sm90GemmParams& p, int64_t row, 
                              : static_cast<int>(static_cast<const int64_t*>(p.gather_rows)[row]);
 }
 
-// The 16-byte chunk at `byte` of source row `src` (-1: none) of `input` into shared-memory
-// address `dst`, or zeros when there is no row or the chunk is at or past `row_bytes` (k is a
-// multiple of 8, so a chunk is wholly inside a row or outside). `from` is input + byte: the
-// producer has 40 registers, so the sums are formed once per block.
-__device__ __forceinline__ void copy_chunk(uint32_t dst, const uint8_t* input, const uint8_t* from,
-                                           int src, int row_bytes, bool in_row) {
-  const bool copy = in_row && src >= 0;
-  cp_async_16(dst, copy ? from + static_cast<int64_t>(src) * row_bytes : input, copy ? 16 : 0);
-}
-
-// The gathered copies are shared by the producer warpgroup's kGatherWarps warps (warp 0 also
-// issues the TMA loads and claims the tiles; the others follow its tiles through the tile ring):
-// one warp's copies could not keep up with the tensor cores.
+// The gathered loads are shared by the producer warpgroup's kGatherWarps warps (warp 0 also
+// issues the other operand's loads and claims the tiles; the others follow its tiles through the
+// tile ring): one lane per 128-byte box keeps the issue off any one warp's path.
 constexpr int kGatherWarps = 4;
 
+// The gathered bytes of one stage that each gathering warp loads.
+template <GemmKind kKind, typename T>
+constexpr uint32_t kGatherWarpBytes =
+    (kKind == GemmKind::kFprop ? kABytes : kBBytes) / kGatherWarps;
+
 // fprop's A block: the tile's 128 rows (K-major: row i at i·128 B) × 64 reduction elements from
-// `r` on; warp w copies rows 32w .. 32w + 31. Lane l copies chunk l % 8 of rows 32w + 4·it + l / 8,
-// so each group of 8 lanes reads one contiguous 128-byte segment of a source row. `rows` holds
-// the source of tile row 32w + l.
+// `r` on; lane l of warp w loads row 32w + l, whose source `rows` holds.
 template <typename T>
-__device__ __forceinline__ void gather_fprop_a(const Sm90GemmParams& p, int rows, int r, uint8_t* a,
-                                               int warp) {
-  const int lane = threadIdx.x % kWarpSize, chunk = lane % 8;
-  const auto* input = static_cast<const uint8_t*>(p.input);
-  const int row_bytes = static_cast<int>(p.k) * static_cast<int>(sizeof(T));
-  const int byte = r * static_cast<int>(sizeof(T)) + chunk * 16;
-  const uint8_t* from = input + byte;
-  const bool in_row = byte < row_bytes;
-  const uint32_t base = smem_u32(a);
-#pragma unroll
-  for (int it = 0; it < kWarpSize / 4; ++it) {
-    const int i = it * 4 + lane / 8;  // the row among the warp's 32
-    const int src = __shfl_sync(0xffffffffu, rows, i);
-    const int row = warp * kWarpSize + i;
-    copy_chunk(base + row * 128 + ((chunk ^ (row % 8)) * 16), input, from, src, row_bytes, in_row);
-  }
+__device__ __forceinline__ void gather_fprop_a(const KernelArgs& args, uint64_t* bar, int rows,
+                                               int r, uint8_t* a, int warp) {
+  static_assert(kBlockM == kGatherWarps * kWarpSize, "one fprop row per gathering lane");
+  const int row = warp * kWarpSize + threadIdx.x % kWarpSize;
+  tma_load_3d(a + row * 128, &args.a_map, bar, r, rows, 0);
 }
 
 // wgrad's B block: 64 reduction rows × the tile's 256 columns from col0 on, as 4 MN-major boxes
-// (box h: columns col0 + 64h .. + 63, reduction row j at j·128 B); warp w copies rows 16w ..
-// 16w + 15. Lane l copies chunk l % 8 of box l / 8 of each row, so the warp reads one contiguous
-// 512-byte segment per row. `rows` holds the source of reduction row 32·(w / 2) + l.
+// (box h: columns col0 + 64h .. + 63, reduction row j at j·128 B); warp w loads rows 16w ..
+// 16w + 15, lane l row 16w + l % 16 of boxes l / 16 and l / 16 + 2. `rows` holds the source of
+// reduction row 32·(w / 2) + l.
 template <typename T>
-__device__ __forceinline__ void gather_wgrad_b(const Sm90GemmParams& p, int rows, int col0,
-                                               uint8_t* b, int warp) {
+__device__ __forceinline__ void gather_wgrad_b(const KernelArgs& args, uint64_t* bar, int rows,
+                                               int col0, uint8_t* b, int warp) {
   constexpr int kRowsPerWarp = kBlockKOf<T> / kGatherWarps;
-  const int lane = threadIdx.x % kWarpSize, chunk = lane % 8;
-  const auto* input = static_cast<const uint8_t*>(p.input);
-  const int row_bytes = static_cast<int>(p.k) * static_cast<int>(sizeof(T));
-  const int byte = (col0 + 64 * (lane / 8)) * static_cast<int>(sizeof(T)) + chunk * 16;
-  const uint8_t* from = input + byte;
-  const bool in_row = byte < row_bytes;
-  const uint32_t box = smem_u32(b + (lane / 8) * kBoxBytes) + chunk * 16;
+  constexpr int kBoxesPerLane = kBlockN / 64 * kRowsPerWarp / kWarpSize;
+  static_assert(kBoxesPerLane * kWarpSize == kBlockN / 64 * kRowsPerWarp, "whole boxes per lane");
+  const int lane = threadIdx.x % kWarpSize;
+  const int j = warp * kRowsPerWarp + lane % kRowsPerWarp;
+  const int src = __shfl_sync(0xffffffffu, rows, j % kWarpSize);
 #pragma unroll
-  for (int jj = 0; jj < kRowsPerWarp; ++jj) {
-    const int j = warp * kRowsPerWarp + jj;
-    const int src = __shfl_sync(0xffffffffu, rows, j % kWarpSize);
-    // chunk ^ (j % 8), as a byte offset: chunk·16 is in `box`, the XOR flips its bits.
-    copy_chunk((box + j * 128) ^ ((j % 8) * 16), input, from, src, row_bytes, in_row);
+  for (int i = 0; i < kBoxesPerLane; ++i) {
+    const int h = lane / kRowsPerWarp + i * (kWarpSize / kRowsPerWarp);
+    tma_load_3d(b + h * kBoxBytes + j * 128, &args.b_map, bar, col0 + 64 * h, src, 0);
   }
 }
 
@@ -139,12 +116,18 @@ __device__ __forceinline__ int gather_sources(const Sm90GemmParams& p, const Gro
   }
 }
 
-// Warp w's share of one stage's gathered copies (the A block in fprop, the B block in wgrad).
+// Warp w's share of one stage's gathered loads (the A block in fprop, the B block in wgrad), after
+// its lane 0 has added them (and `extra` bytes, warp 0's other loads) to the stage's full barrier.
 template <GemmKind kKind, typename T>
-__device__ __forceinline__ void gather_stage(const Sm90GemmParams& p, const Tile& tile, int rows,
-                                             int kb, uint8_t* a, uint8_t* b, int warp) {
-  if constexpr (kKind == GemmKind::kFprop) gather_fprop_a<T>(p, rows, kb * kBlockKOf<T>, a, warp);
-  if constexpr (kKind == GemmKind::kWgrad) gather_wgrad_b<T>(p, rows, tile.col0, b, warp);
+__device__ __forceinline__ void gather_stage(const KernelArgs& args, uint64_t* bar,
+                                             const Tile& tile, int rows, int kb, uint8_t* a,
+                                             uint8_t* b, int warp, uint32_t extra) {
+  if (threadIdx.x % kWarpSize == 0) mbar_expect_tx(bar, kGatherWarpBytes<kKind, T> + extra);
+  __syncwarp();
+  if constexpr (kKind == GemmKind::kFprop) {
+    gather_fprop_a<T>(args, bar, rows, kb * kBlockKOf<T>, a, warp);
+  }
+  if constexpr (kKind == GemmKind::kWgrad) gather_wgrad_b<T>(args, bar, rows, tile.col0, b, warp);
 }
 
 // FP8 block scales of one tile in split_quantize's layouts (kernels/split_quantize.h), as
@@ -224,8 +207,8 @@ __device__ __forceinline__ void copy_block_scales(const KernelArgs& args, const 
 }
 
 // The producer warp: lane 0 issues the TMA loads and the tile handoff, all lanes copy block scales
-// and the warp's share of gathered rows. FP8 wgrad loads both operands K-major, as fprop does, each
-// group through its own maps.
+// or load the warp's share of gathered rows. FP8 wgrad loads both operands K-major, as fprop
+// does, each group through its own maps.
 template <GemmKind kKind, typename T, bool kBlockScaled>
 __device__ void produce(const KernelArgs& args, const GroupTable& t, const TileRing& ring,
                         uint8_t* smem, uint64_t* full, uint64_t* empty, uint8_t* scales) {
@@ -263,8 +246,11 @@ __device__ void produce(const KernelArgs& args, const GroupTable& t, const TileR
       mbar_wait(&empty[stage], phase ^ 1);
       uint8_t* a = smem + stage * kStageBytes;
       uint8_t* b = a + kABytes;
+      // Gathering: the barrier's bytes are added with the warp's share (gather_stage), before
+      // any load.
+      if (gather) gather_stage<kKind, T>(args, &full[stage], tile, rows, kb, a, b, 0, tma_bytes);
       if (lane == 0) {
-        mbar_expect_tx(&full[stage], tma_bytes);
+        if (!gather) mbar_expect_tx(&full[stage], tma_bytes);
         if constexpr (kKind == GemmKind::kFprop) {
           if (!gather) tma_load_3d(a, &args.a_map, &full[stage], r, tile.row0, 0);
           tma_load_3d(b, w_map, &full[stage], r, tile.col0, w_group);
@@ -288,12 +274,11 @@ __device__ void produce(const KernelArgs& args, const GroupTable& t, const TileR
           }
         }
       }
-      if (gather) gather_stage<kKind, T>(p, tile, rows, kb, a, b, 0);
       if constexpr (kBlockScaled) {
         copy_block_scales<kKind>(args, source, kb,
                                  scales + stage * Smem<kKind, true>::kScaleStageBytes);
+        cp_async_mbar_arrive(&full[stage]);
       }
-      if (kBlockScaled || gather) cp_async_mbar_arrive(&full[stage]);
       if (++stage == Smem<kKind>::kStages) {
         stage = 0;
         phase ^= 1;
@@ -301,12 +286,12 @@ __device__ void produce(const KernelArgs& args, const GroupTable& t, const TileR
     }
   });
   // No copy may still be writing shared memory when the warp exits.
-  if (kBlockScaled || gather) cp_async_wait_all();
+  if constexpr (kBlockScaled) cp_async_wait_all();
 }
 
 // Warps 1 .. kGatherWarps - 1 of the producer warpgroup when rows are gathered: they follow the
-// tiles warp 0 claims through the tile ring (as the consumers do) and copy their share of each
-// stage's gathered rows, arriving on its full barrier as warp 0's lanes do.
+// tiles warp 0 claims through the tile ring (as the consumers do) and load their share of each
+// stage's gathered rows, arriving on its full barrier as warp 0 does.
 template <GemmKind kKind, typename T>
 __device__ void gather_helper(const KernelArgs& args, const GroupTable& t, const TileRing& ring,
                               uint8_t* smem, uint64_t* full, uint64_t* empty, int warp) {
@@ -319,16 +304,13 @@ __device__ void gather_helper(const KernelArgs& args, const GroupTable& t, const
       if (kKind == GemmKind::kWgrad) rows = gather_sources<kKind, T>(p, t, tile, kb, warp);
       mbar_wait(&empty[stage], phase ^ 1);
       uint8_t* a = smem + stage * kStageBytes;
-      gather_stage<kKind, T>(p, tile, rows, kb, a, a + kABytes, warp);
-      cp_async_mbar_arrive(&full[stage]);
+      gather_stage<kKind, T>(args, &full[stage], tile, rows, kb, a, a + kABytes, warp, 0);
       if (++stage == Smem<kKind>::kStages) {
         stage = 0;
         phase ^= 1;
       }
     }
   });
-  // No copy may still be writing shared memory when the warp exits.
-  cp_async_wait_all();
 }
 
 // Where an output tile goes and what is added to it (see Tile).
@@ -489,7 +471,6 @@ __device__ void consume(const KernelArgs& args, const GroupTable& t, const TileR
   constexpr uint32_t kStepA = kTransA ? 2048 : 32, kStepB = kTransB ? 2048 : 32;
   const Sm90GemmParams& p = args.p;
   const int thread = threadIdx.x % 128, lane = thread % kWarpSize;
-  const bool gather = gathers_rows<kKind, TA>(p);
   using Layout = Smem<kKind, kBlockScaled>;
   uint8_t* buffer = epilogue + consumer * Layout::kEpilogueBytes;
   int stage = 0;
@@ -508,9 +489,6 @@ __device__ void consume(const KernelArgs& args, const GroupTable& t, const TileR
     int previous = -1;
     for (int kb = 0; kb < tile.k_blocks; ++kb) {
       mbar_wait(&full[stage], phase);
-      // Gathered rows were written by cp.async, in the generic proxy; wgmma reads through the
-      // async proxy.
-      if (gather) fence_proxy_async();
       uint8_t* a = smem + stage * kStageBytes;
       uint8_t* b = a + kABytes;
       if constexpr (kKind == GemmKind::kWgrad && !kFp8) {
@@ -666,13 +644,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (threadIdx.x < kWarpSize) build_group_table<kKind>(args.p, table);
   if (threadIdx.x == kWarpSize) {
-    // lane 0's expect_tx, and the cp.async arrivals of the lanes that copy: the producer warp's
-    // (block scales) or the gathering warps' (gathered rows, see produce and gather_helper),
-    // which also take tiles from the ring.
+    // lane 0's expect_tx and the cp.async arrivals of the producer warp's lanes that copy block
+    // scales, or one expect_tx per gathering warp (gathered rows, see gather_stage); those warps
+    // also take tiles from the ring.
     const bool gather = gathers_rows<kKind, TA>(args.p);
-    const int copying_lanes = gather ? kGatherWarps * kWarpSize : kBlockScaled ? kWarpSize : 0;
+    const int arrivals = gather ? kGatherWarps : 1 + (kBlockScaled ? kWarpSize : 0);
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], 1 + copying_lanes);
+      mbar_init(&full[s], arrivals);
       mbar_init(&empty[s], kConsumerWarps);
     }
     for (int s = 0; s < kTileSlots; ++s) {

@@ -101,6 +101,7 @@ enum class Accumulation { kWhole, kSplit, kBlockScaled };
 
 // Everything a launch passes by value; the tensor maps must live in parameter (or global) memory.
 struct KernelArgs {
+  // Gathered x (fprop's a_map, wgrad's b_map): its source in boxes of one row.
   CUtensorMap a_map;    // fprop: x; dgrad: dy; wgrad: dy (MN-major)
   CUtensorMap b_map;    // fprop/dgrad: equally spaced weights (3-D); wgrad: x (MN-major)
   CUtensorMap out_map;  // y / dx [1, rows, cols] or equally spaced dW [G, n, k]; see out_tma

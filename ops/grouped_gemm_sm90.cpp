@@ -114,6 +114,7 @@ void set_input(kernels::Sm90GemmParams& p, const at::Tensor& x, const at::Tensor
   if (!gather_rows.defined()) return;
   p.gather_rows = gather_rows.const_data_ptr();
   p.gather_rows_int32 = gather_rows.scalar_type() == at::kInt;
+  p.gather_source_rows = x.size(0);
 }
 
 void launch(const at::Tensor& like, kernels::Sm90GemmParams params) {
