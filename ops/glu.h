@@ -2,7 +2,7 @@
 // Gated activations of MoE expert MLPs: SwiGLU and ClampedSwiGLU (GPT-OSS), each optionally scaled
 // per row (ScaledSwiGLU: the routing probability), forward and backward with the scale gradient.
 // Semantics follow TransformerEngine's ops/basic/swiglu.py; the math and the GLU-interleaved layout
-// are described in kernels/scaled_glu.h. The nonlinearity is applied to the FIRST half (TE's
+// are described in kernels/glu.h. The nonlinearity is applied to the FIRST half (TE's
 // convention; torch::nn::GLU gates with the second half instead).
 
 #include <ATen/core/Tensor.h>
