@@ -229,8 +229,11 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) {
     const double total = sqrt(sums[0]);
     norm[0] = static_cast<float>(total);
+    // NaN stays NaN (a NaN or inf / inf norm), as clip_grad_norm_'s clamp leaves it: fmin alone
+    // would return 1 and step unclipped.
+    const double ratio = max_norm / (total + 1e-6);
     if (coefficient != nullptr)
-      coefficient[0] = static_cast<float>(fmin(1.0, max_norm / (total + 1e-6)));
+      coefficient[0] = static_cast<float>(isnan(ratio) ? ratio : fmin(1.0, ratio));
   }
 }
 

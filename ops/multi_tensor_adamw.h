@@ -56,7 +56,7 @@ void run_adamw_step(const AdamWTensors& tensors, const AdamWHyperparameters& hyp
 
 struct GradNorm {
   at::Tensor norm;         // 0-d float32: the L2 norm of all gradients together
-  at::Tensor coefficient;  // 0-d float32: min(1, max_norm / (norm + 1e-6))
+  at::Tensor coefficient;  // 0-d float32: min(1, max_norm / (norm + 1e-6)), NaN if that is NaN
 };
 
 // The global L2 norm of `grads` (all on one device) and the clip coefficient for max_norm, as

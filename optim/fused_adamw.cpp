@@ -1,5 +1,7 @@
 #include "torchmoe/optim/fused_adamw.h"
 
+#include <ATen/MemoryOverlap.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/optim/serialize.h>
 
@@ -7,8 +9,11 @@
 #include <cmath>
 #include <map>
 #include <memory>
+#include <string>
+#include <unordered_map>
 #include <unordered_set>
 #include <utility>
+#include <vector>
 
 #include "torchmoe/fp8/state.h"
 #include "torchmoe/ops/expert_parallel.h"
@@ -21,13 +26,47 @@ namespace {
 constexpr const char* kName = "FusedAdamW";
 
 void check_options(const FusedAdamWOptions& o) {
-  TORCH_CHECK(o.lr() >= 0, kName, ": lr must be >= 0, got ", o.lr());
-  TORCH_CHECK(o.eps() >= 0, kName, ": eps must be >= 0, got ", o.eps());
+  TORCH_CHECK(o.lr() >= 0 && std::isfinite(o.lr()), kName, ": lr must be finite and >= 0, got ",
+              o.lr());
+  TORCH_CHECK(o.eps() >= 0 && std::isfinite(o.eps()), kName, ": eps must be finite and >= 0, got ",
+              o.eps());
   const auto [beta1, beta2] = o.betas();
   TORCH_CHECK(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1, kName,
               ": betas must be in [0, 1), got (", beta1, ", ", beta2, ")");
-  TORCH_CHECK(o.weight_decay() >= 0, kName, ": weight_decay must be >= 0, got ", o.weight_decay());
+  TORCH_CHECK(o.weight_decay() >= 0 && std::isfinite(o.weight_decay()), kName,
+              ": weight_decay must be finite and >= 0, got ", o.weight_decay());
   TORCH_CHECK_NOT_IMPLEMENTED(!o.amsgrad(), kName, ": amsgrad is not supported");
+}
+
+// A group's options, which LibTorch stores as the base class: another optimizer's (a group added
+// with SGDOptions, say) would be read as AdamW's fields.
+const FusedAdamWOptions& options_of(const torch::optim::OptimizerParamGroup& group, size_t i) {
+  TORCH_CHECK(group.has_options(), kName, ": param group ", i, " has no options");
+  const auto* options = dynamic_cast<const FusedAdamWOptions*>(&group.options());
+  TORCH_CHECK(options != nullptr, kName, ": param group ", i,
+              " must have FusedAdamWOptions, got another optimizer's options");
+  return *options;
+}
+
+// Whether a and b share memory: an optimizer that writes both in one launch would race.
+bool overlaps(const torch::Tensor& a, const torch::Tensor& b) {
+  return a.has_storage() && b.has_storage() && a.storage().is_alias_of(b.storage()) &&
+         at::get_overlap_status(a, b) != at::MemOverlapStatus::No;
+}
+
+// Whether a and b are the same memory seen the same way: a model copy that is its own master's
+// memory gets the value the master gets, from the same thread (an fp32 model without a separate
+// master), which is no race.
+bool same_memory(const torch::Tensor& a, const torch::Tensor& b) {
+  return a.data_ptr() == b.data_ptr() && a.sizes() == b.sizes() && a.strides() == b.strides() &&
+         a.dtype() == b.dtype();
+}
+
+// An inference tensor cannot be written in place outside InferenceMode, which the step does
+// after its checks (the version counters): refused while nothing has changed.
+void check_not_inference(const torch::Tensor& t, const char* where, const char* what) {
+  TORCH_CHECK(!t.is_inference() || c10::InferenceMode::is_enabled(), kName, where, ": ", what,
+              " must not be an inference tensor (made under InferenceMode), got one");
 }
 
 }  // namespace
@@ -36,9 +75,7 @@ FusedAdamW::FusedAdamW(const std::vector<torch::optim::OptimizerParamGroup>& par
                        FusedAdamWOptions defaults)
     : Optimizer(param_groups, std::make_unique<FusedAdamWOptions>(defaults)) {
   check_options(defaults);
-  for (const auto& group : param_groups_) {
-    check_options(static_cast<const FusedAdamWOptions&>(group.options()));
-  }
+  for (size_t i = 0; i < param_groups_.size(); ++i) check_options(options_of(param_groups_[i], i));
 }
 
 FusedAdamW::FusedAdamW(std::vector<torch::Tensor> params, FusedAdamWOptions defaults)
@@ -58,6 +95,24 @@ void FusedAdamW::set_model_copy(const torch::Tensor& param, const torch::Tensor&
                   type == torch::kBFloat16,
               kName, "::set_model_copy: a CUDA model must be float32, float16 or bfloat16 (the ",
               "step's kernels write those), got ", type);
+  TORCH_CHECK(!model.is_cuda() || model.is_contiguous(), kName,
+              "::set_model_copy: a CUDA model must be contiguous, got strides ", model.strides());
+  check_not_inference(model, "::set_model_copy", "model");
+  // The step writes every parameter and model copy in one launch per group: memory written twice
+  // would be a race.
+  for (const auto& group : param_groups_) {
+    for (const torch::Tensor& p : group.params()) {
+      if (p.is_same(param) && same_memory(model, p)) continue;
+      TORCH_CHECK(!overlaps(model, p), kName,
+                  "::set_model_copy: model must not share memory with a parameter other than "
+                  "as param's own memory");
+    }
+  }
+  for (const auto& [key, other] : model_copies_) {
+    TORCH_CHECK(key == param.unsafeGetTensorImpl() || !overlaps(model, other), kName,
+                "::set_model_copy: model must not share memory with another parameter's model "
+                "copy");
+  }
   model_copies_[param.unsafeGetTensorImpl()] = model;
 }
 
@@ -114,6 +169,7 @@ bool FusedAdamW::writes_weight(const torch::Tensor& master, const torch::Tensor&
 
 void FusedAdamW::check_step(const torch::Tensor& param) const {
   TORCH_CHECK(!param.grad().is_sparse(), kName, ": sparse gradients are not supported");
+  check_not_inference(param, "::step", "a parameter");
   const auto found = fp8_masters_.find(param.unsafeGetTensorImpl());
   if (found == fp8_masters_.end()) return;
   const auto [layer_index, i] = found->second;
@@ -153,40 +209,63 @@ torch::Tensor FusedAdamW::clip_grad_norm(double max_norm) {
     }
   }
   TORCH_CHECK(!grads.empty(), kName, "::clip_grad_norm: no parameter has a gradient");
+  for (const torch::Tensor& g : grads) {
+    TORCH_CHECK(!g.is_sparse(), kName, "::clip_grad_norm: sparse gradients are not supported");
+  }
   const ops::GradNorm norm = ops::grad_norm(grads, max_norm);
-  grad_scale_ = norm.coefficient;
+  // Measuring only: no coefficient, so that an infinite norm does not make one of inf / inf.
+  grad_scale_ = std::isinf(max_norm) ? torch::Tensor() : norm.coefficient;
   return norm.norm;
 }
 
 torch::Tensor FusedAdamW::clip_grad_norm(double max_norm, const std::vector<torch::Tensor>& sharded,
                                          const ProcessGroupOptions& group) {
   TORCH_CHECK(max_norm > 0, kName, "::clip_grad_norm: max_norm must be positive, got ", max_norm);
-  std::unordered_set<const void*> shards;
-  for (const torch::Tensor& s : sharded) shards.insert(s.unsafeGetTensorImpl());
-  std::vector<torch::Tensor> replicated_grads, sharded_grads;
-  size_t found = 0;
-  for (const auto& param_group : param_groups_) {
-    for (const torch::Tensor& p : param_group.params()) {
-      const bool is_shard = shards.count(p.unsafeGetTensorImpl()) > 0;
-      found += is_shard;
-      if (p.grad().defined()) (is_shard ? sharded_grads : replicated_grads).push_back(p.grad());
+  TORCH_CHECK(!param_groups_.empty() && !param_groups_[0].params().empty(), kName,
+              "::clip_grad_norm: the optimizer has no parameters");
+  // A rank whose inputs are refused still joins the all-reduce, with a NaN, before it throws:
+  // leaving it would keep the other ranks waiting in it. They get a NaN norm.
+  std::string refused;
+  torch::Tensor sharded_sq, replicated_sq;
+  try {
+    std::unordered_set<const void*> shards;
+    for (const torch::Tensor& s : sharded) shards.insert(s.unsafeGetTensorImpl());
+    std::vector<torch::Tensor> replicated_grads, sharded_grads;
+    size_t found = 0;
+    for (const auto& param_group : param_groups_) {
+      for (const torch::Tensor& p : param_group.params()) {
+        const bool is_shard = shards.count(p.unsafeGetTensorImpl()) > 0;
+        found += is_shard;
+        if (p.grad().defined()) (is_shard ? sharded_grads : replicated_grads).push_back(p.grad());
+      }
     }
+    TORCH_CHECK(found == shards.size(), kName,
+                "::clip_grad_norm: every sharded tensor must be one of the optimizer's parameters");
+    TORCH_CHECK(!replicated_grads.empty() || !sharded_grads.empty(), kName,
+                "::clip_grad_norm: no parameter has a gradient");
+    for (const auto* grads : {&replicated_grads, &sharded_grads}) {
+      for (const torch::Tensor& g : *grads) {
+        TORCH_CHECK(!g.is_sparse(), kName, "::clip_grad_norm: sparse gradients are not supported");
+      }
+    }
+    const torch::Tensor& any = replicated_grads.empty() ? sharded_grads[0] : replicated_grads[0];
+    // Squared norms, each 0 for an empty list: a rank may hold no sharded gradient this step.
+    const auto squared_norm = [&](const std::vector<torch::Tensor>& grads) {
+      if (grads.empty()) return torch::zeros({}, any.options().dtype(torch::kFloat32));
+      return ops::grad_norm(grads, INFINITY).norm.square();
+    };
+    sharded_sq = squared_norm(sharded_grads).reshape({1});
+    replicated_sq = squared_norm(replicated_grads);
+  } catch (const c10::Error& e) {
+    refused = e.what_without_backtrace();
+    const torch::Tensor& p = param_groups_[0].params()[0];
+    sharded_sq = torch::full({1}, NAN, p.options().dtype(torch::kFloat32));
   }
-  TORCH_CHECK(found == shards.size(), kName,
-              "::clip_grad_norm: every sharded tensor must be one of the optimizer's parameters");
-  TORCH_CHECK(!replicated_grads.empty() || !sharded_grads.empty(), kName,
-              "::clip_grad_norm: no parameter has a gradient");
-  const torch::Tensor& any = replicated_grads.empty() ? sharded_grads[0] : replicated_grads[0];
-  // Squared norms, each 0 for an empty list: a rank may hold no sharded gradient this step.
-  const auto squared_norm = [&](const std::vector<torch::Tensor>& grads) {
-    if (grads.empty()) return torch::zeros({}, any.options().dtype(torch::kFloat32));
-    return ops::grad_norm(grads, INFINITY).norm.square();
-  };
-  torch::Tensor sharded_sq = squared_norm(sharded_grads).reshape({1});
   ops::all_reduce_sum_(sharded_sq, group);
-  const torch::Tensor norm = (squared_norm(replicated_grads) + sharded_sq[0]).sqrt();
-  // clip_grad_norm_'s coefficient, as ops::grad_norm computes it.
-  grad_scale_ = (max_norm / (norm + 1e-6)).clamp_max(1.0);
+  TORCH_CHECK(refused.empty(), refused);
+  const torch::Tensor norm = (replicated_sq + sharded_sq[0]).sqrt();
+  // clip_grad_norm_'s coefficient, as ops::grad_norm computes it; measuring only: none.
+  grad_scale_ = std::isinf(max_norm) ? torch::Tensor() : (max_norm / (norm + 1e-6)).clamp_max(1.0);
   return norm;
 }
 
@@ -207,13 +286,29 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
   std::vector<torch::Tensor> stepped;  // parameters with a gradient, in step order
   std::unordered_map<void*, std::unique_ptr<torch::optim::OptimizerParamState>> fresh;
   std::unordered_set<const void*> planned;
-  for (const auto& group : param_groups_) {
-    const auto& options = static_cast<const FusedAdamWOptions&>(group.options());
+  // The tensors the step writes, by storage: those sharing one are checked for overlaps.
+  std::unordered_map<const void*, std::vector<torch::Tensor>> written;
+  const auto check_disjoint = [&](const torch::Tensor& t) {
+    if (!t.has_storage()) return;
+    std::vector<torch::Tensor>& same = written[t.storage().unsafeGetStorageImpl()];
+    for (const torch::Tensor& other : same) {
+      TORCH_CHECK(!overlaps(t, other), kName,
+                  "::step: two parameters or model copies share memory, which one launch would "
+                  "write twice");
+    }
+    same.push_back(t);
+  };
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const auto& group = param_groups_[g];
+    const FusedAdamWOptions& options = options_of(group, g);
     check_options(options);
     // Parameters that missed steps (no gradient then) have their own step counts, as in
-    // torch::optim::AdamW: one call per distinct count (one in the usual case).
+    // torch::optim::AdamW: one call per distinct count (one in the usual case). Each launch's
+    // tensors are the group's parameters at `positions` (for errors).
     std::map<int64_t, ops::AdamWTensors> by_step;
-    for (const torch::Tensor& p : group.params()) {
+    std::map<int64_t, std::vector<size_t>> positions;
+    for (size_t i = 0; i < group.params().size(); ++i) {
+      const torch::Tensor& p = group.params()[i];
       if (!p.grad().defined()) continue;
       check_step(p);
       void* key = p.unsafeGetTensorImpl();
@@ -232,16 +327,22 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
       }
       const auto& state = static_cast<const torch::optim::AdamWParamState&>(*slot);
       ops::AdamWTensors& t = by_step[state.step() + 1];
+      positions[state.step() + 1].push_back(i);
       t.params.push_back(p);
       t.grads.push_back(p.grad());
       t.exp_avgs.push_back(state.exp_avg());
       t.exp_avg_sqs.push_back(state.exp_avg_sq());
       const auto model = model_copies_.find(key);
       t.models.push_back(model != model_copies_.end() ? model->second : torch::Tensor());
+      check_disjoint(p);
+      if (model != model_copies_.end() && !same_memory(model->second, p)) {
+        check_disjoint(model->second);
+      }
       t.fp8_copies.push_back(fp8_copy_of(p));
       stepped.push_back(p);
     }
     for (auto& [step, tensors] : by_step) {
+      const std::vector<size_t>& where = positions[step];
       Launch launch{std::move(tensors), {}};
       launch.hyper.lr = options.lr();
       launch.hyper.beta1 = std::get<0>(options.betas());
@@ -249,7 +350,21 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
       launch.hyper.eps = options.eps();
       launch.hyper.weight_decay = options.weight_decay();
       launch.hyper.step = step;
-      ops::check_adamw_step(launch.tensors, launch.hyper, grad_scale_);
+      try {
+        ops::check_adamw_step(launch.tensors, launch.hyper, grad_scale_);
+      } catch (const c10::Error& e) {
+        // The op numbers the tensors of one launch; say which of the group's parameters they are.
+        std::string which;
+        for (size_t j = 0; j < where.size(); ++j) {
+          which += (j ? ", " : "") + std::to_string(where[j]);
+          if (j == 7 && where.size() > 9) {
+            which += ", ... (" + std::to_string(where.size()) + " in all)";
+            break;
+          }
+        }
+        TORCH_CHECK(false, kName, "::step: param group ", g, ", its parameters ", which,
+                    " as the op's params[0], params[1], ...: ", e.what_without_backtrace());
+      }
       launches.push_back(std::move(launch));
     }
   }
@@ -289,7 +404,44 @@ void FusedAdamW::save(torch::serialize::OutputArchive& archive) const {
 }
 
 void FusedAdamW::load(torch::serialize::InputArchive& archive) {
-  torch::optim::serialize<torch::optim::AdamWParamState, FusedAdamWOptions>(archive, *this);
+  // LibTorch's loader replaces each group's state and options before it looks at the next group,
+  // and takes moments of any shape: it reads into a stand-in over the same parameters, whose
+  // state is checked whole before it replaces this optimizer's.
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  for (size_t i = 0; i < param_groups_.size(); ++i) {
+    options_of(param_groups_[i], i);
+    groups.emplace_back(param_groups_[i].params(), param_groups_[i].options().clone());
+  }
+  FusedAdamW staged(groups, static_cast<const FusedAdamWOptions&>(defaults()));
+  torch::optim::serialize<torch::optim::AdamWParamState, FusedAdamWOptions>(archive, staged);
+  for (size_t i = 0; i < staged.param_groups_.size(); ++i) {
+    check_options(options_of(staged.param_groups_[i], i));
+    const std::vector<torch::Tensor>& params = staged.param_groups_[i].params();
+    for (size_t j = 0; j < params.size(); ++j) {
+      const auto found = staged.state_.find(params[j].unsafeGetTensorImpl());
+      if (found == staged.state_.end()) continue;
+      const auto& state = static_cast<const torch::optim::AdamWParamState&>(*found->second);
+      for (const auto& [name, moment] :
+           {std::pair<const char*, torch::Tensor>{"exp_avg", state.exp_avg()},
+            {"exp_avg_sq", state.exp_avg_sq()}}) {
+        TORCH_CHECK(moment.defined() && moment.sizes() == params[j].sizes() &&
+                        moment.device() == params[j].device() &&
+                        moment.scalar_type() == params[j].scalar_type(),
+                    kName, "::load: param group ", i, ", parameter ", j, ": the checkpoint's ",
+                    name, " must be a ", params[j].scalar_type(), " tensor of shape ",
+                    params[j].sizes(), " on ", params[j].device(), " like the parameter, got ",
+                    moment.defined() ? c10::str(moment.scalar_type(), " ", moment.sizes(), " on ",
+                                                moment.device())
+                                     : std::string("none"));
+      }
+      TORCH_CHECK(state.step() >= 0, kName, "::load: param group ", i, ", parameter ", j,
+                  ": the checkpoint's step must be >= 0, got ", state.step());
+    }
+  }
+  state_ = std::move(staged.state_);
+  for (size_t i = 0; i < param_groups_.size(); ++i) {
+    param_groups_[i].set_options(staged.param_groups_[i].options().clone());
+  }
 }
 
 }  // namespace torchmoe::optim

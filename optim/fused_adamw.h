@@ -50,7 +50,9 @@ class FusedAdamW : public torch::optim::Optimizer {
 
   /// After every step, `model` (same shape and device, a floating dtype) receives `param`'s new
   /// value rounded to its dtype, in the same pass: the compute copy of an fp32 master weight.
-  /// `param` must be one of the optimizer's parameters.
+  /// `param` must be one of the optimizer's parameters; `model` must not share memory with a
+  /// parameter or with another parameter's model copy (one launch writes them all), other than
+  /// being `param`'s own memory (an fp32 model without a separate master).
   void set_model_copy(const torch::Tensor& param, const torch::Tensor& model);
 
   /// FP8 training under DelayedScaling without the forward's weight cast: every step writes
@@ -68,7 +70,8 @@ class FusedAdamW : public torch::optim::Optimizer {
   /// gradient by min(1, max_norm / (norm + 1e-6)) as it reads them: the effect of
   /// torch::nn::utils::clip_grad_norm_ without its pass over the gradients, which are left as they
   /// are. Returns the norm before clipping, a 0-d float32 tensor on the parameters' device (no
-  /// host sync). max_norm = infinity measures only.
+  /// host sync). max_norm = infinity measures only (no multiplier, whatever the norm); a NaN
+  /// multiplier (a NaN norm) is kept, as clip_grad_norm_ keeps it.
   torch::Tensor clip_grad_norm(double max_norm);
 
   /// clip_grad_norm for a model trained over the ranks of `group` whose parameters are partly
@@ -76,12 +79,16 @@ class FusedAdamW : public torch::optim::Optimizer {
   /// gradients on every rank, e.g. after a data-parallel all-reduce): the norm of the whole
   /// model's gradient, sqrt(|replicated|² + Σ over ranks |sharded|²), from one all-reduce of a
   /// scalar (no host sync). `sharded`: this rank's shard parameters among the optimizer's; all
-  /// others count once. Every rank of the group must call it; all get the same norm.
+  /// others count once. Every rank of the group must call it; all get the same norm. A rank whose
+  /// arguments are refused joins the all-reduce with a NaN before it throws, so that the others
+  /// return a NaN norm instead of waiting for it.
   torch::Tensor clip_grad_norm(double max_norm, const std::vector<torch::Tensor>& sharded,
                                const ProcessGroupOptions& group);
 
   torch::Tensor step(LossClosure closure = nullptr) override;
   void save(torch::serialize::OutputArchive& archive) const override;
+  /// torch::optim::AdamW's format. The groups, their options and every moment's shape, dtype and
+  /// device are checked against this optimizer's before anything of it changes.
   void load(torch::serialize::InputArchive& archive) override;
 
  private:

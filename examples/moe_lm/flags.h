@@ -24,7 +24,6 @@ struct Flags {
   int64_t warmup = 30;
   double weight_decay = 0.1;
   double clip = 1.0;
-  bool expert_bias = false;
   uint64_t seed = 1234;
   int64_t log_every = 10;
   int64_t eval_every = 100;

@@ -281,11 +281,30 @@ constexpr const char* kCsvHeader =
     "val_loss,val_ppl,load_min,load_max";
 
 // The first line of `path`, or "" when it cannot be read.
-std::string first_line(const std::string& path) {
+// A resumed run's CSV: its rows up to the checkpoint's step, the ones a run from an earlier
+// checkpoint wrote past it dropped (the resumed run writes those steps again). Replaced through
+// a temporary file, as checkpoints are. Throws when the header is not this version's.
+void keep_csv_rows_through(const std::string& path, int64_t step) {
   std::ifstream in(path);
   std::string line;
   std::getline(in, line);
-  return line;
+  if (line != kCsvHeader)
+    throw std::runtime_error(fmt::format(
+        "--csv: '{}' has other columns than this moe_lm writes (an older version's?); give a new "
+        "file",
+        path));
+  std::string kept = line + "\n";
+  while (std::getline(in, line)) {
+    if (std::strtoll(line.c_str(), nullptr, 10) <= step) kept += line + "\n";
+  }
+  in.close();
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << kept;
+    if (!out.flush()) throw std::runtime_error(fmt::format("--csv: could not write '{}'", tmp));
+  }
+  fs::rename(tmp, path);
 }
 
 // The process group of an --ep run, from torchrun's environment (GPU LOCAL_RANK on CUDA).
@@ -357,6 +376,9 @@ int run(const Flags& flags_in) {
   }
   if (f.cuda_graph && !cuda)
     throw std::runtime_error("--cuda-graph needs CUDA, but no CUDA device is available");
+  if (!f.fp8.empty() && !cuda)
+    throw std::runtime_error(
+        "--fp8 needs CUDA (FP8 GEMMs are CUDA only), but no CUDA device is available");
   if (!f.generate && !f.trace.empty() && reporting) check_can_create("--trace", f.trace, f.trace);
   // A captured stream cannot be the legacy default one, and every step must be ordered with the
   // captured work, so with --cuda-graph the whole run, from the model's creation on, uses one
@@ -398,6 +420,7 @@ int run(const Flags& flags_in) {
                       : "a single-process checkpoint"));
   };
   if (!resume.empty() && !group) load_resume();
+  const int64_t end_step = f.stop_at ? std::min(f.stop_at, f.steps) : f.steps;
   if (!resume.empty() && group) {
     // Every rank learns, in one collective, whether all could load their files and whether the
     // files are of one save (a run killed while saving can leave files of different steps, whose
@@ -428,6 +451,10 @@ int run(const Flags& flags_in) {
           "over the {} ranks",
           start_step, static_cast<double>(sum) / static_cast<double>(f.ep), f.ep));
   }
+  if (!f.generate && end_step <= start_step)
+    throw std::runtime_error(fmt::format(
+        "nothing to train: the checkpoint is at step {}, and --steps {}{} ends there or before",
+        start_step, f.steps, f.stop_at ? fmt::format(" --stop-at {}", f.stop_at) : ""));
   torch::manual_seed(f.seed);
   // --fp8 delayed: the experts keep amax histories of the recipe's length (TE's default 1024).
   const int64_t fp8_history =
@@ -462,11 +489,7 @@ int run(const Flags& flags_in) {
   if (!f.csv.empty() && reporting) {
     // A resumed run appends to its CSV, which must then have this version's columns.
     const bool append = start_step > 0 && fs::exists(f.csv) && fs::file_size(f.csv) > 0;
-    if (append && first_line(f.csv) != kCsvHeader)
-      throw std::runtime_error(fmt::format(
-          "--csv: '{}' has other columns than this moe_lm writes (an older version's?); give a new "
-          "file",
-          f.csv));
+    if (append) keep_csv_rows_through(f.csv, start_step);
     csv = std::make_unique<fmt::ostream>(
         fmt::output_file(f.csv, append ? fmt::file::WRONLY | fmt::file::APPEND | fmt::file::CREATE
                                        : fmt::file::WRONLY | fmt::file::CREATE | fmt::file::TRUNC));
@@ -481,7 +504,6 @@ int run(const Flags& flags_in) {
   double timed_ms = 0;
   int64_t timed_steps = 0;
   double last_ms = 0;
-  const int64_t end_step = f.stop_at ? std::min(f.stop_at, f.steps) : f.steps;
   // --trace records steps [trace_begin, trace_end): from the run's 10th, or as late as fits.
   const int64_t trace_begin =
       std::max(start_step, std::min(start_step + 9, end_step - f.trace_steps));
@@ -511,7 +533,7 @@ int run(const Flags& flags_in) {
     }
     runner.finish_step();
     const double grad_norm = trainer.step(lr);
-    if (f.expert_bias) {
+    if (f.model.expert_bias) {
       for (auto& moe : model->moe_layers()) moe->router->update_expert_bias();
     }
     if (cuda) torch::cuda::synchronize();

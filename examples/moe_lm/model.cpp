@@ -44,6 +44,7 @@ void ModelConfig::save(torch::serialize::OutputArchive& archive) const {
   }
   archive.write("config.aux_loss_coeff", c10::IValue(aux_loss_coeff));
   archive.write("config.z_loss_coeff", c10::IValue(z_loss_coeff));
+  archive.write("config.expert_bias", c10::IValue(expert_bias));
 }
 
 ModelConfig ModelConfig::load(torch::serialize::InputArchive& archive) {
@@ -68,6 +69,9 @@ ModelConfig ModelConfig::load(torch::serialize::InputArchive& archive) {
   read_int("seq", c.seq);
   read_double("aux_loss_coeff", c.aux_loss_coeff);
   read_double("z_loss_coeff", c.z_loss_coeff);
+  // Checkpoints from before the option have no entry: their routers had no bias.
+  c10::IValue expert_bias;
+  c.expert_bias = archive.try_read("config.expert_bias", expert_bias) && expert_bias.toBool();
   return c;
 }
 
@@ -150,6 +154,7 @@ void MoETransformerImpl::reset() {
     torchmoe::MoELayerOptions moe(c.hidden, c.ffn, c.experts, c.topk);
     moe.params_dtype(dtype).device(device);
     moe.router().aux_loss_coeff(c.aux_loss_coeff).z_loss_coeff(c.z_loss_coeff);
+    moe.router().expert_bias(c.expert_bias);
     moe.experts().linear().fuse_wgrad_accumulation(true).single_grouped_weight(true);
     moe.experts().linear().fp8_amax_history_len(fp8_amax_history_len);
     // The experts are initialised below, from the layer's own seeds: the default would draw

@@ -34,6 +34,7 @@ struct ModelConfig {
   int64_t seq = 128;  // longest context (position embeddings)
   double aux_loss_coeff = 1e-2;
   double z_loss_coeff = 1e-3;
+  bool expert_bias = false;  // each router's aux-loss-free balancing bias (--expert-bias)
 
   void save(torch::serialize::OutputArchive& archive) const;
   static ModelConfig load(torch::serialize::InputArchive& archive);

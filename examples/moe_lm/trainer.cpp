@@ -3,6 +3,7 @@
 
 #include "trainer.h"
 
+#include <fmt/core.h>
 #include <torch/optim/adamw.h>
 
 #include <algorithm>
@@ -10,10 +11,35 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <utility>
 
 namespace moe_lm {
+namespace {
+
+// The model's buffers from a checkpoint's, by name. FP8 state that the checkpoint lacks (a bf16
+// run continued with --fp8) keeps its initial values, and entries the model lacks (FP8 state of
+// a run continued without --fp8) are ignored, as GroupedLinear's own load does (docs/fp8.md).
+void read_buffers(torch::nn::Module& model, torch::serialize::InputArchive& saved_buffers) {
+  torch::NoGradGuard no_grad;
+  for (const auto& buffer : model.named_buffers()) {
+    torch::Tensor saved;
+    if (!saved_buffers.try_read(buffer.key(), saved)) {
+      if (buffer.key().find("fp8_state.") != std::string::npos) continue;
+      throw std::runtime_error(
+          fmt::format("checkpoint: no buffer '{}' (a checkpoint of a model with other options?)",
+                      buffer.key()));
+    }
+    if (!saved.sizes().equals(buffer.value().sizes()))
+      throw std::runtime_error(fmt::format("checkpoint: buffer '{}' is {}, the model's is {}",
+                                           buffer.key(), c10::str(saved.sizes()),
+                                           c10::str(buffer.value().sizes())));
+    buffer.value().copy_(saved);
+  }
+}
+
+}  // namespace
 
 Trainer::Trainer(MoETransformer& model, const Flags& f) : model_(model), flags_(f) {
   // The expert weights are the GroupedLinear layers' (one [E, out, in] weight each, or E).
@@ -144,9 +170,7 @@ double Trainer::step(double lr) {
 void Trainer::save(torch::serialize::OutputArchive& archive) const {
   torch::serialize::OutputArchive masters, buffers, optimizer;
   for (size_t i = 0; i < slots_.size(); ++i) masters.write(std::to_string(i), slots_[i].master);
-  const auto model_buffers = model_->buffers();
-  for (size_t i = 0; i < model_buffers.size(); ++i)
-    buffers.write(std::to_string(i), model_buffers[i]);
+  for (const auto& buffer : model_->named_buffers()) buffers.write(buffer.key(), buffer.value());
   optimizer_->save(optimizer);
   archive.write("masters", masters);
   archive.write("buffers", buffers);
@@ -165,12 +189,7 @@ void Trainer::load(torch::serialize::InputArchive& archive) {
     slots_[i].master.copy_(saved);
     slots_[i].param.copy_(slots_[i].master);
   }
-  auto model_buffers = model_->buffers();
-  for (size_t i = 0; i < model_buffers.size(); ++i) {
-    torch::Tensor saved;
-    buffers.read(std::to_string(i), saved);
-    model_buffers[i].copy_(saved);
-  }
+  read_buffers(*model_, buffers);
   optimizer_->load(optimizer);
 }
 
@@ -194,18 +213,19 @@ void Trainer::load_merged(std::vector<torch::serialize::InputArchive>& ranks) {
     slots_[i].param.copy_(slots_[i].master);
   }
   // The router's expert bias and load are the group's on every rank.
-  auto model_buffers = model_->buffers();
-  for (size_t i = 0; i < model_buffers.size(); ++i) {
-    torch::Tensor saved;
-    buffers[0].read(std::to_string(i), saved);
-    model_buffers[i].copy_(saved);
-  }
+  read_buffers(*model_, buffers[0]);
   // Each rank's AdamW state, loaded into an optimizer of stand-in parameters with its slots'
   // groups (a checkpoint names parameters by position only), then merged slot by slot.
   std::vector<std::vector<torch::Tensor>> stand_ins(n);
   std::vector<std::unique_ptr<torchmoe::optim::FusedAdamW>> shard_optimizers;
   for (size_t r = 0; r < n; ++r) {
-    for (size_t i = 0; i < slots_.size(); ++i) stand_ins[r].push_back(torch::empty({0}));
+    // The rank's shapes (an expert slot's first dimension split over the ranks), which load checks
+    // the moments against.
+    for (const Slot& s : slots_) {
+      std::vector<int64_t> shape = s.master.sizes().vec();
+      if (s.expert) shape[0] /= static_cast<int64_t>(n);
+      stand_ins[r].push_back(torch::empty(shape, torch::kFloat32));
+    }
     shard_optimizers.push_back(make_optimizer(stand_ins[r]));
     shard_optimizers.back()->load(optimizers[r]);
   }

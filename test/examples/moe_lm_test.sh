@@ -28,6 +28,22 @@ straight=$(awk -F, '$1 == 21 { print $2 }' "$work/straight.csv")
 resumed=$(awk -F, '$1 == 21 { print $2 }' "$work/resumed.csv")
 echo "step 21 loss: unbroken $straight, resumed $resumed"
 [ -n "$straight" ] && [ "$straight" = "$resumed" ] || fail "resumed step 21 loss differs"
+# Resumed into the CSV of a run that went past the checkpoint: the rows after step 20 are
+# replaced, not repeated.
+"$bin" "${tiny[@]}" --steps 30 --stop-at 21 --resume "$work/ckpt.pt" --csv "$work/straight.csv"
+rows=$(awk -F, 'NR > 1 { n[$1]++ } END { for (s in n) if (n[s] != 1) bad++; print NR - 1, bad + 0 }' \
+  "$work/straight.csv")
+[ "$rows" = "21 0" ] || fail "resumed CSV: expected steps 1-21 once each, got (rows, repeated) $rows"
+
+echo "== --expert-bias steers the routing and resumes with its bias"
+"$bin" "${tiny[@]}" --steps 30 --stop-at 21 --expert-bias --csv "$work/bias.csv"
+"$bin" "${tiny[@]}" --steps 30 --stop-at 20 --expert-bias --save "$work/bias.pt"
+"$bin" "${tiny[@]}" --steps 30 --stop-at 21 --resume "$work/bias.pt" --csv "$work/bias_resumed.csv"
+biased=$(awk -F, '$1 == 21 { print $2 }' "$work/bias.csv")
+bias_resumed=$(awk -F, '$1 == 21 { print $2 }' "$work/bias_resumed.csv")
+echo "step 21 loss: no bias $straight, bias $biased, bias resumed $bias_resumed"
+[ -n "$biased" ] && [ "$biased" != "$straight" ] || fail "--expert-bias changed nothing"
+[ "$biased" = "$bias_resumed" ] || fail "a resumed --expert-bias run differs"
 
 echo "== generation from the checkpoint"
 text=$("$bin" --resume "$work/ckpt.pt" --generate 40 --prompt "The ")
@@ -66,11 +82,18 @@ expect_error() {  # expected exit code, expected message, flags...
 expect_error 2 "unknown flag '--bogus'" --bogus
 expect_error 2 "--steps needs a value" --steps
 expect_error 2 "--batch: value must be >= 1, got 0" --batch 0
+expect_error 2 "--steps: value must be >= 1, got 0" --steps 0
+expect_error 1 "nothing to train: the checkpoint is at step 20, and --steps 30 --stop-at 20 ends" \
+  "${tiny[@]}" --resume "$work/ckpt.pt" --steps 30 --stop-at 20
 expect_error 2 "--heads 3 must divide --hidden 128" --heads 3
 expect_error 2 "--generate needs --resume" --generate 5
 expect_error 2 "--cuda-graph needs --device cuda" --cuda-graph --device cpu
 expect_error 2 "--fp8 must be delayed, current or block, got 'e5m2'" --fp8 e5m2
 expect_error 2 "--fp8 needs --device cuda" --fp8 delayed --device cpu
+if ! nvidia-smi -L >/dev/null 2>&1; then  # --device auto finds no GPU
+  expect_error 1 "--fp8 needs CUDA (FP8 GEMMs are CUDA only), but no CUDA device is available" \
+    "${tiny[@]}" --device auto --fp8 delayed
+fi
 expect_error 1 "data file or directory '$work/missing' does not exist" --data "$work/missing"
 expect_error 1 "checkpoint '$work/missing.pt' does not exist" --resume "$work/missing.pt" --generate 5
 # Output paths are checked before training: no step line, no minutes of lost work.

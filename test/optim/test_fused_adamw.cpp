@@ -2,7 +2,9 @@
 // float32 on CUDA within fp32 tolerances of a float64 reference), the fused clip against
 // torch::nn::utils::clip_grad_norm_, model copies, checkpoints that either optimizer loads, errors.
 
+#include <c10/core/InferenceMode.h>
 #include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/sgd.h>
 #include <torchmoe/optim/fused_adamw.h>
 
 #include <cmath>
@@ -22,8 +24,8 @@ namespace {
 std::vector<torch::Tensor> make_params(const torch::TensorOptions& options, uint64_t seed) {
   torch::manual_seed(seed);
   std::vector<torch::Tensor> params;
-  for (const std::vector<int64_t>& shape : std::vector<std::vector<int64_t>>{
-           {}, {7}, {33, 5}, {4, 4, 3}, {0}, {1001}}) {
+  for (const std::vector<int64_t>& shape :
+       std::vector<std::vector<int64_t>>{{}, {7}, {33, 5}, {4, 4, 3}, {0}, {1001}}) {
     params.push_back(torch::randn(shape, options).requires_grad_(true));
   }
   return params;
@@ -44,7 +46,8 @@ void set_grads(const std::vector<torch::Tensor>& params, int step) {
       grad = torch::Tensor();
       continue;
     }
-    grad = torch::randn(params[i].sizes(), torch::TensorOptions(torch::kFloat64)).to(params[i].options());
+    grad = torch::randn(params[i].sizes(), torch::TensorOptions(torch::kFloat64))
+               .to(params[i].options());
   }
 }
 
@@ -52,8 +55,8 @@ std::vector<torch::optim::OptimizerParamGroup> two_groups(const std::vector<torc
   // Decay on the matrices, none on the rest, and a different learning rate (per-group options).
   std::vector<torch::Tensor> decay = {p[2], p[3]}, rest = {p[0], p[1], p[4], p[5]};
   std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(decay,
-                      std::make_unique<FusedAdamWOptions>(FusedAdamWOptions(1e-2).weight_decay(0.1)));
+  groups.emplace_back(
+      decay, std::make_unique<FusedAdamWOptions>(FusedAdamWOptions(1e-2).weight_decay(0.1)));
   groups.emplace_back(rest, std::make_unique<FusedAdamWOptions>(
                                 FusedAdamWOptions(3e-3).betas({0.8, 0.95}).weight_decay(0.0)));
   return groups;
@@ -86,7 +89,8 @@ TEST_CASE("FusedAdamW matches torch::optim::AdamW (CPU, float64)", "[optim]") {
     reference.step();
     for (size_t i = 0; i < fused_params.size(); ++i) {
       // Clipping multiplies by a float32 coefficient here and a float64 one in torch.
-      check_close(fused_params[i], torch_params[i], clip ? Tolerance{1e-6, 1e-9} : Tolerance{1e-12, 1e-14},
+      check_close(fused_params[i], torch_params[i],
+                  clip ? Tolerance{1e-6, 1e-9} : Tolerance{1e-12, 1e-14},
                   "param " + std::to_string(i) + " after step " + std::to_string(step));
     }
   }
@@ -141,7 +145,7 @@ TEST_CASE("FusedAdamW writes model copies and rejects what it does not support",
   REQUIRE_THROWS_AS(FusedAdamW(params, FusedAdamWOptions(1e-2).amsgrad(true)),
                     c10::NotImplementedError);
   REQUIRE_THROWS_WITH(FusedAdamW(params, FusedAdamWOptions(-1.0)),
-                      Contains("FusedAdamW: lr must be >= 0, got -1"));
+                      Contains("FusedAdamW: lr must be finite and >= 0, got -1"));
   REQUIRE_THROWS_WITH(FusedAdamW(params, FusedAdamWOptions(1e-3).betas({0.9, 1.0})),
                       Contains("betas must be in [0, 1), got (0.9, 1)"));
   FusedAdamW no_grads(make_params(torch::kFloat32, 8));
@@ -169,7 +173,7 @@ TEST_CASE("A refused FusedAdamW step changes nothing", "[optim][errors]") {
     versions.push_back(p._version());
   }
   static_cast<FusedAdamWOptions&>(adamw.param_groups()[1].options()).lr(-1.0);
-  REQUIRE_THROWS_WITH(adamw.step(), Contains("FusedAdamW: lr must be >= 0, got -1"));
+  REQUIRE_THROWS_WITH(adamw.step(), Contains("FusedAdamW: lr must be finite and >= 0, got -1"));
   for (size_t i = 0; i < first.size(); ++i) {
     CHECK(torch::equal(first[i], values[i]));
     CHECK(first[i]._version() == versions[i]);
@@ -195,8 +199,164 @@ TEST_CASE("A refused FusedAdamW step changes nothing", "[optim][errors]") {
   CHECK(torch::equal(twice, before));
 }
 
-TEST_CASE("FusedAdamW on CUDA matches a float64 AdamW, in one pass per group",
+TEST_CASE("FusedAdamW::load checks the whole checkpoint before it changes anything",
+          "[optim][errors]") {
+  const auto f32 = torch::TensorOptions(torch::kFloat32);
+  const std::vector<torch::Tensor> saved_params = make_params(f32, 11);
+  FusedAdamW saved(two_groups(saved_params));
+  set_grads(saved_params, 0);
+  saved.step();
+  std::stringstream checkpoint;
+  torch::save(saved, checkpoint);
+
+  // A target whose state and options a refused load must leave as they were.
+  const std::vector<torch::Tensor> params = make_params(f32, 12);
+  FusedAdamW target(two_groups(params));
+  set_grads(params, 0);
+  target.step();
+  const auto moment = [&](const torch::Tensor& p) {
+    return static_cast<const torch::optim::AdamWParamState&>(
+               *target.state().at(p.unsafeGetTensorImpl()))
+        .exp_avg()
+        .clone();
+  };
+  const torch::Tensor moment_before = moment(params[2]);
+  const double lr_before = target.param_groups()[0].options().get_lr();
+  const auto unchanged = [&] {
+    CHECK(torch::equal(moment(params[2]), moment_before));
+    CHECK(target.param_groups()[0].options().get_lr() == lr_before);
+  };
+
+  // Other groups: LibTorch's loader would have replaced group 0 before it refused group 1.
+  std::vector<torch::optim::OptimizerParamGroup> other_groups = two_groups(params);
+  other_groups[1].params().pop_back();
+  FusedAdamW fewer(other_groups);
+  std::stringstream fewer_checkpoint;
+  torch::save(fewer, fewer_checkpoint);
+  REQUIRE_THROWS(torch::load(target, fewer_checkpoint));
+  unchanged();
+
+  // The same groups with a parameter of another shape: its moments would have been taken as they
+  // are, and the next step refused.
+  std::vector<torch::Tensor> reshaped = make_params(f32, 13);
+  reshaped[2] = torch::randn({5, 33}, f32).requires_grad_(true);
+  FusedAdamW other_shapes(two_groups(reshaped));
+  set_grads(reshaped, 0);
+  other_shapes.step();
+  std::stringstream reshaped_checkpoint;
+  torch::save(other_shapes, reshaped_checkpoint);
+  REQUIRE_THROWS_WITH(torch::load(target, reshaped_checkpoint),
+                      Contains("FusedAdamW::load: param group 0, parameter 0: the checkpoint's "
+                               "exp_avg must be a Float tensor of shape [33, 5]") &&
+                          Contains("got Float [5, 33]"));
+  unchanged();
+
+  // The good checkpoint loads: the saved optimizer's moments and options.
+  torch::load(target, checkpoint);
+  CHECK(
+      torch::equal(moment(params[2]), static_cast<const torch::optim::AdamWParamState&>(
+                                          *saved.state().at(saved_params[2].unsafeGetTensorImpl()))
+                                          .exp_avg()));
+}
+
+TEST_CASE("FusedAdamW refuses options, tensors and clips it would misread", "[optim][errors]") {
+  const auto f32 = torch::TensorOptions(torch::kFloat32);
+  const std::vector<torch::Tensor> params = make_params(f32, 14);
+
+  // Another optimizer's options in a group would be read as AdamW's fields.
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<torch::Tensor>{params[0]});
+  groups.emplace_back(std::vector<torch::Tensor>{params[1]},
+                      std::make_unique<torch::optim::SGDOptions>(0.1));
+  REQUIRE_THROWS_WITH(FusedAdamW(groups, FusedAdamWOptions(1e-2)),
+                      Contains("FusedAdamW: param group 1 must have FusedAdamWOptions, got another "
+                               "optimizer's options"));
+  REQUIRE_THROWS_WITH(FusedAdamW(params, FusedAdamWOptions(INFINITY)),
+                      Contains("lr must be finite and >= 0, got inf"));
+  REQUIRE_THROWS_WITH(FusedAdamW(params, FusedAdamWOptions(1e-2).weight_decay(INFINITY)),
+                      Contains("weight_decay must be finite and >= 0, got inf"));
+
+  FusedAdamW adamw(params, FusedAdamWOptions(1e-2));
+  // Model copies that share memory with a parameter or with each other: one launch would write
+  // that memory twice.
+  REQUIRE_THROWS_WITH(adamw.set_model_copy(
+                          params[2], params[3].detach().view({-1}).narrow(0, 0, 1).expand({33, 5})),
+                      Contains("set_model_copy: model must not share memory with a parameter"));
+  // Its own master's memory (an fp32 model without a separate master) is the master's value.
+  adamw.set_model_copy(params[2], params[2].detach());
+  const torch::Tensor shared = torch::zeros({33, 5}, torch::kBFloat16);
+  const std::vector<torch::Tensor> same_shape = {params[2], torch::randn({33, 5}, f32)};
+  FusedAdamW two(same_shape, FusedAdamWOptions(1e-2));
+  two.set_model_copy(same_shape[0], shared);
+  two.set_model_copy(same_shape[0], shared);  // re-pointing the same parameter's copy is fine
+  REQUIRE_THROWS_WITH(two.set_model_copy(same_shape[1], shared),
+                      Contains("set_model_copy: model must not share memory with another "
+                               "parameter's model copy"));
+  // An inference tensor cannot have its version bumped after the step has changed its state.
+  torch::Tensor inference;
+  {
+    const c10::InferenceMode guard;
+    inference = torch::zeros({33, 5}, torch::kBFloat16);
+  }
+  REQUIRE_THROWS_WITH(adamw.set_model_copy(params[2], inference),
+                      Contains("model must not be an inference tensor"));
+
+  // Two parameters over overlapping memory are refused before anything changes.
+  const torch::Tensor flat = torch::randn({10}, f32);
+  const std::vector<torch::Tensor> views = {flat.narrow(0, 0, 6), flat.narrow(0, 4, 6)};
+  for (const torch::Tensor& v : views) v.mutable_grad() = torch::ones({6}, f32);
+  FusedAdamW overlapping(views, FusedAdamWOptions(1e-2));
+  const torch::Tensor flat_before = flat.clone();
+  REQUIRE_THROWS_WITH(overlapping.step(),
+                      Contains("FusedAdamW::step: two parameters or model copies share memory"));
+  CHECK(torch::equal(flat, flat_before));
+  CHECK(overlapping.state().empty());
+  // Views side by side are fine.
+  const std::vector<torch::Tensor> halves = {flat.narrow(0, 0, 5), flat.narrow(0, 5, 5)};
+  for (const torch::Tensor& v : halves) v.mutable_grad() = torch::ones({5}, f32);
+  FusedAdamW disjoint(halves, FusedAdamWOptions(1e-2));
+  disjoint.step();
+  CHECK_FALSE(torch::equal(flat, flat_before));
+
+  // The op's errors say which parameter of which group they are about.
+  std::vector<torch::Tensor> more = make_params(f32, 15);
+  FusedAdamW named(two_groups(more));
+  set_grads(more, 0);
+  more[5].mutable_grad() = torch::zeros({3}, f32);  // group 1's parameter 3
+  REQUIRE_THROWS_WITH(named.step(),
+                      Contains("FusedAdamW::step: param group 1, its parameters 0, 1, 2, 3 as the "
+                               "op's params[0], params[1], ...") &&
+                          Contains("grads[3] must have shape [1001] like params[3], got [3]"));
+
+  // max_norm = infinity measures only: an infinite norm does not turn into an inf / inf
+  // multiplier that would make every parameter NaN.
+  std::vector<torch::Tensor> measured = make_params(f32, 16);
+  FusedAdamW measuring(measured, FusedAdamWOptions(1e-2));
+  set_grads(measured, 0);
+  measured[5].mutable_grad()[0] = INFINITY;
+  CHECK(std::isinf(measuring.clip_grad_norm(INFINITY).item<double>()));
+  measuring.step();
+  CHECK(torch::isfinite(measured[2]).all().item<bool>());
+}
+
+TEST_CASE("FusedAdamW on CUDA keeps a NaN clip multiplier as clip_grad_norm_ does",
           "[optim][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  // A NaN norm: clip_grad_norm_'s clamp keeps its NaN multiplier, and so every parameter of the
+  // step turns NaN, also those whose own gradients are finite. fmin(1, NaN) would have made it 1.
+  for (const torch::Device device : {torch::Device(torch::kCPU), torch::Device(torch::kCUDA)}) {
+    std::vector<torch::Tensor> params = make_params(torch::TensorOptions(device), 17);
+    FusedAdamW adamw(params, FusedAdamWOptions(1e-2));
+    set_grads(params, 0);
+    params[5].mutable_grad()[0] = NAN;
+    CHECK(std::isnan(adamw.clip_grad_norm(1.0).item<double>()));
+    adamw.step();
+    INFO(device);
+    CHECK(torch::isnan(params[2]).all().item<bool>());
+  }
+}
+
+TEST_CASE("FusedAdamW on CUDA matches a float64 AdamW, in one pass per group", "[optim][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
   const bool clip = GENERATE(false, true);
   INFO("clip=" << clip);

@@ -49,4 +49,12 @@ TEST_CASE("FusedAdamW clip_grad_norm over sharded and replicated parameters", "[
                       Contains("every sharded tensor must be one of the optimizer's parameters"));
   REQUIRE_THROWS_WITH(adamw.clip_grad_norm(0.0, {mine[2]}, test_group()),
                       Contains("max_norm must be positive, got 0"));
+  // One rank's arguments refused: it joins the all-reduce before it throws, and the others get a
+  // NaN norm rather than wait for it.
+  if (rank == 0) {
+    REQUIRE_THROWS_WITH(adamw.clip_grad_norm(max_norm, {torch::zeros({2})}, test_group()),
+                        Contains("every sharded tensor must be one of the optimizer's parameters"));
+  } else {
+    CHECK(std::isnan(adamw.clip_grad_norm(max_norm, {mine[2]}, test_group()).item<double>()));
+  }
 }
