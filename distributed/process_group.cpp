@@ -52,6 +52,18 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(c10::Device device,
   const int64_t world = env_int("WORLD_SIZE", 1, std::numeric_limits<int>::max());
   const int64_t rank = env_int("RANK", 0, world - 1);
   const std::string master = env_string("MASTER_ADDR");
+  // One process per GPU: this process's is checked before any rendezvous, so that a launch of more
+  // processes than GPUs stops with this message rather than CUDA's in set_device.
+  int64_t gpu = -1;
+  if (device.is_cuda()) {
+    gpu = device.has_index() ? device.index()
+                             : env_int("LOCAL_RANK", 0, std::numeric_limits<int8_t>::max());
+    const int64_t visible = c10::cuda::device_count();
+    TORCH_CHECK(gpu < visible, kFunction, ": this process's GPU is cuda:", gpu,
+                device.has_index() ? " (the device given)" : " (LOCAL_RANK)", ", but ", visible,
+                " CUDA devices are visible: run at most ", visible,
+                " processes per node on CUDA, or use the CPU (Gloo)");
+  }
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<uint16_t>(env_int("MASTER_PORT", 1, 65535));
   // Under torchrun the agent already serves a store on MASTER_PORT and says so; rank 0 then joins
@@ -72,10 +84,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(c10::Device device,
       make_gloo_backend(c10::make_intrusive<c10d::PrefixStore>("cpu", store), r, n, timeout));
   group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
   if (device.is_cuda()) {
-    const int64_t index = device.has_index()
-                              ? device.index()
-                              : env_int("LOCAL_RANK", 0, std::numeric_limits<int8_t>::max());
-    c10::cuda::set_device(static_cast<c10::DeviceIndex>(index));
+    c10::cuda::set_device(static_cast<c10::DeviceIndex>(gpu));
     group->setBackend(
         c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL,
         make_nccl_backend(c10::make_intrusive<c10d::PrefixStore>("cuda", store), r, n, timeout));

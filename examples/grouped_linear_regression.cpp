@@ -4,15 +4,21 @@
 // else CPU.
 //
 //   grouped_linear_regression [--device auto|cpu|cuda] [--steps N] [--seed S]
+//
+// Exits 0 when the loss fell to a tenth of its first value or less, 1 when it did not, 2 for bad
+// flags.
 
 #include <torchmoe/torchmoe.h>
 
 #include <torch/torch.h>
 
+#include <charconv>
 #include <chrono>
 #include <cstdlib>
 #include <iomanip>
 #include <iostream>
+#include <limits>
+#include <stdexcept>
 #include <string>
 
 namespace {
@@ -22,6 +28,18 @@ struct Args {
   int64_t steps = 300;
   uint64_t seed = 0;
 };
+
+// A whole decimal integer in [min, max]: "1e3", "12x" and "-1" for an unsigned value are errors.
+template <typename Int>
+Int parse_integer(const std::string& flag, const std::string& text, Int min, Int max) {
+  Int value{};
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (error != std::errc() || end != text.data() + text.size() || value < min || value > max) {
+    throw std::invalid_argument(flag + " must be an integer in [" + std::to_string(min) + ", " +
+                                std::to_string(max) + "], got '" + text + "'");
+  }
+  return value;
+}
 
 Args parse(int argc, char** argv) {
   Args args;
@@ -34,9 +52,9 @@ Args parse(int argc, char** argv) {
     if (flag == "--device") {
       args.device = value();
     } else if (flag == "--steps") {
-      args.steps = std::stoll(value());
+      args.steps = parse_integer<int64_t>(flag, value(), 1, std::numeric_limits<int64_t>::max());
     } else if (flag == "--seed") {
-      args.seed = std::stoull(value());
+      args.seed = parse_integer<uint64_t>(flag, value(), 0, std::numeric_limits<uint64_t>::max());
     } else if (flag == "--help" || flag == "-h") {
       std::cout
           << "usage: grouped_linear_regression [--device auto|cpu|cuda] [--steps N] [--seed S]\n";
@@ -48,7 +66,6 @@ Args parse(int argc, char** argv) {
   if (args.device != "auto" && args.device != "cpu" && args.device != "cuda") {
     throw std::invalid_argument("--device must be auto, cpu or cuda, got " + args.device);
   }
-  if (args.steps < 1) throw std::invalid_argument("--steps must be positive");
   return args;
 }
 

@@ -16,7 +16,7 @@ build_dir=${TORCHMOE_BUILD_DIR:-build}
 torch_version=2.11.0
 
 # ---- system packages ------------------------------------------------------------------------
-packages=(cmake ninja-build ccache g++ catch2 libfmt-dev libgloo-dev)
+packages=(cmake ninja-build ccache g++ catch2 libfmt-dev libgloo-dev python3 python3-venv)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -41,9 +41,7 @@ elif has_torch python3; then
   python=$(command -v python3)
 else
   echo "== installing torch==$torch_version into .venv (a few GB, once)"
-  # Python's own venv module, or the virtualenv package where the interpreter lacks one.
-  python3 -m venv "$root/.venv" 2>/dev/null || {
-    python3 -m pip install -q virtualenv && python3 -m virtualenv -q "$root/.venv"; }
+  python3 -m venv "$root/.venv"
   "$root/.venv/bin/python" -m pip install -q --upgrade pip
   # Not quiet: the download is a few GB and pip's progress bar shows it is moving. No cache: it
   # would keep a second copy of those GB on a disk that may be short of space.

@@ -4,13 +4,21 @@
 # the same config, data and seed, and prints tokens/s side by side (each C++ run's speed over each
 # column) and the loss curves every STEPS/10 steps.
 #   scripts/compare_python.sh [STEPS] [OUT_DIR]     (defaults: 200, build/compare)
-# Environment: TORCHMOE_BUILD_DIR (default build), PYTHON (default python3, with torch 2.11).
+# Environment: TORCHMOE_BUILD_DIR (default build), PYTHON (a python with torch 2.11; default
+# .venv/bin/python, which scripts/build.sh makes, else python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=${1:-200}
 out=${2:-build/compare}
 build=${TORCHMOE_BUILD_DIR:-build}
-python=${PYTHON:-python3}
+default_python=python3
+[ -x .venv/bin/python ] && default_python=.venv/bin/python
+python=${PYTHON:-$default_python}
+# Checked before the C++ runs, which take minutes.
+"$python" -c 'import torch' 2>/dev/null || {
+  echo "compare_python.sh: '$python' cannot import torch; set PYTHON to a python with torch 2.11" >&2
+  exit 1
+}
 mkdir -p "$out"
 # docs/performance.md's config: 8 layers, hidden 1024, 32 experts top-2, ffn 1024, seq 1024 x 8.
 config=(--layers 8 --hidden 1024 --heads 16 --experts 32 --topk 2 --ffn 1024 --seq 1024 --batch 8

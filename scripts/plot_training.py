@@ -3,8 +3,9 @@
 or, with --compare, the losses of several runs (e.g. bf16 and each --fp8 recipe) in one PNG, each
 run labelled by its file name.
 
-usage: scripts/plot_training.py TRAIN.csv [OUT.png]      (needs matplotlib: pip install matplotlib)
+usage: scripts/plot_training.py TRAIN.csv [OUT.png]
        scripts/plot_training.py --compare OUT.png A.csv B.csv ...
+(needs matplotlib: apt-get install python3-matplotlib)
 """
 import csv
 import sys
@@ -62,7 +63,8 @@ def main(argv):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("plot_training.py needs matplotlib: python3 -m pip install matplotlib", file=sys.stderr)
+        print("plot_training.py needs matplotlib: apt-get install python3-matplotlib, or"
+              " .venv/bin/pip install matplotlib and run it with .venv/bin/python", file=sys.stderr)
         return 1
     if comparing:
         return compare(plt, argv[2], argv[3:])

@@ -8,6 +8,9 @@ if(rc)
 endif()
 execute_process(COMMAND ${CMAKE_COMMAND} -S ${CONSUMER_SOURCE_DIR} -B ${WORK_DIR}/build -G ${GENERATOR}
                         -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DTorch_DIR=${Torch_DIR}
+                        # LibTorch's CMake files enable CUDA: the compiler this build found, not
+                        # only one on PATH.
+                        -DCMAKE_CUDA_COMPILER=${CUDA_COMPILER}
                 RESULT_VARIABLE rc)
 if(rc)
   message(FATAL_ERROR "configuring the consumer failed (${rc})")

@@ -207,4 +207,17 @@ TEST_CASE("init_process_group: a bad environment is an error naming the variable
   setenv("MASTER_ADDR", master.c_str(), 1);
   REQUIRE_THROWS_WITH(torchmoe::distributed::init_process_group(torch::Device("meta")),
                       Contains("device must be CPU (Gloo) or CUDA (NCCL and Gloo), got meta"));
+  // A GPU the machine does not have (more processes than GPUs), before any rendezvous.
+  REQUIRE_THROWS_WITH(torchmoe::distributed::init_process_group(torch::Device(torch::kCUDA, 100)),
+                      Contains("this process's GPU is cuda:100 (the device given), but ") &&
+                          Contains("CUDA devices are visible: run at most"));
+  const std::string local_rank = std::getenv("LOCAL_RANK") ? std::getenv("LOCAL_RANK") : "";
+  setenv("LOCAL_RANK", "100", 1);
+  REQUIRE_THROWS_WITH(torchmoe::distributed::init_process_group(torch::kCUDA),
+                      Contains("this process's GPU is cuda:100 (LOCAL_RANK)"));
+  if (local_rank.empty()) {
+    unsetenv("LOCAL_RANK");
+  } else {
+    setenv("LOCAL_RANK", local_rank.c_str(), 1);
+  }
 }
