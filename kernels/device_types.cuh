@@ -53,11 +53,13 @@ __device__ __forceinline__ void store(T* p, const Vec<T, V>& x) {
   *reinterpret_cast<Vec<T, V>*>(p) = x;
 }
 
-// Group g's size from a device array of int32 or int64 split sizes (negative sizes read as 0).
-__device__ __forceinline__ int64_t split_at(const void* splits, bool int32, int g) {
+// Group g's size from a device array of int32 or int64 split sizes, clamped to [0, rows] (the
+// rows of the buffer): sums of clamped sizes over any number of groups that fits memory cannot
+// wrap, so garbage sizes clamp at the buffer's end instead of giving negative starts.
+__device__ __forceinline__ int64_t split_at(const void* splits, bool int32, int g, int64_t rows) {
   const int64_t v =
       int32 ? static_cast<const int32_t*>(splits)[g] : static_cast<const int64_t*>(splits)[g];
-  return v > 0 ? v : 0;
+  return v > 0 ? (v < rows ? v : rows) : 0;
 }
 
 // Group g's tensor: table[g] when the groups have a pointer table, else base + g · group_stride.

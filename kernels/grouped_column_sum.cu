@@ -22,13 +22,14 @@ __global__ void grouped_column_sum_kernel(const GroupedColumnSumParams p) {
   const int g = blockIdx.y;
   if (threadIdx.y == 0) {
     int64_t sum = 0;
-    for (int h = threadIdx.x; h < g; h += kWarpSize) sum += split_at(p.m_splits, p.splits_int32, h);
+    for (int h = threadIdx.x; h < g; h += kWarpSize)
+      sum += split_at(p.m_splits, p.splits_int32, h, p.rows);
     sum = warp_sum(sum);
     if (threadIdx.x == 0) group_start = sum;
   }
   __syncthreads();
   const int64_t begin = min(group_start, p.rows);
-  const int64_t count = min(split_at(p.m_splits, p.splits_int32, g), p.rows - begin);
+  const int64_t count = min(split_at(p.m_splits, p.splits_int32, g, p.rows), p.rows - begin);
   const int64_t col = (static_cast<int64_t>(blockIdx.x) * kSumColumnPairs + threadIdx.x) * 2;
   const T* dy = static_cast<const T*>(p.grad_output);
   float s0 = 0.0f, s1 = 0.0f;

@@ -293,17 +293,53 @@ StreamSplit split_streams(const CublasLtEnv& env, size_t nonempty) {
   return split;
 }
 
+// The side streams forked from the caller's stream joined back into it, also when a launch
+// between throws: the caller frees the outputs and the workspace in its stream's order, which
+// must then include what the side streams were given (and a capture must end joined).
+class StreamJoin {
+ public:
+  StreamJoin(const CublasLtEnv& env, int device) : env_(env), device_(device) {}
+  StreamJoin(const StreamJoin&) = delete;
+  StreamJoin& operator=(const StreamJoin&) = delete;
+  void forked(size_t streams) { forked_ = streams; }
+  // Throws on a CUDA error; the destructor's join (after another exception) cannot.
+  void join() {
+    join_streams([](cudaError_t status) { TORCHMOE_CUDA_CHECK(status); });
+    forked_ = 0;
+  }
+  ~StreamJoin() {
+    join_streams([](cudaError_t) {});
+  }
+
+ private:
+  template <typename Check>
+  void join_streams(Check check) {
+    for (size_t i = 1; i < forked_; ++i) {
+      cudaEvent_t join = fork_join_event(device_, i);
+      check(cudaEventRecord(join, env_.side_streams[i - 1]));
+      check(cudaStreamWaitEvent(env_.stream, join, 0));
+    }
+  }
+  const CublasLtEnv& env_;
+  int device_;
+  size_t forked_ = 0;
+};
+
 // Issues the matmuls round-robin over the caller's stream and the side streams, which fork from
 // and join back into it.
 void launch_calls(const std::vector<LtCall>& calls, float beta, const StreamSplit& split,
                   const CublasLtEnv& env, int device) {
   auto stream_at = [&](size_t i) { return i == 0 ? env.stream : env.side_streams[i - 1]; };
   const size_t num_streams = std::min(split.streams, std::max<size_t>(1, calls.size()));
+  StreamJoin joined(env, device);
   if (num_streams > 1) {
+    // Every join event made now, so that the destructor's join only looks them up.
+    fork_join_event(device, num_streams - 1);
     cudaEvent_t fork = fork_join_event(device, 0);
     TORCHMOE_CUDA_CHECK(cudaEventRecord(fork, env.stream));
     for (size_t i = 1; i < num_streams; ++i) {
       TORCHMOE_CUDA_CHECK(cudaStreamWaitEvent(stream_at(i), fork, 0));
+      joined.forked(i + 1);
     }
   }
   const float alpha = 1.0f;
@@ -317,11 +353,7 @@ void launch_calls(const std::vector<LtCall>& calls, float beta, const StreamSpli
                                            c.output, c.plan->d, &c.plan->algo, workspace,
                                            split.workspace_per_stream, stream_at(stream_index)));
   }
-  for (size_t i = 1; i < num_streams; ++i) {
-    cudaEvent_t join = fork_join_event(device, i);
-    TORCHMOE_CUDA_CHECK(cudaEventRecord(join, stream_at(i)));
-    TORCHMOE_CUDA_CHECK(cudaStreamWaitEvent(env.stream, join, 0));
-  }
+  joined.join();
 }
 
 int current_device() {

@@ -151,7 +151,7 @@ __global__ void __launch_bounds__(kSetupThreads)
   int64_t carry = 0;
   for (int base = 0; base < G; base += kSetupThreads) {
     const int g = base + static_cast<int>(threadIdx.x);
-    const int64_t split = g < G ? split_at(p.m_splits, p.splits_int32, g) : 0;
+    const int64_t split = g < G ? split_at(p.m_splits, p.splits_int32, g, p.rows) : 0;
     int64_t before = 0, chunk_total = 0;
     Scan(scan_storage).ExclusiveSum(split, before, chunk_total);
     __syncthreads();  // scan_storage is reused by the next chunk
@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(kSetupThreads)
   int64_t carry = 0, carry16 = 0;
   for (int base = 0; base < G; base += kSetupThreads) {
     const int g = base + static_cast<int>(threadIdx.x);
-    const int64_t split = g < G ? split_at(p.m_splits, p.splits_int32, g) : 0;
+    const int64_t split = g < G ? split_at(p.m_splits, p.splits_int32, g, p.rows) : 0;
     int64_t before = 0, chunk_total = 0;
     Scan(scan_storage).ExclusiveSum(split, before, chunk_total);
     __syncthreads();
@@ -269,17 +269,31 @@ __global__ void __launch_bounds__(kSetupThreads)
 // once, so the common case costs one small launch; the grouped matmul does not promise to write
 // a group whose reduction is empty.
 constexpr int kZeroBlocksPerGroup = 32;
+constexpr int kMaxGridY = 65535;  // CUDA's limit on gridDim.y: groups past it loop
 
 __global__ void zero_empty_groups_kernel(const int32_t* reduction, GroupAddress dw, size_t elem,
-                                         int64_t bytes) {
-  const int g = blockIdx.y;
-  if (reduction[g] != 0) return;
-  auto* dst = reinterpret_cast<uint4*>(const_cast<char*>(group_bytes(dw, g, elem)));
-  const int64_t vectors = bytes / 16;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < vectors;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    dst[i] = make_uint4(0, 0, 0, 0);
+                                         int64_t bytes, int groups) {
+  for (int g = blockIdx.y; g < groups; g += gridDim.y) {
+    if (reduction[g] != 0) continue;
+    auto* dst = reinterpret_cast<uint4*>(const_cast<char*>(group_bytes(dw, g, elem)));
+    const int64_t vectors = bytes / 16;
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < vectors;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      dst[i] = make_uint4(0, 0, 0, 0);
+    }
   }
+}
+
+// Empty groups' weight gradients zeroed (wgrad without accumulation). `reduction`: each group's
+// reduction length, as the setup kernel wrote it.
+void zero_empty_groups(const int32_t* reduction, const GroupAddress& weight_grad,
+                       ScalarType output_type, int64_t n, int64_t k, int groups,
+                       cudaStream_t stream) {
+  const dim3 grid(kZeroBlocksPerGroup, std::min(groups, kMaxGridY));
+  const size_t elem = element_size(output_type);
+  zero_empty_groups_kernel<<<grid, 256, 0, stream>>>(reduction, weight_grad, elem,
+                                                     n * k * static_cast<int64_t>(elem), groups);
+  TORCHMOE_CUDA_CHECK(cudaGetLastError());
 }
 
 // y[r] = product[r] + b_g for every row r of group g, rounded once (rows past the last group are
@@ -586,24 +600,21 @@ void run_grouped_gemm_cublaslt_grouped(const CublasLtGroupedParams& p,
   const GroupArrays arrays = group_arrays(env.arrays, p.num_groups);
   const bool with_bias = has_bias(p);
   const CublasLtGroupedParams matmul = matmul_params(p, env);
-  setup_groups_kernel<<<1, kSetupThreads, 0, env.stream>>>(
-      matmul, arrays, element_size(matmul.input_type), element_size(matmul.output_type));
-  TORCHMOE_CUDA_CHECK(cudaGetLastError());
-  if (p.kind == GemmKind::kWgrad && !p.accumulate) {
-    const dim3 grid(kZeroBlocksPerGroup, p.num_groups);
-    const int32_t* reduction = arrays.ints + p.num_groups;  // a_cols
-    zero_empty_groups_kernel<<<grid, 256, 0, env.stream>>>(
-        reduction, p.weight_grad, element_size(p.output_type),
-        p.n * p.k * static_cast<int64_t>(element_size(p.output_type)));
-    TORCHMOE_CUDA_CHECK(cudaGetLastError());
-  }
-
+  // The plan first: a call refused for want of an algorithm launches nothing (the layouts and the
+  // heuristic read only the arrays' addresses, which the setup kernel fills in stream order).
   Layouts layouts;
   init_layouts(layouts, matmul, arrays);
   const Plan& plan = find_plan(matmul, layouts, env.workspace_bytes, env.handle);
   TORCH_CHECK_NOT_IMPLEMENTED(plan.found, "torchmoe: cuBLASLt ", grouped_api().info.version,
                               " has no grouped-matmul algorithm for ", kind_name(p.kind), " with ",
                               p.num_groups, " groups, n=", p.n, ", k=", p.k, " and this dtype");
+  setup_groups_kernel<<<1, kSetupThreads, 0, env.stream>>>(
+      matmul, arrays, element_size(matmul.input_type), element_size(matmul.output_type));
+  TORCHMOE_CUDA_CHECK(cudaGetLastError());
+  if (p.kind == GemmKind::kWgrad && !p.accumulate) {
+    zero_empty_groups(arrays.ints + p.num_groups /* a_cols */, p.weight_grad, p.output_type, p.n,
+                      p.k, p.num_groups, env.stream);
+  }
   const float* alpha = arrays.scalars;
   const float* beta = arrays.scalars + 1;
   TORCHMOE_CUBLASLT_CHECK(cublasLtMatmul(env.handle, plan.desc, alpha, arrays.a, layouts.a.get(),
@@ -631,23 +642,20 @@ void run_grouped_gemm_cublaslt_grouped_fp8(const CublasLtGroupedFp8Params& p,
   const GroupArrays arrays = group_arrays(env.arrays, p.num_groups);
   const bool with_bias = has_bias(p);
   const CublasLtGroupedFp8Params matmul = matmul_params(p, env);
-  setup_fp8_groups_kernel<<<1, kSetupThreads, 0, env.stream>>>(matmul, arrays,
-                                                               element_size(matmul.output_type));
-  TORCHMOE_CUDA_CHECK(cudaGetLastError());
-  if (p.kind == GemmKind::kWgrad && !p.accumulate) {
-    const dim3 grid(kZeroBlocksPerGroup, p.num_groups);
-    const int32_t* reduction = arrays.ints;  // a_rows: r16(m_g)
-    zero_empty_groups_kernel<<<grid, 256, 0, env.stream>>>(
-        reduction, p.weight_grad, element_size(p.output_type),
-        p.n * p.k * static_cast<int64_t>(element_size(p.output_type)));
-    TORCHMOE_CUDA_CHECK(cudaGetLastError());
-  }
+  // The plan first, as in run_grouped_gemm_cublaslt_grouped.
   Layouts layouts;
   init_fp8_layouts(layouts, matmul, arrays);
   const Plan& plan = find_fp8_plan(matmul, layouts, arrays, env.workspace_bytes, env.handle);
   TORCH_CHECK_NOT_IMPLEMENTED(plan.found, "torchmoe: cuBLASLt ", grouped_api().info.version,
                               " has no grouped FP8 algorithm for ", kind_name(p.kind), " with ",
                               p.num_groups, " groups, n=", p.n, ", k=", p.k);
+  setup_fp8_groups_kernel<<<1, kSetupThreads, 0, env.stream>>>(matmul, arrays,
+                                                               element_size(matmul.output_type));
+  TORCHMOE_CUDA_CHECK(cudaGetLastError());
+  if (p.kind == GemmKind::kWgrad && !p.accumulate) {
+    zero_empty_groups(arrays.ints /* a_rows: r16(m_g) */, p.weight_grad, p.output_type, p.n, p.k,
+                      p.num_groups, env.stream);
+  }
   // The pointer arrays are this call's (the plan may come from another call).
   set_desc(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, arrays.a_scale);
   set_desc(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, arrays.b_scale);

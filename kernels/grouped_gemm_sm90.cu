@@ -270,12 +270,12 @@ __global__ void build_wgrad_maps(const __grid_constant__ CUtensorMap a_template,
   const int first = min(num_groups, lane * per_lane), last = min(num_groups, first + per_lane);
   // Exclusive scans of the raw sizes (for the clamping) and of the padded widths.
   int64_t raw = 0;
-  for (int g = first; g < last; ++g) raw += split_at(m_splits, splits_int32, g);
+  for (int g = first; g < last; ++g) raw += split_at(m_splits, splits_int32, g, rows);
   const int64_t raw_start = warp_inclusive_scan(raw) - raw;
   int64_t start = raw_start;
   int64_t width = 0;
   for (int g = first; g < last; ++g) {
-    const int64_t split = split_at(m_splits, splits_int32, g);
+    const int64_t split = split_at(m_splits, splits_int32, g, rows);
     const int64_t begin = min(start, rows);
     width += round_up_columnwise(min(split, rows - begin));
     start += split;
@@ -284,7 +284,7 @@ __global__ void build_wgrad_maps(const __grid_constant__ CUtensorMap a_template,
   start = raw_start;
   const uint64_t edit_address = reinterpret_cast<uint64_t>(&edit[lane]);
   for (int g = first; g < last; ++g) {
-    const int64_t split = split_at(m_splits, splits_int32, g);
+    const int64_t split = split_at(m_splits, splits_int32, g, rows);
     const int64_t begin = min(start, rows);
     const int64_t padded = round_up_columnwise(min(split, rows - begin));
     start += split;

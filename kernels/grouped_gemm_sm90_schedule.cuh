@@ -54,12 +54,12 @@ __device__ void build_group_table(const Sm90GemmParams& p, GroupTable t) {
 
   // Clamped starts: group g ends where g + 1 starts (sizes are non-negative), the last at start[G].
   int64_t rows = 0;
-  for (int g = first; g < last; ++g) rows += split_at(p.m_splits, p.splits_int32, g);
+  for (int g = first; g < last; ++g) rows += split_at(p.m_splits, p.splits_int32, g, p.rows);
   const int64_t row_prefix = warp_inclusive_scan(rows);
   int64_t row = row_prefix - rows;
   for (int g = first; g < last; ++g) {
     t.start[g] = static_cast<int>(min(row, p.rows));
-    row += split_at(p.m_splits, p.splits_int32, g);
+    row += split_at(p.m_splits, p.splits_int32, g, p.rows);
   }
   if (lane == kWarpSize - 1) t.start[G] = static_cast<int>(min(row_prefix, p.rows));
   __syncwarp();

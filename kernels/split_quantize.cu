@@ -98,7 +98,7 @@ __device__ SplitLayout build_layout(const SplitQuantizeParams& p, char* shared) 
     int64_t carry = 0;
     for (int base = 0; base < groups; base += kWarpSize) {
       const int g = base + lane;
-      const int64_t s = g < groups ? min(split_at(p.m_splits, p.splits_int32, g), p.rows) : 0;
+      const int64_t s = g < groups ? split_at(p.m_splits, p.splits_int32, g, p.rows) : 0;
       const int64_t inclusive = warp_inclusive_scan(s);
       if (g < groups) l.start[g] = min(carry + inclusive - s, p.rows);
       carry = min(carry + __shfl_sync(kFullMask, inclusive, kWarpSize - 1), p.rows);

@@ -106,6 +106,8 @@ const char* cublaslt_grouped_refusal(const at::Tensor& input, const GemmShape& s
 void cublaslt_grouped_forward(const GemmPlan& plan, const at::Tensor& input,
                               const CheckedGroups& weights, const CheckedGroups& biases,
                               at::Tensor& output) {
+  TORCH_CHECK(weights.aligned, "torchmoe grouped GEMM: the cuBLASLt grouped backend needs ",
+              "weights that start on 16-byte boundaries");
   if (plan.rows == 0) return;
   const at::Tensor x = aligned_operand(input);
   kernels::CublasLtGroupedParams p = params_for(kernels::GemmKind::kFprop, plan);
@@ -118,6 +120,8 @@ void cublaslt_grouped_forward(const GemmPlan& plan, const at::Tensor& input,
 
 void cublaslt_grouped_dgrad(const GemmPlan& plan, const at::Tensor& grad_output,
                             const CheckedGroups& weights, at::Tensor& grad_input) {
+  TORCH_CHECK(weights.aligned, "torchmoe grouped GEMM: the cuBLASLt grouped backend needs ",
+              "weights that start on 16-byte boundaries");
   if (plan.rows == 0) return;
   const at::Tensor dy = aligned_operand(grad_output);
   kernels::CublasLtGroupedParams p = params_for(kernels::GemmKind::kDgrad, plan);

@@ -195,6 +195,15 @@ OutputRows output_rows(const SplitQuantized& rows_operand, c10::IntArrayRef size
   for (int64_t m : sizes) {
     out.padded |= rows_operand.scaling == QuantizeScaling::kBlock1x128 && m % 4 != 0;
   }
+  if (out.padded) {
+    const at::Tensor& d = rows_operand.data;
+    const int64_t needed = (d.storage_offset() + (d.size(0) + 3) * d.size(1)) * d.element_size();
+    TORCH_CHECK(static_cast<int64_t>(d.storage().nbytes()) >= needed,
+                "torchmoe FP8 grouped GEMM: a 1x128-scaled operand whose splits are not multiples ",
+                "of 4 rows must keep split_quantize's three rows of slack past its end (its ",
+                "per-group products read them), got a buffer of ", d.storage().nbytes(),
+                " bytes where ", needed, " are needed (clone() and to() drop the slack)");
+  }
   for (int64_t m : sizes) {
     const int64_t rows = out.padded ? kernels::round_up4(m) : m;
     out.gemm_rows.push_back(rows);

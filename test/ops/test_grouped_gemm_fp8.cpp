@@ -676,6 +676,18 @@ TEST_CASE("FP8 grouped GEMM ops refuse bad operands", "[ops][fp8][cuda][errors]"
   const GroupedTensors dw_out = GroupedTensors::stacked(dw);
   const auto bf16 = torch::kBFloat16;
 
+  SECTION("a 1x128 operand without split_quantize's three rows of slack") {
+    // Splits not multiples of 4 rows: each per-group product reads up to 3 rows past its split.
+    const ShapeCase odd{"odd", {37, 27}, 32, 128};
+    const Problem q = make_problem(odd, 18);
+    const ops::GemmPlan per_group = fp8_plan(q.x, q.n, q.k, q.sizes, GemmBackend::kCublasLt);
+    SplitQuantized xb = quantize(q.x, q.sizes, QuantizeScaling::kBlock1x128, kE4M3);
+    const SplitQuantized wb = quantize_w(q.w, QuantizeScaling::kBlock128x128);
+    CHECK_NOTHROW(ops::grouped_linear_forward_fp8(per_group, xb, wb, {}, bf16));
+    xb.data = xb.data.clone();
+    REQUIRE_THROWS_WITH(ops::grouped_linear_forward_fp8(per_group, xb, wb, {}, bf16),
+                        Contains("must keep split_quantize's three rows of slack past its end"));
+  }
   SECTION("a 16-bit plan") {
     const ops::GemmPlan plain =
         ops::plan_grouped_gemms("test", p.x, {ops::GemmShape{p.n, p.k, p.sizes.size()}},

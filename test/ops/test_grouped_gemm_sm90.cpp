@@ -300,6 +300,13 @@ TEST_CASE("sm90 grouped GEMM clamps device splits to the buffer", "[ops][cuda][s
   const torch::Tensor expected =
       torch::cat({x.narrow(0, 0, 30).mm(w[0].t()), x.narrow(0, 30, 20).mm(w[2].t())});
   check_close(y, expected, {1e-2, 1e-2}, "truncated groups");
+  // Sizes whose sum wraps around int64: each is clamped to the rows first, so the first group
+  // takes the buffer and the others are empty.
+  const torch::Tensor huge =
+      torch::tensor({INT64_MAX, INT64_MAX, int64_t{40}}, torch::kLong).to(torch::kCUDA);
+  const torch::Tensor all_first =
+      ops::grouped_linear_forward(forced_plan(x, 64, 64, torchmoe::SplitSizes(huge)), x, w, {});
+  check_close(all_first, x.mm(w[0].t()), {1e-2, 1e-2}, "sizes past int64");
 }
 
 TEST_CASE("sm90 grouped GEMM runs on a thread that has made no CUDA call", "[ops][cuda][sm90]") {
@@ -395,6 +402,20 @@ TEST_CASE("cuBLASLt grouped GEMM clamps device splits to the buffer",
   const torch::Tensor expected =
       torch::cat({x.narrow(0, 0, 30).mm(w[0].t()), x.narrow(0, 30, 20).mm(w[2].t())});
   check_close(y, expected, {1e-2, 1e-2}, "truncated groups");
+  // Sizes whose sum wraps around int64 (each clamped to the rows first).
+  const torch::Tensor huge =
+      torch::tensor({INT64_MAX, INT64_MAX, int64_t{40}}, torch::kLong).to(torch::kCUDA);
+  const torch::Tensor all_first = ops::grouped_linear_forward(
+      forced_plan(x, 64, 64, torchmoe::SplitSizes(huge), kGrouped), x, w, {});
+  check_close(all_first, x.mm(w[0].t()), {1e-2, 1e-2}, "sizes past int64");
+  // Weights at an odd address are refused, not handed to the grouped matmul.
+  const torch::Tensor buffer = torch::randn({3 * 64 * 64 + 1}, cuda);
+  const ops::GroupedTensors odd =
+      ops::GroupedTensors::stacked(buffer.narrow(0, 1, 3 * 64 * 64).view({3, 64, 64}));
+  const torchmoe::SplitSizes sizes(std::vector<int64_t>{20, 20, 10});
+  REQUIRE_THROWS_WITH(
+      ops::grouped_linear_forward(forced_plan(x, 64, 64, sizes, kGrouped), x, odd, {}),
+      Catch::Matchers::Contains("needs weights that start on 16-byte boundaries"));
 }
 
 TEST_CASE("cuBLASLt grouped GEMM: float32 operands run or are refused with a reason",
