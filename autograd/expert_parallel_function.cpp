@@ -1,5 +1,6 @@
 #include "torchmoe/autograd/expert_parallel_function.h"
 
+#include "torchmoe/autograd/once_differentiable.h"
 #include "torchmoe/autograd/token_permutation_function.h"
 
 namespace torchmoe::autograd {
@@ -20,6 +21,7 @@ at::Tensor AllToAllFunction::forward(AutogradContext* ctx, const at::Tensor& row
 }
 
 variable_list AllToAllFunction::backward(AutogradContext* ctx, variable_list grad_outputs) {
+  const OnceDifferentiable once;
   auto pg =
       c10::static_intrusive_pointer_cast<c10d::ProcessGroup>(ctx->saved_data["group"].toCapsule());
   const ProcessGroupOptions group =
@@ -29,7 +31,9 @@ variable_list AllToAllFunction::backward(AutogradContext* ctx, variable_list gra
   const at::Tensor grad =
       ops::all_to_all_rows(grad_outputs[0], ctx->saved_data["recv_splits"].toIntVector(),
                            ctx->saved_data["send_splits"].toIntVector(), group);
-  return {ctx->needs_input_grad(0) ? grad : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  return once_differentiable(
+      "AllToAllFunction", once,
+      {ctx->needs_input_grad(0) ? grad : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()});
 }
 
 at::Tensor all_to_all_rows(const at::Tensor& rows, c10::IntArrayRef send_splits,

@@ -1,5 +1,7 @@
 #include "torchmoe/autograd/glu_function.h"
 
+#include "torchmoe/autograd/once_differentiable.h"
+
 namespace torchmoe::autograd {
 
 using torch::autograd::AutogradContext;
@@ -21,6 +23,7 @@ at::Tensor GluFunction::forward(AutogradContext* ctx, const at::Tensor& input,
 }
 
 variable_list GluFunction::backward(AutogradContext* ctx, variable_list grad_outputs) {
+  const OnceDifferentiable once;
   const variable_list saved = ctx->get_saved_variables();
   ops::GluOptions options;
   options.activation = static_cast<GluActivation>(ctx->saved_data["activation"].toInt());
@@ -32,8 +35,9 @@ variable_list GluFunction::backward(AutogradContext* ctx, variable_list grad_out
   const bool scales_need_grad = scales.defined() && ctx->needs_input_grad(1);
   ops::GluGrads grads =
       ops::glu_backward(grad_outputs[0].contiguous(), saved[0], scales, options, scales_need_grad);
-  return {ctx->needs_input_grad(0) ? grads.grad_input : at::Tensor(), grads.grad_scales,
-          at::Tensor()};
+  return once_differentiable("GluFunction", once,
+                             {ctx->needs_input_grad(0) ? grads.grad_input : at::Tensor(),
+                              grads.grad_scales, at::Tensor()});
 }
 
 }  // namespace torchmoe::autograd

@@ -4,6 +4,7 @@
 
 #include <variant>
 
+#include "torchmoe/autograd/once_differentiable.h"
 #include "torchmoe/fp8/quantize_options.h"
 #include "torchmoe/ops/grouped_gemm_fp8.h"
 #include "torchmoe/ops/token_permutation.h"
@@ -255,6 +256,7 @@ at::Tensor GroupedLinearFunction::forward(AutogradContext* ctx, const at::Tensor
 }
 
 variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_list grad_outputs) {
+  const OnceDifferentiable once;
   const variable_list saved = ctx->get_saved_variables();
   const at::Tensor& input = saved[0];
   const at::Tensor& scales = saved[1];
@@ -382,7 +384,7 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
     const std::vector<at::Tensor> per_layout = in_layout(bias_grad, cfg.grouped_bias);
     std::copy(per_layout.begin(), per_layout.end(), grads.begin() + kFirstWeightSlot + num_weights);
   }
-  return grads;
+  return once_differentiable("GroupedLinearFunction", once, std::move(grads));
 }
 
 at::Tensor grouped_linear(const at::Tensor& input, const std::optional<at::Tensor>& input_scales,

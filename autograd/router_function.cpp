@@ -1,5 +1,7 @@
 #include "torchmoe/autograd/router_function.h"
 
+#include "torchmoe/autograd/once_differentiable.h"
+
 namespace torchmoe::autograd {
 
 using torch::autograd::AutogradContext;
@@ -12,11 +14,12 @@ at::Tensor RouterLogitsFunction::forward(AutogradContext* ctx, const at::Tensor&
 }
 
 variable_list RouterLogitsFunction::backward(AutogradContext* ctx, variable_list grad_outputs) {
+  const OnceDifferentiable once;
   const variable_list saved = ctx->get_saved_variables();
   ops::RouterLogitsGrads grads =
       ops::router_logits_backward(grad_outputs[0].contiguous(), saved[0], saved[1],
                                   ctx->needs_input_grad(0), ctx->needs_input_grad(1));
-  return {grads.grad_x, grads.grad_weight};
+  return once_differentiable("RouterLogitsFunction", once, {grads.grad_x, grads.grad_weight});
 }
 
 namespace {
@@ -53,12 +56,15 @@ variable_list RouterTopKFunction::forward(AutogradContext* ctx, const at::Tensor
 }
 
 variable_list RouterTopKFunction::backward(AutogradContext* ctx, variable_list grad_outputs) {
+  const OnceDifferentiable once;
   const variable_list saved = ctx->get_saved_variables();
   auto contiguous = [](const at::Tensor& t) { return t.defined() ? t.contiguous() : t; };
   const at::Tensor grad_logits = ops::router_topk_backward(
       saved[0], saved[1], saved[2], contiguous(grad_outputs[1]), contiguous(grad_outputs[2]),
       contiguous(grad_outputs[3]), scoring_of(ctx));
-  return {grad_logits, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  return once_differentiable(
+      "RouterTopKFunction", once,
+      {grad_logits, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()});
 }
 
 }  // namespace torchmoe::autograd

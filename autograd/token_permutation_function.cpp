@@ -1,5 +1,6 @@
 #include "torchmoe/autograd/token_permutation_function.h"
 
+#include "torchmoe/autograd/once_differentiable.h"
 #include "torchmoe/ops/token_permutation.h"
 
 namespace torchmoe::autograd {
@@ -14,12 +15,13 @@ at::Tensor PermuteFunction::forward(AutogradContext* ctx, const at::Tensor& toke
 }
 
 variable_list PermuteFunction::backward(AutogradContext* ctx, variable_list grad_outputs) {
+  const OnceDifferentiable once;
   const at::Tensor row_map = ctx->get_saved_variables()[0];
   at::Tensor grad_tokens;
   if (ctx->needs_input_grad(0)) {
     grad_tokens = ops::unpermute_rows(grad_outputs[0].contiguous(), row_map, at::Tensor());
   }
-  return {grad_tokens, at::Tensor(), at::Tensor()};
+  return once_differentiable("PermuteFunction", once, {grad_tokens, at::Tensor(), at::Tensor()});
 }
 
 namespace {
@@ -54,6 +56,7 @@ at::Tensor UnpermuteFunction::forward(AutogradContext* ctx, const at::Tensor& pe
 }
 
 variable_list UnpermuteFunction::backward(AutogradContext* ctx, variable_list grad_outputs) {
+  const OnceDifferentiable once;
   const variable_list saved = ctx->get_saved_variables();
   const at::Tensor& row_map = saved[0];
   const at::Tensor& probs = saved[2];
@@ -69,19 +72,24 @@ variable_list UnpermuteFunction::backward(AutogradContext* ctx, variable_list gr
       if (link.armed) {
         link.grad = quantize_linked_gradient(link, grad,
                                              ops::tokens_of_rows(sorted_slots, row_map.size(1)));
-        return {linked_gradient_placeholder({ctx->saved_data["num_rows"].toInt(), grad.size(1)},
-                                            grad.options()),
-                at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+        return once_differentiable(
+            "UnpermuteFunction", once,
+            {linked_gradient_placeholder({ctx->saved_data["num_rows"].toInt(), grad.size(1)},
+                                         grad.options()),
+             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()});
       }
     }
-    return {ops::permute_rows(grad, row_map, sorted_slots, at::Tensor()), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor()};
+    return once_differentiable("UnpermuteFunction", once,
+                               {ops::permute_rows(grad, row_map, sorted_slots, at::Tensor()),
+                                at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()});
   }
   ops::UnpermuteGrads grads = ops::unpermute_rows_backward(grad, saved[3], sorted_slots, probs);
   // One gradient per forward argument; autograd edges exist only for the optionals given.
   const size_t probs_edge = saved[1].defined() ? 3 : 2;
-  return {ctx->needs_input_grad(0) ? grads.grad_permuted : at::Tensor(), at::Tensor(), at::Tensor(),
-          ctx->needs_input_grad(probs_edge) ? grads.grad_probs : at::Tensor(), at::Tensor()};
+  return once_differentiable(
+      "UnpermuteFunction", once,
+      {ctx->needs_input_grad(0) ? grads.grad_permuted : at::Tensor(), at::Tensor(), at::Tensor(),
+       ctx->needs_input_grad(probs_edge) ? grads.grad_probs : at::Tensor(), at::Tensor()});
 }
 
 PermutedTokens permute_tokens(const at::Tensor& tokens, const at::Tensor& indices,

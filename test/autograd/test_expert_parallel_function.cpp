@@ -64,6 +64,14 @@ TEST_CASE("all_to_all_rows: rows reach their rank; the gradient takes the revers
   // gradient must equal x.
   (y * y.detach()).sum().backward();
   REQUIRE(torch::equal(x.grad(), x.detach()));
+  // Under create_graph the same gradient, and a second derivative is refused, not dropped.
+  const torch::Tensor x2 = x.detach().clone().requires_grad_(true);
+  const torch::Tensor y2 = torchmoe::autograd::all_to_all_rows(x2, send, recv, test_group());
+  const torch::Tensor g = torch::autograd::grad({(y2 * y2.detach()).sum()}, {x2}, {},
+                                                /*retain_graph=*/true, /*create_graph=*/true)[0];
+  CHECK(torch::equal(g, x.detach()));
+  REQUIRE_THROWS_WITH(g.sum().backward(),
+                      Contains("AllToAllFunction: a second derivative through this function"));
 }
 
 TEST_CASE("all_reduce_max_: the elementwise max over the ranks, in place", "[ep]") {
