@@ -172,9 +172,19 @@ CapacityMap make_capacity_map(const at::Tensor& indices, int64_t num_experts, in
   const at::Tensor valid = (flat >= 0) & (flat < num_experts);
   const at::Tensor expert = flat.clamp(0, num_experts - 1).unsqueeze(1);
   // position[s]: how many earlier slots chose the same expert.
-  const at::Tensor chosen = at::zeros({flat.size(0), num_experts}, flat.options())
-                                .scatter_(1, expert, valid.unsqueeze(1).to(at::kLong));
-  const at::Tensor position = chosen.cumsum(0).gather(1, expert).squeeze(1) - 1;
+  at::Tensor position;
+  if (indices.is_cuda()) {
+    // The routing map's stable sort by expert: a valid slot's row in expert order, less its
+    // expert's first row (indices outside [0, E) sort after every expert's, their row -1). No host
+    // sync, and memory of order T·k (the one-hot count below would be T·k·E).
+    const RoutingMap routing = make_routing_map(indices, num_experts, IndexTrust::kDropless);
+    const at::Tensor first_row = routing.m_splits.cumsum(0) - routing.m_splits;
+    position = routing.row_map.reshape(-1) - first_row.index_select(0, expert.squeeze(1));
+  } else {
+    const at::Tensor chosen = at::zeros({flat.size(0), num_experts}, flat.options())
+                                  .scatter_(1, expert, valid.unsqueeze(1).to(at::kLong));
+    position = chosen.cumsum(0).gather(1, expert).squeeze(1) - 1;
+  }
   const at::Tensor keep = valid & (position < capacity);
   CapacityMap map;
   map.row_map = at::where(keep, expert.squeeze(1) * capacity + position, -1).view(indices.sizes());

@@ -1,6 +1,7 @@
 // ops/expert_parallel.h without a process group: the capacity map on a hand-worked case
 // (positions in slot order, slots past the capacity dropped, -1 and indices outside [0, E)
-// dropped) and its errors. The exchanges are tested across Gloo ranks (test/distributed).
+// dropped), the CUDA map against the CPU one, and its errors. The exchanges are tested across
+// Gloo ranks (test/distributed).
 
 #include <torchmoe/ops/expert_parallel.h>
 
@@ -25,6 +26,24 @@ TEST_CASE("make_capacity_map places slots in order and drops the rest", "[ops][m
   const ops::CapacityMap none = ops::make_capacity_map(indices, 3, 0);
   CHECK((none.row_map == -1).all().item<bool>());
   CHECK(none.sorted_slots.numel() == 0);
+}
+
+TEST_CASE("make_capacity_map on CUDA (the routing map's sort) equals the CPU's one-hot count",
+          "[ops][moe][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  torch::manual_seed(3);
+  // E = 64; -1 (dropped) and 64..69 (outside [0, E)) among the indices.
+  const torch::Tensor indices = torch::randint(-1, 70, {300, 4}, torch::kLong);
+  for (const torch::Dtype dtype : {torch::kLong, torch::kInt}) {
+    for (const int64_t capacity : {0, 3, 20, 2000}) {
+      INFO("dtype=" << dtype << " capacity=" << capacity);
+      const ops::CapacityMap cpu = ops::make_capacity_map(indices.to(dtype), 64, capacity);
+      const ops::CapacityMap cuda =
+          ops::make_capacity_map(indices.to(dtype).to(torch::kCUDA), 64, capacity);
+      CHECK(torch::equal(cuda.row_map.cpu(), cpu.row_map));
+      CHECK(torch::equal(cuda.sorted_slots.cpu(), cpu.sorted_slots));
+    }
+  }
 }
 
 TEST_CASE("make_capacity_map errors", "[ops][moe][errors]") {
