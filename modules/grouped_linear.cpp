@@ -291,17 +291,20 @@ void GroupedLinearImpl::set_main_grads(std::vector<torch::Tensor> buffers) {
   main_grads_ = std::move(buffers);
 }
 
-void GroupedLinearImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
-  TORCH_CHECK(wgrad_queue_->empty(), kModule, "::to: ", wgrad_queue_->size(),
+void GroupedLinearImpl::check_no_queued_wgrad(const char* where) const {
+  TORCH_CHECK(wgrad_queue_->empty(), where, ": ", wgrad_queue_->size(),
               " delayed weight-gradient computation(s) are queued; run backward_dw() first");
+}
+
+void GroupedLinearImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  check_no_queued_wgrad("GroupedLinear::to");
   torch::nn::Module::to(device, dtype, non_blocking);
   move_main_grads(device);
   drop_fp8_weight_copies();
 }
 
 void GroupedLinearImpl::to(torch::Device device, bool non_blocking) {
-  TORCH_CHECK(wgrad_queue_->empty(), kModule, "::to: ", wgrad_queue_->size(),
-              " delayed weight-gradient computation(s) are queued; run backward_dw() first");
+  check_no_queued_wgrad("GroupedLinear::to");
   torch::nn::Module::to(device, non_blocking);
   move_main_grads(device);
   drop_fp8_weight_copies();
@@ -314,6 +317,9 @@ void GroupedLinearImpl::to(torch::Dtype dtype, bool non_blocking) {
 
 std::shared_ptr<torch::nn::Module> GroupedLinearImpl::clone(
     const std::optional<torch::Device>& device) const {
+  // The copy's queue would start empty, and the queued work's configs point at this layer's
+  // main grads: refused as to() refuses it.
+  check_no_queued_wgrad("GroupedLinear::clone");
   auto copy = std::dynamic_pointer_cast<GroupedLinearImpl>(Cloneable::clone(device));
   TORCH_INTERNAL_ASSERT(copy, kModule, "::clone: Cloneable made another type");
   // The copy's reset() made its main grads on options.device().

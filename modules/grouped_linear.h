@@ -126,6 +126,9 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
   void backward_dw();
   /// Number of weight-gradient computations waiting for backward_dw().
   int64_t pending_wgrad_count() const;
+  /// Throws naming `where` when delayed weight-gradient work is queued: what to() and clone()
+  /// refuse (the queued work writes into this layer's main grads on its device).
+  void check_no_queued_wgrad(const char* where) const;
 
   /// fp32 main-grad buffers: G tensors [out, in], or one [G, out, in] with single_grouped_weight.
   /// Empty unless fuse_wgrad_accumulation.
@@ -142,7 +145,9 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
   void to(torch::Device device, bool non_blocking = false) override;
   void to(torch::Dtype dtype, bool non_blocking = false) override;
   /// Cloneable's deep copy, with its main grads (fuse_wgrad_accumulation) on the device of its
-  /// parameters, which need not be options.device() after to() or with `device`.
+  /// parameters, which need not be options.device() after to() or with `device` (their contents
+  /// are not copied, as a parameter's .grad is not). Refused while delayed weight-gradient
+  /// computations are queued.
   std::shared_ptr<torch::nn::Module> clone(
       const std::optional<torch::Device>& device = std::nullopt) const override;
 

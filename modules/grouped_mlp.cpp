@@ -7,6 +7,7 @@
 #include "torchmoe/autograd/token_permutation_function.h"
 #include "torchmoe/fp8/autocast.h"
 #include "torchmoe/modules/glu_options.h"
+#include "torchmoe/modules/module_load.h"
 
 namespace torchmoe {
 namespace {
@@ -71,7 +72,7 @@ void GroupedMLPImpl::reset() {
 void GroupedMLPImpl::pretty_print(std::ostream& stream) const {
   stream << std::boolalpha << "torchmoe::GroupedMLP(num_experts=" << options.num_experts()
          << ", hidden=" << options.hidden() << ", ffn_hidden=" << options.ffn_hidden()
-         << ", bias=" << options.linear().bias() << ", activation="
+         << ", bias=" << fc2->options.bias() << ", activation="
          << (options.activation() == GluActivation::kSwiGLU ? "swiglu" : "clamped_swiglu") << ")";
 }
 
@@ -164,14 +165,16 @@ torch::Tensor GroupedMLPImpl::run_layers(const torch::Tensor& input,
   if (options.recompute_activation() || fp8) {
     // fc2's output gradient from the link only when fc2's output is this module's: scale_bias
     // below differentiates through it.
-    if (!fp8 || options.linear().bias()) output_grad_link = nullptr;
+    if (!fp8 || fc2->options.bias()) output_grad_link = nullptr;
     y = fc2->run(z, plans[1], is_first_microbatch, probs, &activation, nullptr,
                  std::move(output_grad_link), link);
   } else {
     const torch::Tensor h = autograd::GluFunction::apply(z, probs, activation);
     y = fc2->run(h, plans[1], is_first_microbatch, torch::Tensor(), nullptr);
   }
-  if (options.linear().bias() && options.scale_bias()) {
+  // fc2 as built decides whether it added a bias (options.linear() is only what it was built
+  // from).
+  if (fc2->options.bias() && options.scale_bias()) {
     // fc2 added b2_e; adding b2_e·(p - 1) leaves b2_e·p, with the gradients of b2 and p that
     // TE's scale_bias has (Σ dy·p and Σ dy·b2_e).
     // Row r belongs to the first expert whose cumulative size exceeds r (no host copy of device
@@ -193,6 +196,29 @@ torch::Tensor GroupedMLPImpl::run_layers(const torch::Tensor& input,
     y = (y.to(wide) + b2 * (probs.to(wide) - 1).unsqueeze(1)).to(y.scalar_type());
   }
   return y;
+}
+
+void GroupedMLPImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  // Both layers' checks before either moves.
+  fc1->check_no_queued_wgrad("GroupedMLP::to");
+  fc2->check_no_queued_wgrad("GroupedMLP::to");
+  torch::nn::Module::to(device, dtype, non_blocking);
+}
+
+void GroupedMLPImpl::to(torch::Device device, bool non_blocking) {
+  fc1->check_no_queued_wgrad("GroupedMLP::to");
+  fc2->check_no_queued_wgrad("GroupedMLP::to");
+  torch::nn::Module::to(device, non_blocking);
+}
+
+void GroupedMLPImpl::to(torch::Dtype dtype, bool non_blocking) {
+  fc1->check_no_queued_wgrad("GroupedMLP::to");
+  fc2->check_no_queued_wgrad("GroupedMLP::to");
+  torch::nn::Module::to(dtype, non_blocking);
+}
+
+void GroupedMLPImpl::load(torch::serialize::InputArchive& archive) {
+  detail::load_all_or_nothing(*this, [&] { torch::nn::Module::load(archive); });
 }
 
 void GroupedMLPImpl::backward_dw() {

@@ -90,6 +90,17 @@ class GroupedMLPImpl : public torch::nn::Cloneable<GroupedMLPImpl> {
   /// Runs the oldest delayed weight-gradient computation of both layers.
   void backward_dw();
 
+  /// As torch::nn::Module's, refused before either layer moves while one has queued delayed
+  /// weight-gradient work (GroupedLinear refuses it; checked first, the two layers do not end up
+  /// on different devices or dtypes).
+  using torch::nn::Module::to;
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Device device, bool non_blocking = false) override;
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
+  /// torch::load, all or nothing: fc1's and fc2's entries are each checked before they are
+  /// copied, and a refusal of fc2's restores what fc1 loaded.
+  void load(torch::serialize::InputArchive& archive) override;
+
   GroupedMLPOptions options;
   GroupedLinear fc1{nullptr};
   GroupedLinear fc2{nullptr};

@@ -5,6 +5,7 @@
 #include "torchmoe/autograd/expert_parallel_function.h"
 #include "torchmoe/autograd/token_permutation_function.h"
 #include "torchmoe/fp8/autocast.h"
+#include "torchmoe/modules/module_load.h"
 #include "torchmoe/modules/token_permutation.h"
 
 namespace torchmoe {
@@ -86,12 +87,20 @@ void MoELayerImpl::reset() {
   experts = register_module("experts", GroupedMLP(local_expert_options(options)));
 }
 
+// The submodules' options as built (options.router() and options.experts() are only what they
+// were built from).
 void MoELayerImpl::pretty_print(std::ostream& stream) const {
   stream << "torchmoe::MoELayer(hidden=" << options.hidden()
-         << ", ffn_hidden=" << options.experts().ffn_hidden()
-         << ", num_experts=" << options.num_experts() << ", topk=" << options.router().topk();
+         << ", ffn_hidden=" << experts->options.ffn_hidden()
+         << ", num_experts=" << options.num_experts() << ", topk=" << router->options.topk();
   if (options.expert_parallel()) {
-    stream << ", expert_parallel=" << options.expert_parallel()->group()->getSize();
+    const auto& group = options.expert_parallel()->group();
+    stream << ", expert_parallel=";
+    if (group) {
+      stream << group->getSize();
+    } else {
+      stream << "(no process group)";
+    }
   }
   stream << ")";
 }
@@ -209,5 +218,28 @@ torch::Tensor MoELayerImpl::run_padded(const torch::Tensor& tokens, const Router
 }
 
 void MoELayerImpl::backward_dw() { experts->backward_dw(); }
+
+void MoELayerImpl::load(torch::serialize::InputArchive& archive) {
+  detail::load_all_or_nothing(*this, [&] { torch::nn::Module::load(archive); });
+}
+
+// The experts' checks before the router moves (Module::to moves the children in order).
+void MoELayerImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  experts->fc1->check_no_queued_wgrad("MoELayer::to");
+  experts->fc2->check_no_queued_wgrad("MoELayer::to");
+  torch::nn::Module::to(device, dtype, non_blocking);
+}
+
+void MoELayerImpl::to(torch::Device device, bool non_blocking) {
+  experts->fc1->check_no_queued_wgrad("MoELayer::to");
+  experts->fc2->check_no_queued_wgrad("MoELayer::to");
+  torch::nn::Module::to(device, non_blocking);
+}
+
+void MoELayerImpl::to(torch::Dtype dtype, bool non_blocking) {
+  experts->fc1->check_no_queued_wgrad("MoELayer::to");
+  experts->fc2->check_no_queued_wgrad("MoELayer::to");
+  torch::nn::Module::to(dtype, non_blocking);
+}
 
 }  // namespace torchmoe

@@ -112,6 +112,16 @@ class MoELayerImpl : public torch::nn::Cloneable<MoELayerImpl> {
   /// Runs the oldest delayed weight-gradient computation of the experts.
   void backward_dw();
 
+  /// As torch::nn::Module's, refused before anything moves (the router included) while the
+  /// experts have queued delayed weight-gradient work.
+  using torch::nn::Module::to;
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Device device, bool non_blocking = false) override;
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
+  /// torch::load, all or nothing: the router's and the experts' entries are each checked before
+  /// they are copied, and a refusal of the experts' restores what the router loaded.
+  void load(torch::serialize::InputArchive& archive) override;
+
   MoELayerOptions options;
   TopKRouter router{nullptr};
   /// This rank's experts: all E, or with expert_parallel the E/ep of its shard.

@@ -3,7 +3,9 @@
 #include <torch/nn/init.h>
 
 #include <cmath>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "torchmoe/autograd/expert_parallel_function.h"
 #include "torchmoe/autograd/router_function.h"
@@ -52,17 +54,27 @@ TopKRouterImpl::TopKRouterImpl(TopKRouterOptions options_) : options(std::move(o
   reset();
 }
 
-void TopKRouterImpl::reset() {
-  const TopKRouterOptions& o = options;
-  TORCH_CHECK(o.hidden() > 0, kModule, ": hidden must be positive, got ", o.hidden());
-  TORCH_CHECK(o.num_experts() > 0, kModule, ": num_experts must be positive, got ",
-              o.num_experts());
+namespace {
+
+// The options forward reads, checked at construction and again at every forward (they are public
+// and may change in between).
+void check_routing_options(const TopKRouterOptions& o) {
   TORCH_CHECK(o.topk() >= 1 && o.topk() <= o.num_experts(), kModule,
               ": topk must be in [1, num_experts=", o.num_experts(), "], got ", o.topk());
   TORCH_CHECK(std::isfinite(o.aux_loss_coeff()) && o.aux_loss_coeff() >= 0 &&
                   std::isfinite(o.z_loss_coeff()) && o.z_loss_coeff() >= 0,
               kModule, ": loss coefficients must be finite and >= 0, got aux ", o.aux_loss_coeff(),
               ", z ", o.z_loss_coeff());
+}
+
+}  // namespace
+
+void TopKRouterImpl::reset() {
+  const TopKRouterOptions& o = options;
+  TORCH_CHECK(o.hidden() > 0, kModule, ": hidden must be positive, got ", o.hidden());
+  TORCH_CHECK(o.num_experts() > 0, kModule, ": num_experts must be positive, got ",
+              o.num_experts());
+  check_routing_options(o);
   TORCH_CHECK(
       !o.capacity_factor() || (std::isfinite(*o.capacity_factor()) && *o.capacity_factor() > 0),
       kModule, ": capacity_factor must be finite and positive, got ",
@@ -102,6 +114,15 @@ void TopKRouterImpl::pretty_print(std::ostream& stream) const {
 
 RouterOutput TopKRouterImpl::forward(const torch::Tensor& x) {
   const TopKRouterOptions& o = options;
+  // Sizes and the expert bias are what the tensors were built with: changed later they would
+  // scale the losses and the capacity for another expert count, or be ignored.
+  TORCH_CHECK(weight.size(0) == o.num_experts() && weight.size(1) == o.hidden(), kModule,
+              ": options num_experts=", o.num_experts(), " and hidden=", o.hidden(),
+              " must be those the router was built with, its weight is ", weight.sizes());
+  TORCH_CHECK(expert_bias.defined() == o.expert_bias(), kModule, ": expert_bias was ",
+              expert_bias.defined() ? "on" : "off",
+              " when the router was built; set it before construction, got ", o.expert_bias());
+  check_routing_options(o);
   TORCH_CHECK(x.defined() && x.dim() >= 1 && x.size(-1) == o.hidden(), kModule,
               ": x must be [..., hidden=", o.hidden(), "], got ",
               x.defined() ? x.sizes() : torch::IntArrayRef{});
@@ -168,6 +189,29 @@ RouterOutput TopKRouterImpl::forward(const torch::Tensor& x) {
     expert_load += out.tokens_per_expert.to(torch::kFloat32);
   }
   return out;
+}
+
+void TopKRouterImpl::load(torch::serialize::InputArchive& archive) {
+  // Module::load would take any shape and dtype (set_data): each entry is checked against the
+  // router's tensor first, then copied into it (keeping its dtype), all or nothing.
+  struct Entry {
+    const char* name;
+    torch::Tensor mine;
+    bool is_buffer;
+  };
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> reads;  // (the router's, the archive's)
+  for (const auto& [name, mine, is_buffer] :
+       {Entry{"weight", weight, false}, Entry{"expert_bias", expert_bias, true},
+        Entry{"expert_load", expert_load, true}}) {
+    if (!mine.defined()) continue;
+    torch::Tensor saved;
+    archive.read(name, saved, is_buffer);
+    TORCH_CHECK(saved.sizes() == mine.sizes(), kModule, "::load: '", name, "' must have shape ",
+                mine.sizes(), ", got ", saved.sizes());
+    reads.emplace_back(mine, saved);
+  }
+  const torch::NoGradGuard no_grad;
+  for (auto& [mine, saved] : reads) mine.copy_(saved);
 }
 
 void TopKRouterImpl::update_expert_bias() {

@@ -14,6 +14,7 @@
 #include <torch/arg.h>
 #include <torch/nn/cloneable.h>
 #include <torch/nn/pimpl.h>
+#include <torch/serialize/input-archive.h>
 #include <torch/types.h>
 
 #include <optional>
@@ -101,6 +102,11 @@ class TopKRouterImpl : public torch::nn::Cloneable<TopKRouterImpl> {
   /// expert_bias += rate · sign(mean load - load) from the tokens counted (in training mode)
   /// since the last call, then clears the count. No-op without expert_bias.
   void update_expert_bias();
+
+  /// torch::load: `weight` (and with expert_bias its two buffers) must have this router's
+  /// shapes; each is checked before any is copied, and copied into the router's tensors, which
+  /// keep their dtype and device (Module::load would take any shape and dtype).
+  void load(torch::serialize::InputArchive& archive) override;
 
   /// As torch::nn::Module's, except that the expert bias and load stay float32 (a bf16 load count
   /// would stop counting at 256; a bf16 bias would not move by small update rates).

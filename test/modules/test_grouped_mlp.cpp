@@ -5,6 +5,7 @@
 #include <torchmoe/torchmoe.h>
 
 #include <limits>
+#include <sstream>
 
 #include "test_utils.h"
 
@@ -330,4 +331,26 @@ TEST_CASE("GroupedMLP follows ->to(dtype)", "[modules][grouped_mlp]") {
   const torch::Tensor x = torch::randn({5, 16}, torch::kFloat64);
   const torch::Tensor y = mlp(x, std::vector<int64_t>{2, 3}, torch::rand({5}, torch::kFloat64));
   CHECK(y.scalar_type() == torch::kFloat64);
+}
+
+TEST_CASE("GroupedMLP reads its bias from fc2 as built", "[modules][mlp]") {
+  // options.linear() is what fc1 and fc2 were built from: changed later, the scale_bias term
+  // still follows fc2's bias, so the output does not change.
+  torch::manual_seed(43);
+  torchmoe::GroupedMLPOptions options(3, 8, 4);
+  options.scale_bias(true).linear().bias(true);
+  torchmoe::GroupedMLP mlp(options);
+  for (const auto& item : mlp->fc2->named_parameters()) {
+    torch::NoGradGuard no_grad;
+    if (item.key().rfind("bias", 0) == 0) item.value().uniform_(-1, 1);
+  }
+  const torch::Tensor x = torch::randn({7, 8});
+  const torch::Tensor probs = torch::rand({7});
+  const std::vector<int64_t> splits = {2, 3, 2};
+  const torch::Tensor before = mlp(x, splits, probs);
+  mlp->options.linear().bias(false);
+  CHECK(torch::equal(mlp(x, splits, probs), before));
+  std::ostringstream printed;
+  printed << *mlp;
+  CHECK_THAT(printed.str(), Contains("bias=true"));
 }

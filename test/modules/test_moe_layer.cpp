@@ -3,12 +3,16 @@
 
 #include <torchmoe/torchmoe.h>
 
+#include <sstream>
+
 #include "test_utils.h"
 
 using namespace torchmoe::test;
 using Catch::Matchers::Contains;
 using torchmoe::MoELayer;
 using torchmoe::MoELayerOptions;
+using torchmoe::TopKRouter;
+using torchmoe::TopKRouterOptions;
 
 namespace {
 
@@ -309,4 +313,65 @@ TEST_CASE("MoELayer's aux loss has the z-loss its router computes", "[modules][m
   const torch::Tensor logits = torch::linear(x, moe->router->weight.detach());
   const double z = kCoeff * torch::logsumexp(logits, 1).square().mean().item<double>();
   CHECK(std::abs((with - without).item<double>() - z) <= 1e-12 * std::max(1.0, z));
+}
+
+TEST_CASE("MoELayer and GroupedMLP move and copy and load whole or not at all",
+          "[modules][moe][errors]") {
+  torch::manual_seed(41);
+  MoELayerOptions options(8, 16, 4, 2);
+  options.experts().linear().delay_wgrad_compute(true);
+  MoELayer moe(options);
+  moe(torch::randn({6, 8})).output.sum().backward();  // queues the experts' weight gradients
+  // Refused before anything moves: Module::to would convert the router before the experts refuse.
+  REQUIRE_THROWS_WITH(
+      moe->to(torch::kFloat64),
+      Contains("MoELayer::to: 1 delayed weight-gradient computation(s) are queued"));
+  CHECK(moe->router->weight.scalar_type() == torch::kFloat32);
+  REQUIRE_THROWS_WITH(moe->experts->to(torch::kFloat64),
+                      Contains("GroupedMLP::to: 1 delayed weight-gradient computation(s)"));
+  // A copy would start with an empty queue while the work writes into the original's main grads.
+  REQUIRE_THROWS_WITH(moe->clone(), Contains("GroupedLinear::clone: 1 delayed"));
+  moe->backward_dw();
+  moe->to(torch::kFloat64);
+  CHECK(moe->router->weight.scalar_type() == torch::kFloat64);
+
+  // A checkpoint of other experts: the router (loaded first) is restored when the experts refuse.
+  MoELayer other(MoELayerOptions(8, 16, 2, 2));
+  std::stringstream checkpoint;
+  torch::save(other, checkpoint);
+  MoELayer target(MoELayerOptions(8, 16, 4, 2));
+  const torch::Tensor router_before = target->router->weight.detach().clone();
+  REQUIRE_THROWS(torch::load(target, checkpoint));
+  CHECK(torch::equal(target->router->weight, router_before));
+  // A router checkpoint of another shape or dtype: shapes checked, dtype kept.
+  TopKRouter small(TopKRouterOptions(8, 2, 1));
+  std::stringstream router_checkpoint;
+  torch::save(small, router_checkpoint);
+  REQUIRE_THROWS_WITH(torch::load(target->router, router_checkpoint),
+                      Contains("TopKRouter::load: 'weight' must have shape [4, 8], got [2, 8]"));
+  TopKRouter doubles(TopKRouterOptions(8, 4, 2).params_dtype(torch::kFloat64));
+  std::stringstream doubles_checkpoint;
+  torch::save(doubles, doubles_checkpoint);
+  torch::load(target->router, doubles_checkpoint);
+  CHECK(target->router->weight.scalar_type() == torch::kFloat32);
+  CHECK(torch::allclose(target->router->weight, doubles->weight.to(torch::kFloat32)));
+
+  // The printout reads the submodules as built; a null group in the options prints, not crashes.
+  target->options.expert_parallel(
+      torchmoe::ProcessGroupOptions(c10::intrusive_ptr<c10d::ProcessGroup>()));
+  std::ostringstream printed;
+  printed << *target;
+  CHECK_THAT(printed.str(), Contains("topk=2") && Contains("expert_parallel=(no process group)"));
+}
+
+TEST_CASE("TopKRouter refuses options changed past what it was built with", "[modules][errors]") {
+  TopKRouter router(TopKRouterOptions(8, 4, 2).aux_loss_coeff(0.01));
+  const torch::Tensor x = torch::randn({5, 8});
+  router->options.num_experts(8);
+  REQUIRE_THROWS_WITH(router(x), Contains("options num_experts=8 and hidden=8 must be those the "
+                                          "router was built with, its weight is [4, 8]"));
+  router->options.num_experts(4).expert_bias(true);
+  REQUIRE_THROWS_WITH(router(x), Contains("expert_bias was off when the router was built"));
+  router->options.expert_bias(false).aux_loss_coeff(INFINITY);
+  REQUIRE_THROWS_WITH(router(x), Contains("loss coefficients must be finite and >= 0"));
 }
