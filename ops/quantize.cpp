@@ -67,6 +67,16 @@ void check_input_type(const char* op, at::ScalarType dtype, int64_t k) {
 // its width) or its gradient (its width) is quantized.
 enum class InputKind { kRows, kGluActivation, kGluGradient };
 
+// The kernel counts tiles and the 1x128 scales' rows in 32 bits (kernels/split_quantize.cu).
+void check_kernel_size(const char* op, int64_t rows, int64_t k, int64_t groups) {
+  TORCH_CHECK(rows <= std::numeric_limits<int32_t>::max() - 3 * groups &&
+                  kernels::split_quantize_tiles_bound(static_cast<int>(groups), rows, k) <
+                      (int64_t{1} << 27),
+              op, ": [", rows, ", ", k, "] in ", groups,
+              " splits is too large: at most 2^31 - 1 - ",
+              "3 * splits rows and 2^27 128x128 tiles");
+}
+
 // gathered_rows: the row count of a gathered input (the splits' bound), else -1.
 void check_split_inputs(const char* op, const at::Tensor& input, const SplitSizes& m_splits,
                         const SplitQuantizeOptions& o, const at::Tensor& scale,
@@ -92,14 +102,7 @@ void check_split_inputs(const char* op, const at::Tensor& input, const SplitSize
                 m_splits.device().device());
   }
   check_options(op, o, groups, input.device(), scale, amax);
-  // The kernel counts tiles and the 1x128 scales' rows in 32 bits (kernels/split_quantize.cu).
-  const int64_t k = input.size(1) / (kind == InputKind::kGluActivation ? 2 : 1);
-  TORCH_CHECK(rows <= std::numeric_limits<int32_t>::max() - 3 * groups &&
-                  kernels::split_quantize_tiles_bound(static_cast<int>(groups), rows, k) <
-                      (int64_t{1} << 27),
-              op, ": [", rows, ", ", k, "] in ", groups,
-              " splits is too large: at most 2^31 - 1 - ",
-              "3 * splits rows and 2^27 128x128 tiles");
+  check_kernel_size(op, rows, input.size(1) / (kind == InputKind::kGluActivation ? 2 : 1), groups);
 }
 
 // The ops run on CUDA only; checked after every argument check, so that those are testable on the
@@ -315,6 +318,7 @@ SplitQuantized quantize_weights(const GroupedTensors& weights, const SplitQuanti
                            first.scalar_type(), "weights[0]'s dtype");
   TORCH_CHECK(w.aligned, kWeightsOp, ": weights must start on 16-byte boundaries");
   check_options(kWeightsOp, o, groups, first.device(), scale, amax);
+  check_kernel_size(kWeightsOp, groups * n, k, groups);
   check_cuda(kWeightsOp, first);
   const c10::cuda::CUDAGuard guard(first.device());
   // The device sizes filled on the device (no host-to-device copy of the host ones: this op runs
@@ -337,6 +341,8 @@ void update_delayed_scaling(const at::Tensor& amax_history, const at::Tensor& am
               ": amax_history must be float32, got ", amax_history.scalar_type());
   TORCH_CHECK(amax_history.is_contiguous(), kUpdateOp, ": amax_history must be contiguous");
   const int64_t groups = amax_history.size(1);
+  TORCH_CHECK(groups <= std::numeric_limits<int>::max(), kUpdateOp,
+              ": at most 2^31 - 1 splits (one block each), got ", groups);
   check_group_vector(kUpdateOp, "amax", amax, groups, amax_history.device());
   check_group_vector(kUpdateOp, "scale", scale, groups, amax_history.device());
   check_group_vector(kUpdateOp, "scale_inv", scale_inv, groups, amax_history.device());

@@ -309,6 +309,27 @@ TEST_CASE("sm90 grouped GEMM clamps device splits to the buffer", "[ops][cuda][s
   check_close(all_first, x.mm(w[0].t()), {1e-2, 1e-2}, "sizes past int64");
 }
 
+TEST_CASE("sm90 bias gradients are written at any address", "[ops][cuda][sm90]") {
+  TORCHMOE_REQUIRE_SM90();
+  // Bias gradients in a view at an odd element offset: each group's pair stores would be
+  // misaligned, so the kernel stores those elements one at a time.
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+  const torch::Tensor x = torch::randn({50, 64}, cuda);
+  const torch::Tensor dy = torch::randn({50, 64}, cuda);
+  const std::vector<int64_t> sizes = {20, 0, 30};
+  const ops::GemmPlan plan = forced_plan(
+      x, 64, 64, torchmoe::SplitSizes(torch::tensor(sizes, torch::kLong).to(torch::kCUDA)));
+  const torch::Tensor buffer = torch::zeros({3 * 64 + 1}, cuda);
+  const torch::Tensor db = buffer.narrow(0, 1, 3 * 64).view({3, 64});
+  ops::grouped_bias_grad(plan, dy, ops::GroupedTensors::stacked(db));
+  const torch::Tensor dy32 = dy.to(torch::kFloat);
+  const torch::Tensor expected =
+      torch::stack({dy32.narrow(0, 0, 20).sum(0), torch::zeros({64}, dy32.options()),
+                    dy32.narrow(0, 20, 30).sum(0)});
+  check_close(db.to(torch::kFloat), expected, {2e-2, 2e-2}, "bias gradients");
+  CHECK(buffer[0].item<float>() == 0.0f);
+}
+
 TEST_CASE("sm90 grouped GEMM runs on a thread that has made no CUDA call", "[ops][cuda][sm90]") {
   TORCHMOE_REQUIRE_SM90();
   // The tensor maps come from a driver call, which needs a current context. A new thread has none

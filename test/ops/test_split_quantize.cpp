@@ -958,6 +958,11 @@ TEST_CASE("split_quantize: sizes whose sum wraps around, oversized inputs and GL
       Contains("in 4096 splits is too large: at most 2^31 - 1 - 3 * splits rows and 2^27"));
   CHECK_THROWS_WITH(split_quantize(torch::empty({int64_t{1} << 31, 16}, meta), {8}, o),
                     Contains("is too large"));
+  // quantize_weights has the same limits: G·n rows.
+  CHECK_THROWS_WITH(
+      torchmoe::ops::quantize_weights(
+          torchmoe::ops::GroupedTensors::stacked(torch::empty({4096, 1 << 19, 16}, meta)), o),
+      Contains("quantize_weights: [2147483648, 16] in 4096 splits is too large"));
   // The GLU source's types are the CUDA kernels', checked before any kernel type is mapped.
   using torchmoe::ops::glu_split_quantize;
   const torchmoe::ops::GluOptions glu;
