@@ -18,6 +18,8 @@
 namespace torchmoe::kernels {
 
 constexpr int kWarpSize = 32;
+// CUDA's limit on gridDim.y: kernels with a block row per group take the groups past it in turn.
+constexpr int kMaxGridY = 65535;
 
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }

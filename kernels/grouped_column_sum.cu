@@ -19,7 +19,7 @@ template <typename T>
 __global__ void grouped_column_sum_kernel(const GroupedColumnSumParams p) {
   __shared__ int64_t group_start;
   __shared__ float partial[kSumRowSlices][kSumColumnPairs][2];
-  // Groups past gridDim.y (at most 65535) are taken in turn.
+  // Groups past gridDim.y (at most kMaxGridY) are taken in turn.
   for (int g = blockIdx.y; g < p.num_groups; g += gridDim.y) {
     if (threadIdx.y == 0) {
       int64_t sum = 0;
@@ -69,7 +69,7 @@ void launch_grouped_column_sum(const GroupedColumnSumParams& p, cudaStream_t str
   TORCH_INTERNAL_ASSERT(p.n % 2 == 0, "launch_grouped_column_sum: n must be even");
   const dim3 block(kSumColumnPairs, kSumRowSlices);
   const dim3 grid(static_cast<unsigned>((p.n + 2 * kSumColumnPairs - 1) / (2 * kSumColumnPairs)),
-                  static_cast<unsigned>(std::min(p.num_groups, 65535)));
+                  static_cast<unsigned>(std::min(p.num_groups, kMaxGridY)));
   dispatch_type(p.type, [&](auto tag) {
     using T = decltype(tag);
     grouped_column_sum_kernel<T><<<grid, block, 0, stream>>>(p);

@@ -269,7 +269,6 @@ __global__ void __launch_bounds__(kSetupThreads)
 // once, so the common case costs one small launch; the grouped matmul does not promise to write
 // a group whose reduction is empty.
 constexpr int kZeroBlocksPerGroup = 32;
-constexpr int kMaxGridY = 65535;  // CUDA's limit on gridDim.y: groups past it loop
 
 __global__ void zero_empty_groups_kernel(const int32_t* reduction, GroupAddress dw, size_t elem,
                                          int64_t bytes, int groups) {

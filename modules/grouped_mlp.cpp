@@ -198,22 +198,24 @@ torch::Tensor GroupedMLPImpl::run_layers(const torch::Tensor& input,
   return y;
 }
 
+void GroupedMLPImpl::check_no_queued_wgrad(const char* where) const {
+  fc1->check_no_queued_wgrad(where);
+  fc2->check_no_queued_wgrad(where);
+}
+
+// Both layers' checks before either moves.
 void GroupedMLPImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
-  // Both layers' checks before either moves.
-  fc1->check_no_queued_wgrad("GroupedMLP::to");
-  fc2->check_no_queued_wgrad("GroupedMLP::to");
+  check_no_queued_wgrad("GroupedMLP::to");
   torch::nn::Module::to(device, dtype, non_blocking);
 }
 
 void GroupedMLPImpl::to(torch::Device device, bool non_blocking) {
-  fc1->check_no_queued_wgrad("GroupedMLP::to");
-  fc2->check_no_queued_wgrad("GroupedMLP::to");
+  check_no_queued_wgrad("GroupedMLP::to");
   torch::nn::Module::to(device, non_blocking);
 }
 
 void GroupedMLPImpl::to(torch::Dtype dtype, bool non_blocking) {
-  fc1->check_no_queued_wgrad("GroupedMLP::to");
-  fc2->check_no_queued_wgrad("GroupedMLP::to");
+  check_no_queued_wgrad("GroupedMLP::to");
   torch::nn::Module::to(dtype, non_blocking);
 }
 

@@ -89,6 +89,8 @@ class GroupedMLPImpl : public torch::nn::Cloneable<GroupedMLPImpl> {
 
   /// Runs the oldest delayed weight-gradient computation of both layers.
   void backward_dw();
+  /// GroupedLinear::check_no_queued_wgrad of both layers.
+  void check_no_queued_wgrad(const char* where) const;
 
   /// As torch::nn::Module's, refused before either layer moves while one has queued delayed
   /// weight-gradient work (GroupedLinear refuses it; checked first, the two layers do not end up

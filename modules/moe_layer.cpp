@@ -225,20 +225,17 @@ void MoELayerImpl::load(torch::serialize::InputArchive& archive) {
 
 // The experts' checks before the router moves (Module::to moves the children in order).
 void MoELayerImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
-  experts->fc1->check_no_queued_wgrad("MoELayer::to");
-  experts->fc2->check_no_queued_wgrad("MoELayer::to");
+  experts->check_no_queued_wgrad("MoELayer::to");
   torch::nn::Module::to(device, dtype, non_blocking);
 }
 
 void MoELayerImpl::to(torch::Device device, bool non_blocking) {
-  experts->fc1->check_no_queued_wgrad("MoELayer::to");
-  experts->fc2->check_no_queued_wgrad("MoELayer::to");
+  experts->check_no_queued_wgrad("MoELayer::to");
   torch::nn::Module::to(device, non_blocking);
 }
 
 void MoELayerImpl::to(torch::Dtype dtype, bool non_blocking) {
-  experts->fc1->check_no_queued_wgrad("MoELayer::to");
-  experts->fc2->check_no_queued_wgrad("MoELayer::to");
+  experts->check_no_queued_wgrad("MoELayer::to");
   torch::nn::Module::to(dtype, non_blocking);
 }
 

@@ -194,22 +194,19 @@ RouterOutput TopKRouterImpl::forward(const torch::Tensor& x) {
 void TopKRouterImpl::load(torch::serialize::InputArchive& archive) {
   // Module::load would take any shape and dtype (set_data): each entry is checked against the
   // router's tensor first, then copied into it (keeping its dtype), all or nothing.
-  struct Entry {
-    const char* name;
-    torch::Tensor mine;
-    bool is_buffer;
-  };
   std::vector<std::pair<torch::Tensor, torch::Tensor>> reads;  // (the router's, the archive's)
-  for (const auto& [name, mine, is_buffer] :
-       {Entry{"weight", weight, false}, Entry{"expert_bias", expert_bias, true},
-        Entry{"expert_load", expert_load, true}}) {
-    if (!mine.defined()) continue;
-    torch::Tensor saved;
-    archive.read(name, saved, is_buffer);
-    TORCH_CHECK(saved.sizes() == mine.sizes(), kModule, "::load: '", name, "' must have shape ",
-                mine.sizes(), ", got ", saved.sizes());
-    reads.emplace_back(mine, saved);
-  }
+  const auto read_all = [&](const torch::OrderedDict<std::string, torch::Tensor>& tensors,
+                            bool is_buffer) {
+    for (const auto& item : tensors) {
+      torch::Tensor saved;
+      archive.read(item.key(), saved, is_buffer);
+      TORCH_CHECK(saved.sizes() == item.value().sizes(), kModule, "::load: '", item.key(),
+                  "' must have shape ", item.value().sizes(), ", got ", saved.sizes());
+      reads.emplace_back(item.value(), saved);
+    }
+  };
+  read_all(named_parameters(/*recurse=*/false), false);
+  read_all(named_buffers(/*recurse=*/false), true);
   const torch::NoGradGuard no_grad;
   for (auto& [mine, saved] : reads) mine.copy_(saved);
 }

@@ -62,6 +62,11 @@ bool same_memory(const torch::Tensor& a, const torch::Tensor& b) {
          a.dtype() == b.dtype();
 }
 
+// A gradient the kernels and the norm can read.
+void check_dense(const torch::Tensor& grad, const char* where) {
+  TORCH_CHECK(!grad.is_sparse(), kName, where, ": sparse gradients are not supported");
+}
+
 // An inference tensor cannot be written in place outside InferenceMode, which the step does
 // after its checks (the version counters): refused while nothing has changed.
 void check_not_inference(const torch::Tensor& t, const char* where, const char* what) {
@@ -168,7 +173,7 @@ bool FusedAdamW::writes_weight(const torch::Tensor& master, const torch::Tensor&
 }
 
 void FusedAdamW::check_step(const torch::Tensor& param) const {
-  TORCH_CHECK(!param.grad().is_sparse(), kName, ": sparse gradients are not supported");
+  check_dense(param.grad(), "");
   check_not_inference(param, "::step", "a parameter");
   const auto found = fp8_masters_.find(param.unsafeGetTensorImpl());
   if (found == fp8_masters_.end()) return;
@@ -209,9 +214,7 @@ torch::Tensor FusedAdamW::clip_grad_norm(double max_norm) {
     }
   }
   TORCH_CHECK(!grads.empty(), kName, "::clip_grad_norm: no parameter has a gradient");
-  for (const torch::Tensor& g : grads) {
-    TORCH_CHECK(!g.is_sparse(), kName, "::clip_grad_norm: sparse gradients are not supported");
-  }
+  for (const torch::Tensor& g : grads) check_dense(g, "::clip_grad_norm");
   const ops::GradNorm norm = ops::grad_norm(grads, max_norm);
   // Measuring only: no coefficient, so that an infinite norm does not make one of inf / inf.
   grad_scale_ = std::isinf(max_norm) ? torch::Tensor() : norm.coefficient;
@@ -244,9 +247,7 @@ torch::Tensor FusedAdamW::clip_grad_norm(double max_norm, const std::vector<torc
     TORCH_CHECK(!replicated_grads.empty() || !sharded_grads.empty(), kName,
                 "::clip_grad_norm: no parameter has a gradient");
     for (const auto* grads : {&replicated_grads, &sharded_grads}) {
-      for (const torch::Tensor& g : *grads) {
-        TORCH_CHECK(!g.is_sparse(), kName, "::clip_grad_norm: sparse gradients are not supported");
-      }
+      for (const torch::Tensor& g : *grads) check_dense(g, "::clip_grad_norm");
     }
     const torch::Tensor& any = replicated_grads.empty() ? sharded_grads[0] : replicated_grads[0];
     // Squared norms, each 0 for an empty list: a rank may hold no sharded gradient this step.
