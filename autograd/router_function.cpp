@@ -52,7 +52,7 @@ variable_list RouterTopKFunction::forward(AutogradContext* ctx, const at::Tensor
   ctx->mark_non_differentiable({out.indices, out.counts});
   // Unused outputs (no aux or z loss) get no gradient rather than a tensor of zeros.
   ctx->set_materialize_grads(false);
-  return {out.indices, out.probs, out.aux, out.lse, out.counts};
+  return {out.indices, out.probs, out.aux_sums, out.lse, out.counts};
 }
 
 variable_list RouterTopKFunction::backward(AutogradContext* ctx, variable_list grad_outputs) {

@@ -22,8 +22,8 @@ class RouterLogitsFunction : public torch::autograd::Function<RouterLogitsFuncti
 };
 
 // Scoring and top-k (ops::router_topk): logits [T, E] and an optional expert_bias [E] (no
-// gradient) -> {indices, probs, aux, lse, counts}; differentiable in logits through probs, aux and
-// lse.
+// gradient) -> {indices, probs, aux_sums, lse, counts}; differentiable in logits through probs,
+// aux_sums and lse.
 class RouterTopKFunction : public torch::autograd::Function<RouterTopKFunction> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,

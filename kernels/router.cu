@@ -59,21 +59,44 @@ __device__ RowStats score_row(const RouterParams& p, const float* row, float* s,
   return {m + logf(sum), score_sum};
 }
 
+// aux_sums' fixed point: a term in [0, 1] counts as round(term · 2^32) (router.h).
+constexpr float kAuxScale = 4294967296.0f;  // 2^32
+constexpr double kAuxUnit = 1.0 / 4294967296.0;
+
+// Shared memory of the forward, per warp: the scores, the choice keys and, with aux_sums, the
+// warp's fixed-point sums (lane l owns experts l, l + 32, ...: no conflicts, no atomics).
+size_t forward_shared_bytes(int64_t experts, bool aux) {
+  return static_cast<size_t>(kWarpsPerBlock * experts) *
+         (2 * sizeof(float) + (aux ? sizeof(long long) : 0));
+}
+
 __global__ void __launch_bounds__(kThreads) router_forward_kernel(const RouterParams p) {
-  __shared__ float scores[kWarpsPerBlock][kRouterMaxExperts];
-  __shared__ float keys[kWarpsPerBlock][kRouterMaxExperts];
+  extern __shared__ __align__(16) unsigned char shared[];
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int experts = static_cast<int>(p.experts), topk = static_cast<int>(p.topk);
-  float* s = scores[warp];
-  float* key = keys[warp];
+  long long* aux_block = reinterpret_cast<long long*>(shared);  // [kWarpsPerBlock][E] with aux
+  float* rows = reinterpret_cast<float*>(
+      shared + (p.aux_sums ? kWarpsPerBlock * experts * sizeof(long long) : 0));
+  float* s = rows + warp * experts;
+  float* key = rows + (kWarpsPerBlock + warp) * experts;
+  long long* aux_sum = aux_block + warp * experts;
+  bool aux_nan = false;
+  if (p.aux_sums) {
+    for (int e = lane; e < experts; e += kWarpSize) aux_sum[e] = 0;
+  }
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp; t < p.tokens;
        t += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
     const RowStats stats = score_row(p, p.logits + t * experts, s, lane);
     if (lane == 0) p.lse[t] = stats.lse;
     for (int e = lane; e < experts; e += kWarpSize) {
       key[e] = p.expert_bias ? s[e] + p.expert_bias[e] : s[e];
-      if (p.aux) {
-        p.aux[t * experts + e] = p.sigmoid ? s[e] / (stats.score_sum + kNormEps) : s[e];
+      if (p.aux_sums) {
+        const float a = p.sigmoid ? s[e] / (stats.score_sum + kNormEps) : s[e];
+        if (isnan(a)) {
+          aux_nan = true;
+        } else {
+          aux_sum[e] += __float2ll_rn(a * kAuxScale);
+        }
       }
     }
     __syncwarp();
@@ -105,6 +128,32 @@ __global__ void __launch_bounds__(kThreads) router_forward_kernel(const RouterPa
     }
     __syncwarp();
   }
+  if (!p.aux_sums) return;
+
+  // The block's sums into the launch's (integer adds: any order gives the same bits), then the
+  // last block to finish converts them.
+  auto* sums = reinterpret_cast<unsigned long long*>(p.aux_scratch);
+  unsigned long long* nan_flag = sums + experts;
+  unsigned long long* finished = sums + experts + 1;
+  __shared__ bool last;
+  if (__any_sync(0xffffffffu, aux_nan) && lane == 0) atomicOr(nan_flag, 1ull);
+  __syncthreads();
+  for (int e = threadIdx.x; e < experts; e += kThreads) {
+    long long v = 0;
+    for (int w = 0; w < kWarpsPerBlock; ++w) v += aux_block[w * experts + e];
+    if (v != 0) atomicAdd(sums + e, static_cast<unsigned long long>(v));
+  }
+  __threadfence();  // this block's adds before its count
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(finished, 1ull) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();  // every block's adds (before their counts) are visible
+  const bool any_nan = __ldcg(reinterpret_cast<const long long*>(nan_flag)) != 0;
+  for (int e = threadIdx.x; e < experts; e += kThreads) {
+    const long long v = __ldcg(reinterpret_cast<const long long*>(sums + e));
+    p.aux_sums[e] = any_nan ? NAN : static_cast<float>(static_cast<double>(v) * kAuxUnit);
+  }
 }
 
 __global__ void __launch_bounds__(kThreads) router_backward_kernel(const RouterParams p) {
@@ -119,7 +168,7 @@ __global__ void __launch_bounds__(kThreads) router_backward_kernel(const RouterP
     const float* row = p.logits + t * experts;
     const RowStats stats = score_row(p, row, s, lane);
     // d/ds of the aux scores: the identity for softmax; through s / (Σ s + eps) for sigmoid.
-    const float* ga = p.grad_aux ? p.grad_aux + t * experts : nullptr;
+    const float* ga = p.grad_aux;  // of aux_sums: every token's aux[t, e] gets it
     float aux_dot = 0.0f;
     if (ga && p.sigmoid) {
       for (int e = lane; e < experts; e += kWarpSize)
@@ -185,10 +234,9 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename Kernel>
-void launch(Kernel* kernel, const RouterParams& p, cudaStream_t stream) {
-  if (p.tokens == 0) return;
+void launch(Kernel* kernel, const RouterParams& p, size_t shared, cudaStream_t stream) {
   const int64_t blocks = (p.tokens + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  kernel<<<one_wave_grid(kernel, kThreads, 0, blocks), kThreads, 0, stream>>>(p);
+  kernel<<<one_wave_grid(kernel, kThreads, shared, blocks), kThreads, shared, stream>>>(p);
   TORCHMOE_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -198,14 +246,27 @@ void launch_router_forward(const RouterParams& params, cudaStream_t stream) {
   TORCH_INTERNAL_ASSERT(params.experts > 0 && params.experts <= kRouterMaxExperts &&
                             params.topk >= 1 && params.topk <= params.experts,
                         "launch_router_forward: unsupported experts/topk");
-  launch(router_forward_kernel, params, stream);
+  TORCH_INTERNAL_ASSERT(
+      !params.aux_sums || (params.aux_scratch && params.tokens < kRouterMaxAuxTokens),
+      "launch_router_forward: aux_sums needs aux_scratch and T < 2^31");
+  // No tokens: nothing to choose, and the sums are zeros (the last block writes them).
+  if (params.tokens == 0 && !params.aux_sums) return;
+  const size_t shared = forward_shared_bytes(params.experts, params.aux_sums != nullptr);
+  // Up to 64 KB (1024 experts with aux_sums): past the 48 KB a launch gets without asking.
+  if (shared > size_t{48} * 1024) {
+    TORCHMOE_CUDA_CHECK(cudaFuncSetAttribute(router_forward_kernel,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(shared)));
+  }
+  launch(router_forward_kernel, params, shared, stream);
 }
 
 void launch_router_backward(const RouterParams& params, cudaStream_t stream) {
   TORCH_INTERNAL_ASSERT(params.experts > 0 && params.experts <= kRouterMaxExperts &&
                             params.topk >= 1 && params.topk <= params.experts,
                         "launch_router_backward: unsupported experts/topk");
-  launch(router_backward_kernel, params, stream);
+  if (params.tokens == 0) return;
+  launch(router_backward_kernel, params, 0, stream);
 }
 
 void launch_router_grad_split(const float* grad, void* hilo, int64_t tokens, int64_t experts,

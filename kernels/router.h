@@ -9,11 +9,18 @@
 //   indices[t, :]  = the k experts of highest s[t, e] + bias[e], in descending order (ties: the
 //                    lower expert first)
 //   probs[t, j]    = s[t, indices[t, j]], divided by Σ_j of them (+1e-20) when normalized
-//   aux[t, e]      = s[t, e], or for sigmoid s[t, e] / (Σ_e s[t, e] + 1e-20)   (optional)
+//   aux[t, e]      = s[t, e], or for sigmoid s[t, e] / (Σ_e s[t, e] + 1e-20)
+//   aux_sums[e]    = Σ_t aux[t, e]                 (optional: the load-balancing loss's input)
 //   counts[e]     += number of tokens choosing e                     (int64, zeroed by the caller)
 //
-// The backward takes the gradients of probs, aux and lse (each optional) and writes
+// The backward takes the gradients of probs, aux_sums and lse (each optional) and writes
 // grad_logits [T, E]. One warp per token, the row kept in shared memory: E ≤ kMaxExperts.
+//
+// aux_sums is summed in fixed point, each term a multiple of 2^-32 (exact for terms of at least
+// 2^-9, whose fp32 spacing that is; within 2^-33 below), so that integer atomics add the blocks'
+// sums in any order to the same bits: deterministic, in the same launch (the [T, E] scores are
+// never written, and no reduction launch follows); the block that finishes last converts them. A
+// NaN term (a NaN logit makes its whole row of terms NaN) makes every sum NaN.
 
 #include <cuda_runtime_api.h>
 
@@ -25,6 +32,8 @@ constexpr int64_t kRouterMaxExperts = 1024;
 // Normalisations divide by Σ + kRouterNormEps (a row of zero scores stays finite); the ATen path
 // (ops/router.cpp) uses the same.
 constexpr double kRouterNormEps = 1e-20;
+// aux_sums count T < 2^31 terms in [0, 1] as multiples of 2^-32 in int64.
+constexpr int64_t kRouterMaxAuxTokens = int64_t{1} << 31;
 
 struct RouterParams {
   int64_t tokens = 0;   // T
@@ -36,18 +45,20 @@ struct RouterParams {
   const float* expert_bias = nullptr;  // [E] or null (selection only)
 
   // forward outputs
-  int64_t* indices = nullptr;  // [T, k]
-  float* probs = nullptr;      // [T, k]
-  float* aux = nullptr;        // [T, E] or null
-  float* lse = nullptr;        // [T]
-  int64_t* counts = nullptr;   // [E]
+  int64_t* indices = nullptr;      // [T, k]
+  float* probs = nullptr;          // [T, k]
+  float* aux_sums = nullptr;       // [E] or null; T < 2^31 (the fixed-point sums' range)
+  int64_t* aux_scratch = nullptr;  // [E + 2] zeroed by the caller when aux_sums: the fixed-point
+                                   // sums, a NaN flag, the count of finished blocks
+  float* lse = nullptr;            // [T]
+  int64_t* counts = nullptr;       // [E]
 
   // backward: the forward's indices and probs, the output gradients (each may be null), and
   // grad_logits [T, E] (written)
   const int64_t* saved_indices = nullptr;  // [T, k]
   const float* saved_probs = nullptr;      // [T, k]
   const float* grad_probs = nullptr;       // [T, k]
-  const float* grad_aux = nullptr;         // [T, E]
+  const float* grad_aux = nullptr;         // [E]: of aux_sums
   const float* grad_lse = nullptr;         // [T]
   float* grad_logits = nullptr;
 };

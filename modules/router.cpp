@@ -161,8 +161,8 @@ RouterOutput TopKRouterImpl::forward(const torch::Tensor& x) {
 
   const auto scalar = torch::TensorOptions(compute).device(x.device());
   if (want_aux) {
-    // scored[2]: each token's scores (sigmoid: over their row sum).
-    const torch::Tensor weighted = torch::dot(scored[2].sum(0), out.tokens_per_expert.to(compute));
+    // scored[2]: the tokens' scores (sigmoid: over their row sum) summed per expert.
+    const torch::Tensor weighted = torch::dot(scored[2], out.tokens_per_expert.to(compute));
     const double coeff = o.aux_loss_coeff() * experts;
     out.aux_loss = group_tokens.defined()
                        ? weighted * (coeff / topk) / group_tokens.square()

@@ -136,6 +136,8 @@ RouterTopK router_topk(const at::Tensor& logits, const at::Tensor& expert_bias,
                        const RouterScoring& scoring) {
   check_logits(logits, scoring);
   const int64_t tokens = logits.size(0), experts = logits.size(1);
+  TORCH_CHECK(!scoring.aux || tokens < kernels::kRouterMaxAuxTokens, kTopKOp,
+              ": the aux loss's sums take fewer than 2^31 tokens, got ", tokens);
   TORCH_CHECK(!expert_bias.defined() ||
                   (expert_bias.dim() == 1 && expert_bias.size(0) == experts &&
                    expert_bias.scalar_type() == at::kFloat &&
@@ -148,16 +150,22 @@ RouterTopK router_topk(const at::Tensor& logits, const at::Tensor& expert_bias,
     const at::TensorOptions options = logits.options();
     out.indices = at::empty({tokens, scoring.topk}, options.dtype(at::kLong));
     out.probs = at::empty({tokens, scoring.topk}, options);
-    out.aux = at::empty({tokens, scoring.aux ? experts : 0}, options);
+    out.aux_sums = at::empty({scoring.aux ? experts : 0}, options);
     out.lse = at::empty({tokens}, options);
-    out.counts = at::zeros({experts}, options.dtype(at::kLong));
+    // The counts and, with aux_sums, the kernel's scratch after them: one zeroing launch.
+    const at::Tensor counts =
+        at::zeros({scoring.aux ? 2 * experts + 2 : experts}, options.dtype(at::kLong));
+    out.counts = counts.narrow(0, 0, experts);
     kernels::RouterParams p = kernel_params(logits, scoring);
     p.expert_bias = expert_bias.defined() ? expert_bias.const_data_ptr<float>() : nullptr;
     p.indices = out.indices.data_ptr<int64_t>();
     p.probs = out.probs.data_ptr<float>();
-    p.aux = scoring.aux ? out.aux.data_ptr<float>() : nullptr;
+    if (scoring.aux) {
+      p.aux_sums = out.aux_sums.data_ptr<float>();
+      p.aux_scratch = counts.data_ptr<int64_t>() + experts;
+    }
     p.lse = out.lse.data_ptr<float>();
-    p.counts = out.counts.data_ptr<int64_t>();
+    p.counts = counts.data_ptr<int64_t>();
     kernels::launch_router_forward(p, at::cuda::getCurrentCUDAStream().stream());
     return out;
   }
@@ -166,9 +174,10 @@ RouterTopK router_topk(const at::Tensor& logits, const at::Tensor& expert_bias,
   out.indices = std::get<1>(choice.topk(scoring.topk, 1));
   out.probs = scores.gather(1, out.indices);
   if (scoring.normalize) out.probs = out.probs / (out.probs.sum(1, true) + kernels::kRouterNormEps);
-  out.aux = !scoring.aux      ? at::empty({tokens, 0}, logits.options())
-            : scoring.sigmoid ? scores / (scores.sum(1, true) + kernels::kRouterNormEps)
-                              : scores;
+  out.aux_sums = !scoring.aux ? at::empty({0}, logits.options())
+                 : scoring.sigmoid
+                     ? (scores / (scores.sum(1, true) + kernels::kRouterNormEps)).sum(0)
+                     : scores.sum(0);
   out.lse = at::logsumexp(logits, 1);
   out.counts = at::zeros({experts}, logits.options().dtype(at::kLong))
                    .scatter_add(0, out.indices.reshape(-1), at::ones_like(out.indices.reshape(-1)));
@@ -201,7 +210,7 @@ at::Tensor router_topk_backward(const at::Tensor& logits, const at::Tensor& indi
                 " tensor on ", logits.device());
   };
   check_grad(grad_probs, {tokens, scoring.topk}, "grad_probs");
-  check_grad(grad_aux, {tokens, experts}, "grad_aux");
+  check_grad(grad_aux, {experts}, "grad_aux");
   check_grad(grad_lse, {tokens}, "grad_lse");
   if (select_topk_backend(logits) == TopKBackend::kCuda) {
     const c10::cuda::CUDAGuard guard(logits.device());

@@ -46,23 +46,24 @@ struct RouterScoring {
   int64_t topk = 1;
   bool sigmoid = false;    // sigmoid scores, else softmax
   bool normalize = false;  // probs divided by their sum over the k choices
-  bool aux = false;        // also return the aux loss's per-token scores
+  bool aux = false;        // also return the aux loss's input: the scores summed over tokens
 };
 
 struct RouterTopK {
-  at::Tensor indices;  // [T, k] int64, descending score (+ bias)
-  at::Tensor probs;    // [T, k] in the logits' dtype
-  at::Tensor aux;      // [T, E] (softmax scores, or sigmoid scores over their row sum); [T, 0]
-                       // when not asked for
-  at::Tensor lse;      // [T] logsumexp of each row of logits
-  at::Tensor counts;   // [E] int64 tokens choosing each expert
+  at::Tensor indices;   // [T, k] int64, descending score (+ bias)
+  at::Tensor probs;     // [T, k] in the logits' dtype
+  at::Tensor aux_sums;  // [E]: Σ over tokens of the softmax scores, or of the sigmoid scores over
+                        // their row sum (T < 2^31); [0] when not asked for
+  at::Tensor lse;       // [T] logsumexp of each row of logits
+  at::Tensor counts;    // [E] int64 tokens choosing each expert
 };
 
 // logits [T, E] fp32 or fp64; expert_bias undefined or [E] fp32 (shifts the choice, not probs).
 RouterTopK router_topk(const at::Tensor& logits, const at::Tensor& expert_bias,
                        const RouterScoring& scoring);
 
-// grad_logits [T, E] from the gradients of probs, aux and lse (each undefined when none).
+// grad_logits [T, E] from the gradients of probs [T, k], aux_sums [E] and lse [T] (each
+// undefined when none).
 at::Tensor router_topk_backward(const at::Tensor& logits, const at::Tensor& indices,
                                 const at::Tensor& probs, const at::Tensor& grad_probs,
                                 const at::Tensor& grad_aux, const at::Tensor& grad_lse,

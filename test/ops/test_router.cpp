@@ -134,11 +134,11 @@ TEST_CASE("router top-k: the CUDA kernel matches the ATen path", "[ops][router][
   torch::Tensor probs = scores.gather(1, indices);
   if (normalize) probs = probs / (probs.sum(1, true) + 1e-20);
   check_close(cuda.probs, probs, {1e-5, 1e-7}, "probs");
-  check_close(cuda.aux, cpu.aux, {1e-5, 1e-9}, "aux");
+  check_close(cuda.aux_sums, cpu.aux_sums, {1e-5, 1e-6}, "aux sums");
   check_close(cuda.lse, cpu.lse, {1e-6, 1e-6}, "lse");
 
   const torch::Tensor grad_probs = torch::randn({tokens, topk});
-  const torch::Tensor grad_aux = torch::randn({tokens, experts}) * 1e-2;
+  const torch::Tensor grad_aux = torch::randn({experts}) * 1e-2;
   const torch::Tensor grad_lse = torch::randn({tokens});
   auto on_cuda = [](const torch::Tensor& t) { return t.defined() ? t.cuda() : t; };
   for (int absent = 0; absent < 4; ++absent) {  // all gradients, then each one left out
@@ -176,6 +176,41 @@ TEST_CASE("router top-k: the CUDA kernel matches the ATen path", "[ops][router][
   CHECK_FALSE(passed_over.isnan().any().item<bool>());
 }
 
+// The aux sums' fixed point (kernels/router.h) against float64: each term is exact to 2^-33, so
+// the sums are within one fp32 rounding plus T·2^-33 whatever the order of the blocks, and equal
+// bit for bit from run to run. Axes: more tokens than one wave of warps (each warp takes several),
+// no tokens, a NaN row.
+TEST_CASE("router top-k: the aux sums are exact to fp32 and deterministic", "[ops][router][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const bool sigmoid = GENERATE(false, true);
+  const int64_t experts = GENERATE(8, 160);
+  INFO("sigmoid=" << sigmoid << " experts=" << experts);
+  torch::manual_seed(47);
+  const int64_t tokens = 100003;
+  const torch::Tensor logits = torch::randn({tokens, experts}) * 3;
+  torchmoe::ops::RouterScoring scoring;
+  scoring.topk = 2;
+  scoring.sigmoid = sigmoid;
+  scoring.aux = true;
+  const auto first = torchmoe::ops::router_topk(logits.cuda(), {}, scoring);
+  const auto second = torchmoe::ops::router_topk(logits.cuda(), {}, scoring);
+  CHECK(torch::equal(first.aux_sums, second.aux_sums));
+  const torch::Tensor l64 = logits.to(torch::kFloat64);
+  torch::Tensor scores = sigmoid ? torch::sigmoid(l64) : torch::softmax(l64, 1);
+  if (sigmoid) scores = scores / (scores.sum(1, true) + 1e-20);
+  // The kernel's fp32 scores are a few units of fp32 from the float64 ones, all of one sign, so the
+  // sums' relative error is theirs plus one rounding; an fp32 sum of 10^5 terms in any order
+  // would be off by ~10^-5.
+  check_close(first.aux_sums, scores.sum(0), {2e-6, tokens * 0x1p-33}, "aux sums");
+
+  const auto empty = torchmoe::ops::router_topk(logits.narrow(0, 0, 0).cuda(), {}, scoring);
+  CHECK(torch::equal(empty.aux_sums.cpu(), torch::zeros({experts})));
+  torch::Tensor with_nan = logits.narrow(0, 0, 1000).clone();
+  with_nan[500][3] = NAN;
+  const auto nan = torchmoe::ops::router_topk(with_nan.cuda(), {}, scoring);
+  CHECK(nan.aux_sums.isnan().all().item<bool>());
+}
+
 TEST_CASE("router top-k rejects bad arguments", "[ops][router][errors]") {
   using torchmoe::ops::router_topk;
   torchmoe::ops::RouterScoring scoring;
@@ -197,6 +232,9 @@ TEST_CASE("router top-k rejects bad arguments", "[ops][router][errors]") {
   CHECK_THROWS_WITH(torchmoe::ops::router_topk_backward(logits, out.indices, out.probs,
                                                         torch::zeros({5, 3}), {}, {}, scoring),
                     Contains("grad_probs must be a contiguous Float [5, 2] tensor"));
+  CHECK_THROWS_WITH(torchmoe::ops::router_topk_backward(logits, out.indices, out.probs, {},
+                                                        torch::zeros({5, 4}), {}, scoring),
+                    Contains("grad_aux must be a contiguous Float [4] tensor"));
   const auto backward = [&](const torch::Tensor& l, const torch::Tensor& indices,
                             const torch::Tensor& probs, int64_t topk) {
     torchmoe::ops::RouterScoring s = scoring;
