@@ -63,11 +63,14 @@ __device__ RowStats score_row(const RouterParams& p, const float* row, float* s,
 constexpr float kAuxScale = 4294967296.0f;  // 2^32
 constexpr double kAuxUnit = 1.0 / 4294967296.0;
 
-// Shared memory of the forward, per warp: the scores, the choice keys and, with aux_sums, the
-// warp's fixed-point sums (lane l owns experts l, l + 32, ...: no conflicts, no atomics).
+// Shared memory of the forward: with aux_sums first each warp's fixed-point sums (lane l owns
+// experts l, l + 32, ...: no conflicts, no atomics), then each warp's scores and choice keys.
+__host__ __device__ size_t aux_block_bytes(int64_t experts, bool aux) {
+  return aux ? static_cast<size_t>(kWarpsPerBlock * experts) * sizeof(long long) : 0;
+}
 size_t forward_shared_bytes(int64_t experts, bool aux) {
-  return static_cast<size_t>(kWarpsPerBlock * experts) *
-         (2 * sizeof(float) + (aux ? sizeof(long long) : 0));
+  return aux_block_bytes(experts, aux) +
+         static_cast<size_t>(2 * kWarpsPerBlock * experts) * sizeof(float);
 }
 
 __global__ void __launch_bounds__(kThreads) router_forward_kernel(const RouterParams p) {
@@ -75,8 +78,7 @@ __global__ void __launch_bounds__(kThreads) router_forward_kernel(const RouterPa
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int experts = static_cast<int>(p.experts), topk = static_cast<int>(p.topk);
   long long* aux_block = reinterpret_cast<long long*>(shared);  // [kWarpsPerBlock][E] with aux
-  float* rows = reinterpret_cast<float*>(
-      shared + (p.aux_sums ? kWarpsPerBlock * experts * sizeof(long long) : 0));
+  float* rows = reinterpret_cast<float*>(shared + aux_block_bytes(experts, p.aux_sums != nullptr));
   float* s = rows + warp * experts;
   float* key = rows + (kWarpsPerBlock + warp) * experts;
   long long* aux_sum = aux_block + warp * experts;
