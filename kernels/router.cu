@@ -15,8 +15,7 @@
 namespace torchmoe::kernels {
 namespace {
 
-constexpr int kWarpsPerBlock = 4;
-constexpr int kThreads = kWarpsPerBlock * kWarpSize;
+constexpr int kSplitThreads = 256;  // router_grad_split_kernel's elementwise blocks
 constexpr float kNormEps = static_cast<float>(kRouterNormEps);
 
 // The larger value, the lower index on ties; returned to every lane.
@@ -63,47 +62,72 @@ __device__ RowStats score_row(const RouterParams& p, const float* row, float* s,
 constexpr float kAuxScale = 4294967296.0f;  // 2^32
 constexpr double kAuxUnit = 1.0 / 4294967296.0;
 
-// Shared memory of the forward: with aux_sums first each warp's fixed-point sums (lane l owns
-// experts l, l + 32, ...: no conflicts, no atomics), then each warp's scores and choice keys.
-__host__ __device__ size_t aux_block_bytes(int64_t experts, bool aux) {
-  return aux ? static_cast<size_t>(kWarpsPerBlock * experts) * sizeof(long long) : 0;
-}
-size_t forward_shared_bytes(int64_t experts, bool aux) {
-  return aux_block_bytes(experts, aux) +
-         static_cast<size_t>(2 * kWarpsPerBlock * experts) * sizeof(float);
+// Up to 16 warps per block, as many as kSharedBudget holds: fewer, larger blocks than one per
+// four tokens, because each block ends with atomics on the launch's sums (E addresses) and a
+// ticket, and those, not the tokens' work, decided the time when 2,048 blocks of 4 warps took
+// 8,192 tokens (~80,000 atomics on a few cache lines).
+constexpr int kMaxWarpsPerBlock = 16;
+constexpr int kMaxThreads = kMaxWarpsPerBlock * kWarpSize;
+constexpr size_t kSharedBudget = 48 * 1024;  // what a launch gets without opting in
+
+// Block b adds its sums into replica b % kRouterSumReplicas (router.h): a replica's E addresses
+// take 1/8 of the blocks' atomics.
+__device__ __host__ constexpr int64_t scratch_replica_words(int64_t experts) {
+  return kRouterSumReplicas * experts;
 }
 
-__global__ void __launch_bounds__(kThreads) router_forward_kernel(const RouterParams p) {
+// Shared memory of the forward: the last block's sums of the replicas, counts and aux [E] (u64);
+// then per warp its own fixed-point aux sums [E] (u64, with aux_sums), counts [E] (u32), scores and
+// choice keys [E] (fp32) and chosen experts [k] (i32), padded to 8 bytes. Per-warp sums need no
+// atomics: a warp's lanes own distinct experts.
+__host__ __device__ size_t forward_block_bytes(int64_t experts) {
+  return static_cast<size_t>(2 * experts) * sizeof(unsigned long long);
+}
+__host__ __device__ size_t forward_warp_bytes(int64_t experts, int64_t topk, bool aux) {
+  const size_t bytes = static_cast<size_t>(experts) * ((aux ? 8 : 0) + 4 + 2 * 4) + 4 * topk;
+  return (bytes + 7) / 8 * 8;
+}
+
+// 4 blocks of 16 warps per SM (32 registers): every warp of the SM resident.
+__global__ void __launch_bounds__(kMaxThreads, 4) router_forward_kernel(const RouterParams p) {
   extern __shared__ __align__(16) unsigned char shared[];
+  const int warps = blockDim.x / kWarpSize;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int experts = static_cast<int>(p.experts), topk = static_cast<int>(p.topk);
-  long long* aux_block = reinterpret_cast<long long*>(shared);  // [kWarpsPerBlock][E] with aux
-  float* rows = reinterpret_cast<float*>(shared + aux_block_bytes(experts, p.aux_sums != nullptr));
-  float* s = rows + warp * experts;
-  float* key = rows + (kWarpsPerBlock + warp) * experts;
-  long long* aux_sum = aux_block + warp * experts;
-  bool aux_nan = false;
-  if (p.aux_sums) {
-    for (int e = lane; e < experts; e += kWarpSize) aux_sum[e] = 0;
+  const bool aux = p.aux_sums != nullptr;
+  const size_t warp_bytes = forward_warp_bytes(experts, topk, aux);
+  const auto warp_row = [&](int w) {
+    return shared + forward_block_bytes(experts) + w * warp_bytes;
+  };
+  // This warp's rows; another warp's are at the same offsets from warp_row(w).
+  const size_t counts_offset = aux ? experts * sizeof(unsigned long long) : 0;
+  auto* aux_own = reinterpret_cast<unsigned long long*>(warp_row(warp));
+  auto* counts_own = reinterpret_cast<unsigned*>(warp_row(warp) + counts_offset);
+  float* s = reinterpret_cast<float*>(counts_own + experts);
+  float* key = s + experts;
+  int* chosen = reinterpret_cast<int*>(key + experts);
+  for (int e = lane; e < experts; e += kWarpSize) {
+    counts_own[e] = 0;
+    if (aux) aux_own[e] = 0;
   }
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp; t < p.tokens;
-       t += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
+  __syncwarp();
+  bool aux_nan = false;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * warps + warp; t < p.tokens;
+       t += static_cast<int64_t>(gridDim.x) * warps) {
     const RowStats stats = score_row(p, p.logits + t * experts, s, lane);
     if (lane == 0) p.lse[t] = stats.lse;
     for (int e = lane; e < experts; e += kWarpSize) {
       key[e] = p.expert_bias ? s[e] + p.expert_bias[e] : s[e];
-      if (p.aux_sums) {
+      if (aux) {
         const float a = p.sigmoid ? s[e] / (stats.score_sum + kNormEps) : s[e];
         if (isnan(a)) {
           aux_nan = true;
-        } else {
-          aux_sum[e] += __float2ll_rn(a * kAuxScale);
+        } else {  // a in [0, 1]: a non-negative count
+          aux_own[e] += static_cast<unsigned long long>(__float2ll_rn(a * kAuxScale));
         }
       }
     }
     __syncwarp();
-    int64_t* indices = p.indices + t * topk;
-    float* probs = p.probs + t * topk;
     float chosen_sum = 0.0f;  // Σ of the chosen scores, on every lane
     for (int j = 0; j < topk; ++j) {
       float best = -FLT_MAX;
@@ -118,32 +142,43 @@ __global__ void __launch_bounds__(kThreads) router_forward_kernel(const RouterPa
       if (best_e == experts) best_e = j;  // a row of NaN scores: any valid expert (NaN probs)
       chosen_sum += s[best_e];
       if (lane == 0) {
-        indices[j] = best_e;
-        probs[j] = s[best_e];
+        chosen[j] = best_e;
         key[best_e] = -FLT_MAX;  // taken: no finite score or bias reaches it
-        atomicAdd(reinterpret_cast<unsigned long long*>(p.counts + best_e), 1ull);
       }
       __syncwarp();
     }
-    if (p.normalize) {
-      for (int j = lane; j < topk; j += kWarpSize) probs[j] = probs[j] / (chosen_sum + kNormEps);
+    // The k choices written side by side (no read-back of probs from global memory); lane j's
+    // expert is no other lane's, so its count needs no atomic.
+    int64_t* indices = p.indices + t * topk;
+    float* probs = p.probs + t * topk;
+    for (int j = lane; j < topk; j += kWarpSize) {
+      const int e = chosen[j];
+      indices[j] = e;
+      probs[j] = p.normalize ? s[e] / (chosen_sum + kNormEps) : s[e];
+      ++counts_own[e];
     }
     __syncwarp();
   }
-  if (!p.aux_sums) return;
 
-  // The block's sums into the launch's (integer adds: any order gives the same bits), then the
-  // last block to finish converts them.
-  auto* sums = reinterpret_cast<unsigned long long*>(p.aux_scratch);
-  unsigned long long* nan_flag = sums + experts;
-  unsigned long long* finished = sums + experts + 1;
+  // The block's counts and sums into its replica (integer adds: any order gives the same bits),
+  // then the last block to finish adds the replicas and writes counts and aux_sums.
+  auto* scratch = reinterpret_cast<unsigned long long*>(p.scratch);
+  const int64_t replica = blockIdx.x % kRouterSumReplicas;
+  unsigned long long* count_sums = scratch;                                 // [replicas][E]
+  unsigned long long* aux_sums = scratch + scratch_replica_words(experts);  // [replicas][E]
+  unsigned long long* nan_flag = aux_sums + scratch_replica_words(experts);
+  unsigned long long* finished = nan_flag + 1;
   __shared__ bool last;
-  if (__any_sync(0xffffffffu, aux_nan) && lane == 0) atomicOr(nan_flag, 1ull);
+  if (aux && __any_sync(0xffffffffu, aux_nan) && lane == 0) atomicOr(nan_flag, 1ull);
   __syncthreads();
-  for (int e = threadIdx.x; e < experts; e += kThreads) {
-    long long v = 0;
-    for (int w = 0; w < kWarpsPerBlock; ++w) v += aux_block[w * experts + e];
-    if (v != 0) atomicAdd(sums + e, static_cast<unsigned long long>(v));
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+    unsigned long long count = 0, sum = 0;
+    for (int w = 0; w < warps; ++w) {
+      count += reinterpret_cast<const unsigned*>(warp_row(w) + counts_offset)[e];
+      if (aux) sum += reinterpret_cast<const unsigned long long*>(warp_row(w))[e];
+    }
+    if (count != 0) atomicAdd(count_sums + replica * experts + e, count);
+    if (sum != 0) atomicAdd(aux_sums + replica * experts + e, sum);
   }
   __threadfence();  // this block's adds before its count
   __syncthreads();
@@ -151,56 +186,96 @@ __global__ void __launch_bounds__(kThreads) router_forward_kernel(const RouterPa
   __syncthreads();
   if (!last) return;
   __threadfence();  // every block's adds (before their counts) are visible
-  const bool any_nan = __ldcg(reinterpret_cast<const long long*>(nan_flag)) != 0;
-  for (int e = threadIdx.x; e < experts; e += kThreads) {
-    const long long v = __ldcg(reinterpret_cast<const long long*>(sums + e));
-    p.aux_sums[e] = any_nan ? NAN : static_cast<float>(static_cast<double>(v) * kAuxUnit);
+  // The replicas summed in shared memory, every (replica, expert) load in flight at once rather
+  // than a replica at a time.
+  auto* total_counts = reinterpret_cast<unsigned long long*>(shared);
+  unsigned long long* total_aux = total_counts + experts;
+  for (int e = threadIdx.x; e < 2 * experts; e += blockDim.x) total_counts[e] = 0;
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < scratch_replica_words(experts); i += blockDim.x) {
+    const int e = static_cast<int>(i % experts);
+    atomicAdd(&total_counts[e], __ldcg(count_sums + i));
+    if (aux) atomicAdd(&total_aux[e], __ldcg(aux_sums + i));
+  }
+  __syncthreads();
+  const bool any_nan = aux && __ldcg(nan_flag) != 0;
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+    p.counts[e] = static_cast<int64_t>(total_counts[e]);
+    if (aux) {
+      p.aux_sums[e] =
+          any_nan ? NAN : static_cast<float>(static_cast<double>(total_aux[e]) * kAuxUnit);
+    }
   }
 }
 
-__global__ void __launch_bounds__(kThreads) router_backward_kernel(const RouterParams p) {
-  __shared__ float scores[kWarpsPerBlock][kRouterMaxExperts];
-  __shared__ float grads[kWarpsPerBlock][kRouterMaxExperts];
+// A chosen slot of the forward (index, probability) and its probability's gradient.
+struct ChosenSlot {
+  int64_t index = -1;
+  float prob = 0.0f;
+  float grad = 0.0f;
+};
+
+__device__ __forceinline__ ChosenSlot load_slot(const RouterParams& p, int64_t slot) {
+  return {p.saved_indices[slot], p.saved_probs[slot], p.grad_probs[slot]};
+}
+
+// Shared memory of the backward: per warp its scores and their gradient [E] each (fp32).
+__host__ __device__ size_t backward_warp_bytes(int64_t experts) {
+  return static_cast<size_t>(2 * experts) * sizeof(float);
+}
+
+// 3 blocks of 16 warps per SM (40 registers; at 32 it spills ~80 bytes a thread).
+__global__ void __launch_bounds__(kMaxThreads, 3) router_backward_kernel(const RouterParams p) {
+  extern __shared__ __align__(16) unsigned char shared[];
+  const int warps = blockDim.x / kWarpSize;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int experts = static_cast<int>(p.experts), topk = static_cast<int>(p.topk);
-  float* s = scores[warp];
-  float* ds = grads[warp];
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp; t < p.tokens;
-       t += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
+  float* s = reinterpret_cast<float*>(shared + warp * backward_warp_bytes(experts));
+  float* ds = s + experts;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * warps + warp; t < p.tokens;
+       t += static_cast<int64_t>(gridDim.x) * warps) {
     const float* row = p.logits + t * experts;
+    // Loads the row's reductions do not wait for, issued before them: the logsumexp's gradient
+    // and, for k <= 32, lane j's slot.
+    const float gl = p.grad_lse ? p.grad_lse[t] : 0.0f;
+    const bool one_round = topk <= kWarpSize;
+    ChosenSlot first;
+    if (p.grad_probs && one_round && lane < topk) first = load_slot(p, t * topk + lane);
+    const float* ga = p.grad_aux;  // of aux_sums: every token's aux[t, e] gets it
+    const float ga_lane = ga && lane < experts ? ga[lane] : 0.0f;
+    const auto grad_aux = [&](int e) { return e == lane ? ga_lane : ga[e]; };
     const RowStats stats = score_row(p, row, s, lane);
     // d/ds of the aux scores: the identity for softmax; through s / (Σ s + eps) for sigmoid.
-    const float* ga = p.grad_aux;  // of aux_sums: every token's aux[t, e] gets it
     float aux_dot = 0.0f;
     if (ga && p.sigmoid) {
       for (int e = lane; e < experts; e += kWarpSize)
-        aux_dot += ga[e] * s[e] / (stats.score_sum + kNormEps);
+        aux_dot += grad_aux(e) * s[e] / (stats.score_sum + kNormEps);
       aux_dot = warp_sum(aux_dot);
     }
     for (int e = lane; e < experts; e += kWarpSize) {
       float g = 0.0f;
-      if (ga) g = p.sigmoid ? (ga[e] - aux_dot) / (stats.score_sum + kNormEps) : ga[e];
+      if (ga) g = p.sigmoid ? (grad_aux(e) - aux_dot) / (stats.score_sum + kNormEps) : grad_aux(e);
       ds[e] = g;
     }
     __syncwarp();
     // d/ds of the chosen probabilities (distinct experts: each lane owns its j's expert).
     if (p.grad_probs) {
-      const int64_t* indices = p.saved_indices + t * topk;
-      const float* probs = p.saved_probs + t * topk;
-      const float* gp = p.grad_probs + t * topk;
-      float dot = 0.0f, chosen_sum = 0.0f;
+      const auto slot = [&](int j) { return one_round ? first : load_slot(p, t * topk + j); };
       // An index outside [0, experts) (not one router_topk wrote) is never used as an address:
       // it reaches no score past the row's (the row's gradient is then not meaningful).
-      const auto chosen = [&](int j) { return indices[j] >= 0 && indices[j] < experts; };
+      const auto valid = [&](const ChosenSlot& c) { return c.index >= 0 && c.index < experts; };
+      float dot = 0.0f, chosen_sum = 0.0f;
       for (int j = lane; j < topk; j += kWarpSize) {
-        dot += gp[j] * probs[j];
-        if (chosen(j)) chosen_sum += s[indices[j]];
+        const ChosenSlot c = slot(j);
+        dot += c.grad * c.prob;
+        if (valid(c)) chosen_sum += s[c.index];
       }
       dot = warp_sum(dot);
       chosen_sum = warp_sum(chosen_sum);
       for (int j = lane; j < topk; j += kWarpSize) {
-        if (chosen(j))
-          ds[indices[j]] += p.normalize ? (gp[j] - dot) / (chosen_sum + kNormEps) : gp[j];
+        const ChosenSlot c = slot(j);
+        if (valid(c))
+          ds[c.index] += p.normalize ? (c.grad - dot) / (chosen_sum + kNormEps) : c.grad;
       }
       __syncwarp();
     }
@@ -210,7 +285,6 @@ __global__ void __launch_bounds__(kThreads) router_backward_kernel(const RouterP
       for (int e = lane; e < experts; e += kWarpSize) s_dot += s[e] * ds[e];
       s_dot = warp_sum(s_dot);
     }
-    const float gl = p.grad_lse ? p.grad_lse[t] : 0.0f;
     float* out = p.grad_logits + t * experts;
     for (int e = lane; e < experts; e += kWarpSize) {
       const float softmax = p.sigmoid ? expf(row[e] - stats.lse) : s[e];
@@ -221,12 +295,12 @@ __global__ void __launch_bounds__(kThreads) router_backward_kernel(const RouterP
   }
 }
 
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kSplitThreads)
     router_grad_split_kernel(const float* grad, __nv_bfloat16* hilo, int64_t tokens,
                              int64_t experts) {
   const int64_t n = tokens * experts;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(kSplitThreads) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * kSplitThreads) {
     const int64_t t = i / experts, e = i % experts;
     const float g = grad[i];
     const __nv_bfloat16 hi = __float2bfloat16_rn(g);
@@ -235,32 +309,40 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// A warp per token, `warps` per block (each needing `warp_bytes` of shared memory after
+// `block_bytes`), at least one block (the forward's last block writes the counts and sums even
+// for zero tokens), one wave at most.
 template <typename Kernel>
-void launch(Kernel* kernel, const RouterParams& p, size_t shared, cudaStream_t stream) {
-  const int64_t blocks = (p.tokens + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  kernel<<<one_wave_grid(kernel, kThreads, shared, blocks), kThreads, shared, stream>>>(p);
+void launch(Kernel* kernel, const RouterParams& p, size_t block_bytes, size_t warp_bytes,
+            cudaStream_t stream) {
+  TORCH_INTERNAL_ASSERT(block_bytes + warp_bytes <= kSharedBudget,
+                        "router launch: one warp's shared memory exceeds the budget");
+  const int warps = static_cast<int>(
+      std::min<size_t>(kMaxWarpsPerBlock, (kSharedBudget - block_bytes) / warp_bytes));
+  const int threads = warps * kWarpSize;
+  const size_t shared = block_bytes + warps * warp_bytes;
+  const int64_t blocks = std::max<int64_t>(1, (p.tokens + warps - 1) / warps);
+  kernel<<<one_wave_grid(kernel, threads, shared, blocks), threads, shared, stream>>>(p);
   TORCHMOE_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace
 
+int64_t router_forward_scratch_words(int64_t experts) {
+  return 2 * scratch_replica_words(experts) + 2;
+}
+
 void launch_router_forward(const RouterParams& params, cudaStream_t stream) {
   TORCH_INTERNAL_ASSERT(params.experts > 0 && params.experts <= kRouterMaxExperts &&
                             params.topk >= 1 && params.topk <= params.experts,
                         "launch_router_forward: unsupported experts/topk");
-  TORCH_INTERNAL_ASSERT(
-      !params.aux_sums || (params.aux_scratch && params.tokens < kRouterMaxAuxTokens),
-      "launch_router_forward: aux_sums needs aux_scratch and T < 2^31");
-  // No tokens: nothing to choose, and the sums are zeros (the last block writes them).
-  if (params.tokens == 0 && !params.aux_sums) return;
-  const size_t shared = forward_shared_bytes(params.experts, params.aux_sums != nullptr);
-  // Up to 64 KB (1024 experts with aux_sums): past the 48 KB a launch gets without asking.
-  if (shared > size_t{48} * 1024) {
-    TORCHMOE_CUDA_CHECK(cudaFuncSetAttribute(router_forward_kernel,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(shared)));
-  }
-  launch(router_forward_kernel, params, shared, stream);
+  TORCH_INTERNAL_ASSERT(params.scratch && params.counts,
+                        "launch_router_forward: needs scratch and counts");
+  TORCH_INTERNAL_ASSERT(!params.aux_sums || params.tokens < kRouterMaxAuxTokens,
+                        "launch_router_forward: aux_sums needs T < 2^31");
+  const bool aux = params.aux_sums != nullptr;
+  launch(router_forward_kernel, params, forward_block_bytes(params.experts),
+         forward_warp_bytes(params.experts, params.topk, aux), stream);
 }
 
 void launch_router_backward(const RouterParams& params, cudaStream_t stream) {
@@ -268,16 +350,17 @@ void launch_router_backward(const RouterParams& params, cudaStream_t stream) {
                             params.topk >= 1 && params.topk <= params.experts,
                         "launch_router_backward: unsupported experts/topk");
   if (params.tokens == 0) return;
-  launch(router_backward_kernel, params, 0, stream);
+  launch(router_backward_kernel, params, 0, backward_warp_bytes(params.experts), stream);
 }
 
 void launch_router_grad_split(const float* grad, void* hilo, int64_t tokens, int64_t experts,
                               cudaStream_t stream) {
   const int64_t n = tokens * experts;
   if (n == 0) return;
-  const int64_t blocks = (n + kThreads - 1) / kThreads;
-  router_grad_split_kernel<<<one_wave_grid(router_grad_split_kernel, kThreads, 0, blocks), kThreads,
-                             0, stream>>>(grad, static_cast<__nv_bfloat16*>(hilo), tokens, experts);
+  const int64_t blocks = (n + kSplitThreads - 1) / kSplitThreads;
+  router_grad_split_kernel<<<one_wave_grid(router_grad_split_kernel, kSplitThreads, 0, blocks),
+                             kSplitThreads, 0, stream>>>(grad, static_cast<__nv_bfloat16*>(hilo),
+                                                         tokens, experts);
   TORCHMOE_CUDA_CHECK(cudaGetLastError());
 }
 

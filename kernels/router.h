@@ -11,7 +11,7 @@
 //   probs[t, j]    = s[t, indices[t, j]], divided by Σ_j of them (+1e-20) when normalized
 //   aux[t, e]      = s[t, e], or for sigmoid s[t, e] / (Σ_e s[t, e] + 1e-20)
 //   aux_sums[e]    = Σ_t aux[t, e]                 (optional: the load-balancing loss's input)
-//   counts[e]     += number of tokens choosing e                     (int64, zeroed by the caller)
+//   counts[e]      = number of tokens choosing e                                     (int64)
 //
 // The backward takes the gradients of probs, aux_sums and lse (each optional) and writes
 // grad_logits [T, E]. One warp per token, the row kept in shared memory: E ≤ kMaxExperts.
@@ -20,7 +20,9 @@
 // 2^-9, whose fp32 spacing that is; within 2^-33 below), so that integer atomics add the blocks'
 // sums in any order to the same bits: deterministic, in the same launch (the [T, E] scores are
 // never written, and no reduction launch follows); the block that finishes last converts them. A
-// NaN term (a NaN logit makes its whole row of terms NaN) makes every sum NaN.
+// NaN term (a NaN logit makes its whole row of terms NaN) makes every sum NaN. The counts take the
+// same path: each block counts its tokens' choices in shared memory and adds them to the launch's
+// sums once.
 
 #include <cuda_runtime_api.h>
 
@@ -34,6 +36,8 @@ constexpr int64_t kRouterMaxExperts = 1024;
 constexpr double kRouterNormEps = 1e-20;
 // aux_sums count T < 2^31 terms in [0, 1] as multiples of 2^-32 in int64.
 constexpr int64_t kRouterMaxAuxTokens = int64_t{1} << 31;
+// Copies of the forward's global sums in its scratch: the blocks' atomics spread over them.
+constexpr int64_t kRouterSumReplicas = 8;
 
 struct RouterParams {
   int64_t tokens = 0;   // T
@@ -45,13 +49,13 @@ struct RouterParams {
   const float* expert_bias = nullptr;  // [E] or null (selection only)
 
   // forward outputs
-  int64_t* indices = nullptr;      // [T, k]
-  float* probs = nullptr;          // [T, k]
-  float* aux_sums = nullptr;       // [E] or null; T < 2^31 (the fixed-point sums' range)
-  int64_t* aux_scratch = nullptr;  // [E + 2] zeroed by the caller when aux_sums: the fixed-point
-                                   // sums, a NaN flag, the count of finished blocks
-  float* lse = nullptr;            // [T]
-  int64_t* counts = nullptr;       // [E]
+  int64_t* indices = nullptr;  // [T, k]
+  float* probs = nullptr;      // [T, k]
+  float* aux_sums = nullptr;   // [E] or null; T < 2^31 (the fixed-point sums' range)
+  int64_t* scratch = nullptr;  // router_forward_scratch_words(E), zeroed by the caller: the
+                               // counts' and sums' replicas, a NaN flag, the finished blocks
+  float* lse = nullptr;        // [T]
+  int64_t* counts = nullptr;   // [E]
 
   // backward: the forward's indices and probs, the output gradients (each may be null), and
   // grad_logits [T, E] (written)
@@ -63,6 +67,7 @@ struct RouterParams {
   float* grad_logits = nullptr;
 };
 
+int64_t router_forward_scratch_words(int64_t experts);
 void launch_router_forward(const RouterParams& params, cudaStream_t stream);
 void launch_router_backward(const RouterParams& params, cudaStream_t stream);
 

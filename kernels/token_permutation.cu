@@ -1,9 +1,9 @@
 // Token permutation kernels. Layout and semantics: token_permutation.h.
 //
-// Routing map: one pass turns expert indices into sort keys (dropped slots sort after every
-// expert) and counts them per expert in shared memory; a stable CUB radix sort by key orders the
-// slots; a last pass writes each slot's permuted row. Only the counts go back to the host (the
-// caller needs them as m_splits), so there is no other synchronisation.
+// Routing map: a stable counting sort of the slots by expert (dropped slots after every expert) in
+// two launches: each block counts its chunk of slots per expert, then each block places its chunk
+// after the earlier experts' and earlier chunks' slots (routing_scatter_kernel). Only the counts
+// go back to the host (the caller needs them as m_splits), so there is no other synchronisation.
 //
 // Row kernels: one warp per token or per output row (grid-stride), its lanes striding over the
 // hidden dimension in 16-byte vectors when H and the pointers allow, else one element at a time.
@@ -11,8 +11,7 @@
 // probability gradient's dot product a shuffle reduction. Rows start at different chunks
 // (chunk_start; docs/performance.md has the measurements without it).
 
-#include <cub/device/device_radix_sort.cuh>
-
+#include <cmath>
 #include <initializer_list>
 #include <type_traits>
 
@@ -24,87 +23,170 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / kWarpSize;
-// Histogram bins (E + 2) kept in shared memory up to this many; beyond, global atomics.
-constexpr int64_t kMaxSharedBins = 8192;
 
 // ---- routing map -----------------------------------------------------------------------------
 
+// Bins of the counting sort: E experts, then dropped slots (-1), then indices outside [-1, E).
+__host__ __device__ int64_t routing_bins(int64_t experts) { return experts + 2; }
+
 template <typename Index>
-__global__ void routing_keys_kernel(const Index* __restrict__ indices, int64_t slots,
-                                    int32_t experts, int32_t* __restrict__ keys,
-                                    int64_t* __restrict__ values, int32_t* __restrict__ counts) {
-  extern __shared__ int32_t bins[];
-  const int32_t num_bins = experts + 2;
-  const bool shared = num_bins <= kMaxSharedBins;
-  if (shared) {
-    for (int32_t b = threadIdx.x; b < num_bins; b += blockDim.x) bins[b] = 0;
-    __syncthreads();
-  }
-  for (int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; s < slots;
-       s += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t e = static_cast<int64_t>(indices[s]);
-    const int32_t key = (e >= 0 && e < experts) ? static_cast<int32_t>(e)
-                        : e == -1               ? experts
-                                                : experts + 1;
-    keys[s] = key;
-    values[s] = s;
-    atomicAdd(shared ? &bins[key] : &counts[key], 1);
-  }
-  if (shared) {
-    __syncthreads();
-    for (int32_t b = threadIdx.x; b < num_bins; b += blockDim.x) {
-      if (bins[b]) atomicAdd(&counts[b], bins[b]);
-    }
-  }
+__device__ __forceinline__ int32_t routing_key(const Index* indices, int64_t slot,
+                                               int32_t experts) {
+  const int64_t e = static_cast<int64_t>(indices[slot]);
+  return (e >= 0 && e < experts) ? static_cast<int32_t>(e) : e == -1 ? experts : experts + 1;
 }
 
-__global__ void row_map_kernel(const int32_t* __restrict__ sorted_keys,
-                               const int64_t* __restrict__ sorted_slots, int64_t slots,
-                               int32_t experts, int64_t* __restrict__ row_map) {
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < slots;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    row_map[sorted_slots[i]] = sorted_keys[i] < experts ? i : -1;
-  }
-}
+// How the slots are cut: each block takes `warps` consecutive spans of `span` slots (one per
+// warp). Each block reads every block's counts (chunks x bins), so the chunk count is kept to
+// about sqrt(kMapCountReads / bins): more blocks for parallelism, fewer for that quadratic read.
+constexpr int kMaxMapWarps = 4;  // 8 left half of the SMs idle on moe-lm (64 blocks)
+constexpr int64_t kMapCountReads = int64_t{1} << 22;
+constexpr size_t kMapSharedBudget = 32 * 1024;  // of the 48 KB a launch gets without opting in
 
-// Workspace: keys in/out, slot values in, then CUB's temporary storage, each 256-byte aligned.
-struct RoutingWorkspace {
-  int32_t* keys_in;
-  int32_t* keys_out;
-  int64_t* values_in;
-  void* cub_storage;
-  size_t cub_bytes;
+struct MapChunking {
+  int warps = 1;       // per block
+  int64_t span = 0;    // slots per warp, a multiple of 32
+  int64_t chunks = 0;  // blocks
+  size_t scatter_shared_bytes = 0;
 };
 
-size_t align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
-
-int end_bit(int64_t experts) {
-  int bits = 1;
-  while ((int64_t{1} << bits) <= experts + 1) ++bits;  // keys go up to E + 1
-  return bits;
+MapChunking map_chunking(int64_t slots, int64_t experts) {
+  const int64_t bins = routing_bins(experts);
+  MapChunking c;
+  // The scatter's shared memory: each bin's first position, then each warp's next positions.
+  c.warps = static_cast<int>(std::min<int64_t>(
+      kMaxMapWarps, static_cast<int64_t>(kMapSharedBudget / (sizeof(int32_t) * bins)) - 1));
+  TORCH_INTERNAL_ASSERT(c.warps >= 1, "routing map: ", experts,
+                        " experts exceed the kernel's bins");
+  const auto max_chunks = std::max<int64_t>(
+      1, static_cast<int64_t>(std::sqrt(static_cast<double>(kMapCountReads) / bins)));
+  const int64_t per_warp = (slots + c.warps * max_chunks - 1) / (c.warps * max_chunks);
+  c.span = std::max<int64_t>(kWarpSize, (per_warp + kWarpSize - 1) / kWarpSize * kWarpSize);
+  c.chunks = (slots + c.warps * c.span - 1) / (c.warps * c.span);
+  c.scatter_shared_bytes = sizeof(int32_t) * bins * (1 + c.warps);
+  return c;
 }
 
-size_t cub_sort_bytes(int64_t slots, int64_t experts) {
-  size_t bytes = 0;
-  TORCHMOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
-      nullptr, bytes, static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
-      static_cast<const int64_t*>(nullptr), static_cast<int64_t*>(nullptr), static_cast<int>(slots),
-      0, end_bit(experts)));
-  return bytes;
+// Block c counts its chunk's slots per bin into chunk_counts[bin][c] (a bin's counts side by
+// side, for the scatter's reads across chunks).
+template <typename Index>
+__global__ void routing_histogram_kernel(const Index* __restrict__ indices, int64_t slots,
+                                         int32_t experts, int64_t chunk,
+                                         int32_t* __restrict__ chunk_counts) {
+  extern __shared__ int32_t hist[];
+  const int32_t bins = static_cast<int32_t>(routing_bins(experts));
+  for (int32_t b = threadIdx.x; b < bins; b += blockDim.x) hist[b] = 0;
+  __syncthreads();
+  const int64_t lo = blockIdx.x * chunk, hi = std::min(slots, lo + chunk);
+  for (int64_t s = lo + threadIdx.x; s < hi; s += blockDim.x) {
+    atomicAdd(&hist[routing_key(indices, s, experts)], 1);
+  }
+  __syncthreads();
+  for (int32_t b = threadIdx.x; b < bins; b += blockDim.x) {
+    chunk_counts[b * static_cast<int64_t>(gridDim.x) + blockIdx.x] = hist[b];
+  }
 }
 
-RoutingWorkspace carve(void* base, int64_t slots, size_t cub_bytes) {
-  auto* p = static_cast<char*>(base);
-  RoutingWorkspace w;
-  w.keys_in = reinterpret_cast<int32_t*>(p);
-  p += align256(slots * sizeof(int32_t));
-  w.keys_out = reinterpret_cast<int32_t*>(p);
-  p += align256(slots * sizeof(int32_t));
-  w.values_in = reinterpret_cast<int64_t*>(p);
-  p += align256(slots * sizeof(int64_t));
-  w.cub_storage = p;
-  w.cub_bytes = cub_bytes;
-  return w;
+// In-place exclusive prefix sums of a[0, n) in shared memory, by the whole block: each thread a
+// contiguous run, the runs' totals scanned across the warps. Synchronizes at the end.
+__device__ void block_exclusive_scan(int32_t* a, int32_t n, int32_t* warp_totals) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int32_t per = (n + blockDim.x - 1) / blockDim.x;
+  const int32_t lo = min(n, static_cast<int32_t>(threadIdx.x) * per), hi = min(n, lo + per);
+  int32_t run = 0;
+  for (int32_t i = lo; i < hi; ++i) run += a[i];
+  const int32_t inclusive = warp_inclusive_scan(run);
+  if (lane == kWarpSize - 1) warp_totals[warp] = inclusive;
+  __syncthreads();
+  int32_t offset = inclusive - run;
+  for (int w = 0; w < warp; ++w) offset += warp_totals[w];
+  for (int32_t i = lo; i < hi; ++i) {
+    const int32_t v = a[i];
+    a[i] = offset;
+    offset += v;
+  }
+  __syncthreads();
+}
+
+// Block c places its chunk: each bin starts after the earlier bins' slots and the earlier chunks'
+// slots of that bin; within the chunk, warp w's span after warps 0..w-1, and within a warp's 32
+// slots, peers of one bin in lane order (match_any): a stable counting sort in two launches.
+template <typename Index>
+__global__ void routing_scatter_kernel(const Index* __restrict__ indices, int64_t slots,
+                                       int32_t experts, int64_t span,
+                                       const int32_t* __restrict__ chunk_counts, int64_t chunks,
+                                       int64_t* __restrict__ counts, int64_t* __restrict__ row_map,
+                                       int64_t* __restrict__ sorted_slots) {
+  extern __shared__ int32_t map_shared[];
+  __shared__ int32_t warp_totals[kMaxMapWarps];
+  const int warps = blockDim.x / kWarpSize;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int32_t bins = static_cast<int32_t>(routing_bins(experts));
+  int32_t* first = map_shared;        // [bins]: the chunk's first position per bin
+  int32_t* next = map_shared + bins;  // [warps][bins]: each warp's next position per bin
+  const int64_t c = blockIdx.x;
+  // Per bin (a warp each, its lanes across the chunks): the total, then scanned into the bin's
+  // start, and the earlier chunks' count, kept in next[] until the scan is done.
+  for (int32_t b = warp; b < bins; b += warps) {
+    int32_t total = 0, before = 0;
+    for (int64_t k = lane; k < chunks; k += kWarpSize) {
+      const int32_t n = chunk_counts[b * chunks + k];
+      total += n;
+      if (k < c) before += n;
+    }
+    total = warp_sum(total);
+    before = warp_sum(before);
+    if (lane == 0) {
+      first[b] = total;
+      next[b] = before;
+      if (c == 0) counts[b] = total;
+    }
+  }
+  __syncthreads();
+  block_exclusive_scan(first, bins, warp_totals);
+  for (int32_t b = threadIdx.x; b < bins; b += blockDim.x) first[b] += next[b];
+  __syncthreads();
+  for (int32_t i = threadIdx.x; i < warps * bins; i += blockDim.x) next[i] = 0;
+  __syncthreads();
+  const int64_t lo = (c * warps + warp) * span, hi = std::min(slots, lo + span);
+  int32_t* own = next + warp * bins;
+  // This warp's count per bin (a group's lowest lane adds for its peers: no two lanes one bin).
+  for (int64_t s0 = lo; s0 < hi; s0 += kWarpSize) {
+    const int64_t s = s0 + lane;
+    const unsigned active = __ballot_sync(0xffffffffu, s < hi);
+    if (s < hi) {
+      const int32_t key = routing_key(indices, s, experts);
+      const unsigned peers = __match_any_sync(active, key);
+      if (lane == __ffs(peers) - 1) own[key] += __popc(peers);
+    }
+    __syncwarp();  // this round's adds before the next round's
+  }
+  __syncthreads();
+  for (int32_t b = threadIdx.x; b < bins; b += blockDim.x) {
+    int32_t position = first[b];
+    for (int w = 0; w < warps; ++w) {
+      const int32_t n = next[w * bins + b];
+      next[w * bins + b] = position;
+      position += n;
+    }
+  }
+  __syncthreads();
+  for (int64_t s0 = lo; s0 < hi; s0 += kWarpSize) {
+    const int64_t s = s0 + lane;
+    const unsigned active = __ballot_sync(0xffffffffu, s < hi);
+    int32_t key = 0;
+    unsigned peers = 0;
+    if (s < hi) {
+      key = routing_key(indices, s, experts);
+      peers = __match_any_sync(active, key);
+      const int32_t position = own[key] + __popc(peers & ((1u << lane) - 1u));
+      sorted_slots[position] = s;
+      row_map[s] = key < experts ? position : -1;
+    }
+    __syncwarp();
+    if (s < hi && lane == __ffs(peers) - 1) own[key] += __popc(peers);
+    __syncwarp();
+  }
 }
 
 // ---- row kernels -----------------------------------------------------------------------------
@@ -226,6 +308,46 @@ __global__ void unpermute_kernel(const T* __restrict__ input, const int64_t* __r
   }
 }
 
+// Rows of one element (e.g. the rows' probabilities, permuted as k = 1 token rows): a thread per
+// token or row rather than a warp, 31 of whose lanes would idle. The same arithmetic as the warp
+// kernels above (the same bits).
+template <typename T, typename S>
+__global__ void permute_scalar_kernel(const T* __restrict__ input,
+                                      const int64_t* __restrict__ row_map,
+                                      const int64_t* __restrict__ sorted_slots,
+                                      const S* __restrict__ probs, T* __restrict__ output,
+                                      int64_t tokens, int64_t rows, int64_t topk) {
+  const int64_t n = std::max(tokens, rows);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (i < tokens) {
+      const T x = input[i];
+      for (int64_t j = 0; j < topk; ++j) {
+        const int64_t row = row_map[i * topk + j];
+        if (row < 0 || row >= rows) continue;
+        output[row] = probs ? from_float<T>(prob_at(probs, i * topk + j) * to_float(x)) : x;
+      }
+    }
+    if (i < rows && sorted_slots[i] < 0) output[i] = from_float<T>(0.0f);
+  }
+}
+
+template <typename T, typename S>
+__global__ void unpermute_scalar_kernel(const T* __restrict__ input,
+                                        const int64_t* __restrict__ row_map,
+                                        const S* __restrict__ probs, T* __restrict__ output,
+                                        int64_t tokens, int64_t rows, int64_t topk) {
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < tokens;
+       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < topk; ++j) {
+      const int64_t row = row_map[t * topk + j];
+      if (row >= 0 && row < rows) acc += prob_at(probs, t * topk + j) * to_float(input[row]);
+    }
+    output[t] = from_float<T>(acc);
+  }
+}
+
 template <typename T, typename S, int V>
 __global__ void unpermute_backward_kernel(
     const T* __restrict__ grad_out, const int64_t* __restrict__ sorted_slots,
@@ -269,6 +391,12 @@ unsigned row_grid(Kernel* kernel, int64_t rows) {
   return one_wave_grid(kernel, kThreads, 0, (rows + kWarpsPerBlock - 1) / kWarpsPerBlock);
 }
 
+// One wave of thread-per-row blocks, or fewer when there are fewer rows.
+template <typename Kernel>
+unsigned thread_grid(Kernel* kernel, int64_t rows) {
+  return one_wave_grid(kernel, kThreads, 0, (rows + kThreads - 1) / kThreads);
+}
+
 // Resolves data type T, probability type S and vector width V (16 bytes when H and `pointers`
 // allow), then calls launch(T{}, S{}, V tag) and checks the launch.
 template <typename Launch>
@@ -291,45 +419,41 @@ void dispatch(const PermuteParams& params, int64_t out_rows,
 }  // namespace
 
 size_t routing_map_workspace_bytes(int64_t slots, int64_t experts) {
-  return align256(slots * sizeof(int32_t)) * 2 + align256(slots * sizeof(int64_t)) +
-         cub_sort_bytes(slots, experts);
+  return sizeof(int32_t) * map_chunking(slots, experts).chunks * routing_bins(experts);
 }
 
 void launch_routing_map(const RoutingMapParams& params, cudaStream_t stream) {
   const int64_t slots = params.tokens * params.topk;
-  const auto experts = static_cast<int32_t>(params.experts);
-  TORCHMOE_CUDA_CHECK(
-      cudaMemsetAsync(params.counts, 0, (params.experts + 2) * sizeof(int32_t), stream));
-  if (slots == 0) return;
-  const size_t cub_bytes = cub_sort_bytes(slots, params.experts);
+  const int64_t bins = routing_bins(params.experts);
+  TORCH_INTERNAL_ASSERT(params.experts <= kRoutingMapMaxExperts,
+                        "launch_routing_map: more experts than the kernel's bins");
+  if (slots == 0) {
+    TORCHMOE_CUDA_CHECK(cudaMemsetAsync(params.counts, 0, bins * sizeof(int64_t), stream));
+    return;
+  }
   TORCH_INTERNAL_ASSERT(
       params.workspace_bytes >= routing_map_workspace_bytes(slots, params.experts),
       "launch_routing_map: workspace too small");
-  const RoutingWorkspace w = carve(params.workspace, slots, cub_bytes);
-
-  const int64_t bins = params.experts + 2;
-  const size_t shared_bytes = bins <= kMaxSharedBins ? bins * sizeof(int32_t) : 0;
-  const int64_t blocks_needed = (slots + kThreads - 1) / kThreads;
-  auto keys = [&](auto index_tag) {
+  const MapChunking c = map_chunking(slots, params.experts);
+  const auto experts = static_cast<int32_t>(params.experts);
+  auto* chunk_counts = static_cast<int32_t*>(params.workspace);
+  const int threads = c.warps * kWarpSize;
+  auto launch = [&](auto index_tag) {
     using Index = decltype(index_tag);
-    auto* kernel = routing_keys_kernel<Index>;
-    kernel<<<one_wave_grid(kernel, kThreads, shared_bytes, blocks_needed), kThreads, shared_bytes,
-             stream>>>(static_cast<const Index*>(params.indices), slots, experts, w.keys_in,
-                       w.values_in, params.counts);
+    const auto* indices = static_cast<const Index*>(params.indices);
+    routing_histogram_kernel<Index><<<c.chunks, threads, bins * sizeof(int32_t), stream>>>(
+        indices, slots, experts, c.warps * c.span, chunk_counts);
+    TORCHMOE_CUDA_CHECK(cudaGetLastError());
+    routing_scatter_kernel<Index><<<c.chunks, threads, c.scatter_shared_bytes, stream>>>(
+        indices, slots, experts, c.span, chunk_counts, c.chunks, params.counts, params.row_map,
+        params.sorted_slots);
+    TORCHMOE_CUDA_CHECK(cudaGetLastError());
   };
   if (params.indices_int32) {
-    keys(int32_t{});
+    launch(int32_t{});
   } else {
-    keys(int64_t{});
+    launch(int64_t{});
   }
-  TORCHMOE_CUDA_CHECK(cudaGetLastError());
-  size_t bytes = w.cub_bytes;
-  TORCHMOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
-      w.cub_storage, bytes, w.keys_in, w.keys_out, w.values_in, params.sorted_slots,
-      static_cast<int>(slots), 0, end_bit(params.experts), stream));
-  row_map_kernel<<<one_wave_grid(row_map_kernel, kThreads, 0, blocks_needed), kThreads, 0,
-                   stream>>>(w.keys_out, params.sorted_slots, slots, experts, params.row_map);
-  TORCHMOE_CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_permute(const PermuteParams& params, cudaStream_t stream) {
@@ -337,6 +461,15 @@ void launch_permute(const PermuteParams& params, cudaStream_t stream) {
            [&](auto data_tag, auto prob_tag, auto vec) {
              using T = decltype(data_tag);
              using S = decltype(prob_tag);
+             if (params.hidden == 1) {
+               auto* kernel = permute_scalar_kernel<T, S>;
+               kernel<<<thread_grid(kernel, std::max(params.tokens, params.rows)), kThreads, 0,
+                        stream>>>(static_cast<const T*>(params.input), params.row_map,
+                                  params.sorted_slots, static_cast<const S*>(params.probs),
+                                  static_cast<T*>(params.output), params.tokens, params.rows,
+                                  params.topk);
+               return;
+             }
              auto* kernel = permute_kernel<T, S, decltype(vec)::value>;
              kernel<<<row_grid(kernel, std::max(params.tokens, params.rows / kWarpSize)), kThreads,
                       0, stream>>>(static_cast<const T*>(params.input), params.row_map,
@@ -351,6 +484,14 @@ void launch_unpermute(const PermuteParams& params, cudaStream_t stream) {
            [&](auto data_tag, auto prob_tag, auto vec) {
              using T = decltype(data_tag);
              using S = decltype(prob_tag);
+             if (params.hidden == 1) {
+               auto* kernel = unpermute_scalar_kernel<T, S>;
+               kernel<<<thread_grid(kernel, params.tokens), kThreads, 0, stream>>>(
+                   static_cast<const T*>(params.input), params.row_map,
+                   static_cast<const S*>(params.probs), static_cast<T*>(params.output),
+                   params.tokens, params.rows, params.topk);
+               return;
+             }
              auto* kernel = unpermute_kernel<T, S, decltype(vec)::value>;
              kernel<<<row_grid(kernel, params.tokens), kThreads, 0, stream>>>(
                  static_cast<const T*>(params.input), params.row_map,

@@ -37,13 +37,15 @@ struct RoutingMapParams {
 
   int64_t* row_map = nullptr;       // [T·k]
   int64_t* sorted_slots = nullptr;  // [T·k]: permuted rows first, then the dropped slots
-  // [E + 2] int32: tokens per expert, then the dropped count, then the count of indices outside
+  // [E + 2] int64: tokens per expert, then the dropped count, then the count of indices outside
   // [-1, E) (an error the caller reports after reading the counts back).
-  int32_t* counts = nullptr;
+  int64_t* counts = nullptr;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;  // at least routing_map_workspace_bytes(T·k, E)
 };
 
+// The counting sort keeps a position per expert and per warp in 32 KB of shared memory.
+constexpr int64_t kRoutingMapMaxExperts = 4094;
 size_t routing_map_workspace_bytes(int64_t slots, int64_t experts);
 void launch_routing_map(const RoutingMapParams& params, cudaStream_t stream);
 

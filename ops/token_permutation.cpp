@@ -110,8 +110,7 @@ RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts, Inde
   TORCH_CHECK(indices.scalar_type() == at::kLong || indices.scalar_type() == at::kInt, kOp,
               ": indices must be int64 or int32, got ", indices.scalar_type());
   TORCH_CHECK(num_experts > 0 && num_experts < std::numeric_limits<int32_t>::max() - 2, kOp,
-              ": num_experts must be positive and below 2^31 - 3 (int32 sort keys), got ",
-              num_experts);
+              ": num_experts must be positive and below 2^31 - 3, got ", num_experts);
   TORCH_CHECK(indices.numel() < std::numeric_limits<int32_t>::max(), kOp,
               ": at most 2^31 - 1 (token, expert) slots, got ", indices.numel());
   const int64_t tokens = indices.size(0), topk = indices.size(1);
@@ -129,11 +128,16 @@ RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts, Inde
     // Filled below once the kept count is known.
   } else if (indices.is_cuda()) {
     const c10::cuda::CUDAGuard guard(indices.device());
+    TORCH_CHECK_NOT_IMPLEMENTED(num_experts <= kernels::kRoutingMapMaxExperts, kOp, ": at most ",
+                                kernels::kRoutingMapMaxExperts,
+                                " experts on CUDA (the counting sort's bins are in shared memory), "
+                                "got ",
+                                num_experts);
     const at::Tensor idx = indices.contiguous();
     const int64_t slots = tokens * topk;
     map.row_map = at::empty({slots}, long_options);
     map.sorted_slots = at::empty({slots}, long_options);
-    const at::Tensor counts = at::empty({num_experts + 2}, indices.options().dtype(at::kInt));
+    const at::Tensor counts = at::empty({num_experts + 2}, long_options);
     const size_t workspace_bytes = kernels::routing_map_workspace_bytes(slots, num_experts);
     const at::Tensor workspace =
         at::empty({static_cast<int64_t>(workspace_bytes)}, indices.options().dtype(at::kByte));
@@ -145,17 +149,17 @@ RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts, Inde
     p.indices_int32 = idx.scalar_type() == at::kInt;
     p.row_map = map.row_map.data_ptr<int64_t>();
     p.sorted_slots = map.sorted_slots.data_ptr<int64_t>();
-    p.counts = counts.data_ptr<int32_t>();
+    p.counts = counts.data_ptr<int64_t>();
     p.workspace = workspace.data_ptr();
     p.workspace_bytes = workspace_bytes;
     kernels::launch_routing_map(p, at::cuda::getCurrentCUDAStream().stream());
-    map.m_splits = counts.narrow(0, 0, num_experts).to(at::kLong);
+    map.m_splits = counts.narrow(0, 0, num_experts);
     if (trust == IndexTrust::kDropless) {
       map.row_map = map.row_map.view({tokens, topk});
       map.num_rows = slots;
       return map;
     }
-    host_counts = counts.to(at::kCPU).to(at::kLong);  // the one device-to-host copy
+    host_counts = counts.to(at::kCPU);  // the one device-to-host copy
   } else {
     TORCH_CHECK_NOT_IMPLEMENTED(false, kOp, ": no backend for indices on ", indices.device());
   }

@@ -195,6 +195,14 @@ TEST_CASE("router top-k: the aux sums are exact to fp32 and deterministic", "[op
   const auto first = torchmoe::ops::router_topk(logits.cuda(), {}, scoring);
   const auto second = torchmoe::ops::router_topk(logits.cuda(), {}, scoring);
   CHECK(torch::equal(first.aux_sums, second.aux_sums));
+  // The counts, with the aux sums and without (each block's counts added to the launch's once).
+  const torch::Tensor bincount = torch::bincount(first.indices.cpu().reshape(-1), {}, experts);
+  CHECK(torch::equal(first.counts.cpu(), bincount));
+  scoring.aux = false;
+  const auto no_aux = torchmoe::ops::router_topk(logits.cuda(), {}, scoring);
+  CHECK(torch::equal(no_aux.indices, first.indices));
+  CHECK(torch::equal(no_aux.counts, first.counts));
+  scoring.aux = true;
   const torch::Tensor l64 = logits.to(torch::kFloat64);
   torch::Tensor scores = sigmoid ? torch::sigmoid(l64) : torch::softmax(l64, 1);
   if (sigmoid) scores = scores / (scores.sum(1, true) + 1e-20);
@@ -205,6 +213,7 @@ TEST_CASE("router top-k: the aux sums are exact to fp32 and deterministic", "[op
 
   const auto empty = torchmoe::ops::router_topk(logits.narrow(0, 0, 0).cuda(), {}, scoring);
   CHECK(torch::equal(empty.aux_sums.cpu(), torch::zeros({experts})));
+  CHECK(torch::equal(empty.counts.cpu(), torch::zeros({experts}, torch::kLong)));
   torch::Tensor with_nan = logits.narrow(0, 0, 1000).clone();
   with_nan[500][3] = NAN;
   const auto nan = torchmoe::ops::router_topk(with_nan.cuda(), {}, scoring);

@@ -239,8 +239,8 @@ TEST_CASE("permutation on CUDA matches the CPU reference", "[ops][permutation][c
   const int64_t topk = GENERATE(1, 2, 8);
   const int64_t experts = GENERATE(4, 16, 128);
   // 128 and 1320 take 16-byte vectors (1320: more chunks per row than permute loads at once, the
-  // last one partial); 100 the scalar path.
-  const int64_t hidden = GENERATE(128, 1320, 100);
+  // last one partial); 100 the scalar path; 1 a thread per row (the rows' probabilities).
+  const int64_t hidden = GENERATE(128, 1320, 100, 1);
   // all: every expert eligible; few: only 3 (the rest empty); one: everything to expert 0.
   const int64_t allowed = GENERATE(-1, 3, 1);
   INFO("dtype=" << dtype << " topk=" << topk << " experts=" << experts << " hidden=" << hidden
@@ -331,6 +331,40 @@ TEST_CASE(
   CHECK(torch::equal(dropless.m_splits, checked.m_splits));
   CHECK(torch::equal(dropless.row_map, checked.row_map));
   CHECK(torch::equal(dropless.sorted_slots, checked.sorted_slots));
+}
+
+// The counting sort at sizes the small cases do not reach: hundreds of blocks (each summing the
+// earlier blocks' counts), spans of many rounds per warp (more slots than the chunk count's
+// bound times 32 per warp), a ragged last span, and the most experts it takes (one warp per
+// block); past them, an error.
+TEST_CASE("the CUDA routing map matches the CPU at large sizes and refuses too many experts",
+          "[ops][permutation][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  using torchmoe::ops::IndexTrust;
+  using torchmoe::ops::make_routing_map;
+  struct Case {
+    int64_t tokens, topk, experts;
+  };
+  // 1.2M slots (spans of 608 for 66 bins), 8,193 slots over 32 experts (the last span 1 slot), and
+  // 4,094 experts with dropped and out-of-range entries.
+  for (const Case c : {Case{300001, 4, 64}, Case{8193, 1, 32}, Case{5000, 3, 4094}}) {
+    INFO("tokens=" << c.tokens << " topk=" << c.topk << " experts=" << c.experts);
+    torch::Tensor indices = random_indices(c.tokens, c.topk, c.experts, 61 + c.topk);
+    const auto gen = at::make_generator<at::CPUGeneratorImpl>(67);
+    indices.index_put_({torch::rand({c.tokens, c.topk}, gen) < 0.03}, -1);
+    const auto expected = make_routing_map(indices, c.experts, IndexTrust::kChecked);
+    const auto actual = make_routing_map(indices.cuda(), c.experts, IndexTrust::kChecked);
+    CHECK(actual.host_splits == expected.host_splits);
+    CHECK(torch::equal(actual.m_splits.cpu(), expected.m_splits));
+    CHECK(torch::equal(actual.row_map.cpu(), expected.row_map));
+    CHECK(torch::equal(actual.sorted_slots.cpu(), expected.sorted_slots));
+  }
+  const torch::Tensor wild = torch::tensor({{0, 9000}, {-1, 4093}}, torch::kLong).cuda();
+  CHECK_THROWS_WITH(make_routing_map(wild, 4094, IndexTrust::kChecked),
+                    Contains("indices must be in [0, 4094) or -1 (dropped), got 1 out of range"));
+  CHECK_THROWS_AS(make_routing_map(wild, 4095, IndexTrust::kChecked), c10::NotImplementedError);
+  CHECK_THROWS_WITH(make_routing_map(wild, 4095, IndexTrust::kChecked),
+                    Contains("at most 4094 experts on CUDA"));
 }
 
 TEST_CASE("unpermute on CUDA passes over map entries outside the contract",
