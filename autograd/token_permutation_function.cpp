@@ -121,10 +121,13 @@ PermutedTokens route_tokens(const at::Tensor& tokens, const at::Tensor& indices,
     TORCH_CHECK(at::isFloatingType(probs->scalar_type()),
                 "permute_tokens: probs must have a floating dtype, got ", probs->scalar_type());
     // Each row's probability: the slots' values as one-element token rows (k = 1), through the
-    // row kernels, one launch each way (ATen's index_select and its backward took three).
-    out.probs =
-        PermuteFunction::apply(probs->reshape({-1, 1}), map.row_map.view({-1, 1}), map.sorted_slots)
-            .view(-1);
+    // row kernels, one launch each way (ATen's index_select and its backward took three); float64
+    // on CUDA, which the row kernels do not take, through index_select.
+    out.probs = probs->is_cuda() && probs->scalar_type() == at::kDouble
+                    ? probs->reshape(-1).index_select(0, map.sorted_slots)
+                    : PermuteFunction::apply(probs->reshape({-1, 1}), map.row_map.view({-1, 1}),
+                                             map.sorted_slots)
+                          .view(-1);
   }
   out.row_map = std::move(map.row_map);
   out.sorted_slots = std::move(map.sorted_slots);

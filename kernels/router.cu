@@ -68,7 +68,9 @@ constexpr double kAuxUnit = 1.0 / 4294967296.0;
 // 8,192 tokens (~80,000 atomics on a few cache lines).
 constexpr int kMaxWarpsPerBlock = 16;
 constexpr int kMaxThreads = kMaxWarpsPerBlock * kWarpSize;
-constexpr size_t kSharedBudget = 48 * 1024;  // what a launch gets without opting in
+// What a launch gets without opting in, less room for the kernels' static flags (static and
+// dynamic shared memory count together against the 48 KB).
+constexpr size_t kSharedBudget = 48 * 1024 - 64;
 
 // Block b adds its sums into replica b % kRouterSumReplicas (router.h): a replica's E addresses
 // take 1/8 of the blocks' atomics.
@@ -141,21 +143,22 @@ __global__ void __launch_bounds__(kMaxThreads, 4) router_forward_kernel(const Ro
       warp_argmax(best, best_e);
       if (best_e == experts) best_e = j;  // a row of NaN scores: any valid expert (NaN probs)
       chosen_sum += s[best_e];
+      __syncwarp();  // every lane's reads of key before lane 0 writes one (racecheck)
       if (lane == 0) {
         chosen[j] = best_e;
         key[best_e] = -FLT_MAX;  // taken: no finite score or bias reaches it
       }
       __syncwarp();
     }
-    // The k choices written side by side (no read-back of probs from global memory); lane j's
-    // expert is no other lane's, so its count needs no atomic.
+    // The k choices written side by side (no read-back of probs from global memory). The count is
+    // a shared atomic: the fallback above can repeat an expert (a row of NaN keys after a choice).
     int64_t* indices = p.indices + t * topk;
     float* probs = p.probs + t * topk;
     for (int j = lane; j < topk; j += kWarpSize) {
       const int e = chosen[j];
       indices[j] = e;
       probs[j] = p.normalize ? s[e] / (chosen_sum + kNormEps) : s[e];
-      ++counts_own[e];
+      atomicAdd(&counts_own[e], 1u);
     }
     __syncwarp();
   }

@@ -220,6 +220,38 @@ TEST_CASE("router top-k: the aux sums are exact to fp32 and deterministic", "[op
   CHECK(nan.aux_sums.isnan().all().item<bool>());
 }
 
+// Launch edges of the forward: 144 experts, k = 12 with the aux sums, whose 16 warps' rows and the
+// block's sums would take exactly the 48 KB a launch gets, with no room left for the kernel's
+// static flags (the launch takes 15), and
+// a sigmoid row whose only finite score is expert 1 makes the top-2's fallback repeat it (its
+// count must then be 2).
+TEST_CASE("router top-k at its shared-memory budget and with a repeated expert",
+          "[ops][router][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  torch::manual_seed(53);
+  torchmoe::ops::RouterScoring scoring;
+  scoring.aux = true;
+  {
+    scoring.topk = 12;
+    const torch::Tensor logits = torch::randn({1000, 144});
+    const auto cpu = torchmoe::ops::router_topk(logits, {}, scoring);
+    const auto cuda = torchmoe::ops::router_topk(logits.cuda(), {}, scoring);
+    CHECK(torch::equal(cuda.counts.cpu(),
+                       torch::bincount(cuda.indices.cpu().reshape(-1), {}, logits.size(1))));
+    check_close(cuda.aux_sums, cpu.aux_sums, {1e-5, 1e-6}, "aux sums");
+  }
+  scoring.topk = 2;
+  scoring.sigmoid = true;
+  torch::Tensor logits = torch::randn({4, 8});
+  logits[2].fill_(NAN);
+  logits[2][1] = 0.5;
+  const auto out = torchmoe::ops::router_topk(logits.cuda(), {}, scoring);
+  const torch::Tensor indices = out.indices.cpu();
+  CHECK(indices[2][0].item<int64_t>() == 1);
+  CHECK(indices[2][1].item<int64_t>() == 1);
+  CHECK(torch::equal(out.counts.cpu(), torch::bincount(indices.reshape(-1), {}, 8)));
+}
+
 TEST_CASE("router top-k rejects bad arguments", "[ops][router][errors]") {
   using torchmoe::ops::router_topk;
   torchmoe::ops::RouterScoring scoring;

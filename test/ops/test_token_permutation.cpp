@@ -345,8 +345,8 @@ TEST_CASE("the CUDA routing map matches the CPU at large sizes and refuses too m
   struct Case {
     int64_t tokens, topk, experts;
   };
-  // 1.2M slots (spans of 608 for 66 bins), 8,193 slots over 32 experts (the last span 1 slot), and
-  // 4,094 experts with dropped and out-of-range entries.
+  // 1.2M slots (spans of 1,216 for 66 bins), 8,193 slots over 32 experts (the last span 1 slot),
+  // and 4,094 experts with dropped and out-of-range entries.
   for (const Case c : {Case{300001, 4, 64}, Case{8193, 1, 32}, Case{5000, 3, 4094}}) {
     INFO("tokens=" << c.tokens << " topk=" << c.topk << " experts=" << c.experts);
     torch::Tensor indices = random_indices(c.tokens, c.topk, c.experts, 61 + c.topk);
@@ -365,6 +365,26 @@ TEST_CASE("the CUDA routing map matches the CPU at large sizes and refuses too m
   CHECK_THROWS_AS(make_routing_map(wild, 4095, IndexTrust::kChecked), c10::NotImplementedError);
   CHECK_THROWS_WITH(make_routing_map(wild, 4095, IndexTrust::kChecked),
                     Contains("at most 4094 experts on CUDA"));
+}
+
+// float64 probabilities on CUDA (no row kernel takes them): the rows' probabilities and their
+// gradient as on the CPU.
+TEST_CASE("permute_tokens on CUDA takes float64 probabilities", "[ops][permutation][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const torch::Tensor indices = random_indices(37, 2, 5, 71);
+  const torch::Tensor x = torch::randn({37, 16});
+  const torch::Tensor probs = torch::rand({37, 2}, torch::kFloat64);
+  auto run = [&](const torch::Device& device) {
+    const torch::Tensor p = probs.to(device).detach().requires_grad_(true);
+    const auto routed = F::permute_tokens(x.to(device), indices.to(device), 5, p);
+    routed.probs.backward(torch::arange(routed.probs.size(0), torch::kFloat64).to(device));
+    return std::make_pair(routed.probs.cpu(), p.grad().cpu());
+  };
+  const auto [cpu_probs, cpu_grad] = run(torch::kCPU);
+  const auto [cuda_probs, cuda_grad] = run(torch::kCUDA);
+  CHECK(cuda_probs.scalar_type() == torch::kFloat64);
+  CHECK(torch::equal(cuda_probs, cpu_probs));
+  CHECK(torch::equal(cuda_grad, cpu_grad));
 }
 
 TEST_CASE("unpermute on CUDA passes over map entries outside the contract",
