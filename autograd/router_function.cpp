@@ -30,6 +30,7 @@ ops::RouterScoring scoring_of(AutogradContext* ctx) {
   scoring.sigmoid = ctx->saved_data["sigmoid"].toBool();
   scoring.normalize = ctx->saved_data["normalize"].toBool();
   scoring.aux = ctx->saved_data["aux"].toBool();
+  scoring.aux_loss_scale = ctx->saved_data["aux_loss_scale"].toDouble();
   return scoring;
 }
 
@@ -37,22 +38,30 @@ ops::RouterScoring scoring_of(AutogradContext* ctx) {
 
 variable_list RouterTopKFunction::forward(AutogradContext* ctx, const at::Tensor& logits,
                                           const std::optional<at::Tensor>& expert_bias,
-                                          int64_t topk, bool sigmoid, bool normalize, bool aux) {
+                                          int64_t topk, bool sigmoid, bool normalize, bool aux,
+                                          double aux_loss_scale) {
   ops::RouterScoring scoring;
   scoring.topk = topk;
   scoring.sigmoid = sigmoid;
   scoring.normalize = normalize;
   scoring.aux = aux;
+  scoring.aux_loss_scale = aux_loss_scale;
   ops::RouterTopK out = ops::router_topk(logits, expert_bias.value_or(at::Tensor()), scoring);
   ctx->saved_data["topk"] = topk;
   ctx->saved_data["sigmoid"] = sigmoid;
   ctx->saved_data["normalize"] = normalize;
   ctx->saved_data["aux"] = aux;
-  ctx->save_for_backward({logits, out.indices, out.probs});
+  ctx->saved_data["aux_loss_scale"] = aux_loss_scale;
+  // The counts only for the aux loss's gradient (an output saved: no copy).
+  ctx->save_for_backward(
+      {logits, out.indices, out.probs, aux_loss_scale > 0 ? out.counts : at::Tensor()});
   ctx->mark_non_differentiable({out.indices, out.counts});
   // Unused outputs (no aux or z loss) get no gradient rather than a tensor of zeros.
   ctx->set_materialize_grads(false);
-  return {out.indices, out.probs, out.aux_sums, out.lse, out.counts};
+  // An output cannot be undefined: no aux loss is an empty tensor, like no aux sums.
+  return {out.indices,  out.probs,
+          out.aux_sums, out.lse,
+          out.counts,   out.aux_loss.defined() ? out.aux_loss : at::empty({0}, logits.options())};
 }
 
 variable_list RouterTopKFunction::backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -61,10 +70,10 @@ variable_list RouterTopKFunction::backward(AutogradContext* ctx, variable_list g
   auto contiguous = [](const at::Tensor& t) { return t.defined() ? t.contiguous() : t; };
   const at::Tensor grad_logits = ops::router_topk_backward(
       saved[0], saved[1], saved[2], contiguous(grad_outputs[1]), contiguous(grad_outputs[2]),
-      contiguous(grad_outputs[3]), scoring_of(ctx));
-  return once_differentiable(
-      "RouterTopKFunction", once,
-      {grad_logits, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()});
+      contiguous(grad_outputs[3]), scoring_of(ctx), saved[3], contiguous(grad_outputs[5]));
+  return once_differentiable("RouterTopKFunction", once,
+                             {grad_logits, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+                              at::Tensor(), at::Tensor()});
 }
 
 }  // namespace torchmoe::autograd

@@ -22,15 +22,15 @@ class RouterLogitsFunction : public torch::autograd::Function<RouterLogitsFuncti
 };
 
 // Scoring and top-k (ops::router_topk): logits [T, E] and an optional expert_bias [E] (no
-// gradient) -> {indices, probs, aux_sums, lse, counts}; differentiable in logits through probs,
-// aux_sums and lse.
+// gradient) -> {indices, probs, aux_sums, lse, counts, aux_loss}; differentiable in logits through
+// probs, aux_sums, lse and aux_loss (aux_loss_scale > 0, else an empty [0] output).
 class RouterTopKFunction : public torch::autograd::Function<RouterTopKFunction> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 const at::Tensor& logits,
                                                 const std::optional<at::Tensor>& expert_bias,
                                                 int64_t topk, bool sigmoid, bool normalize,
-                                                bool aux);
+                                                bool aux, double aux_loss_scale = 0.0);
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs);
 };

@@ -68,9 +68,9 @@ constexpr double kAuxUnit = 1.0 / 4294967296.0;
 // 8,192 tokens (~80,000 atomics on a few cache lines).
 constexpr int kMaxWarpsPerBlock = 16;
 constexpr int kMaxThreads = kMaxWarpsPerBlock * kWarpSize;
-// What a launch gets without opting in, less room for the kernels' static flags (static and
-// dynamic shared memory count together against the 48 KB).
-constexpr size_t kSharedBudget = 48 * 1024 - 64;
+// What a launch gets without opting in, less room for the forward's static shared memory (its
+// flag and the aux loss's partial sums: static and dynamic count together against the 48 KB).
+constexpr size_t kSharedBudget = 48 * 1024 - 256;
 
 // Block b adds its sums into replica b % kRouterSumReplicas (router.h): a replica's E addresses
 // take 1/8 of the blocks' atomics.
@@ -202,12 +202,26 @@ __global__ void __launch_bounds__(kMaxThreads, 4) router_forward_kernel(const Ro
   }
   __syncthreads();
   const bool any_nan = aux && __ldcg(nan_flag) != 0;
+  double loss_part = 0.0;  // this thread's terms of Σ_e aux_sums[e] · counts[e]
   for (int e = threadIdx.x; e < experts; e += blockDim.x) {
     p.counts[e] = static_cast<int64_t>(total_counts[e]);
     if (aux) {
-      p.aux_sums[e] =
+      const float sum =
           any_nan ? NAN : static_cast<float>(static_cast<double>(total_aux[e]) * kAuxUnit);
+      p.aux_sums[e] = sum;
+      loss_part += static_cast<double>(sum) * static_cast<double>(total_counts[e]);
     }
+  }
+  if (!p.aux_loss) return;
+  // The load-balancing loss in a fixed order (each warp's shuffles, then the warps in turn).
+  __shared__ double warp_parts[kMaxWarpsPerBlock];
+  loss_part = warp_sum(loss_part);
+  if (lane == 0) warp_parts[warp] = loss_part;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double loss = 0.0;
+    for (int w = 0; w < warps; ++w) loss += warp_parts[w];
+    *p.aux_loss = static_cast<float>(loss * p.aux_loss_scale);
   }
 }
 
@@ -235,6 +249,8 @@ __global__ void __launch_bounds__(kMaxThreads, 3) router_backward_kernel(const R
   const int experts = static_cast<int>(p.experts), topk = static_cast<int>(p.topk);
   float* s = reinterpret_cast<float*>(shared + warp * backward_warp_bytes(experts));
   float* ds = s + experts;
+  const float loss_grad =
+      p.grad_aux_loss ? static_cast<float>(*p.grad_aux_loss * p.aux_loss_scale) : 0.0f;
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * warps + warp; t < p.tokens;
        t += static_cast<int64_t>(gridDim.x) * warps) {
     const float* row = p.logits + t * experts;
@@ -244,20 +260,29 @@ __global__ void __launch_bounds__(kMaxThreads, 3) router_backward_kernel(const R
     const bool one_round = topk <= kWarpSize;
     ChosenSlot first;
     if (p.grad_probs && one_round && lane < topk) first = load_slot(p, t * topk + lane);
-    const float* ga = p.grad_aux;  // of aux_sums: every token's aux[t, e] gets it
-    const float ga_lane = ga && lane < experts ? ga[lane] : 0.0f;
-    const auto grad_aux = [&](int e) { return e == lane ? ga_lane : ga[e]; };
+    // The gradient of aux_sums (every token's aux[t, e] gets it), plus the aux loss's through it:
+    // aux_loss = scale · Σ_e aux_sums[e] · counts[e].
+    const bool has_ga = p.grad_aux || p.grad_aux_loss;
+    const auto load_grad_aux = [&](int e) {
+      float g = p.grad_aux ? p.grad_aux[e] : 0.0f;
+      if (p.grad_aux_loss) g += loss_grad * static_cast<float>(p.saved_counts[e]);
+      return g;
+    };
+    const float ga_lane = has_ga && lane < experts ? load_grad_aux(lane) : 0.0f;
+    const auto grad_aux = [&](int e) { return e == lane ? ga_lane : load_grad_aux(e); };
     const RowStats stats = score_row(p, row, s, lane);
     // d/ds of the aux scores: the identity for softmax; through s / (Σ s + eps) for sigmoid.
     float aux_dot = 0.0f;
-    if (ga && p.sigmoid) {
+    if (has_ga && p.sigmoid) {
       for (int e = lane; e < experts; e += kWarpSize)
         aux_dot += grad_aux(e) * s[e] / (stats.score_sum + kNormEps);
       aux_dot = warp_sum(aux_dot);
     }
     for (int e = lane; e < experts; e += kWarpSize) {
       float g = 0.0f;
-      if (ga) g = p.sigmoid ? (grad_aux(e) - aux_dot) / (stats.score_sum + kNormEps) : grad_aux(e);
+      if (has_ga) {
+        g = p.sigmoid ? (grad_aux(e) - aux_dot) / (stats.score_sum + kNormEps) : grad_aux(e);
+      }
       ds[e] = g;
     }
     __syncwarp();

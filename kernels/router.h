@@ -12,8 +12,10 @@
 //   aux[t, e]      = s[t, e], or for sigmoid s[t, e] / (Σ_e s[t, e] + 1e-20)
 //   aux_sums[e]    = Σ_t aux[t, e]                 (optional: the load-balancing loss's input)
 //   counts[e]      = number of tokens choosing e                                     (int64)
+//   aux_loss       = aux_loss_scale · Σ_e aux_sums[e] · counts[e]   (optional, with aux_sums: the
+//                    load-balancing loss when the counts are this launch's own)
 //
-// The backward takes the gradients of probs, aux_sums and lse (each optional) and writes
+// The backward takes the gradients of probs, aux_sums, aux_loss and lse (each optional) and writes
 // grad_logits [T, E]. One warp per token, the row kept in shared memory: E ≤ kMaxExperts.
 //
 // aux_sums is summed in fixed point, each term a multiple of 2^-32 (exact for terms of at least
@@ -56,6 +58,8 @@ struct RouterParams {
                                // counts' and sums' replicas, a NaN flag, the finished blocks
   float* lse = nullptr;        // [T]
   int64_t* counts = nullptr;   // [E]
+  float* aux_loss = nullptr;   // [] or null (needs aux_sums)
+  double aux_loss_scale = 0.0;
 
   // backward: the forward's indices and probs, the output gradients (each may be null), and
   // grad_logits [T, E] (written)
@@ -64,6 +68,8 @@ struct RouterParams {
   const float* grad_probs = nullptr;       // [T, k]
   const float* grad_aux = nullptr;         // [E]: of aux_sums
   const float* grad_lse = nullptr;         // [T]
+  const float* grad_aux_loss = nullptr;    // []: with saved_counts, the forward's counts [E]
+  const int64_t* saved_counts = nullptr;
   float* grad_logits = nullptr;
 };
 

@@ -139,9 +139,15 @@ RouterOutput TopKRouterImpl::forward(const torch::Tensor& x) {
   const auto compute = logits.scalar_type();
   const int64_t tokens = logits.size(0);
   const bool want_aux = o.aux_loss_coeff() > 0 && tokens > 0;
+  // aux_loss = coeff · E / (k · T²) · Σ_e aux_sums[e] · counts[e]: in the router kernel when the
+  // counts are this call's own (no process group); with a group after the counts' all-reduce.
+  const double aux_scale = o.aux_loss_coeff() * experts /
+                           (static_cast<double>(topk) * tokens * static_cast<double>(tokens));
+  const bool aux_in_kernel = want_aux && !o.process_group();
   const torch::autograd::variable_list scored = autograd::RouterTopKFunction::apply(
       logits, expert_bias.defined() ? std::optional(expert_bias) : std::nullopt, topk,
-      o.score_function() == RouterScore::kSigmoid, o.normalize_topk() && topk > 1, want_aux);
+      o.score_function() == RouterScore::kSigmoid, o.normalize_topk() && topk > 1, want_aux,
+      aux_in_kernel ? aux_scale : 0.0);
 
   RouterOutput out;
   out.indices = scored[0];
@@ -160,13 +166,12 @@ RouterOutput TopKRouterImpl::forward(const torch::Tensor& x) {
   }
 
   const auto scalar = torch::TensorOptions(compute).device(x.device());
-  if (want_aux) {
+  if (aux_in_kernel) {
+    out.aux_loss = scored[5];
+  } else if (want_aux) {
     // scored[2]: the tokens' scores (sigmoid: over their row sum) summed per expert.
     const torch::Tensor weighted = torch::dot(scored[2], out.tokens_per_expert.to(compute));
-    const double coeff = o.aux_loss_coeff() * experts;
-    out.aux_loss = group_tokens.defined()
-                       ? weighted * (coeff / topk) / group_tokens.square()
-                       : weighted * (coeff / (static_cast<double>(topk) * tokens * tokens));
+    out.aux_loss = weighted * (o.aux_loss_coeff() * experts / topk) / group_tokens.square();
   } else {
     out.aux_loss = torch::zeros({}, scalar);
   }

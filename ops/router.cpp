@@ -4,6 +4,8 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <cmath>
+
 #include "torchmoe/kernels/router.h"
 
 namespace torchmoe::ops {
@@ -139,6 +141,11 @@ RouterTopK router_topk(const at::Tensor& logits, const at::Tensor& expert_bias,
   const int64_t tokens = logits.size(0), experts = logits.size(1);
   TORCH_CHECK(!scoring.aux || tokens < kernels::kRouterMaxAuxTokens, kTopKOp,
               ": the aux loss's sums take fewer than 2^31 tokens, got ", tokens);
+  TORCH_CHECK(std::isfinite(scoring.aux_loss_scale) && scoring.aux_loss_scale >= 0 &&
+                  (scoring.aux_loss_scale == 0 || scoring.aux),
+              kTopKOp, ": aux_loss_scale must be finite, >= 0, and 0 without aux, got ",
+              scoring.aux_loss_scale);
+  const bool want_loss = scoring.aux_loss_scale > 0;
   TORCH_CHECK(!expert_bias.defined() ||
                   (expert_bias.dim() == 1 && expert_bias.size(0) == experts &&
                    expert_bias.scalar_type() == at::kFloat &&
@@ -164,6 +171,11 @@ RouterTopK router_topk(const at::Tensor& logits, const at::Tensor& expert_bias,
     p.scratch = scratch.data_ptr<int64_t>();
     p.lse = out.lse.data_ptr<float>();
     p.counts = out.counts.data_ptr<int64_t>();
+    if (want_loss) {
+      out.aux_loss = at::empty({}, options);
+      p.aux_loss = out.aux_loss.data_ptr<float>();
+      p.aux_loss_scale = scoring.aux_loss_scale;
+    }
     kernels::launch_router_forward(p, at::cuda::getCurrentCUDAStream().stream());
     return out;
   }
@@ -179,13 +191,18 @@ RouterTopK router_topk(const at::Tensor& logits, const at::Tensor& expert_bias,
   out.lse = at::logsumexp(logits, 1);
   out.counts = at::zeros({experts}, logits.options().dtype(at::kLong))
                    .scatter_add(0, out.indices.reshape(-1), at::ones_like(out.indices.reshape(-1)));
+  if (want_loss) {
+    out.aux_loss =
+        at::dot(out.aux_sums, out.counts.to(logits.scalar_type())) * scoring.aux_loss_scale;
+  }
   return out;
 }
 
 at::Tensor router_topk_backward(const at::Tensor& logits, const at::Tensor& indices,
                                 const at::Tensor& probs, const at::Tensor& grad_probs,
                                 const at::Tensor& grad_aux, const at::Tensor& grad_lse,
-                                const RouterScoring& scoring) {
+                                const RouterScoring& scoring, const at::Tensor& counts,
+                                const at::Tensor& grad_aux_loss) {
   check_logits(logits, scoring);
   const int64_t tokens = logits.size(0), experts = logits.size(1);
   // The forward's outputs: indices and probs as router_topk returned them.
@@ -210,6 +227,17 @@ at::Tensor router_topk_backward(const at::Tensor& logits, const at::Tensor& indi
   check_grad(grad_probs, {tokens, scoring.topk}, "grad_probs");
   check_grad(grad_aux, {experts}, "grad_aux");
   check_grad(grad_lse, {tokens}, "grad_lse");
+  const bool loss_grad = grad_aux_loss.defined() && grad_aux_loss.numel() > 0;
+  if (loss_grad) {
+    check_grad(grad_aux_loss, {}, "grad_aux_loss");
+    TORCH_CHECK(scoring.aux && scoring.aux_loss_scale > 0, kTopKOp,
+                ": grad_aux_loss needs aux and aux_loss_scale > 0");
+    TORCH_CHECK(counts.defined() && counts.sizes() == at::IntArrayRef({experts}) &&
+                    counts.scalar_type() == at::kLong && counts.device() == logits.device() &&
+                    counts.is_contiguous(),
+                kTopKOp, ": grad_aux_loss needs the forward's counts, a contiguous int64 [",
+                experts, "] tensor on ", logits.device());
+  }
   if (select_topk_backend(logits) == TopKBackend::kCuda) {
     const c10::cuda::CUDAGuard guard(logits.device());
     at::Tensor grad_logits = at::empty_like(logits);
@@ -219,18 +247,30 @@ at::Tensor router_topk_backward(const at::Tensor& logits, const at::Tensor& indi
     p.grad_probs = optional_data(grad_probs);
     p.grad_aux = scoring.aux ? optional_data(grad_aux) : nullptr;
     p.grad_lse = optional_data(grad_lse);
+    if (loss_grad) {
+      p.grad_aux_loss = grad_aux_loss.const_data_ptr<float>();
+      p.saved_counts = counts.const_data_ptr<int64_t>();
+      p.aux_loss_scale = scoring.aux_loss_scale;
+    }
     p.grad_logits = grad_logits.data_ptr<float>();
     kernels::launch_router_backward(p, at::cuda::getCurrentCUDAStream().stream());
     return grad_logits;
   }
   const at::Tensor s = aten_scores(logits, scoring);
   at::Tensor ds = at::zeros_like(s);
-  if (scoring.aux && grad_aux.defined() && grad_aux.numel() > 0) {
+  at::Tensor ga =
+      scoring.aux && grad_aux.defined() && grad_aux.numel() > 0 ? grad_aux : at::Tensor();
+  if (loss_grad) {
+    const at::Tensor through_loss =
+        grad_aux_loss * scoring.aux_loss_scale * counts.to(s.scalar_type());
+    ga = ga.defined() ? ga + through_loss : through_loss;
+  }
+  if (ga.defined()) {
     if (scoring.sigmoid) {
       const at::Tensor sum = s.sum(1, true) + kernels::kRouterNormEps;
-      ds = ds + (grad_aux - (grad_aux * (s / sum)).sum(1, true)) / sum;
+      ds = ds + (ga - (ga * (s / sum)).sum(1, true)) / sum;
     } else {
-      ds = ds + grad_aux;
+      ds = ds + ga;
     }
   }
   if (grad_probs.defined() && grad_probs.numel() > 0) {

@@ -47,6 +47,9 @@ struct RouterScoring {
   bool sigmoid = false;    // sigmoid scores, else softmax
   bool normalize = false;  // probs divided by their sum over the k choices
   bool aux = false;        // also return the aux loss's input: the scores summed over tokens
+  // With aux and > 0: also return aux_loss = aux_loss_scale · Σ_e aux_sums[e] · counts[e], the
+  // load-balancing loss when this call's counts are the batch's (no process group).
+  double aux_loss_scale = 0.0;
 };
 
 struct RouterTopK {
@@ -56,17 +59,19 @@ struct RouterTopK {
                         // their row sum (T < 2^31); [0] when not asked for
   at::Tensor lse;       // [T] logsumexp of each row of logits
   at::Tensor counts;    // [E] int64 tokens choosing each expert
+  at::Tensor aux_loss;  // [] in the logits' dtype with aux_loss_scale > 0, else undefined
 };
 
 // logits [T, E] fp32 or fp64; expert_bias undefined or [E] fp32 (shifts the choice, not probs).
 RouterTopK router_topk(const at::Tensor& logits, const at::Tensor& expert_bias,
                        const RouterScoring& scoring);
 
-// grad_logits [T, E] from the gradients of probs [T, k], aux_sums [E] and lse [T] (each
-// undefined when none).
+// grad_logits [T, E] from the gradients of probs [T, k], aux_sums [E], lse [T] and aux_loss []
+// (each undefined when none); grad_aux_loss needs the forward's counts.
 at::Tensor router_topk_backward(const at::Tensor& logits, const at::Tensor& indices,
                                 const at::Tensor& probs, const at::Tensor& grad_probs,
                                 const at::Tensor& grad_aux, const at::Tensor& grad_lse,
-                                const RouterScoring& scoring);
+                                const RouterScoring& scoring, const at::Tensor& counts = {},
+                                const at::Tensor& grad_aux_loss = {});
 
 }  // namespace torchmoe::ops

@@ -113,6 +113,7 @@ TEST_CASE("router top-k: the CUDA kernel matches the ATen path", "[ops][router][
   scoring.sigmoid = sigmoid;
   scoring.normalize = normalize;
   scoring.aux = true;
+  scoring.aux_loss_scale = 0.37;
   const auto cpu = torchmoe::ops::router_topk(logits, expert_bias, scoring);
   const auto cuda = torchmoe::ops::router_topk(
       logits.cuda(), bias ? expert_bias.cuda() : torch::Tensor(), scoring);
@@ -136,23 +137,35 @@ TEST_CASE("router top-k: the CUDA kernel matches the ATen path", "[ops][router][
   check_close(cuda.probs, probs, {1e-5, 1e-7}, "probs");
   check_close(cuda.aux_sums, cpu.aux_sums, {1e-5, 1e-6}, "aux sums");
   check_close(cuda.lse, cpu.lse, {1e-6, 1e-6}, "lse");
+  // The aux loss from the kernel's own sums and counts against float64 from them.
+  const double loss = 0.37 * torch::dot(cuda.aux_sums.cpu().to(torch::kFloat64),
+                                        cuda.counts.cpu().to(torch::kFloat64))
+                                 .item<double>();
+  CHECK(cuda.aux_loss.dim() == 0);
+  CHECK(cuda.aux_loss.item<double>() == Approx(loss).epsilon(1e-6));
+  const double cpu_loss =
+      0.37 *
+      torch::dot(cpu.aux_sums.to(torch::kFloat64), cpu.counts.to(torch::kFloat64)).item<double>();
+  CHECK(cpu.aux_loss.item<double>() == Approx(cpu_loss).epsilon(1e-6));
 
   const torch::Tensor grad_probs = torch::randn({tokens, topk});
   const torch::Tensor grad_aux = torch::randn({experts}) * 1e-2;
   const torch::Tensor grad_lse = torch::randn({tokens});
+  const torch::Tensor grad_loss = torch::tensor(1e-3);
   auto on_cuda = [](const torch::Tensor& t) { return t.defined() ? t.cuda() : t; };
-  for (int absent = 0; absent < 4; ++absent) {  // all gradients, then each one left out
+  for (int absent = 0; absent < 5; ++absent) {  // all gradients, then each one left out
     INFO("absent gradient " << absent);
     auto pick = [&](int which, const torch::Tensor& g) {
       return absent == which ? torch::Tensor() : g;
     };
-    // Both through the kernel's choices.
-    const torch::Tensor expected =
-        torchmoe::ops::router_topk_backward(logits, indices, cuda.probs.cpu(), pick(1, grad_probs),
-                                            pick(2, grad_aux), pick(3, grad_lse), scoring);
+    // Both through the kernel's choices and counts.
+    const torch::Tensor expected = torchmoe::ops::router_topk_backward(
+        logits, indices, cuda.probs.cpu(), pick(1, grad_probs), pick(2, grad_aux),
+        pick(3, grad_lse), scoring, cuda.counts.cpu(), pick(4, grad_loss));
     const torch::Tensor actual = torchmoe::ops::router_topk_backward(
         logits.cuda(), cuda.indices, cuda.probs, on_cuda(pick(1, grad_probs)),
-        on_cuda(pick(2, grad_aux)), on_cuda(pick(3, grad_lse)), scoring);
+        on_cuda(pick(2, grad_aux)), on_cuda(pick(3, grad_lse)), scoring, cuda.counts,
+        on_cuda(pick(4, grad_loss)));
     check_close(actual, expected, {1e-4, 1e-6}, "grad logits");
   }
   // Indices that router_topk cannot have written (past the experts in token 0, negative in the
@@ -276,6 +289,17 @@ TEST_CASE("router top-k rejects bad arguments", "[ops][router][errors]") {
   CHECK_THROWS_WITH(torchmoe::ops::router_topk_backward(logits, out.indices, out.probs, {},
                                                         torch::zeros({5, 4}), {}, scoring),
                     Contains("grad_aux must be a contiguous Float [4] tensor"));
+  torchmoe::ops::RouterScoring no_aux = scoring;
+  no_aux.aux = false;
+  no_aux.aux_loss_scale = 1.0;
+  CHECK_THROWS_WITH(router_topk(logits, {}, no_aux),
+                    Contains("aux_loss_scale must be finite, >= 0, and 0 without aux, got 1"));
+  torchmoe::ops::RouterScoring with_loss = scoring;
+  with_loss.aux = true;
+  with_loss.aux_loss_scale = 0.5;
+  CHECK_THROWS_WITH(torchmoe::ops::router_topk_backward(logits, out.indices, out.probs, {}, {}, {},
+                                                        with_loss, {}, torch::tensor(1.0f)),
+                    Contains("grad_aux_loss needs the forward's counts"));
   const auto backward = [&](const torch::Tensor& l, const torch::Tensor& indices,
                             const torch::Tensor& probs, int64_t topk) {
     torchmoe::ops::RouterScoring s = scoring;
