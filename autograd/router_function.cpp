@@ -7,19 +7,83 @@ namespace torchmoe::autograd {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+namespace {
+
+// A RouterGradLink in a context's saved data.
+struct GradLinkHolder : torch::CustomClassHolder {
+  std::shared_ptr<RouterGradLink> link;
+};
+
+void save_link(AutogradContext* ctx, const std::shared_ptr<RouterGradLink>& link) {
+  if (!link) return;
+  auto holder = c10::make_intrusive<GradLinkHolder>();
+  holder->link = link;
+  ctx->saved_data["grad_link"] = c10::IValue::make_capsule(std::move(holder));
+}
+
+std::shared_ptr<RouterGradLink> saved_link(AutogradContext* ctx) {
+  const auto found = ctx->saved_data.find("grad_link");
+  if (found == ctx->saved_data.end()) return nullptr;
+  return c10::static_intrusive_pointer_cast<GradLinkHolder>(found->second.toCapsule())->link;
+}
+
+}  // namespace
+
 at::Tensor RouterLogitsFunction::forward(AutogradContext* ctx, const at::Tensor& x,
-                                         const at::Tensor& weight) {
+                                         const at::Tensor& weight,
+                                         const std::shared_ptr<RouterGradLink>& link) {
   ctx->save_for_backward({x, weight});
+  save_link(ctx, link);
   return ops::router_logits(x, weight);
 }
 
 variable_list RouterLogitsFunction::backward(AutogradContext* ctx, variable_list grad_outputs) {
   const OnceDifferentiable once;
   const variable_list saved = ctx->get_saved_variables();
+  const at::Tensor grad_logits = grad_outputs[0].contiguous();
+  const std::shared_ptr<RouterGradLink> link = saved_link(ctx);
+  const bool deferred = link && ctx->needs_input_grad(0);
   ops::RouterLogitsGrads grads =
-      ops::router_logits_backward(grad_outputs[0].contiguous(), saved[0], saved[1],
-                                  ctx->needs_input_grad(0), ctx->needs_input_grad(1));
-  return once_differentiable("RouterLogitsFunction", once, {grads.grad_x, grads.grad_weight});
+      ops::router_logits_backward(grad_logits, saved[0], saved[1],
+                                  ctx->needs_input_grad(0) && !deferred, ctx->needs_input_grad(1));
+  if (deferred) {
+    link->grad_logits = grad_logits;
+    link->x = saved[0];
+    link->weight = saved[1];
+  }
+  return once_differentiable("RouterLogitsFunction", once,
+                             {grads.grad_x, grads.grad_weight, at::Tensor()});
+}
+
+variable_list ForkFunction::forward(AutogradContext* ctx, const at::Tensor& x,
+                                    const std::shared_ptr<RouterGradLink>& link) {
+  save_link(ctx, link);
+  // The router's branch has no gradient when its link took it: none, rather than zeros to add.
+  ctx->set_materialize_grads(false);
+  return {x, x};
+}
+
+variable_list ForkFunction::backward(AutogradContext* ctx, variable_list grad_outputs) {
+  const OnceDifferentiable once;
+  const at::Tensor& router_branch = grad_outputs[0];
+  const at::Tensor& other_branch = grad_outputs[1];
+  const std::shared_ptr<RouterGradLink> link = saved_link(ctx);
+  at::Tensor grad_x;
+  if (router_branch.defined() && other_branch.defined()) {
+    grad_x = router_branch + other_branch;  // a tensor of this node's own
+  } else if (other_branch.defined()) {
+    const bool own = link && link->other_branch_exclusive && other_branch.is_contiguous();
+    grad_x = own ? other_branch : other_branch.clone(at::MemoryFormat::Contiguous);
+  } else if (router_branch.defined()) {
+    grad_x = router_branch.clone(at::MemoryFormat::Contiguous);
+  }
+  if (link && link->grad_logits.defined()) {
+    grad_x = ops::router_logits_backward(link->grad_logits, link->x, link->weight, true, false,
+                                         grad_x.defined() ? grad_x : at::zeros_like(link->x))
+                 .grad_x;
+    *link = RouterGradLink();
+  }
+  return once_differentiable("ForkFunction", once, {grad_x, at::Tensor()});
 }
 
 namespace {

@@ -6,17 +6,32 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 
 #include "torchmoe/ops/router.h"
 
 namespace torchmoe::autograd {
 
+// The router's gradient of x, handed from RouterLogitsFunction's backward to the ForkFunction
+// that gave the router its x, so that it is added to the other branch's gradient by the GEMM
+// that makes it (ops::router_logits_backward's grad_x_addend) rather than by autograd's add of
+// the two branches (14 µs on moe-lm, 35 on qwen3).
+struct RouterGradLink {
+  // Set by the caller: the fork's second output goes to one Function whose backward returns a
+  // tensor of its own (MoELayer's permutation), so the product may be added into it in place;
+  // otherwise into a copy (autograd may hand one gradient tensor to several inputs).
+  bool other_branch_exclusive = false;
+  at::Tensor grad_logits, x, weight;  // set by the router's backward, taken by the fork's
+};
+
 class RouterLogitsFunction : public torch::autograd::Function<RouterLogitsFunction> {
  public:
-  // x [T, H], weight [E, H] -> logits [T, E] fp32 (fp64 when either is fp64).
+  // x [T, H], weight [E, H] -> logits [T, E] fp32 (fp64 when either is fp64). With a link, the
+  // backward leaves x's gradient to the link's fork (and returns none for x).
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const at::Tensor& weight);
+                            const at::Tensor& weight,
+                            const std::shared_ptr<RouterGradLink>& link = nullptr);
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs);
 };
@@ -31,6 +46,18 @@ class RouterTopKFunction : public torch::autograd::Function<RouterTopKFunction> 
                                                 const std::optional<at::Tensor>& expert_bias,
                                                 int64_t topk, bool sigmoid, bool normalize,
                                                 bool aux, double aux_loss_scale = 0.0);
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs);
+};
+
+// x -> {x for the router, x for the other branch} (views of x). Backward: the second branch's
+// gradient plus the router's, which the link holds when the router's logits were computed
+// with it (one GEMM with beta = 1), else autograd's gradient of the first output.
+class ForkFunction : public torch::autograd::Function<ForkFunction> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& x,
+                                                const std::shared_ptr<RouterGradLink>& link);
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs);
 };

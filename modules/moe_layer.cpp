@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "torchmoe/autograd/expert_parallel_function.h"
+#include "torchmoe/autograd/router_function.h"
 #include "torchmoe/autograd/token_permutation_function.h"
 #include "torchmoe/fp8/autocast.h"
 #include "torchmoe/modules/module_load.h"
@@ -125,12 +126,20 @@ MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_f
               " on this rank) the layer was built with; options.num_experts and expert_parallel ",
               "cannot change after construction: build a new layer");
   // A 2-D x is taken as it is (a reshape and the view back would add two backward nodes).
-  const torch::Tensor tokens = x.dim() == 2 ? x : x.reshape({-1, options.hidden()});
-  const RouterOutput routing = router(tokens);
+  const torch::Tensor flat = x.dim() == 2 ? x : x.reshape({-1, options.hidden()});
   MoEOutput out;
+  RouterOutput routing;
   if (options.pad_to_capacity()) {
-    out.output = run_padded(tokens, routing, is_first_microbatch);
+    routing = router(flat);
+    out.output = run_padded(flat, routing, is_first_microbatch);
   } else {
+    // x forked between the router and the permutation: the router's gradient of x is added to
+    // the permutation's by the router's own GEMM (autograd::ForkFunction), not by autograd.
+    const auto link = std::make_shared<autograd::RouterGradLink>();
+    link->other_branch_exclusive = true;  // forked[1] goes to the permutation alone
+    const torch::autograd::variable_list forked = autograd::ForkFunction::apply(flat, link);
+    routing = router->forward(forked[0], link);
+    const torch::Tensor& tokens = forked[1];
     // Without a capacity the router's top-k has no dropped slot, so the permuted row count is T·k
     // and the split sizes can stay on the device: no host sync in the layer when the experts'
     // GEMMs take device splits (sm90), which makes the step CUDA-graph capturable. With a

@@ -112,7 +112,8 @@ void TopKRouterImpl::pretty_print(std::ostream& stream) const {
          << ", normalize_topk=" << options.normalize_topk() << ")";
 }
 
-RouterOutput TopKRouterImpl::forward(const torch::Tensor& x) {
+RouterOutput TopKRouterImpl::forward(const torch::Tensor& x,
+                                     const std::shared_ptr<autograd::RouterGradLink>& grad_link) {
   const TopKRouterOptions& o = options;
   // Sizes and the expert bias are what the tensors were built with: changed later they would
   // scale the losses and the capacity for another expert count, or be ignored.
@@ -135,7 +136,8 @@ RouterOutput TopKRouterImpl::forward(const torch::Tensor& x) {
   // for it (ops/router.h).
   // A 2-D x is taken as it is: a reshape would add a view and its backward node per call.
   const torch::Tensor rows = x.dim() == 2 ? x : x.reshape({-1, o.hidden()});
-  const torch::Tensor logits = autograd::RouterLogitsFunction::apply(rows.contiguous(), weight);
+  const torch::Tensor logits =
+      autograd::RouterLogitsFunction::apply(rows.contiguous(), weight, grad_link);
   const auto compute = logits.scalar_type();
   const int64_t tokens = logits.size(0);
   const bool want_aux = o.aux_loss_coeff() > 0 && tokens > 0;

@@ -17,10 +17,15 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/types.h>
 
+#include <memory>
 #include <optional>
 #include <ostream>
 
 #include "torchmoe/ops/process_group.h"
+
+namespace torchmoe::autograd {
+struct RouterGradLink;  // autograd/router_function.h
+}  // namespace torchmoe::autograd
 
 namespace torchmoe {
 
@@ -96,8 +101,11 @@ class TopKRouterImpl : public torch::nn::Cloneable<TopKRouterImpl> {
   void reset_parameters();
   void pretty_print(std::ostream& stream) const override;
 
-  /// x [..., hidden] (T = x.numel() / hidden tokens).
-  RouterOutput forward(const torch::Tensor& x);
+  /// x [..., hidden] (T = x.numel() / hidden tokens). grad_link: for MoELayer, which forks x
+  /// between the router and the permutation (autograd::ForkFunction) and takes the router's
+  /// gradient of x through it.
+  RouterOutput forward(const torch::Tensor& x,
+                       const std::shared_ptr<autograd::RouterGradLink>& grad_link = nullptr);
 
   /// expert_bias += rate · sign(mean load - load) from the tokens counted (in training mode)
   /// since the last call, then clears the count. No-op without expert_bias.

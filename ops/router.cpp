@@ -97,7 +97,7 @@ at::Tensor router_logits(const at::Tensor& x, const at::Tensor& weight) {
 
 RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at::Tensor& x,
                                          const at::Tensor& weight, bool need_grad_x,
-                                         bool need_grad_weight) {
+                                         bool need_grad_weight, const at::Tensor& grad_x_addend) {
   check_operands(x, weight);
   TORCH_CHECK(grad_logits.defined() && grad_logits.dim() == 2 && grad_logits.size(0) == x.size(0) &&
                   grad_logits.size(1) == weight.size(0),
@@ -107,6 +107,12 @@ RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at
               ": grad_logits must have a floating dtype, got ", grad_logits.scalar_type());
   TORCH_CHECK(grad_logits.device() == x.device(), kOp, ": grad_logits must be on ", x.device(),
               " like x and weight, got ", grad_logits.device());
+  TORCH_CHECK(
+      !grad_x_addend.defined() ||
+          (grad_x_addend.sizes() == x.sizes() && grad_x_addend.scalar_type() == x.scalar_type() &&
+           grad_x_addend.device() == x.device() && grad_x_addend.is_contiguous()),
+      kOp, ": grad_x_addend must be a contiguous ", x.scalar_type(), " ", x.sizes(), " tensor on ",
+      x.device(), " like x");
   RouterLogitsGrads grads;
   // bf16 only: fp16's narrow exponent range makes the small halves of small gradients subnormal.
   if (tensor_core_path(x, weight) && x.scalar_type() == at::kBFloat16) {
@@ -117,7 +123,11 @@ RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at
     const at::Tensor hilo = at::empty({tokens, 2 * experts}, x.options());
     kernels::launch_router_grad_split(g.const_data_ptr<float>(), hilo.data_ptr(), tokens, experts,
                                       at::cuda::getCurrentCUDAStream().stream());
-    if (need_grad_x) grads.grad_x = at::mm(hilo, at::cat({weight, weight}, 0));
+    if (need_grad_x) {
+      const at::Tensor stacked = at::cat({weight, weight}, 0);
+      grads.grad_x = grad_x_addend.defined() ? at::Tensor(grad_x_addend).addmm_(hilo, stacked)
+                                             : at::mm(hilo, stacked);
+    }
     if (need_grad_weight) {
       // Rows [0, E) are hiᵀ·x, rows [E, 2E) loᵀ·x: their fp32 sum, rounded once (one add into
       // the weight's dtype; a sum over the halves and a cast were two launches, 5 µs on moe-lm).
@@ -130,7 +140,10 @@ RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at
   }
   const at::ScalarType compute = logits_type(x, weight);
   const at::Tensor g = grad_logits.to(compute);
-  if (need_grad_x) grads.grad_x = at::mm(g, weight.to(compute)).to(x.scalar_type());
+  if (need_grad_x) {
+    grads.grad_x = at::mm(g, weight.to(compute)).to(x.scalar_type());
+    if (grad_x_addend.defined()) grads.grad_x = grad_x_addend + grads.grad_x;
+  }
   if (need_grad_weight) grads.grad_weight = at::mm(g.t(), x.to(compute)).to(weight.scalar_type());
   return grads;
 }

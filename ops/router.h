@@ -35,9 +35,13 @@ struct RouterLogitsGrads {
   at::Tensor grad_weight;  // [E, H] in weight's dtype (undefined when not asked for)
 };
 
+// grad_x_addend (optional, [T, H] in x's dtype, contiguous): another branch's gradient of x, to
+// which grad_x is added and which it becomes. On the bf16 tensor-core path the GEMM adds it
+// (beta = 1, in place: one rounding and no add launch), so the caller must own it.
 RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at::Tensor& x,
                                          const at::Tensor& weight, bool need_grad_x,
-                                         bool need_grad_weight);
+                                         bool need_grad_weight,
+                                         const at::Tensor& grad_x_addend = {});
 
 // Scoring and top-k from the logits (the formulas: kernels/router.h): one kernel each way on CUDA
 // for fp32 logits and E <= 1024 experts, else ATen ops (the CPU reference, fp64 logits, more

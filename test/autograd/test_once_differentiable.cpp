@@ -2,6 +2,7 @@
 // gradients are the ordinary ones, and differentiating them again is an error naming the Function
 // rather than a silently missing second-order term. (AllToAllFunction: the [ep] tests.)
 
+#include <torchmoe/autograd/router_function.h>
 #include <torchmoe/torchmoe.h>
 
 #include <string>
@@ -58,6 +59,13 @@ TEST_CASE("torchmoe Functions refuse a second derivative instead of dropping it"
   const torch::Tensor tokens = torch::randn({9, 5}, f64).requires_grad_(true);
   check_once_differentiable([&] { return router(tokens).probs.square().sum(); }, {tokens},
                             "RouterLogitsFunction");
+
+  check_once_differentiable(
+      [&] {
+        const auto forked = torchmoe::autograd::ForkFunction::apply(tokens, nullptr);
+        return (forked[0] * 2 + forked[1]).square().sum();
+      },
+      {tokens}, "ForkFunction");
 
   const torch::Tensor indices = torch::tensor({{0, 2}, {1, 2}, {3, 0}}, torch::kLong);
   const torch::Tensor rows = torch::randn({3, 4}, f64).requires_grad_(true);

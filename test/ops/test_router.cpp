@@ -333,4 +333,10 @@ TEST_CASE("router logits backward rejects operands it cannot multiply", "[ops][r
   CHECK_THROWS_WITH(
       router_logits_backward(grad, x.to(torch::kMeta), weight.to(torch::kMeta), true, true),
       Contains("router_logits: grad_logits must be on meta like x and weight, got cpu"));
+  CHECK_THROWS_WITH(router_logits_backward(grad, x, weight, true, true, torch::zeros({5, 7})),
+                    Contains("grad_x_addend must be a contiguous Float [5, 8] tensor on cpu"));
+  // The addend is added: x's gradient is it plus grad · W.
+  const torch::Tensor addend = torch::randn({5, 8});
+  check_close(router_logits_backward(grad, x, weight, true, false, addend.clone()).grad_x,
+              addend + grad.matmul(weight), {1e-6, 1e-6}, "grad x with an addend");
 }
