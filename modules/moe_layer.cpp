@@ -134,12 +134,19 @@ MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_f
     out.output = run_padded(flat, routing, is_first_microbatch);
   } else {
     // x forked between the router and the permutation: the router's gradient of x is added to
-    // the permutation's by the router's own GEMM (autograd::ForkFunction), not by autograd.
-    const auto link = std::make_shared<autograd::RouterGradLink>();
-    link->other_branch_exclusive = true;  // forked[1] goes to the permutation alone
-    const torch::autograd::variable_list forked = autograd::ForkFunction::apply(flat, link);
-    routing = router->forward(forked[0], link);
-    const torch::Tensor& tokens = forked[1];
+    // the permutation's by the router's own GEMM (autograd::ForkFunction), not by autograd. Not
+    // when x takes no gradient (the fork's node would be host time for nothing).
+    std::shared_ptr<autograd::RouterGradLink> link;
+    torch::Tensor tokens = flat;
+    if (flat.requires_grad() && torch::GradMode::is_enabled()) {
+      link = std::make_shared<autograd::RouterGradLink>();
+      link->other_branch_exclusive = true;  // forked[1] goes to the permutation alone
+      const torch::autograd::variable_list forked = autograd::ForkFunction::apply(flat, link);
+      routing = router->forward(forked[0], link);
+      tokens = forked[1];
+    } else {
+      routing = router(flat);
+    }
     // Without a capacity the router's top-k has no dropped slot, so the permuted row count is T·k
     // and the split sizes can stay on the device: no host sync in the layer when the experts'
     // GEMMs take device splits (sm90), which makes the step CUDA-graph capturable. With a

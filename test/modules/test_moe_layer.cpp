@@ -127,6 +127,32 @@ TEST_CASE("MoELayer matches a float64 loop-over-experts reference (CPU)", "[modu
   check_layer(torch::kFloat64, torch::kCPU, topk, 1e-10, single, flat);
 }
 
+// x with and without a gradient: the layer forks x between its router and its permutation only
+// when x takes one (the router's gradient of x is then added by its GEMM); the output, the aux
+// loss and the parameters' gradients are the same either way.
+TEST_CASE("MoELayer gives the same results whether x takes a gradient or not", "[modules][moe]") {
+  torch::manual_seed(71);
+  MoELayerOptions options(16, 24, 4, 2);
+  options.params_dtype(torch::kFloat64);
+  options.router().aux_loss_coeff(0.05);
+  MoELayer moe(options);
+  const torch::Tensor x = torch::randn({30, 16}, torch::kFloat64);
+  const torch::Tensor dy = torch::randn({30, 16}, torch::kFloat64);
+  auto run = [&](bool x_grad) {
+    moe->zero_grad();
+    const torch::Tensor input = x.clone().requires_grad_(x_grad);
+    const auto out = moe(input);
+    (out.output * dy).sum().add(out.aux_loss).backward();
+    return std::make_tuple(out.output.detach(), out.aux_loss.detach(),
+                           moe->router->weight.grad().clone());
+  };
+  const auto [y1, aux1, grad1] = run(true);
+  const auto [y0, aux0, grad0] = run(false);
+  CHECK(torch::equal(y1, y0));
+  CHECK(torch::equal(aux1, aux0));
+  check_close(grad1, grad0, {1e-12, 1e-12}, "router weight gradient");
+}
+
 TEST_CASE("MoELayer matches the reference on CUDA", "[modules][moe][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
   const torch::Dtype dtype = GENERATE(torch::kFloat32, torch::kBFloat16);
