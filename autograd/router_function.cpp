@@ -68,16 +68,18 @@ variable_list ForkFunction::backward(AutogradContext* ctx, variable_list grad_ou
   const at::Tensor& router_branch = grad_outputs[0];
   const at::Tensor& other_branch = grad_outputs[1];
   const std::shared_ptr<RouterGradLink> link = saved_link(ctx);
+  // With the router's product to add in place, grad_x must be a tensor nothing else holds.
+  const bool product = link && link->grad_logits.defined();
   at::Tensor grad_x;
   if (router_branch.defined() && other_branch.defined()) {
     grad_x = router_branch + other_branch;  // a tensor of this node's own
   } else if (other_branch.defined()) {
     const bool own = link && link->other_branch_exclusive && other_branch.is_contiguous();
-    grad_x = own ? other_branch : other_branch.clone(at::MemoryFormat::Contiguous);
+    grad_x = !product || own ? other_branch : other_branch.clone(at::MemoryFormat::Contiguous);
   } else if (router_branch.defined()) {
-    grad_x = router_branch.clone(at::MemoryFormat::Contiguous);
+    grad_x = product ? router_branch.clone(at::MemoryFormat::Contiguous) : router_branch;
   }
-  if (link && link->grad_logits.defined()) {
+  if (product) {
     grad_x = ops::router_logits_backward(link->grad_logits, link->x, link->weight, true, false,
                                          grad_x.defined() ? grad_x : at::zeros_like(link->x))
                  .grad_x;
