@@ -1,33 +1,12 @@
 #include "torchmoe/autograd/router_function.h"
 
 #include "torchmoe/autograd/once_differentiable.h"
+#include "torchmoe/autograd/saved_link.h"
 
 namespace torchmoe::autograd {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-namespace {
-
-// A RouterGradLink in a context's saved data.
-struct GradLinkHolder : torch::CustomClassHolder {
-  std::shared_ptr<RouterGradLink> link;
-};
-
-void save_link(AutogradContext* ctx, const std::shared_ptr<RouterGradLink>& link) {
-  if (!link) return;
-  auto holder = c10::make_intrusive<GradLinkHolder>();
-  holder->link = link;
-  ctx->saved_data["grad_link"] = c10::IValue::make_capsule(std::move(holder));
-}
-
-std::shared_ptr<RouterGradLink> saved_link(AutogradContext* ctx) {
-  const auto found = ctx->saved_data.find("grad_link");
-  if (found == ctx->saved_data.end()) return nullptr;
-  return c10::static_intrusive_pointer_cast<GradLinkHolder>(found->second.toCapsule())->link;
-}
-
-}  // namespace
 
 at::Tensor RouterLogitsFunction::forward(AutogradContext* ctx, const at::Tensor& x,
                                          const at::Tensor& weight,
@@ -41,7 +20,7 @@ variable_list RouterLogitsFunction::backward(AutogradContext* ctx, variable_list
   const OnceDifferentiable once;
   const variable_list saved = ctx->get_saved_variables();
   const at::Tensor grad_logits = grad_outputs[0].contiguous();
-  const std::shared_ptr<RouterGradLink> link = saved_link(ctx);
+  const std::shared_ptr<RouterGradLink> link = saved_link<RouterGradLink>(ctx);
   const bool deferred = link && ctx->needs_input_grad(0);
   ops::RouterLogitsGrads grads =
       ops::router_logits_backward(grad_logits, saved[0], saved[1],
@@ -67,7 +46,7 @@ variable_list ForkFunction::backward(AutogradContext* ctx, variable_list grad_ou
   const OnceDifferentiable once;
   const at::Tensor& router_branch = grad_outputs[0];
   const at::Tensor& other_branch = grad_outputs[1];
-  const std::shared_ptr<RouterGradLink> link = saved_link(ctx);
+  const std::shared_ptr<RouterGradLink> link = saved_link<RouterGradLink>(ctx);
   // With the router's product to add in place, grad_x must be a tensor nothing else holds.
   const bool product = link && link->grad_logits.defined();
   at::Tensor grad_x;

@@ -1,6 +1,7 @@
 #include "torchmoe/autograd/token_permutation_function.h"
 
 #include "torchmoe/autograd/once_differentiable.h"
+#include "torchmoe/autograd/saved_link.h"
 #include "torchmoe/ops/token_permutation.h"
 
 namespace torchmoe::autograd {
@@ -24,15 +25,6 @@ variable_list PermuteFunction::backward(AutogradContext* ctx, variable_list grad
   return once_differentiable("PermuteFunction", once, {grad_tokens, at::Tensor(), at::Tensor()});
 }
 
-namespace {
-
-// An Fp8GradLink in the context's saved data.
-struct LinkHolder : torch::CustomClassHolder {
-  std::shared_ptr<Fp8GradLink> link;
-};
-
-}  // namespace
-
 at::Tensor UnpermuteFunction::forward(AutogradContext* ctx, const at::Tensor& permuted,
                                       const at::Tensor& row_map,
                                       const std::optional<at::Tensor>& sorted_slots,
@@ -48,9 +40,7 @@ at::Tensor UnpermuteFunction::forward(AutogradContext* ctx, const at::Tensor& pe
     TORCH_CHECK(!grad_link->armed || grad_link->rows == x.size(0), "unpermute_tokens: grad_link's ",
                 "layer has ", grad_link->rows, " rows, permuted ", x.size(0),
                 "; permuted must be that layer's output");
-    auto holder = c10::make_intrusive<LinkHolder>();
-    holder->link = grad_link;
-    ctx->saved_data["grad_link"] = c10::IValue::make_capsule(std::move(holder));
+    save_link(ctx, grad_link);
   }
   return ops::unpermute_rows(x, row_map, p);
 }
@@ -65,19 +55,15 @@ variable_list UnpermuteFunction::backward(AutogradContext* ctx, variable_list gr
       saved[1].defined() ? saved[1]
                          : ops::slots_of_rows(row_map, ctx->saved_data["num_rows"].toInt());
   if (!probs.defined()) {
-    const auto linked = ctx->saved_data.find("grad_link");
-    if (linked != ctx->saved_data.end()) {
-      Fp8GradLink& link =
-          *c10::static_intrusive_pointer_cast<LinkHolder>(linked->second.toCapsule())->link;
-      if (link.armed) {
-        link.grad = quantize_linked_gradient(link, grad,
-                                             ops::tokens_of_rows(sorted_slots, row_map.size(1)));
-        return once_differentiable(
-            "UnpermuteFunction", once,
-            {linked_gradient_placeholder({ctx->saved_data["num_rows"].toInt(), grad.size(1)},
-                                         grad.options()),
-             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()});
-      }
+    const std::shared_ptr<Fp8GradLink> link = saved_link<Fp8GradLink>(ctx);
+    if (link && link->armed) {
+      link->grad =
+          quantize_linked_gradient(*link, grad, ops::tokens_of_rows(sorted_slots, row_map.size(1)));
+      return once_differentiable(
+          "UnpermuteFunction", once,
+          {linked_gradient_placeholder({ctx->saved_data["num_rows"].toInt(), grad.size(1)},
+                                       grad.options()),
+           at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()});
     }
     return once_differentiable("UnpermuteFunction", once,
                                {ops::permute_rows(grad, row_map, sorted_slots, at::Tensor()),

@@ -143,13 +143,15 @@ RouterOutput TopKRouterImpl::forward(const torch::Tensor& x,
   const bool want_aux = o.aux_loss_coeff() > 0 && tokens > 0;
   // aux_loss = coeff · E / (k · T²) · Σ_e aux_sums[e] · counts[e]: in the router kernel when the
   // counts are this call's own (no process group); with a group after the counts' all-reduce.
-  const double aux_scale = o.aux_loss_coeff() * experts /
-                           (static_cast<double>(topk) * tokens * static_cast<double>(tokens));
   const bool aux_in_kernel = want_aux && !o.process_group();
+  const double aux_scale =
+      aux_in_kernel ? o.aux_loss_coeff() * experts /
+                          (static_cast<double>(topk) * tokens * static_cast<double>(tokens))
+                    : 0.0;
   const torch::autograd::variable_list scored = autograd::RouterTopKFunction::apply(
       logits, expert_bias.defined() ? std::optional(expert_bias) : std::nullopt, topk,
       o.score_function() == RouterScore::kSigmoid, o.normalize_topk() && topk > 1, want_aux,
-      aux_in_kernel ? aux_scale : 0.0);
+      aux_scale);
 
   RouterOutput out;
   out.indices = scored[0];

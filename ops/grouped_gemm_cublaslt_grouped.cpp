@@ -78,6 +78,12 @@ const char* library_refusal() {
   return refusal.empty() ? nullptr : refusal.c_str();
 }
 
+// cuBLASLt's grouped matmul takes each group's matrix at a 16-byte-aligned address.
+void check_aligned(const CheckedGroups& groups, const char* what) {
+  TORCH_CHECK(groups.aligned, "torchmoe grouped GEMM: the cuBLASLt grouped backend needs ", what,
+              " that start on 16-byte boundaries");
+}
+
 }  // namespace
 
 const char* cublaslt_grouped_refusal(const at::Tensor& input, const GemmShape& shape,
@@ -106,8 +112,7 @@ const char* cublaslt_grouped_refusal(const at::Tensor& input, const GemmShape& s
 void cublaslt_grouped_forward(const GemmPlan& plan, const at::Tensor& input,
                               const CheckedGroups& weights, const CheckedGroups& biases,
                               at::Tensor& output) {
-  TORCH_CHECK(weights.aligned, "torchmoe grouped GEMM: the cuBLASLt grouped backend needs ",
-              "weights that start on 16-byte boundaries");
+  check_aligned(weights, "weights");
   if (plan.rows == 0) return;
   const at::Tensor x = aligned_operand(input);
   kernels::CublasLtGroupedParams p = params_for(kernels::GemmKind::kFprop, plan);
@@ -120,8 +125,7 @@ void cublaslt_grouped_forward(const GemmPlan& plan, const at::Tensor& input,
 
 void cublaslt_grouped_dgrad(const GemmPlan& plan, const at::Tensor& grad_output,
                             const CheckedGroups& weights, at::Tensor& grad_input) {
-  TORCH_CHECK(weights.aligned, "torchmoe grouped GEMM: the cuBLASLt grouped backend needs ",
-              "weights that start on 16-byte boundaries");
+  check_aligned(weights, "weights");
   if (plan.rows == 0) return;
   const at::Tensor dy = aligned_operand(grad_output);
   kernels::CublasLtGroupedParams p = params_for(kernels::GemmKind::kDgrad, plan);
@@ -134,8 +138,7 @@ void cublaslt_grouped_dgrad(const GemmPlan& plan, const at::Tensor& grad_output,
 void cublaslt_grouped_wgrad(const GemmPlan& plan, const at::Tensor& input,
                             const at::Tensor& grad_output, const CheckedGroups& weight_grads,
                             bool accumulate) {
-  TORCH_CHECK(weight_grads.aligned, "torchmoe grouped GEMM: the cuBLASLt grouped backend needs ",
-              "weight gradient buffers that start on 16-byte boundaries");
+  check_aligned(weight_grads, "weight gradient buffers");
   if (plan.rows == 0) {  // nothing to read: every group is empty
     if (!accumulate) {
       for (size_t g = 0; g < weight_grads.size(); ++g) weight_grads.tensors[g].zero_();

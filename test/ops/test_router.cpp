@@ -235,9 +235,8 @@ TEST_CASE("router top-k: the aux sums are exact to fp32 and deterministic", "[op
 
 // Launch edges of the forward: 144 experts, k = 12 with the aux sums, whose 16 warps' rows and the
 // block's sums would take exactly the 48 KB a launch gets, with no room left for the kernel's
-// static flags (the launch takes 15), and
-// a sigmoid row whose only finite score is expert 1 makes the top-2's fallback repeat it (its
-// count must then be 2).
+// static flags (the launch takes 15); and a sigmoid row whose only finite score is expert 1 makes
+// the top-2's fallback repeat it (its count must then be 2).
 TEST_CASE("router top-k at its shared-memory budget and with a repeated expert",
           "[ops][router][cuda]") {
   TORCHMOE_REQUIRE_CUDA();

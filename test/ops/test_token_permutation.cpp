@@ -346,7 +346,7 @@ TEST_CASE("the CUDA routing map matches the CPU at large sizes and refuses too m
     int64_t tokens, topk, experts;
   };
   // 1.2M slots (spans of 1,216 for 66 bins), 8,193 slots over 32 experts (the last span 1 slot),
-  // and 4,094 experts with dropped and out-of-range entries.
+  // and 4,094 experts, each with dropped entries.
   for (const Case c : {Case{300001, 4, 64}, Case{8193, 1, 32}, Case{5000, 3, 4094}}) {
     INFO("tokens=" << c.tokens << " topk=" << c.topk << " experts=" << c.experts);
     torch::Tensor indices = random_indices(c.tokens, c.topk, c.experts, 61 + c.topk);
