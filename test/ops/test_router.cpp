@@ -299,6 +299,18 @@ TEST_CASE("router top-k rejects bad arguments", "[ops][router][errors]") {
   CHECK_THROWS_WITH(torchmoe::ops::router_topk_backward(logits, out.indices, out.probs, {}, {}, {},
                                                         with_loss, {}, torch::tensor(1.0f)),
                     Contains("grad_aux_loss needs the forward's counts"));
+  CHECK_THROWS_WITH(
+      torchmoe::ops::router_topk_backward(logits, out.indices, out.probs, {}, {}, {}, with_loss,
+                                          torch::zeros({4}, torch::kInt), torch::tensor(1.0f)),
+      Contains("grad_aux_loss needs the forward's counts, a contiguous int64 [4] tensor on cpu"));
+  CHECK_THROWS_WITH(
+      torchmoe::ops::router_topk_backward(logits, out.indices, out.probs, {}, {}, {}, scoring,
+                                          torch::zeros({4}, torch::kLong), torch::tensor(1.0f)),
+      Contains("grad_aux_loss needs aux and aux_loss_scale > 0"));
+  CHECK_THROWS_WITH(
+      torchmoe::ops::router_topk_backward(logits, out.indices, out.probs, {}, {}, {}, with_loss,
+                                          torch::zeros({4}, torch::kLong), torch::ones({2})),
+      Contains("grad_aux_loss must be a contiguous Float [] tensor"));
   const auto backward = [&](const torch::Tensor& l, const torch::Tensor& indices,
                             const torch::Tensor& probs, int64_t topk) {
     torchmoe::ops::RouterScoring s = scoring;
