@@ -22,14 +22,12 @@ variable_list RouterLogitsFunction::backward(AutogradContext* ctx, variable_list
   const at::Tensor grad_logits = grad_outputs[0].contiguous();
   const std::shared_ptr<RouterGradLink> link = saved_link<RouterGradLink>(ctx);
   const bool deferred = link && ctx->needs_input_grad(0);
-  ops::RouterLogitsGrads grads =
-      ops::router_logits_backward(grad_logits, saved[0], saved[1],
-                                  ctx->needs_input_grad(0) && !deferred, ctx->needs_input_grad(1));
-  if (deferred) {
-    link->grad_logits = grad_logits;
-    link->x = saved[0];
-    link->weight = saved[1];
-  }
+  const ops::RouterGradX grad_x = !ctx->needs_input_grad(0) ? ops::RouterGradX::kNone
+                                  : deferred                ? ops::RouterGradX::kDeferred
+                                                            : ops::RouterGradX::kNow;
+  ops::RouterLogitsGrads grads = ops::router_logits_backward(grad_logits, saved[0], saved[1],
+                                                             grad_x, ctx->needs_input_grad(1));
+  if (deferred) link->grad_x_product = std::move(grads.grad_x_product);
   return once_differentiable("RouterLogitsFunction", once,
                              {grads.grad_x, grads.grad_weight, at::Tensor()});
 }
@@ -48,7 +46,7 @@ variable_list ForkFunction::backward(AutogradContext* ctx, variable_list grad_ou
   const at::Tensor& other_branch = grad_outputs[1];
   const std::shared_ptr<RouterGradLink> link = saved_link<RouterGradLink>(ctx);
   // With the router's product to add in place, grad_x must be a tensor nothing else holds.
-  const bool product = link && link->grad_logits.defined();
+  const bool product = link && link->grad_x_product.lhs.defined();
   at::Tensor grad_x;
   if (router_branch.defined() && other_branch.defined()) {
     grad_x = router_branch + other_branch;  // a tensor of this node's own
@@ -59,9 +57,7 @@ variable_list ForkFunction::backward(AutogradContext* ctx, variable_list grad_ou
     grad_x = product ? router_branch.clone(at::MemoryFormat::Contiguous) : router_branch;
   }
   if (product) {
-    grad_x = ops::router_logits_backward(link->grad_logits, link->x, link->weight, true, false,
-                                         grad_x.defined() ? grad_x : at::zeros_like(link->x))
-                 .grad_x;
+    grad_x = ops::router_grad_x(link->grad_x_product, grad_x);
     *link = RouterGradLink();
   }
   return once_differentiable("ForkFunction", once, {grad_x, at::Tensor()});

@@ -15,14 +15,16 @@ namespace torchmoe::autograd {
 
 // The router's gradient of x, handed from RouterLogitsFunction's backward to the ForkFunction
 // that gave the router its x, so that it is added to the other branch's gradient by the GEMM
-// that makes it (ops::router_logits_backward's grad_x_addend) rather than by autograd's add of
+// that makes it (ops::router_grad_x's addend) rather than by autograd's add of
 // the two branches (14 µs on moe-lm, 35 on qwen3).
 struct RouterGradLink {
   // Set by the caller: the fork's second output goes to one Function whose backward returns a
   // tensor of its own (MoELayer's permutation), so the product may be added into it in place;
   // otherwise into a copy (autograd may hand one gradient tensor to several inputs).
   bool other_branch_exclusive = false;
-  at::Tensor grad_logits, x, weight;  // set by the router's backward, taken by the fork's
+  // Set by the router's backward (the operands its weight gradient also used), taken by the
+  // fork's.
+  ops::RouterGradXProduct grad_x_product;
 };
 
 class RouterLogitsFunction : public torch::autograd::Function<RouterLogitsFunction> {

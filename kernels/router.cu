@@ -325,15 +325,22 @@ __global__ void __launch_bounds__(kMaxThreads, 3) router_backward_kernel(const R
 
 __global__ void __launch_bounds__(kSplitThreads)
     router_grad_split_kernel(const float* grad, __nv_bfloat16* hilo, int64_t tokens,
-                             int64_t experts) {
-  const int64_t n = tokens * experts;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(kSplitThreads) + threadIdx.x; i < n;
+                             int64_t experts, const __nv_bfloat16* weight, __nv_bfloat16* stacked,
+                             int64_t hidden) {
+  const int64_t n = tokens * experts, w = weight ? experts * hidden : 0;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(kSplitThreads) + threadIdx.x; i < n + w;
        i += static_cast<int64_t>(gridDim.x) * kSplitThreads) {
-    const int64_t t = i / experts, e = i % experts;
-    const float g = grad[i];
-    const __nv_bfloat16 hi = __float2bfloat16_rn(g);
-    hilo[t * 2 * experts + e] = hi;
-    hilo[t * 2 * experts + experts + e] = __float2bfloat16_rn(g - __bfloat162float(hi));
+    if (i < n) {
+      const int64_t t = i / experts, e = i % experts;
+      const float g = grad[i];
+      const __nv_bfloat16 hi = __float2bfloat16_rn(g);
+      hilo[t * 2 * experts + e] = hi;
+      hilo[t * 2 * experts + experts + e] = __float2bfloat16_rn(g - __bfloat162float(hi));
+    } else {
+      const __nv_bfloat16 v = weight[i - n];
+      stacked[i - n] = v;
+      stacked[i - n + w] = v;
+    }
   }
 }
 
@@ -381,14 +388,15 @@ void launch_router_backward(const RouterParams& params, cudaStream_t stream) {
   launch(router_backward_kernel, params, 0, backward_warp_bytes(params.experts), stream);
 }
 
-void launch_router_grad_split(const float* grad, void* hilo, int64_t tokens, int64_t experts,
-                              cudaStream_t stream) {
-  const int64_t n = tokens * experts;
+void launch_router_grad_split(const RouterGradSplitParams& p, cudaStream_t stream) {
+  const int64_t n = p.tokens * p.experts + (p.weight ? p.experts * p.hidden : 0);
   if (n == 0) return;
   const int64_t blocks = (n + kSplitThreads - 1) / kSplitThreads;
   router_grad_split_kernel<<<one_wave_grid(router_grad_split_kernel, kSplitThreads, 0, blocks),
-                             kSplitThreads, 0, stream>>>(grad, static_cast<__nv_bfloat16*>(hilo),
-                                                         tokens, experts);
+                             kSplitThreads, 0, stream>>>(
+      p.grad, static_cast<__nv_bfloat16*>(p.hilo), p.tokens, p.experts,
+      static_cast<const __nv_bfloat16*>(p.weight), static_cast<__nv_bfloat16*>(p.stacked),
+      p.hidden);
   TORCHMOE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -79,8 +79,17 @@ void launch_router_backward(const RouterParams& params, cudaStream_t stream);
 
 // The logits' gradient [T, E] fp32 as two bf16 halves for the tensor cores, side by side in
 // hilo [T, 2E]: hi = bf16(g) in columns [0, E), lo = bf16(g − hi) in [E, 2E), both rounded to
-// nearest even, so that hi + lo carries ~16 bits of g's mantissa (ops/router.cpp).
-void launch_router_grad_split(const float* grad, void* hilo, int64_t tokens, int64_t experts,
-                              cudaStream_t stream);
+// nearest even, so that hi + lo carries ~16 bits of g's mantissa (ops/router.cpp). With a weight,
+// the same launch also writes stacked [2E, H] = [W; W], grad_x's other operand.
+struct RouterGradSplitParams {
+  const float* grad = nullptr;  // [T, E]
+  void* hilo = nullptr;         // [T, 2E] bf16
+  int64_t tokens = 0;
+  int64_t experts = 0;
+  const void* weight = nullptr;  // [E, H] bf16, contiguous; null: no stacked copy
+  void* stacked = nullptr;       // [2E, H] bf16
+  int64_t hidden = 0;
+};
+void launch_router_grad_split(const RouterGradSplitParams& params, cudaStream_t stream);
 
 }  // namespace torchmoe::kernels

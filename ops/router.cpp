@@ -96,7 +96,7 @@ at::Tensor router_logits(const at::Tensor& x, const at::Tensor& weight) {
 }
 
 RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at::Tensor& x,
-                                         const at::Tensor& weight, bool need_grad_x,
+                                         const at::Tensor& weight, RouterGradX grad_x,
                                          bool need_grad_weight, const at::Tensor& grad_x_addend) {
   check_operands(x, weight);
   TORCH_CHECK(grad_logits.defined() && grad_logits.dim() == 2 && grad_logits.size(0) == x.size(0) &&
@@ -107,6 +107,8 @@ RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at
               ": grad_logits must have a floating dtype, got ", grad_logits.scalar_type());
   TORCH_CHECK(grad_logits.device() == x.device(), kOp, ": grad_logits must be on ", x.device(),
               " like x and weight, got ", grad_logits.device());
+  TORCH_CHECK(!grad_x_addend.defined() || grad_x == RouterGradX::kNow, kOp,
+              ": grad_x_addend is taken with RouterGradX::kNow only");
   TORCH_CHECK(
       !grad_x_addend.defined() ||
           (grad_x_addend.sizes() == x.sizes() && grad_x_addend.scalar_type() == x.scalar_type() &&
@@ -114,38 +116,73 @@ RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at
       kOp, ": grad_x_addend must be a contiguous ", x.scalar_type(), " ", x.sizes(), " tensor on ",
       x.device(), " like x");
   RouterLogitsGrads grads;
+  RouterGradXProduct product;
+  product.out_dtype = x.scalar_type();
+  const bool need_grad_x = grad_x != RouterGradX::kNone;
   // bf16 only: fp16's narrow exponent range makes the small halves of small gradients subnormal.
   if (tensor_core_path(x, weight) && x.scalar_type() == at::kBFloat16) {
-    // [hi | lo] (kernels/router.h) in one launch: each product below is then one GEMM over both.
+    // [hi | lo] and [W; W] (kernels/router.h) in one launch: each product below is then one GEMM
+    // over both halves.
     const c10::cuda::CUDAGuard guard(x.device());
     const at::Tensor g = grad_logits.to(at::kFloat).contiguous();
+    const at::Tensor w = weight.contiguous();
     const int64_t tokens = g.size(0), experts = g.size(1);
-    const at::Tensor hilo = at::empty({tokens, 2 * experts}, x.options());
-    kernels::launch_router_grad_split(g.const_data_ptr<float>(), hilo.data_ptr(), tokens, experts,
-                                      at::cuda::getCurrentCUDAStream().stream());
-    if (need_grad_x) {
-      const at::Tensor stacked = at::cat({weight, weight}, 0);
-      grads.grad_x = grad_x_addend.defined() ? at::Tensor(grad_x_addend).addmm_(hilo, stacked)
-                                             : at::mm(hilo, stacked);
-    }
+    product.lhs = at::empty({tokens, 2 * experts}, x.options());
+    if (need_grad_x) product.rhs = at::empty({2 * experts, x.size(1)}, x.options());
+    kernels::RouterGradSplitParams p;
+    p.grad = g.const_data_ptr<float>();
+    p.hilo = product.lhs.data_ptr();
+    p.tokens = tokens;
+    p.experts = experts;
+    p.weight = need_grad_x ? w.const_data_ptr() : nullptr;
+    p.stacked = need_grad_x ? product.rhs.data_ptr() : nullptr;
+    p.hidden = x.size(1);
+    kernels::launch_router_grad_split(p, at::cuda::getCurrentCUDAStream().stream());
     if (need_grad_weight) {
       // Rows [0, E) are hiᵀ·x, rows [E, 2E) loᵀ·x: their fp32 sum, rounded once (one add into
       // the weight's dtype; a sum over the halves and a cast were two launches, 5 µs on moe-lm).
-      const at::Tensor halves = at::mm(hilo.t(), x, at::kFloat);
+      const at::Tensor halves = at::mm(product.lhs.t(), x, at::kFloat);
       grads.grad_weight = at::empty_like(weight, at::MemoryFormat::Contiguous);
       at::add_out(grads.grad_weight, halves.narrow(0, 0, experts),
                   halves.narrow(0, experts, experts));
     }
-    return grads;
+  } else {
+    const at::ScalarType compute = logits_type(x, weight);
+    product.lhs = grad_logits.to(compute);
+    if (need_grad_x) product.rhs = weight.to(compute);
+    if (need_grad_weight) {
+      grads.grad_weight = at::mm(product.lhs.t(), x.to(compute)).to(weight.scalar_type());
+    }
   }
-  const at::ScalarType compute = logits_type(x, weight);
-  const at::Tensor g = grad_logits.to(compute);
-  if (need_grad_x) {
-    grads.grad_x = at::mm(g, weight.to(compute)).to(x.scalar_type());
-    if (grad_x_addend.defined()) grads.grad_x = grad_x_addend + grads.grad_x;
+  if (grad_x == RouterGradX::kNow) {
+    grads.grad_x = router_grad_x(product, grad_x_addend);
+  } else if (grad_x == RouterGradX::kDeferred) {
+    grads.grad_x_product = std::move(product);
   }
-  if (need_grad_weight) grads.grad_weight = at::mm(g.t(), x.to(compute)).to(weight.scalar_type());
   return grads;
+}
+
+at::Tensor router_grad_x(const RouterGradXProduct& product, const at::Tensor& grad_x_addend) {
+  const at::Tensor& lhs = product.lhs;
+  const at::Tensor& rhs = product.rhs;
+  TORCH_CHECK(lhs.defined() && rhs.defined() && lhs.dim() == 2 && rhs.dim() == 2 &&
+                  lhs.size(1) == rhs.size(0) && lhs.scalar_type() == rhs.scalar_type() &&
+                  lhs.device() == rhs.device(),
+              "torchmoe::ops::router_grad_x: the product must be router_logits_backward's "
+              "grad_x_product (RouterGradX::kDeferred)");
+  TORCH_CHECK(!grad_x_addend.defined() ||
+                  (grad_x_addend.dim() == 2 && grad_x_addend.size(0) == lhs.size(0) &&
+                   grad_x_addend.size(1) == rhs.size(1) &&
+                   grad_x_addend.scalar_type() == product.out_dtype &&
+                   grad_x_addend.device() == lhs.device() && grad_x_addend.is_contiguous()),
+              "torchmoe::ops::router_grad_x: grad_x_addend must be a contiguous ",
+              product.out_dtype, " [", lhs.size(0), ", ", rhs.size(1), "] tensor on ", lhs.device(),
+              ", got ", grad_x_addend.defined() ? grad_x_addend.sizes() : at::IntArrayRef{});
+  if (lhs.scalar_type() == product.out_dtype) {
+    return grad_x_addend.defined() ? at::Tensor(grad_x_addend).addmm_(lhs, rhs) : at::mm(lhs, rhs);
+  }
+  const at::Tensor grad_x = at::mm(lhs, rhs).to(product.out_dtype);
+  return grad_x_addend.defined() ? grad_x_addend + grad_x : grad_x;
 }
 
 RouterTopK router_topk(const at::Tensor& logits, const at::Tensor& expert_bias,

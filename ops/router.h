@@ -30,18 +30,40 @@ namespace torchmoe::ops {
 // either is fp64).
 at::Tensor router_logits(const at::Tensor& x, const at::Tensor& weight);
 
-struct RouterLogitsGrads {
-  at::Tensor grad_x;       // [T, H] in x's dtype (undefined when not asked for)
-  at::Tensor grad_weight;  // [E, H] in weight's dtype (undefined when not asked for)
+// x's gradient as a product still to be taken, grad_x = lhs · rhs: [hi | lo] and [W; W] on the
+// bf16 tensor-core path (written by the split's one launch), else grad_logits and W in the
+// logits' dtype. A deferred grad_x (autograd::ForkFunction adds it into another branch's gradient
+// later) keeps these rather than grad_logits, so the split is made once for both gradients.
+struct RouterGradXProduct {
+  at::Tensor lhs;                         // [T, 2E] or [T, E]
+  at::Tensor rhs;                         // [2E, H] or [E, H]
+  at::ScalarType out_dtype = at::kFloat;  // x's dtype
 };
 
-// grad_x_addend (optional, [T, H] in x's dtype, contiguous): another branch's gradient of x, to
-// which grad_x is added and which it becomes. On the bf16 tensor-core path the GEMM adds it
-// (beta = 1, in place: one rounding and no add launch), so the caller must own it.
+struct RouterLogitsGrads {
+  at::Tensor grad_x;                  // [T, H] in x's dtype (with RouterGradX::kNow)
+  at::Tensor grad_weight;             // [E, H] in weight's dtype (undefined when not asked for)
+  RouterGradXProduct grad_x_product;  // with RouterGradX::kDeferred, for router_grad_x
+};
+
+enum class RouterGradX {
+  kNone,      // x's gradient not needed
+  kNow,       // returned as grad_x
+  kDeferred,  // returned as grad_x_product
+};
+
+// grad_x_addend (optional, [T, H] in x's dtype, contiguous; with kNow): another branch's gradient
+// of x, to which grad_x is added and which it becomes (router_grad_x).
 RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at::Tensor& x,
-                                         const at::Tensor& weight, bool need_grad_x,
+                                         const at::Tensor& weight, RouterGradX grad_x,
                                          bool need_grad_weight,
                                          const at::Tensor& grad_x_addend = {});
+
+// grad_x = product.lhs · product.rhs, in product.out_dtype; with an addend ([T, H] in that dtype,
+// contiguous), the addend plus it. Where the product is in x's dtype (bf16 tensor cores, fp32)
+// the GEMM adds it (beta = 1, in place: one rounding and no add launch), so the caller must own
+// the addend.
+at::Tensor router_grad_x(const RouterGradXProduct& product, const at::Tensor& grad_x_addend = {});
 
 // Scoring and top-k from the logits (the formulas: kernels/router.h): one kernel each way on CUDA
 // for fp32 logits and E <= 1024 experts, else ATen ops (the CPU reference, fp64 logits, more

@@ -49,8 +49,8 @@ TEST_CASE("router logits: 16-bit operands on CUDA give fp32 logits and gradients
   // The operands are exact in fp32 and so are their products: only the fp32 sum differs.
   check_close(logits, x64.mm(w64.t()), {1e-5, 1e-5}, "logits");
 
-  const auto grads =
-      torchmoe::ops::router_logits_backward(c.grad_logits, c.x, c.weight, true, true);
+  const auto grads = torchmoe::ops::router_logits_backward(c.grad_logits, c.x, c.weight,
+                                                           torchmoe::ops::RouterGradX::kNow, true);
   REQUIRE(grads.grad_x.scalar_type() == dtype);
   REQUIRE(grads.grad_weight.scalar_type() == dtype);
   const torch::Tensor g64 = c.grad_logits.to(torch::kCPU, torch::kFloat64);
@@ -67,10 +67,29 @@ TEST_CASE("router logits: 16-bit operands on CUDA give fp32 logits and gradients
   check_close(grads.grad_x, dx, {2 * ulp, atol(dx)}, "grad x");
   check_close(grads.grad_weight, dw, {2 * ulp, atol(dw)}, "grad weight");
 
-  const auto only_x =
-      torchmoe::ops::router_logits_backward(c.grad_logits, c.x, c.weight, true, false);
+  const auto only_x = torchmoe::ops::router_logits_backward(
+      c.grad_logits, c.x, c.weight, torchmoe::ops::RouterGradX::kNow, false);
   CHECK(only_x.grad_x.defined());
   CHECK_FALSE(only_x.grad_weight.defined());
+
+  // Deferred: the same operands (bf16: [hi | lo] and [W; W] from the split's one launch), so
+  // router_grad_x later gives the same bits, added into an addend in place.
+  const auto deferred = torchmoe::ops::router_logits_backward(
+      c.grad_logits, c.x, c.weight, torchmoe::ops::RouterGradX::kDeferred, true);
+  CHECK_FALSE(deferred.grad_x.defined());
+  CHECK(torch::equal(deferred.grad_weight, grads.grad_weight));
+  if (dtype == torch::kBFloat16) {
+    CHECK(torch::equal(deferred.grad_x_product.rhs, torch::cat({c.weight, c.weight}, 0)));
+  }
+  CHECK(torch::equal(torchmoe::ops::router_grad_x(deferred.grad_x_product), grads.grad_x));
+  const torch::Tensor addend = torch::randn_like(c.x);
+  const torch::Tensor sum = addend.clone();
+  const torch::Tensor added = torchmoe::ops::router_grad_x(deferred.grad_x_product, sum);
+  if (dtype == torch::kBFloat16) CHECK(added.data_ptr() == sum.data_ptr());  // in place
+  // One rounding of the sum (bf16), or of the product and then the sum (fp16's cast path).
+  const double product_ulp = 2 * ulp * dx.abs().max().item<double>();
+  check_close(added, addend.to(torch::kCPU, torch::kFloat64) + dx, {2 * ulp, product_ulp},
+              "grad x added into an addend");
 }
 
 TEST_CASE("router logits: the cast path (CPU, mixed dtypes) and errors", "[ops][router]") {
@@ -80,7 +99,8 @@ TEST_CASE("router logits: the cast path (CPU, mixed dtypes) and errors", "[ops][
   CHECK(logits.scalar_type() == torch::kFloat32);
   check_close(logits, c.x.to(torch::kFloat64).mm(w32.to(torch::kFloat64).t()), {1e-5, 1e-5},
               "logits");
-  const auto grads = torchmoe::ops::router_logits_backward(c.grad_logits, c.x, w32, true, true);
+  const auto grads = torchmoe::ops::router_logits_backward(c.grad_logits, c.x, w32,
+                                                           torchmoe::ops::RouterGradX::kNow, true);
   CHECK(grads.grad_x.scalar_type() == torch::kBFloat16);
   CHECK(grads.grad_weight.scalar_type() == torch::kFloat32);
 
@@ -88,9 +108,10 @@ TEST_CASE("router logits: the cast path (CPU, mixed dtypes) and errors", "[ops][
                     Contains("weight must be [experts, hidden=40]"));
   CHECK_THROWS_WITH(torchmoe::ops::router_logits(c.x.to(torch::kLong), c.weight),
                     Contains("must have floating dtypes"));
-  CHECK_THROWS_WITH(torchmoe::ops::router_logits_backward(c.grad_logits.narrow(1, 0, 5), c.x,
-                                                          c.weight, true, true),
-                    Contains("grad_logits must be [tokens=17, experts=6]"));
+  CHECK_THROWS_WITH(
+      torchmoe::ops::router_logits_backward(c.grad_logits.narrow(1, 0, 5), c.x, c.weight,
+                                            torchmoe::ops::RouterGradX::kNow, true),
+      Contains("grad_logits must be [tokens=17, experts=6]"));
 }
 
 TEST_CASE("router top-k: the CUDA kernel matches the ATen path", "[ops][router][cuda]") {
@@ -337,17 +358,36 @@ TEST_CASE("router logits backward rejects operands it cannot multiply", "[ops][r
   using torchmoe::ops::router_logits_backward;
   const torch::Tensor x = torch::randn({5, 8}), weight = torch::randn({4, 8});
   const torch::Tensor grad = torch::randn({5, 4});
-  CHECK_THROWS_WITH(router_logits_backward(grad, x, weight.narrow(1, 0, 7), true, true),
+  CHECK_THROWS_WITH(router_logits_backward(grad, x, weight.narrow(1, 0, 7),
+                                           torchmoe::ops::RouterGradX::kNow, true),
                     Contains("router_logits: weight must be [experts, hidden=8], got [4, 7]"));
-  CHECK_THROWS_WITH(router_logits_backward(grad.to(torch::kLong), x, weight, true, true),
+  CHECK_THROWS_WITH(router_logits_backward(grad.to(torch::kLong), x, weight,
+                                           torchmoe::ops::RouterGradX::kNow, true),
                     Contains("router_logits: grad_logits must have a floating dtype, got Long"));
   CHECK_THROWS_WITH(
-      router_logits_backward(grad, x.to(torch::kMeta), weight.to(torch::kMeta), true, true),
+      router_logits_backward(grad, x.to(torch::kMeta), weight.to(torch::kMeta),
+                             torchmoe::ops::RouterGradX::kNow, true),
       Contains("router_logits: grad_logits must be on meta like x and weight, got cpu"));
-  CHECK_THROWS_WITH(router_logits_backward(grad, x, weight, true, true, torch::zeros({5, 7})),
+  CHECK_THROWS_WITH(router_logits_backward(grad, x, weight, torchmoe::ops::RouterGradX::kNow, true,
+                                           torch::zeros({5, 7})),
                     Contains("grad_x_addend must be a contiguous Float [5, 8] tensor on cpu"));
+  CHECK_THROWS_WITH(router_logits_backward(grad, x, weight, torchmoe::ops::RouterGradX::kDeferred,
+                                           true, torch::zeros({5, 8})),
+                    Contains("grad_x_addend is taken with RouterGradX::kNow only"));
+  const auto deferred =
+      router_logits_backward(grad, x, weight, torchmoe::ops::RouterGradX::kDeferred, false);
+  CHECK_FALSE(deferred.grad_weight.defined());
+  CHECK_THROWS_WITH(torchmoe::ops::router_grad_x(deferred.grad_x_product, torch::zeros({5, 7})),
+                    Contains("router_grad_x: grad_x_addend must be a contiguous Float [5, 8] "
+                             "tensor on cpu, got [5, 7]"));
+  CHECK_THROWS_WITH(torchmoe::ops::router_grad_x({}),
+                    Contains("router_grad_x: the product must be router_logits_backward's"));
+  check_close(torchmoe::ops::router_grad_x(deferred.grad_x_product), grad.matmul(weight),
+              {1e-6, 1e-6}, "deferred grad x");
   // The addend is added: x's gradient is it plus grad · W.
   const torch::Tensor addend = torch::randn({5, 8});
-  check_close(router_logits_backward(grad, x, weight, true, false, addend.clone()).grad_x,
+  check_close(router_logits_backward(grad, x, weight, torchmoe::ops::RouterGradX::kNow, false,
+                                     addend.clone())
+                  .grad_x,
               addend + grad.matmul(weight), {1e-6, 1e-6}, "grad x with an addend");
 }
