@@ -58,7 +58,7 @@ variable_list ForkFunction::backward(AutogradContext* ctx, variable_list grad_ou
   }
   if (product) {
     grad_x = ops::router_grad_x(link->grad_x_product, grad_x);
-    *link = RouterGradLink();
+    link->grad_x_product = {};  // its tensors freed; other_branch_exclusive kept for a rerun
   }
   return once_differentiable("ForkFunction", once, {grad_x, at::Tensor()});
 }

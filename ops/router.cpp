@@ -97,7 +97,7 @@ at::Tensor router_logits(const at::Tensor& x, const at::Tensor& weight) {
 
 RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at::Tensor& x,
                                          const at::Tensor& weight, RouterGradX grad_x,
-                                         bool need_grad_weight, const at::Tensor& grad_x_addend) {
+                                         bool need_grad_weight) {
   check_operands(x, weight);
   TORCH_CHECK(grad_logits.defined() && grad_logits.dim() == 2 && grad_logits.size(0) == x.size(0) &&
                   grad_logits.size(1) == weight.size(0),
@@ -107,14 +107,6 @@ RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at
               ": grad_logits must have a floating dtype, got ", grad_logits.scalar_type());
   TORCH_CHECK(grad_logits.device() == x.device(), kOp, ": grad_logits must be on ", x.device(),
               " like x and weight, got ", grad_logits.device());
-  TORCH_CHECK(!grad_x_addend.defined() || grad_x == RouterGradX::kNow, kOp,
-              ": grad_x_addend is taken with RouterGradX::kNow only");
-  TORCH_CHECK(
-      !grad_x_addend.defined() ||
-          (grad_x_addend.sizes() == x.sizes() && grad_x_addend.scalar_type() == x.scalar_type() &&
-           grad_x_addend.device() == x.device() && grad_x_addend.is_contiguous()),
-      kOp, ": grad_x_addend must be a contiguous ", x.scalar_type(), " ", x.sizes(), " tensor on ",
-      x.device(), " like x");
   RouterLogitsGrads grads;
   RouterGradXProduct product;
   product.out_dtype = x.scalar_type();
@@ -125,7 +117,7 @@ RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at
     // over both halves.
     const c10::cuda::CUDAGuard guard(x.device());
     const at::Tensor g = grad_logits.to(at::kFloat).contiguous();
-    const at::Tensor w = weight.contiguous();
+    const at::Tensor w = need_grad_x ? weight.contiguous() : at::Tensor();
     const int64_t tokens = g.size(0), experts = g.size(1);
     product.lhs = at::empty({tokens, 2 * experts}, x.options());
     if (need_grad_x) product.rhs = at::empty({2 * experts, x.size(1)}, x.options());
@@ -155,7 +147,7 @@ RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at
     }
   }
   if (grad_x == RouterGradX::kNow) {
-    grads.grad_x = router_grad_x(product, grad_x_addend);
+    grads.grad_x = router_grad_x(product);
   } else if (grad_x == RouterGradX::kDeferred) {
     grads.grad_x_product = std::move(product);
   }

@@ -14,7 +14,8 @@
 //   grad_x = [hi | lo] · [W; W]          (one GEMM over 2E, fp32 accumulation, x's dtype out)
 //   grad_W = hiᵀ · x + loᵀ · x           (one GEMM [hi | lo]ᵀ · x, its two fp32 halves added,
 //                                         W's dtype out)
-// The split is one launch writing [hi | lo] (kernels/router.h), not five ATen ops.
+// The split is one launch writing [hi | lo] and, for grad_x, [W; W] (kernels/router.h), not five
+// ATen ops and a concatenation.
 // A softmax router's gradient rows sum to zero, so grad_x cancels: with hi alone, 8 071 of the
 // 66 600 grad_x elements of a [333, 200] × 24-expert case (test/ops/test_router.cpp) were off by
 // more than 2 units in the last place of bf16 (plus a small absolute floor); with hi + lo none.
@@ -52,17 +53,15 @@ enum class RouterGradX {
   kDeferred,  // returned as grad_x_product
 };
 
-// grad_x_addend (optional, [T, H] in x's dtype, contiguous; with kNow): another branch's gradient
-// of x, to which grad_x is added and which it becomes (router_grad_x).
 RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at::Tensor& x,
                                          const at::Tensor& weight, RouterGradX grad_x,
-                                         bool need_grad_weight,
-                                         const at::Tensor& grad_x_addend = {});
+                                         bool need_grad_weight);
 
 // grad_x = product.lhs · product.rhs, in product.out_dtype; with an addend ([T, H] in that dtype,
-// contiguous), the addend plus it. Where the product is in x's dtype (bf16 tensor cores, fp32)
-// the GEMM adds it (beta = 1, in place: one rounding and no add launch), so the caller must own
-// the addend.
+// contiguous: another branch's gradient of x), the addend plus it. Where the product's operands
+// have x's dtype (the bf16 tensor-core path, or fp32/fp64 x with the logits' dtype) the GEMM adds
+// it (beta = 1, in place: one rounding and no add launch): the addend is overwritten, so the
+// caller must own it.
 at::Tensor router_grad_x(const RouterGradXProduct& product, const at::Tensor& grad_x_addend = {});
 
 // Scoring and top-k from the logits (the formulas: kernels/router.h): one kernel each way on CUDA

@@ -1,6 +1,7 @@
 // ForkFunction and RouterLogitsFunction with a RouterGradLink (how MoELayer gives x to its router
 // and its permutation): x's gradient equals autograd's sum of the two branches' without the link,
-// with either branch unused too; on CUDA in bf16 the router's product is added by its GEMM.
+// with either branch unused too; the router's product is added by its GEMM, in place (fp32 and
+// fp64, and bf16 on CUDA's tensor cores) where the layer vouches for the other branch.
 
 #include <torchmoe/autograd/router_function.h>
 
@@ -74,16 +75,15 @@ TEST_CASE("the router's input gradient through a linked fork on CUDA (bf16)",
   }
 }
 
+namespace {
+
 // Without other_branch_exclusive the fork adds into a copy: here the other branch's gradient is
 // the very tensor an add hands to y too, which must keep its value.
-TEST_CASE("a linked fork leaves a gradient tensor it shares untouched",
-          "[autograd][router][cuda]") {
-  TORCHMOE_REQUIRE_CUDA();
+void check_shared_gradient_untouched(const torch::TensorOptions& options) {
   torch::manual_seed(67);
-  const auto bf16 = torch::TensorOptions(torch::kBFloat16).device(torch::kCUDA);
-  const torch::Tensor x = torch::randn({64, 128}, bf16).requires_grad_(true);
-  const torch::Tensor y = torch::randn({64, 128}, bf16).requires_grad_(true);
-  const torch::Tensor weight = torch::randn({8, 128}, bf16) * 0.1;
+  const torch::Tensor x = torch::randn({64, 128}, options).requires_grad_(true);
+  const torch::Tensor y = torch::randn({64, 128}, options).requires_grad_(true);
+  const torch::Tensor weight = torch::randn({8, 128}, options) * 0.1;
   const auto link = std::make_shared<RouterGradLink>();
   const torch::autograd::variable_list forked = ForkFunction::apply(x, link);
   const torch::Tensor logits = RouterLogitsFunction::apply(forked[0], weight, link);
@@ -92,5 +92,20 @@ TEST_CASE("a linked fork leaves a gradient tensor it shares untouched",
   CHECK(torch::equal(y.grad(), torch::ones_like(y)));
   const torch::Tensor expected =
       weight.to(torch::kFloat64).sum(0, true).expand({64, 128}) + 1;  // Σ_e W[e] + 1
-  check_close(x.grad(), expected.to(torch::kBFloat16), {1e-2, 1e-2}, "grad x");
+  check_close(x.grad(), expected.to(options.dtype()), {1e-2, 1e-2}, "grad x");
+}
+
+}  // namespace
+
+// fp32 and fp64: the product is added in place where it may be.
+TEST_CASE("a linked fork leaves a gradient tensor it shares untouched", "[autograd][router]") {
+  const torch::Dtype dtype = GENERATE(torch::kFloat32, torch::kFloat64);
+  INFO("dtype=" << dtype);
+  check_shared_gradient_untouched(torch::TensorOptions(dtype));
+}
+
+TEST_CASE("a linked fork leaves a gradient tensor it shares untouched on CUDA (bf16)",
+          "[autograd][router][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  check_shared_gradient_untouched(torch::TensorOptions(torch::kBFloat16).device(torch::kCUDA));
 }
