@@ -98,7 +98,14 @@ TEST_CASE("router logits: 16-bit operands on CUDA give fp32 logits and gradients
   const auto from_strided = torchmoe::ops::router_logits_backward(
       c.grad_logits, c.x, strided, torchmoe::ops::RouterGradX::kDeferred, false);
   CHECK(torch::equal(from_strided.grad_x_product.rhs, deferred.grad_x_product.rhs));
-  CHECK(torch::equal(torchmoe::ops::router_grad_x(from_strided.grad_x_product), grads.grad_x));
+  // bf16: the same bits ([W; W] is written contiguous); fp16's cast path multiplies the strided
+  // fp32 copy, which cuBLAS may sum in another order.
+  const torch::Tensor strided_dx = torchmoe::ops::router_grad_x(from_strided.grad_x_product);
+  if (dtype == torch::kBFloat16) {
+    CHECK(torch::equal(strided_dx, grads.grad_x));
+  } else {
+    check_close(strided_dx, dx, {2 * ulp, atol(dx)}, "grad x from a strided weight");
+  }
 }
 
 TEST_CASE("router logits: the cast path (CPU, mixed dtypes) and errors", "[ops][router]") {
