@@ -88,4 +88,9 @@ void all_reduce_sum_(at::Tensor& tensor, const ProcessGroupOptions& group) {
   ops::all_reduce_sum_(tensor, group);
 }
 
+void check_same_across_ranks(const char* op, const char* what, int64_t value,
+                             const c10::Device& device, const ProcessGroupOptions& group) {
+  ops::check_same_across_ranks(op, what, value, device, group);
+}
+
 }  // namespace torchmoe::autograd

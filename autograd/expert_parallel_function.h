@@ -52,5 +52,8 @@ PermutedTokens permute_to_capacity(const at::Tensor& tokens, const at::Tensor& i
 ops::ExpertParallelSplits exchange_split_sizes(const at::Tensor& rows_per_expert,
                                                const ProcessGroupOptions& group);
 void all_reduce_sum_(at::Tensor& tensor, const ProcessGroupOptions& group);
+// See ops/expert_parallel.h.
+void check_same_across_ranks(const char* op, const char* what, int64_t value,
+                             const c10::Device& device, const ProcessGroupOptions& group);
 
 }  // namespace torchmoe::autograd

@@ -209,6 +209,13 @@ torch::Tensor MoELayerImpl::run_padded(const torch::Tensor& tokens, const Router
                                        std::optional<bool> is_first_microbatch) {
   const ProcessGroupOptions& group = *options.expert_parallel();
   const int64_t ep = group.group()->getSize(), all = options.num_experts(), local = all / ep;
+  // C, and with it every all-to-all's size, follows from T: ranks with different T would pair
+  // blocks of different lengths (garbage or a hang). Checked once per T, not every step.
+  if (tokens.size(0) != capacity_tokens_checked_) {
+    autograd::check_same_across_ranks("MoELayer (pad_to_capacity)", "token count", tokens.size(0),
+                                      tokens.device(), group);
+    capacity_tokens_checked_ = tokens.size(0);
+  }
   const int64_t capacity = expert_capacity(tokens.size(0), router->options);
   const PermutedTokens padded =
       autograd::permute_to_capacity(tokens, routing.indices, routing.probs, all, capacity);

@@ -74,7 +74,8 @@ struct MoELayerOptions {
   /// expert exactly expert_capacity(T, router()) rows, padded with zero rows, so the all-to-alls
   /// have fixed sizes, no split sizes are exchanged and the layer makes no host sync (CUDA-graph
   /// capturable). Needs expert_parallel and router().capacity_factor, and the same token count T
-  /// on every rank.
+  /// on every rank: checked by one all-reduce and host sync the first time the layer sees a T
+  /// (none in the steady state; a new T during a CUDA graph capture is refused).
   TORCH_ARG(bool, pad_to_capacity) = false;
   /// Without expert_parallel, on the sm90 grouped GEMM backend or in FP8: fc1 reads the tokens
   /// through the routing map instead of a permuted copy (GroupedMLP::forward_routed), which is
@@ -135,6 +136,8 @@ class MoELayerImpl : public torch::nn::Cloneable<MoELayerImpl> {
   // tokens [T, hidden] and their routing -> the layer's output [T, hidden], in capacity mode.
   torch::Tensor run_padded(const torch::Tensor& tokens, const RouterOutput& routing,
                            std::optional<bool> is_first_microbatch);
+  // The last token count capacity mode found equal on every rank (-1: none yet).
+  int64_t capacity_tokens_checked_ = -1;
 };
 
 TORCH_MODULE(MoELayer);

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/irange.h>
+#include <ATen/cuda/CUDAGraphsUtils.cuh>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <algorithm>
@@ -233,6 +234,23 @@ void all_reduce_sum_(at::Tensor& tensor, const ProcessGroupOptions& group) {
 
 void all_reduce_max_(at::Tensor& tensor, const ProcessGroupOptions& group) {
   all_reduce_in_place("all_reduce_max_", tensor, group, c10d::ReduceOp::MAX);
+}
+
+void check_same_across_ranks(const char* op, const char* what, int64_t value,
+                             const c10::Device& device, const ProcessGroupOptions& group) {
+  TORCH_CHECK(
+      !device.is_cuda() || at::cuda::currentStreamCaptureStatus() == at::cuda::CaptureStatus::None,
+      op, ": ", what, " = ", value,
+      " is new to this layer and is checked against the other ranks with a host sync, "
+      "which a CUDA graph capture cannot make; run one step with it before capturing");
+  at::Tensor range = at::tensor({value, -value}, at::kLong).to(device);
+  all_reduce_in_place(op, range, group, c10d::ReduceOp::MAX);
+  const at::Tensor host = range.cpu();
+  const int64_t most = host[0].item<int64_t>(), least = -host[1].item<int64_t>();
+  c10d::ProcessGroup& pg = *group.group();
+  TORCH_CHECK(most == least, op, ": every rank must have the same ", what, ", got ", value,
+              " on rank ", pg.getRank(), " of ", pg.getSize(), " and from ", least, " to ", most,
+              " across the group");
 }
 
 }  // namespace torchmoe::ops

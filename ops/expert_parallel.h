@@ -65,4 +65,12 @@ void all_reduce_sum_(at::Tensor& tensor, const ProcessGroupOptions& group);
 // In place: tensor = its elementwise max over the group's ranks (the FP8 amax reduction).
 void all_reduce_max_(at::Tensor& tensor, const ProcessGroupOptions& group);
 
+// Every rank of the group must pass the same value (e.g. the token count that capacity mode's
+// fixed all-to-all sizes follow from): one all-reduce of [value, -value] on `device` (the data's,
+// so the group's backend for it) with MAX, read on the host, and on a mismatch the same error on
+// every rank, naming `what`, this rank's value and the group's range. A host sync: refused while
+// the current CUDA stream is being captured.
+void check_same_across_ranks(const char* op, const char* what, int64_t value,
+                             const c10::Device& device, const ProcessGroupOptions& group);
+
 }  // namespace torchmoe::ops

@@ -167,6 +167,25 @@ TEST_CASE("MoELayer capacity mode drops what the dropless exchange drops", "[ep]
   }
 }
 
+// Capacity mode's all-to-all sizes follow from T: every rank refuses different token counts (one
+// all-reduce, the first time a layer sees a count), and then runs with equal ones.
+TEST_CASE("MoELayer capacity mode refuses different token counts on the ranks", "[ep]") {
+  const int64_t ep = test_world(), rank = test_rank(), hidden = 8;
+  MoELayerOptions options(hidden, 8, 2 * ep, 1);
+  options.params_dtype(torch::kFloat64).expert_parallel(test_group()).pad_to_capacity(true);
+  options.router().capacity_factor(2.0);
+  MoELayer layer(options);
+  const std::string range = "from 5 to " + std::to_string(5 + ep - 1) + " across the group";
+  REQUIRE_THROWS_WITH(layer(torch::randn({5 + rank, hidden}, torch::kFloat64)),
+                      Contains("MoELayer (pad_to_capacity): every rank must have the same token "
+                               "count, got " +
+                               std::to_string(5 + rank) + " on rank " + std::to_string(rank) +
+                               " of " + std::to_string(ep)) &&
+                          Contains(range));
+  const torchmoe::MoEOutput out = layer(torch::randn({6, hidden}, torch::kFloat64));
+  CHECK(out.output.sizes() == torch::IntArrayRef({6, hidden}));
+}
+
 TEST_CASE("MoELayer expert parallel: argument errors", "[ep]") {
   const int64_t ep = test_world();
   MoELayerOptions options(8, 8, 2 * ep + 1, 1);
