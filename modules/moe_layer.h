@@ -136,8 +136,9 @@ class MoELayerImpl : public torch::nn::Cloneable<MoELayerImpl> {
   // tokens [T, hidden] and their routing -> the layer's output [T, hidden], in capacity mode.
   torch::Tensor run_padded(const torch::Tensor& tokens, const RouterOutput& routing,
                            std::optional<bool> is_first_microbatch);
-  // The last token count capacity mode found equal on every rank (-1: none yet).
+  // The last token count capacity mode found equal on every rank of this group (-1: none yet).
   int64_t capacity_tokens_checked_ = -1;
+  const c10d::ProcessGroup* capacity_group_checked_ = nullptr;
 };
 
 TORCH_MODULE(MoELayer);

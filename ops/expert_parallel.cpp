@@ -2,8 +2,9 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/irange.h>
-#include <ATen/cuda/CUDAGraphsUtils.cuh>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <ATen/cuda/CUDAGraphsUtils.cuh>
 
 #include <algorithm>
 #include <exception>
@@ -240,9 +241,10 @@ void check_same_across_ranks(const char* op, const char* what, int64_t value,
                              const c10::Device& device, const ProcessGroupOptions& group) {
   TORCH_CHECK(
       !device.is_cuda() || at::cuda::currentStreamCaptureStatus() == at::cuda::CaptureStatus::None,
-      op, ": ", what, " = ", value,
-      " is new to this layer and is checked against the other ranks with a host sync, "
-      "which a CUDA graph capture cannot make; run one step with it before capturing");
+      op, ": ", what,
+      " must be checked against the other ranks with a host sync, which a CUDA "
+      "graph capture cannot make, got ",
+      what, " = ", value, " during a capture (run one step with it before capturing)");
   at::Tensor range = at::tensor({value, -value}, at::kLong).to(device);
   all_reduce_in_place(op, range, group, c10d::ReduceOp::MAX);
   const at::Tensor host = range.cpu();

@@ -182,8 +182,14 @@ TEST_CASE("MoELayer capacity mode refuses different token counts on the ranks", 
                                std::to_string(5 + rank) + " on rank " + std::to_string(rank) +
                                " of " + std::to_string(ep)) &&
                           Contains(range));
-  const torchmoe::MoEOutput out = layer(torch::randn({6, hidden}, torch::kFloat64));
-  CHECK(out.output.sizes() == torch::IntArrayRef({6, hidden}));
+  // Equal counts run (the second 6 without a check, 7 with one); a later mismatch is refused too.
+  for (const int64_t tokens : {6, 6, 7}) {
+    const torchmoe::MoEOutput out = layer(torch::randn({tokens, hidden}, torch::kFloat64));
+    CHECK(out.output.sizes() == torch::IntArrayRef({tokens, hidden}));
+  }
+  REQUIRE_THROWS_WITH(
+      layer(torch::randn({8 + rank, hidden}, torch::kFloat64)),
+      Contains("every rank must have the same token count, got " + std::to_string(8 + rank)));
 }
 
 TEST_CASE("MoELayer expert parallel: argument errors", "[ep]") {
