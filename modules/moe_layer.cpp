@@ -210,11 +210,14 @@ torch::Tensor MoELayerImpl::run_padded(const torch::Tensor& tokens, const Router
   const ProcessGroupOptions& group = *options.expert_parallel();
   const int64_t ep = group.group()->getSize(), all = options.num_experts(), local = all / ep;
   // C, and with it every all-to-all's size, follows from T: ranks with different T would pair
-  // blocks of different lengths (garbage or a hang). Checked once per T, not every step.
-  if (tokens.size(0) != capacity_tokens_checked_) {
+  // blocks of different lengths (garbage or a hang). Checked when the layer first sees a T on this
+  // group, not every step (a new T during a capture is refused).
+  if (tokens.size(0) != capacity_tokens_checked_ ||
+      group.group().get() != capacity_group_checked_) {
     autograd::check_same_across_ranks("MoELayer (pad_to_capacity)", "token count", tokens.size(0),
                                       tokens.device(), group);
     capacity_tokens_checked_ = tokens.size(0);
+    capacity_group_checked_ = group.group().get();
   }
   const int64_t capacity = expert_capacity(tokens.size(0), router->options);
   const PermutedTokens padded =
