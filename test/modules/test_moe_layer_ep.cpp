@@ -1,9 +1,12 @@
-// MoELayer with expert parallelism over Gloo, run as 2 and 4 processes (ctest: ep_n2, ep_n4):
+// MoELayer with expert parallelism over Gloo, run as 2 and 4 processes (ctest: ep_n2, ep_n4), and
+// capacity mode over NCCL (ep_nccl_n2, one GPU per rank):
 // each rank's output and gradients equal the single-process MoELayer's on the same global batch
 // in float64 (the router's gradient and the aux loss summed over the ranks); uneven batches, a
 // rank without tokens, an expert and a whole rank that receive none; argument errors, and
 // init_process_group's errors for a bad environment.
 
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <torchmoe/torchmoe.h>
 
 #include "distributed/ep_test_utils.h"
@@ -190,6 +193,68 @@ TEST_CASE("MoELayer capacity mode refuses different token counts on the ranks", 
   REQUIRE_THROWS_WITH(
       layer(torch::randn({8 + rank, hidden}, torch::kFloat64)),
       Contains("every rank must have the same token count, got " + std::to_string(8 + rank)));
+}
+
+// The same over NCCL, one GPU per rank (ctest: ep_nccl_n2; skipped with fewer GPUs than ranks):
+// bf16 CUDA tensors, so the check's all-reduce, the all-to-alls and the router's sums run on
+// NCCL. A mismatch is refused on every rank; equal counts run forward and backward; a count the
+// layer has checked is captured in a CUDA graph whose replay gives eager's bits, and a new count
+// during a capture is refused before any collective is enqueued.
+TEST_CASE("MoELayer capacity mode over NCCL: the token-count check, backward and a capture",
+          "[ep_nccl]") {
+  const char* world_env = std::getenv("WORLD_SIZE");
+  REQUIRE(world_env != nullptr);
+  const int64_t world = std::stoll(world_env);
+  if (!cuda_available() || torch::cuda::device_count() < world) {
+    WARN("SKIPPED: no CUDA device for each of the " << world << " ranks");
+    return;
+  }
+  const torchmoe::ProcessGroupOptions group(
+      torchmoe::ProcessGroupOptions(
+          torchmoe::distributed::init_process_group(torch::kCUDA, test_timeout()))
+          .timeout(test_timeout()));
+  const int64_t rank = group.group()->getRank(), hidden = 64;
+  const torch::Device device(torch::kCUDA, rank);
+  MoELayerOptions options(hidden, 128, 4 * world, 2);
+  options.params_dtype(torch::kBFloat16)
+      .device(device)
+      .expert_parallel(group)
+      .pad_to_capacity(true);
+  options.router().capacity_factor(2.0);
+  MoELayer layer(options);
+  const auto bf16 = torch::TensorOptions().device(device).dtype(torch::kBFloat16);
+  REQUIRE_THROWS_WITH(layer(torch::randn({100 + rank, hidden}, bf16)),
+                      Contains("every rank must have the same token count, got " +
+                               std::to_string(100 + rank) + " on rank " + std::to_string(rank)) &&
+                          Contains("from 100 to " + std::to_string(100 + world - 1)));
+  for (const int64_t tokens : {128, 256}) {
+    const torch::Tensor x = torch::randn({tokens, hidden}, bf16).requires_grad_(true);
+    const torchmoe::MoEOutput out = layer(x);
+    (out.output.to(torch::kFloat).square().sum() + out.aux_loss).backward();
+    REQUIRE(out.output.sizes() == x.sizes());
+    CHECK(out.output.isfinite().all().item<bool>());
+    CHECK(x.grad().isfinite().all().item<bool>());
+    CHECK(x.grad().abs().max().item<float>() > 0.0f);
+  }
+  const c10::cuda::CUDAStreamGuard side(c10::cuda::getStreamFromPool(false, rank));
+  const torch::NoGradGuard no_grad;
+  const torch::Tensor x = torch::randn({256, hidden}, bf16);
+  const torch::Tensor eager = layer(x).output.clone();
+  torch::cuda::synchronize();
+  at::cuda::CUDAGraph graph;
+  graph.capture_begin();
+  const torch::Tensor captured = layer(x).output;
+  graph.capture_end();
+  graph.replay();
+  torch::cuda::synchronize();
+  CHECK(torch::equal(captured, eager));
+  const torch::Tensor unchecked = torch::randn({512, hidden}, bf16);
+  at::cuda::CUDAGraph refused;
+  refused.capture_begin();
+  CHECK_THROWS_WITH(layer(unchecked),
+                    Contains("token count must be checked against the other ranks with a host "
+                             "sync, which a CUDA graph capture cannot make"));
+  refused.capture_end();
 }
 
 TEST_CASE("MoELayer expert parallel: argument errors", "[ep]") {
