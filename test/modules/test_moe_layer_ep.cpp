@@ -195,32 +195,37 @@ TEST_CASE("MoELayer capacity mode refuses different token counts on the ranks", 
       Contains("every rank must have the same token count, got " + std::to_string(8 + rank)));
 }
 
-// The same over NCCL, one GPU per rank (ctest: ep_nccl_n2; skipped with fewer GPUs than ranks):
-// bf16 CUDA tensors, so the check's all-reduce, the all-to-alls and the router's sums run on
-// NCCL. A mismatch is refused on every rank; equal counts run forward and backward; a count the
-// layer has checked is captured in a CUDA graph whose replay gives eager's bits, and a new count
-// during a capture is refused before any collective is enqueued.
+// The same over NCCL, one GPU per local rank (ctest: ep_nccl_n2; skipped with fewer GPUs): bf16
+// CUDA tensors, so the check's all-reduce, the router's count all-reduce and the all-to-alls run
+// on NCCL. A mismatch is refused on every rank; equal counts run forward and backward (with the
+// aux loss from the group's counts); the forward at a count the layer has checked is captured in a
+// CUDA graph and replayed on new data to a fresh eager forward's bits; a new count during a capture
+// is refused before the capacity all-to-alls (the router's all-reduce, already captured, is never
+// replayed).
 TEST_CASE("MoELayer capacity mode over NCCL: the token-count check, backward and a capture",
           "[ep_nccl]") {
-  const char* world_env = std::getenv("WORLD_SIZE");
+  // The same decision on every rank of a host (no rank joins the rendezvous alone).
+  const char* local_world_env = std::getenv("LOCAL_WORLD_SIZE");
+  const char* world_env = local_world_env ? local_world_env : std::getenv("WORLD_SIZE");
   REQUIRE(world_env != nullptr);
-  const int64_t world = std::stoll(world_env);
-  if (!cuda_available() || torch::cuda::device_count() < world) {
-    WARN("SKIPPED: no CUDA device for each of the " << world << " ranks");
+  const int64_t local_world = std::stoll(world_env);
+  if (!cuda_available() || torch::cuda::device_count() < local_world) {
+    WARN("SKIPPED: no CUDA device for each of the " << local_world << " local ranks");
     return;
   }
   const torchmoe::ProcessGroupOptions group(
       torchmoe::ProcessGroupOptions(
           torchmoe::distributed::init_process_group(torch::kCUDA, test_timeout()))
           .timeout(test_timeout()));
-  const int64_t rank = group.group()->getRank(), hidden = 64;
-  const torch::Device device(torch::kCUDA, rank);
+  // init_process_group made this rank's GPU (LOCAL_RANK) the current device.
+  const torch::Device device(torch::kCUDA, c10::cuda::current_device());
+  const int64_t rank = group.group()->getRank(), world = group.group()->getSize(), hidden = 64;
   MoELayerOptions options(hidden, 128, 4 * world, 2);
   options.params_dtype(torch::kBFloat16)
       .device(device)
       .expert_parallel(group)
       .pad_to_capacity(true);
-  options.router().capacity_factor(2.0);
+  options.router().capacity_factor(2.0).aux_loss_coeff(1e-2);
   MoELayer layer(options);
   const auto bf16 = torch::TensorOptions().device(device).dtype(torch::kBFloat16);
   REQUIRE_THROWS_WITH(layer(torch::randn({100 + rank, hidden}, bf16)),
@@ -230,21 +235,34 @@ TEST_CASE("MoELayer capacity mode over NCCL: the token-count check, backward and
   for (const int64_t tokens : {128, 256}) {
     const torch::Tensor x = torch::randn({tokens, hidden}, bf16).requires_grad_(true);
     const torchmoe::MoEOutput out = layer(x);
-    (out.output.to(torch::kFloat).square().sum() + out.aux_loss).backward();
     REQUIRE(out.output.sizes() == x.sizes());
+    CHECK(out.aux_loss.item<float>() > 0.0f);
+    (out.output.to(torch::kFloat).square().sum() + out.aux_loss).backward();
     CHECK(out.output.isfinite().all().item<bool>());
     CHECK(x.grad().isfinite().all().item<bool>());
     CHECK(x.grad().abs().max().item<float>() > 0.0f);
   }
-  const c10::cuda::CUDAStreamGuard side(c10::cuda::getStreamFromPool(false, rank));
+  // A capture cannot use the default stream; the eager forward on the side stream first makes
+  // the workspaces and NCCL's state for it (256 tokens are already checked: no host sync).
+  const c10::cuda::CUDAStreamGuard side(c10::cuda::getStreamFromPool(false, device.index()));
   const torch::NoGradGuard no_grad;
   const torch::Tensor x = torch::randn({256, hidden}, bf16);
-  const torch::Tensor eager = layer(x).output.clone();
+  layer(x);
   torch::cuda::synchronize();
   at::cuda::CUDAGraph graph;
   graph.capture_begin();
-  const torch::Tensor captured = layer(x).output;
+  torch::Tensor captured;
+  try {
+    captured = layer(x).output;
+  } catch (...) {
+    graph.capture_end();  // the stream leaves capture mode before the error propagates
+    throw;
+  }
   graph.capture_end();
+  // New tokens in the captured input: the replay must route and exchange them, not the
+  // capture's.
+  x.copy_(torch::randn({256, hidden}, bf16));
+  const torch::Tensor eager = layer(x).output;
   graph.replay();
   torch::cuda::synchronize();
   CHECK(torch::equal(captured, eager));
