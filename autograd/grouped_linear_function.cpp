@@ -44,9 +44,29 @@ std::vector<at::Tensor> in_layout(const at::Tensor& buffer, bool stacked) {
   return buffer.unbind(0);
 }
 
-// The row map the GEMMs read the input through, or none.
+// The row map the GEMMs read the input through, or none (no map, or a gathered copy).
 at::Tensor gather_rows_of(const GroupedLinearConfig& config) {
-  return config.input_gather ? config.input_gather->rows : at::Tensor();
+  return config.input_gather && !config.input_gather->gathered.defined() ? config.input_gather->rows
+                                                                         : at::Tensor();
+}
+
+// What the 16-bit GEMMs read as their input when it is not an activation: the caller's gathered
+// copy, or `input` (itself, or read through gather_rows_of).
+const at::Tensor& gemm_rows(const GroupedLinearConfig& config, const at::Tensor& input) {
+  return config.input_gather && config.input_gather->gathered.defined()
+             ? config.input_gather->gathered
+             : input;
+}
+
+// Where forward adds its output rows (config.output_scatter), or nowhere.
+ops::RowScatter output_scatter_of(const GroupedLinearConfig& config) {
+  if (!config.output_scatter) return {};
+  return {config.output_scatter->rows, config.output_scatter->token_rows.size(0)};
+}
+
+// Whether dgrad adds its rows into the un-gathered input's (RowGather): at most two per input row.
+bool scatters_input_grad(const GroupedLinearConfig& config) {
+  return config.input_gather && !config.fp8 && config.input_gather->token_rows.size(1) <= 2;
 }
 
 // Which gradients a forward must keep what for (FP8 keeps only the copies backward reads).
@@ -184,12 +204,15 @@ at::Tensor forward_output(const at::Tensor& input, const at::Tensor& scales, at:
               "config.input_activation and config.input_gather cannot both be set");
   TORCH_CHECK(config.fp8.has_value() == config.plan.fp8, "GroupedLinearFunction: config.fp8 ",
               "must be set exactly when the plan is an FP8 plan");
+  TORCH_CHECK(!config.fp8 || !config.output_scatter, "GroupedLinearFunction: ",
+              "config.output_scatter is for 16-bit plans; FP8 products write their rows");
   if (config.fp8) return fp8_forward_output(input, scales, weights, biases, config, needs);
-  const at::Tensor gemm_input =
-      config.input_activation ? ops::glu_forward(input, scales, *config.input_activation) : input;
-  return ops::grouped_linear_forward(config.plan, gemm_input,
-                                     grouped(weights, config.grouped_weight),
-                                     grouped(biases, config.grouped_bias), gather_rows_of(config));
+  const at::Tensor gemm_input = config.input_activation
+                                    ? ops::glu_forward(input, scales, *config.input_activation)
+                                    : gemm_rows(config, input);
+  return ops::grouped_linear_forward(
+      config.plan, gemm_input, grouped(weights, config.grouped_weight),
+      grouped(biases, config.grouped_bias), gather_rows_of(config), output_scatter_of(config));
 }
 
 // The weight-gradient GEMM of either precision: from the 16-bit input and grad_output, or from
@@ -279,7 +302,13 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
                 "over already quantized (Fp8GradLink), but the output was also used elsewhere; a ",
                 "linked output must feed only the function that produces its gradient");
   }
-  const at::Tensor grad_output = linked_grad ? grad_outputs[0] : grad_outputs[0].contiguous();
+  // A scattered output's gradient is read back in GEMM order: row i is that of its output row.
+  const at::Tensor grad_output =
+      linked_grad ? grad_outputs[0]
+      : cfg.output_scatter
+          ? ops::permute_rows(grad_outputs[0].contiguous(), cfg.output_scatter->token_rows,
+                              cfg.output_scatter->sorted_slots, at::Tensor())
+          : grad_outputs[0].contiguous();
 
   // Gradient slots: input, input_scales, weights..., biases..., config (one per forward
   // argument). Autograd edges exist only for tensors given: input_scales has none when absent.
@@ -320,8 +349,11 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
                     ", now ", weights[i]._version(),
                     "); its gradient would be wrong. Run backward before changing the weights.");
       }
-      grad_gemm_input =
-          ops::grouped_linear_dgrad(cfg.plan, grad_output, grouped(weights, cfg.grouped_weight));
+      const ops::RowScatter scatter = scatters_input_grad(cfg)
+                                          ? ops::RowScatter{cfg.input_gather->rows, input.size(0)}
+                                          : ops::RowScatter{};
+      grad_gemm_input = ops::grouped_linear_dgrad(cfg.plan, grad_output,
+                                                  grouped(weights, cfg.grouped_weight), scatter);
     }
     Fp8GradLink* link = cfg.grad_input_link.get();
     if (cfg.input_activation && link != nullptr && link->armed && ctx->needs_input_grad(0)) {
@@ -341,7 +373,7 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
                                             scales_need_grad);
       grads[0] = std::move(glu.grad_input);
       if (scales_need_grad) grads[1] = std::move(glu.grad_scales);
-    } else if (cfg.input_gather) {
+    } else if (cfg.input_gather && !scatters_input_grad(cfg)) {
       grads[0] = ops::unpermute_rows(grad_gemm_input, cfg.input_gather->token_rows, at::Tensor());
     } else {
       grads[0] = std::move(grad_gemm_input);
@@ -359,7 +391,7 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
   // (FP8 kept the activation's columnwise copy).
   const at::Tensor gemm_input = weights_need_grad && cfg.input_activation && !cfg.fp8
                                     ? ops::glu_forward(input, scales, *cfg.input_activation)
-                                    : input;
+                                    : gemm_rows(cfg, input);
   const ops::SplitQuantized fp8_input = cfg.fp8 ? cfg.fp8->input : ops::SplitQuantized();
   if (weights_need_grad && cfg.wgrad_queue) {
     // Delayed: dbias now (it is cheap and autograd wants it), the wgrad GEMM in backward_dw().

@@ -35,13 +35,29 @@ std::vector<GemmPlan> plan_layers(const char* module, const at::Tensor& input,
 
 struct GroupedLinearConfig;
 
-// A layer input read through a row map instead of as a gathered copy (ops/grouped_gemm.h,
-// "Gathered input"): MoE's token permutation fused into fc1. Forward and wgrad read GEMM row i
-// from input[rows[i]]; the input gradient sums the dgrad rows of each input row, deterministically
-// (ops::unpermute_rows), as the permutation's own backward does.
+// A layer input whose GEMM rows are rows of it in another order: MoE's token permutation fused
+// into fc1. Forward and wgrad read GEMM row i from input[rows[i]] (ops/grouped_gemm.h, "Gathered
+// input"), or from `gathered` when the caller made that copy (the sm90 kernel's one-row loads are
+// slower than a copy: docs/performance.md); either way the Function's input, and what its
+// gradient is of, is the un-gathered [input rows, in] tensor. The input gradient sums the dgrad
+// rows of each input row, deterministically, as the permutation's own backward does: inside the
+// dgrad GEMM (ops "Scattered output") for at most two rows per input row, whose sum does not depend
+// on the order they land in; else after it (ops::unpermute_rows). FP8: always after it.
 struct RowGather {
   at::Tensor rows;        // [N] int32/int64: the input row of each GEMM row
   at::Tensor token_rows;  // [input rows, k] int64: the GEMM rows of each input row, -1 for none
+  at::Tensor gathered;    // [N, in]: input's rows in GEMM order, contiguous; or undefined
+};
+
+// A layer output summed per output row inside the forward GEMM instead of written in GEMM order
+// (ops/grouped_gemm.h, "Scattered output"): MoE's unpermute fused into fc2, for top-1 and top-2
+// routing (at most two rows per output row: sums that do not depend on the order the rows land
+// in). 16-bit plans. Forward returns [token_rows rows, out]; backward reads the output
+// gradient's rows back in GEMM order (ops::permute_rows) for dgrad and wgrad.
+struct OutputScatter {
+  at::Tensor rows;          // [N] int32/int64: the output row each GEMM row is added to
+  at::Tensor token_rows;    // [output rows, k <= 2] int64: the GEMM rows of each, -1 for none
+  at::Tensor sorted_slots;  // [N] int64: token_rows' inverse (PermutedTokens::sorted_slots)
 };
 
 // A weight-gradient GEMM that delay_wgrad_compute moved out of backward.
@@ -146,6 +162,8 @@ struct GroupedLinearConfig : torch::CustomClassHolder {
   // The input is read through a row map (not with input_activation): the Function's input is the
   // un-gathered [input rows, in] tensor, which is also what backward keeps.
   std::optional<RowGather> input_gather;
+  // The output's rows are summed into fewer rows inside the forward GEMM (16-bit plans).
+  std::optional<OutputScatter> output_scatter;
   // FP8 products (the plan is an FP8 plan): forward quantizes the GEMM input and the weights,
   // backward the output gradient, and the GEMMs read the FP8 copies.
   std::optional<Fp8Config> fp8;
@@ -161,7 +179,8 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
   // input [rows, in] (contiguous), or [rows, 2·in] with config.input_activation, whose per-row
   // scales are input_scales (else nullopt), or [input rows, in] with config.input_gather; weights G
   // × [out, in] or one [G, out, in]; biases empty, G × [out] or one [G, out] (matching
-  // config.grouped_weight / grouped_bias). Returns [rows, out].
+  // config.grouped_weight / grouped_bias). Returns [rows, out], or [output rows, out] with
+  // config.output_scatter.
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input,
                             const std::optional<at::Tensor>& input_scales, at::TensorList weights,
                             at::TensorList biases,

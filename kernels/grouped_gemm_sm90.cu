@@ -221,15 +221,19 @@ void launch(const Sm90GemmParams& p, cudaStream_t stream) {
   const CUtensorMap gather_map =
       gather ? cached_map(in, p.input, p.k, p.gather_source_rows, 1, 0, operand_box(in, 1))
              : CUtensorMap{};
+  // Scattered rows are added from the epilogue's threads: no map for the output.
+  const bool scatter = p.scatter_rows != nullptr;
   if constexpr (kKind == GemmKind::kFprop) {
     args.a_map =
         gather ? gather_map : cached_map(in, p.input, p.k, p.rows, 1, 0, operand_box(in, kBlockM));
-    args.out_map = cached_map(in, p.output, p.n, p.rows, 1, 0, output_box(p.input_type));
-    args.out_tma = true;
+    args.out_tma = !scatter;
+    if (!scatter)
+      args.out_map = cached_map(in, p.output, p.n, p.rows, 1, 0, output_box(p.input_type));
   } else if constexpr (kKind == GemmKind::kDgrad) {
     args.a_map = cached_map(in, p.grad_output, p.n, p.rows, 1, 0, operand_box(in, kBlockM));
-    args.out_map = cached_map(in, p.output, p.k, p.rows, 1, 0, output_box(p.input_type));
-    args.out_tma = true;
+    args.out_tma = !scatter;
+    if (!scatter)
+      args.out_map = cached_map(in, p.output, p.k, p.rows, 1, 0, output_box(p.input_type));
   } else {
     const int block_k = kBlockKOf<T>;
     args.a_map = cached_map(in, p.grad_output, p.n, p.rows, 1, 0, operand_box(in, block_k));

@@ -25,6 +25,13 @@
 // permuted copy is never written). Hopper's TMA has no gather mode, so the producer warpgroup's
 // four warps load those rows with one TMA load per row and 128-byte box instead
 // (grouped_gemm_sm90_kernel.cuh).
+//
+// Scattered y / dx (kFprop, kDgrad): with `scatter_rows` set, row i of the product is added into
+// row scatter_rows[i] of the output (an MoE layer's unpermute in fc2's forward, or its
+// permutation's backward in fc1's dgrad, so that the expert-ordered rows are never written). The
+// epilogue adds each row in L2 (red.add of eight 16-bit values, one rounding per add): a target
+// that starts at -0.0 and receives at most two rows ends with their sum rounded once, whatever
+// their order (-0.0 + a is a, and a + b is b + a), which is what top-1 and top-2 routing give.
 
 #include <cuda_runtime_api.h>
 
@@ -57,6 +64,13 @@ struct Sm90GemmParams {
   int64_t gather_source_rows = 0;     // rows of `input` when gathering (entries outside read zeros)
   const void* grad_output = nullptr;  // dy [rows, n]       (kDgrad, kWgrad)
   void* output = nullptr;             // y / dx [rows, ·]   (kFprop, kDgrad)
+  // Scattered rows (kFprop, kDgrad): device, `rows` integers (unchecked; ops checks the map's
+  // shape). Row i of the product is added to row scatter_rows[i] of `output`, which then has
+  // scatter_target_rows rows and which the caller fills first, instead of being stored at row i;
+  // entries -1 or outside the output are not added. Null: row i is stored at row i.
+  const void* scatter_rows = nullptr;
+  bool scatter_rows_int32 = false;  // else int64
+  int64_t scatter_target_rows = 0;
   // W_g [n, k] (kFprop, kDgrad). Equally spaced weights are read through one 3-D tensor map; others
   // through `weight_maps`, a device array of G tensor maps from encode_weight_maps().
   GroupAddress weight;

@@ -20,7 +20,8 @@
 // round's stores drain while the next tile's main loop runs; a buffer is rewritten only once they
 // have read it. Tiles whose rows end inside the tile (a group's last row tile: the next group's
 // rows follow) and outputs no tensor map describes are stored from registers with row masks
-// instead.
+// instead. Scattered rows (fprop/dgrad, scatter_rows) are read back from the same buffer and
+// added into their output rows in L2, every tile alike.
 
 #include <cuda.h>  // CUtensorMap
 #include <cuda_bf16.h>
@@ -331,6 +332,36 @@ __device__ __forceinline__ float2 bias_pair(const TileOutput<OutT>& o, int64_t c
   return make_float2(to_float(o.bias[col]), to_float(o.bias[col + 1]));
 }
 
+// Writes store round `round` of this warpgroup's 64 × 256 accumulators (scaled, the bias added)
+// into its shared-memory buffer: kEpilogueBoxes boxes of 64 rows × 64 bytes, 64-byte swizzle
+// (16-byte unit u of row r sits at unit u ^ ((r / 2) % 4): the 8 rows a warp writes at once land
+// in distinct banks).
+template <int kEpilogueBoxes, typename OutT>
+__device__ __forceinline__ void stage_round(const TileOutput<OutT>& o, const Tile& tile,
+                                            const float (&acc)[128], uint8_t* buffer, int round) {
+  constexpr int kChunkCols = kEpilogueRowBytes / static_cast<int>(sizeof(OutT));  // 32 or 16
+  constexpr int kBlocksPerChunk = kChunkCols / 8;  // 8-column accumulator blocks
+  const int thread = threadIdx.x % 128, warp = thread / kWarpSize, lane = thread % kWarpSize;
+#pragma unroll
+  for (int box = 0; box < kEpilogueBoxes; ++box) {
+    uint8_t* box_base = buffer + box * kEpilogueBoxBytes;
+#pragma unroll
+    for (int jj = 0; jj < kBlocksPerChunk; ++jj) {
+      const int j = (round * kEpilogueBoxes + box) * kBlocksPerChunk + jj;
+      const float2 bias = bias_pair(o, tile.col0 + j * 8 + (lane % 4) * 2);
+      const int byte = (jj * 8 + (lane % 4) * 2) * static_cast<int>(sizeof(OutT));
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = warp * 16 + half * 8 + lane / 4;
+        const int unit = (byte / 16) ^ ((r / 2) % 4);
+        store2(reinterpret_cast<OutT*>(box_base + r * kEpilogueRowBytes + unit * 16 + byte % 16),
+               acc[4 * j + 2 * half] * o.scale + bias.x,
+               acc[4 * j + 2 * half + 1] * o.scale + bias.y);
+      }
+    }
+  }
+}
+
 // Stores this warpgroup's 64 × 256 accumulators through its shared-memory buffer of
 // kEpilogueBoxes boxes and TMA: the boxes of a round are written, then one thread issues their
 // stores (16 boxes for fp32, 8 for 16-bit outputs, in as many rounds as the buffer needs). A
@@ -340,35 +371,16 @@ template <int kEpilogueBoxes, typename OutT>
 __device__ __forceinline__ void store_tile_tma(const KernelArgs& args, const TileOutput<OutT>& o,
                                                const Tile& tile, const float (&acc)[128],
                                                uint8_t* buffer, int consumer) {
-  constexpr int kChunkCols = kEpilogueRowBytes / static_cast<int>(sizeof(OutT));  // 32 or 16
-  constexpr int kBlocksPerChunk = kChunkCols / 8;  // 8-column accumulator blocks
+  constexpr int kChunkCols = kEpilogueRowBytes / static_cast<int>(sizeof(OutT));
   constexpr int kRounds = kBlockN / kChunkCols / kEpilogueBoxes;
   const bool add = std::is_same_v<OutT, float> && args.p.accumulate;
-  const int thread = threadIdx.x % 128, warp = thread / kWarpSize, lane = thread % kWarpSize;
+  const int thread = threadIdx.x % 128;
   const int barrier = 2 + consumer;  // 0: __syncthreads, 1: both consumers (wgrad masking)
 #pragma unroll
   for (int round = 0; round < kRounds; ++round) {
     if (thread == 0) bulk_wait_read<0>();  // earlier stores from this buffer are done reading
     named_barrier(barrier, 128);
-#pragma unroll
-    for (int box = 0; box < kEpilogueBoxes; ++box) {
-      uint8_t* box_base = buffer + box * kEpilogueBoxBytes;
-#pragma unroll
-      for (int jj = 0; jj < kBlocksPerChunk; ++jj) {
-        const int j = (round * kEpilogueBoxes + box) * kBlocksPerChunk + jj;
-        const float2 bias = bias_pair(o, tile.col0 + j * 8 + (lane % 4) * 2);
-        const int byte = (jj * 8 + (lane % 4) * 2) * static_cast<int>(sizeof(OutT));
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = warp * 16 + half * 8 + lane / 4;
-          // 64-byte swizzle: 16-byte unit u of row r sits at unit u ^ ((r / 2) % 4).
-          const int unit = (byte / 16) ^ ((r / 2) % 4);
-          store2(reinterpret_cast<OutT*>(box_base + r * kEpilogueRowBytes + unit * 16 + byte % 16),
-                 acc[4 * j + 2 * half] * o.scale + bias.x,
-                 acc[4 * j + 2 * half + 1] * o.scale + bias.y);
-        }
-      }
-    }
+    stage_round<kEpilogueBoxes, OutT>(o, tile, acc, buffer, round);
     fence_proxy_async();
     named_barrier(barrier, 128);
     if (thread == 0) {
@@ -385,6 +397,59 @@ __device__ __forceinline__ void store_tile_tma(const KernelArgs& args, const Til
         }
       }
       bulk_commit();
+    }
+  }
+}
+
+// Scattered rows (Sm90GemmParams::scatter_rows): adds this warpgroup's 64 × 256 accumulators into
+// the output rows the map names. Each round is staged as for TMA; then each thread reads back
+// 16-byte pieces (eight columns of one row: a warp reads eight whole 64-byte box rows, without
+// bank conflicts) and adds them in L2 (red_add8). Rows past the tile's valid rows and entries -1
+// or past the output are not added, so a group's last tile needs no separate path. A round waits
+// until the previous round's pieces have been read back.
+template <int kEpilogueBoxes, typename OutT>
+__device__ __forceinline__ void scatter_add_tile(const Sm90GemmParams& p, const TileOutput<OutT>& o,
+                                                 const Tile& tile, const float (&acc)[128],
+                                                 uint8_t* buffer, int consumer) {
+  constexpr int kChunkCols = kEpilogueRowBytes / static_cast<int>(sizeof(OutT));
+  constexpr int kRounds = kBlockN / kChunkCols / kEpilogueBoxes;
+  constexpr int kUnitsPerRow = kEpilogueRowBytes / 16;
+  constexpr int kRowsPerPass = 128 / kUnitsPerRow;  // rows the warpgroup reads back at once
+  static_assert(2 * kRowsPerPass == 64, "two box rows per thread");
+  const int thread = threadIdx.x % 128, unit = thread % kUnitsPerRow;
+  const int barrier = 2 + consumer;
+  // This thread's two rows of every box (r and r + 32) and the output rows they are added to.
+  OutT* dst[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int row = consumer * 64 + i * kRowsPerPass + thread / kUnitsPerRow;
+    int64_t target = -1;
+    if (row < tile.valid_rows) {
+      const int64_t at = static_cast<int64_t>(tile.row0) + row;
+      target = p.scatter_rows_int32 ? static_cast<const int32_t*>(p.scatter_rows)[at]
+                                    : static_cast<const int64_t*>(p.scatter_rows)[at];
+    }
+    dst[i] = target >= 0 && target < p.scatter_target_rows
+                 ? static_cast<OutT*>(p.output) + target * o.cols
+                 : nullptr;
+  }
+#pragma unroll
+  for (int round = 0; round < kRounds; ++round) {
+    named_barrier(barrier, 128);
+    stage_round<kEpilogueBoxes, OutT>(o, tile, acc, buffer, round);
+    named_barrier(barrier, 128);
+#pragma unroll
+    for (int box = 0; box < kEpilogueBoxes; ++box) {
+      const int64_t col = tile.col0 + (round * kEpilogueBoxes + box) * kChunkCols + unit * 8;
+      if (col >= o.cols) continue;  // cols is a multiple of 8: a piece is wholly in or out
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        if (dst[i] == nullptr) continue;
+        const int r = i * kRowsPerPass + thread / kUnitsPerRow;
+        const uint8_t* piece =
+            buffer + box * kEpilogueBoxBytes + r * kEpilogueRowBytes + (unit ^ ((r / 2) % 4)) * 16;
+        red_add8(dst[i] + col, *reinterpret_cast<const uint4*>(piece));
+      }
     }
   }
 }
@@ -605,6 +670,12 @@ __device__ void consume(const KernelArgs& args, const GroupTable& t, const TileR
       o.map_rows = p.rows;
       // A TMA store would write whole 64-row boxes: rows of the next group must not be touched.
       tma = tma && tile.valid_rows >= (consumer + 1) * 64;
+    }
+    if constexpr (kKind != GemmKind::kWgrad && !std::is_same_v<OutT, float>) {
+      if (p.scatter_rows != nullptr) {
+        scatter_add_tile<Layout::kEpilogueBoxes, OutT>(p, o, tile, acc, buffer, consumer);
+        return;
+      }
     }
     if (tma) {
       store_tile_tma<Layout::kEpilogueBoxes, OutT>(args, o, tile, acc, buffer, consumer);

@@ -7,6 +7,7 @@
 
 #include <cuda.h>  // CUtensorMap
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cstdint>
 #include <type_traits>
@@ -239,6 +240,22 @@ __device__ __forceinline__ void tma_add_3d(const CUtensorMap* map, const void* s
       "[%1];" ::"l"(map),
       "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
+}
+// dst[0..7] += eight 16-bit values (four packed pairs), added in L2 with one rounding each
+// (red.add .noftz: subnormals kept). bf16 or fp16 by OutT.
+template <typename OutT>
+__device__ __forceinline__ void red_add8(OutT* dst, uint4 v) {
+  static_assert(std::is_same_v<OutT, __nv_bfloat16> || std::is_same_v<OutT, __half>,
+                "red_add8: 16-bit outputs only");
+  if constexpr (std::is_same_v<OutT, __nv_bfloat16>) {
+    asm volatile("red.global.add.noftz.v4.bf16x2 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(v.x),
+                 "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+  } else {
+    asm volatile("red.global.add.noftz.v4.f16x2 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(v.x),
+                 "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+  }
 }
 __device__ __forceinline__ void bulk_commit() {
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");

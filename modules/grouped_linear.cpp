@@ -174,7 +174,8 @@ torch::Tensor GroupedLinearImpl::run(const torch::Tensor& rows, const ops::GemmP
                                      const torch::Tensor& scales, const ops::GluOptions* activation,
                                      const autograd::RowGather* gather,
                                      std::shared_ptr<autograd::Fp8GradLink> grad_output_link,
-                                     std::shared_ptr<autograd::Fp8GradLink> grad_input_link) {
+                                     std::shared_ptr<autograd::Fp8GradLink> grad_input_link,
+                                     const autograd::OutputScatter* scatter) {
   auto config = c10::make_intrusive<autograd::GroupedLinearConfig>();
   config->plan = plan;
   config->grouped_weight = options.single_grouped_weight();
@@ -184,6 +185,7 @@ torch::Tensor GroupedLinearImpl::run(const torch::Tensor& rows, const ops::GemmP
   if (options.delay_wgrad_compute()) config->wgrad_queue = wgrad_queue_;
   if (activation != nullptr) config->input_activation = *activation;
   if (gather != nullptr) config->input_gather = *gather;
+  if (scatter != nullptr) config->output_scatter = *scatter;
   if (plan.fp8) config->fp8 = fp8_config(is_first_microbatch);
   config->grad_output_link = std::move(grad_output_link);
   config->grad_input_link = std::move(grad_input_link);

@@ -25,6 +25,7 @@ namespace torchmoe {
 namespace autograd {
 class WgradQueue;
 struct RowGather;
+struct OutputScatter;
 struct Fp8Config;
 struct Fp8WeightCache;
 struct Fp8GradLink;
@@ -203,12 +204,14 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
   // map (then input has any row count; the plan's rows are the map's). FP8 GroupedMLP links its
   // two layers' backward (autograd::Fp8GradLink): fc1 takes its output gradient from
   // `grad_output_link`, fc2 gives its input gradient to `grad_input_link` (and in an FP8 MoE
-  // layer takes its own output gradient from the unpermute through `grad_output_link`).
+  // layer takes its own output gradient from the unpermute through `grad_output_link`). With
+  // `scatter` the output rows are summed per token inside the GEMM (MoE's unpermute in fc2).
   torch::Tensor run(const torch::Tensor& input, const ops::GemmPlan& plan,
                     std::optional<bool> is_first_microbatch, const torch::Tensor& scales,
                     const ops::GluOptions* activation, const autograd::RowGather* gather = nullptr,
                     std::shared_ptr<autograd::Fp8GradLink> grad_output_link = nullptr,
-                    std::shared_ptr<autograd::Fp8GradLink> grad_input_link = nullptr);
+                    std::shared_ptr<autograd::Fp8GradLink> grad_input_link = nullptr,
+                    const autograd::OutputScatter* scatter = nullptr);
   // Checks an input of `width` features against the parameters; returns it as [rows, width].
   torch::Tensor input_rows(const torch::Tensor& input, int64_t width) const;
   void move_main_grads(torch::Device device);

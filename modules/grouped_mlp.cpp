@@ -112,12 +112,7 @@ torch::Tensor GroupedMLPImpl::forward_routed(
     std::optional<bool> is_first_microbatch,
     std::shared_ptr<autograd::Fp8GradLink> output_grad_link) {
   const torch::Tensor x = checked_input(tokens);
-  TORCH_CHECK(routed.row_map.defined() && routed.row_map.dim() == 2 &&
-                  routed.row_map.size(0) == x.size(0) && routed.sorted_slots.defined() &&
-                  routed.sorted_slots.dim() == 1,
-              kModule, ": routed must be the routing of the ", x.size(0),
-              " tokens (row_map [T, k] and sorted_slots [N]), got row_map ",
-              routed.row_map.defined() ? routed.row_map.sizes() : torch::IntArrayRef{});
+  check_routing(x, routed);
   const torch::Tensor source_rows =
       ops::tokens_of_rows(routed.sorted_slots, routed.row_map.size(1));
   const std::vector<ops::GemmPlan> plans =
@@ -126,7 +121,7 @@ torch::Tensor GroupedMLPImpl::forward_routed(
   // The sm90 kernel reads the rows through the map; in FP8 fc1's input quantize does, on any
   // backend (FP8 products read no row map).
   if (plans[0].backend == ops::Backend::kSm90 || plans[0].fp8) {
-    const autograd::RowGather gather{source_rows, routed.row_map};
+    const autograd::RowGather gather{source_rows, routed.row_map, torch::Tensor()};
     return run_layers(x, &gather, plans, routed.probs, is_first_microbatch,
                       std::move(output_grad_link));
   }
@@ -137,12 +132,58 @@ torch::Tensor GroupedMLPImpl::forward_routed(
                     std::move(output_grad_link));
 }
 
+torch::Tensor GroupedMLPImpl::forward_combined(const torch::Tensor& tokens,
+                                               const PermutedTokens& routed,
+                                               std::optional<bool> is_first_microbatch) {
+  const torch::Tensor x = checked_input(tokens);
+  check_routing(x, routed);
+  const int64_t topk = routed.row_map.size(1);
+  const torch::Tensor source_rows = ops::tokens_of_rows(routed.sorted_slots, topk);
+  const std::vector<ops::GemmPlan> plans =
+      autograd::plan_layers(kModule, x, {fc1->gemm_shape(), fc2->gemm_shape()}, routed.m_splits,
+                            options.linear().gemm_backend(), source_rows, fp8::enabled());
+  // The sums inside the GEMMs: the sm90 kernel's L2 adds, at most two rows per token (their sum
+  // then does not depend on the order they land in), and fc2's output left as it is (scale_bias
+  // changes it after fc2).
+  const bool combine = !plans[0].fp8 && topk <= 2 && plans[1].backend == ops::Backend::kSm90 &&
+                       plans[0].dgrad_backend == ops::Backend::kSm90 &&
+                       !(fc2->options.bias() && options.scale_bias());
+  if (!combine) {
+    const torch::Tensor rows =
+        routed.tokens.defined()
+            ? routed.tokens.contiguous()
+            : autograd::PermuteFunction::apply(x, routed.row_map, routed.sorted_slots);
+    return autograd::unpermute_tokens(
+        run_layers(rows, nullptr, plans, routed.probs, is_first_microbatch), routed, std::nullopt);
+  }
+  // fc1 reads a copy in expert order (a TMA load per 128-row tile, faster than reading the tokens
+  // through the map: docs/performance.md), routed.tokens when given, and adds its input
+  // gradient's rows per token into the tokens' gradient.
+  const torch::Tensor copy =
+      routed.tokens.defined()
+          ? routed.tokens.detach().contiguous()
+          : ops::permute_rows(x, routed.row_map, routed.sorted_slots, torch::Tensor());
+  const autograd::RowGather gather{source_rows, routed.row_map, copy};
+  const autograd::OutputScatter scatter{source_rows, routed.row_map, routed.sorted_slots};
+  return run_layers(x, &gather, plans, routed.probs, is_first_microbatch, nullptr, &scatter);
+}
+
+void GroupedMLPImpl::check_routing(const torch::Tensor& x, const PermutedTokens& routed) const {
+  TORCH_CHECK(routed.row_map.defined() && routed.row_map.dim() == 2 &&
+                  routed.row_map.size(0) == x.size(0) && routed.sorted_slots.defined() &&
+                  routed.sorted_slots.dim() == 1,
+              kModule, ": routed must be the routing of the ", x.size(0),
+              " tokens (row_map [T, k] and sorted_slots [N]), got row_map ",
+              routed.row_map.defined() ? routed.row_map.sizes() : torch::IntArrayRef{});
+}
+
 torch::Tensor GroupedMLPImpl::run_layers(const torch::Tensor& input,
                                          const autograd::RowGather* gather,
                                          const std::vector<ops::GemmPlan>& plans,
                                          const torch::Tensor& probs,
                                          std::optional<bool> is_first_microbatch,
-                                         std::shared_ptr<autograd::Fp8GradLink> output_grad_link) {
+                                         std::shared_ptr<autograd::Fp8GradLink> output_grad_link,
+                                         const autograd::OutputScatter* scatter) {
   const int64_t rows = plans[0].rows;
   TORCH_CHECK(probs.defined() && probs.dim() == 1 && probs.size(0) == rows, kModule,
               ": probs must be [rows] with one probability per row of x (", rows, "), got ",
@@ -167,11 +208,14 @@ torch::Tensor GroupedMLPImpl::run_layers(const torch::Tensor& input,
     // below differentiates through it.
     if (!fp8 || fc2->options.bias()) output_grad_link = nullptr;
     y = fc2->run(z, plans[1], is_first_microbatch, probs, &activation, nullptr,
-                 std::move(output_grad_link), link);
+                 std::move(output_grad_link), link, scatter);
   } else {
     const torch::Tensor h = autograd::GluFunction::apply(z, probs, activation);
-    y = fc2->run(h, plans[1], is_first_microbatch, torch::Tensor(), nullptr);
+    y = fc2->run(h, plans[1], is_first_microbatch, torch::Tensor(), nullptr, nullptr, nullptr,
+                 nullptr, scatter);
   }
+  TORCH_INTERNAL_ASSERT(scatter == nullptr || !(fc2->options.bias() && options.scale_bias()),
+                        "GroupedMLP: scale_bias changes fc2's rows, which a scatter has summed");
   // fc2 as built decides whether it added a bias (options.linear() is only what it was built
   // from).
   if (fc2->options.bias() && options.scale_bias()) {

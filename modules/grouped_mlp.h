@@ -87,6 +87,17 @@ class GroupedMLPImpl : public torch::nn::Cloneable<GroupedMLPImpl> {
                                std::optional<bool> is_first_microbatch,
                                std::shared_ptr<autograd::Fp8GradLink> output_grad_link);
 
+  /// The experts from tokens [T, hidden] to their output [T, hidden], routed by `routed` (from
+  /// functional::permute_tokens, or autograd::route_tokens without the permuted copy): what
+  /// unpermute_tokens(forward(permuted tokens, ...), routed) returns, bit for bit. With top-1 or
+  /// top-2 routing and 16-bit products on the sm90 kernel (and no scale_bias on a biased fc2),
+  /// each token's expert rows are summed inside fc2's GEMM and each token's input-gradient rows
+  /// inside fc1's dgrad, so that neither the expert-ordered output nor the expert-ordered
+  /// gradient of fc1's input is written; fc1 reads the permuted copy (made here when
+  /// routed.tokens is undefined). Otherwise those three steps.
+  torch::Tensor forward_combined(const torch::Tensor& tokens, const PermutedTokens& routed,
+                                 std::optional<bool> is_first_microbatch = std::nullopt);
+
   /// Runs the oldest delayed weight-gradient computation of both layers.
   void backward_dw();
   /// GroupedLinear::check_no_queued_wgrad of both layers.
@@ -110,12 +121,15 @@ class GroupedMLPImpl : public torch::nn::Cloneable<GroupedMLPImpl> {
  private:
   // Checks x [rows, hidden] against the parameters; returns it contiguous.
   torch::Tensor checked_input(const torch::Tensor& x) const;
+  // Checks that `routed` routes the T rows of x.
+  void check_routing(const torch::Tensor& x, const PermutedTokens& routed) const;
   // fc1 -> activation -> fc2 on fc1's input (read through `gather` when given), planned as `plans`;
-  // output_grad_link: fc2's (FP8, without bias).
+  // output_grad_link: fc2's (FP8, without bias); scatter: fc2's output rows summed per token.
   torch::Tensor run_layers(const torch::Tensor& input, const autograd::RowGather* gather,
                            const std::vector<ops::GemmPlan>& plans, const torch::Tensor& probs,
                            std::optional<bool> is_first_microbatch,
-                           std::shared_ptr<autograd::Fp8GradLink> output_grad_link = nullptr);
+                           std::shared_ptr<autograd::Fp8GradLink> output_grad_link = nullptr,
+                           const autograd::OutputScatter* scatter = nullptr);
 };
 
 TORCH_MODULE(GroupedMLP);

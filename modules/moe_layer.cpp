@@ -154,26 +154,28 @@ MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_f
     // the host.
     const ops::IndexTrust trust =
         router->options.capacity_factor() ? ops::IndexTrust::kChecked : ops::IndexTrust::kDropless;
-    torch::Tensor y;
-    PermutedTokens routed;
-    std::shared_ptr<autograd::Fp8GradLink> grad_link;
     if (options.expert_parallel()) {
-      routed = autograd::permute_tokens(tokens, routing.indices, options.num_experts(),
-                                        routing.probs, trust);
-      y = run_experts_parallel(routed, is_first_microbatch);
+      const PermutedTokens routed = autograd::permute_tokens(
+          tokens, routing.indices, options.num_experts(), routing.probs, trust);
+      out.output = autograd::unpermute_tokens(run_experts_parallel(routed, is_first_microbatch),
+                                              routed, std::nullopt);
     } else if (options.fuse_permutation().value_or(fp8::enabled())) {
-      routed = autograd::route_tokens(tokens, routing.indices, options.num_experts(), routing.probs,
-                                      trust);
+      const PermutedTokens routed = autograd::route_tokens(
+          tokens, routing.indices, options.num_experts(), routing.probs, trust);
       // In FP8 the unpermute's backward quantizes fc2's output gradient from the rows of the
       // layer's, so the permuted 16-bit gradient is not written either.
+      std::shared_ptr<autograd::Fp8GradLink> grad_link;
       if (fp8::enabled()) grad_link = std::make_shared<autograd::Fp8GradLink>();
-      y = experts->forward_routed(tokens, routed, is_first_microbatch, grad_link);
+      const torch::Tensor y =
+          experts->forward_routed(tokens, routed, is_first_microbatch, grad_link);
+      out.output = autograd::unpermute_tokens(y, routed, std::nullopt, grad_link);
     } else {
-      routed = autograd::permute_tokens(tokens, routing.indices, options.num_experts(),
-                                        routing.probs, trust);
-      y = experts(routed.tokens, routed.m_splits, routed.probs, is_first_microbatch);
+      // Top-1 and top-2 routing on the sm90 kernel: the unpermute inside fc2's GEMM and the
+      // permutation's backward inside fc1's dgrad (GroupedMLP::forward_combined).
+      const PermutedTokens routed = autograd::route_tokens(
+          tokens, routing.indices, options.num_experts(), routing.probs, trust);
+      out.output = experts->forward_combined(tokens, routed, is_first_microbatch);
     }
-    out.output = autograd::unpermute_tokens(y, routed, std::nullopt, grad_link);
   }
   if (x.dim() != 2) out.output = out.output.view(x.sizes());
   // Without a z-loss its term is a constant zero: no add (and no backward node) for it. Here and

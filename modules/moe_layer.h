@@ -5,9 +5,12 @@
 //     -> GroupedMLP (fc1 -> ScaledSwiGLU with each row's routing probability -> fc2)
 //     -> unpermute_tokens (a plain sum over each token's k expert outputs) -> [.., hidden]
 //
-// With options fuse_permutation (by default in FP8), the permutation is fused into fc1, which
-// reads the tokens through the routing map (GroupedMLP::forward_routed): its GEMMs on the sm90
-// backend, in FP8 the quantize of its input.
+// By default in 16 bits (GroupedMLP::forward_combined), with top-1 or top-2 routing on the sm90
+// backend, the unpermute is done inside fc2's GEMM (each row added into its token's output row in
+// L2) and the permutation's backward inside fc1's dgrad, bit for bit the separate steps. With
+// options fuse_permutation (by default in FP8), the permutation is fused into fc1, which reads the
+// tokens through the routing map (GroupedMLP::forward_routed): its GEMMs on the sm90 backend, in
+// FP8 the quantize of its input.
 //
 // The probabilities are applied inside the scaled activation (Megatron's memory-efficient
 // permutation), so unpermute needs no weights and no copy of the expert outputs is kept for the

@@ -83,6 +83,40 @@ at::Tensor gathered(const at::Tensor& input, const at::Tensor& gather_rows) {
       .masked_fill_((gather_rows < 0).unsqueeze(1), 0);
 }
 
+// A scattered output's map: [plan rows] int32/int64, contiguous, on the output's device; a
+// non-negative row count.
+void check_scatter(const char* op, const RowScatter& scatter, const GemmPlan& plan) {
+  const at::Tensor& rows = scatter.rows;
+  TORCH_CHECK(rows.dim() == 1 && rows.size(0) == plan.rows, op, ": scatter.rows must be a 1-D ",
+              "tensor of the plan's ", plan.rows, " rows, got ", rows.sizes());
+  TORCH_CHECK(rows.scalar_type() == at::kInt || rows.scalar_type() == at::kLong, op,
+              ": scatter.rows must be int32 or int64, got ", rows.scalar_type());
+  TORCH_CHECK(rows.device() == plan.device, op, ": scatter.rows must be on ", plan.device,
+              " like the planned input, got ", rows.device());
+  TORCH_CHECK(rows.is_contiguous(), op, ": scatter.rows must be contiguous");
+  TORCH_CHECK(scatter.target_rows >= 0, op, ": scatter.target_rows must be >= 0, got ",
+              scatter.target_rows);
+}
+
+// The output of forward or dgrad: [rows, cols], or zeros to add scattered rows into.
+at::Tensor new_output(const GemmPlan& plan, const RowScatter& scatter, int64_t cols,
+                      const at::TensorOptions& options) {
+  if (scatter.defined()) return at::zeros({scatter.target_rows, cols}, options);
+  return at::empty({plan.rows, cols}, options);
+}
+
+// The backends without scattered stores: their rows (zeros past the last group, which they leave
+// unwritten) added into `output` with index_add_, entries -1 or past the output into a spare row.
+// One add per row in order, each rounded: the sm90 kernel's sums for two rows per output row.
+void add_scattered_rows(at::Tensor& output, const at::Tensor& rows, const RowScatter& scatter) {
+  const int64_t target = scatter.target_rows;
+  const at::Tensor index = scatter.rows.to(at::kLong);
+  const at::Tensor spare = (index < 0).logical_or_(index >= target);
+  at::Tensor padded = at::zeros({target + 1, output.size(1)}, output.options());
+  padded.index_add_(0, index.masked_fill(spare, target), rows);
+  output.copy_(padded.narrow(0, 0, target));
+}
+
 CheckedGroups check_weights(const char* op, const GemmPlan& plan, const GroupedTensors& weights,
                             const at::Tensor& like) {
   return check_groups(op, "weights", weights, plan.shape.groups, like, {plan.shape.n, plan.shape.k},
@@ -435,7 +469,7 @@ std::vector<GemmPlan> plan_grouped_gemms(const char* op, const at::Tensor& input
 
 at::Tensor grouped_linear_forward(const GemmPlan& plan, const at::Tensor& input,
                                   const GroupedTensors& weights, const GroupedTensors& biases,
-                                  const at::Tensor& gather_rows) {
+                                  const at::Tensor& gather_rows, const RowScatter& scatter) {
   constexpr const char* op = "torchmoe::ops::grouped_linear_forward";
   check_16bit_plan(op, plan);
   if (gather_rows.defined()) {
@@ -447,48 +481,63 @@ at::Tensor grouped_linear_forward(const GemmPlan& plan, const at::Tensor& input,
               " features, got ", input.size(1));
   const CheckedGroups w = check_weights(op, plan, weights, input);
   const CheckedGroups b = check_vectors(op, "biases", plan, biases, input);
-  at::Tensor output = at::empty({plan.rows, plan.shape.n}, input.options());
-  switch (plan.backend) {
-    case Backend::kSm90:
-      detail::sm90_forward(plan, input, gather_rows, w, b, output);
-      return output;
-    case Backend::kReference:
-      detail::reference_forward(plan, gathered(input, gather_rows), w, b, output);
-      return output;
-    case Backend::kCublasLt:
-      detail::cublaslt_forward(plan, gathered(input, gather_rows), w, b, output);
-      return output;
-    case Backend::kCublasLtGrouped:
-      detail::cublaslt_grouped_forward(plan, gathered(input, gather_rows), w, b, output);
-      return output;
+  if (scatter.defined()) check_scatter(op, scatter, plan);
+  at::Tensor output = new_output(plan, scatter, plan.shape.n, input.options());
+  if (plan.backend == Backend::kSm90) {
+    detail::sm90_forward(plan, input, gather_rows, w, b, output, scatter);
+    return output;
   }
-  TORCH_INTERNAL_ASSERT(false, "unhandled Backend");
+  // Without a scatter the rows are the output; with one, zeros past the last group.
+  at::Tensor rows =
+      scatter.defined() ? at::zeros({plan.rows, plan.shape.n}, input.options()) : output;
+  switch (plan.backend) {
+    case Backend::kReference:
+      detail::reference_forward(plan, gathered(input, gather_rows), w, b, rows);
+      break;
+    case Backend::kCublasLt:
+      detail::cublaslt_forward(plan, gathered(input, gather_rows), w, b, rows);
+      break;
+    case Backend::kCublasLtGrouped:
+      detail::cublaslt_grouped_forward(plan, gathered(input, gather_rows), w, b, rows);
+      break;
+    case Backend::kSm90:
+      TORCH_INTERNAL_ASSERT(false, "sm90 is handled above");
+  }
+  if (scatter.defined()) add_scattered_rows(output, rows, scatter);
+  return output;
 }
 
 at::Tensor grouped_linear_dgrad(const GemmPlan& plan, const at::Tensor& grad_output,
-                                const GroupedTensors& weights) {
+                                const GroupedTensors& weights, const RowScatter& scatter) {
   constexpr const char* op = "torchmoe::ops::grouped_linear_dgrad";
   check_16bit_plan(op, plan);
   check_rows_operand(op, "grad_output", grad_output, plan);
   TORCH_CHECK(grad_output.size(1) == plan.shape.n, op, ": grad_output must have ", plan.shape.n,
               " features, got ", grad_output.size(1));
   const CheckedGroups w = check_weights(op, plan, weights, grad_output);
-  at::Tensor grad_input = at::empty({grad_output.size(0), plan.shape.k}, grad_output.options());
-  switch (plan.dgrad_backend) {
-    case Backend::kSm90:
-      detail::sm90_dgrad(plan, grad_output, w, grad_input);
-      return grad_input;
-    case Backend::kReference:
-      detail::reference_dgrad(plan, grad_output, w, grad_input);
-      return grad_input;
-    case Backend::kCublasLt:
-      detail::cublaslt_dgrad(plan, grad_output, w, grad_input);
-      return grad_input;
-    case Backend::kCublasLtGrouped:
-      detail::cublaslt_grouped_dgrad(plan, grad_output, w, grad_input);
-      return grad_input;
+  if (scatter.defined()) check_scatter(op, scatter, plan);
+  at::Tensor grad_input = new_output(plan, scatter, plan.shape.k, grad_output.options());
+  if (plan.dgrad_backend == Backend::kSm90) {
+    detail::sm90_dgrad(plan, grad_output, w, grad_input, scatter);
+    return grad_input;
   }
-  TORCH_INTERNAL_ASSERT(false, "unhandled Backend");
+  at::Tensor rows =
+      scatter.defined() ? at::zeros({plan.rows, plan.shape.k}, grad_output.options()) : grad_input;
+  switch (plan.dgrad_backend) {
+    case Backend::kReference:
+      detail::reference_dgrad(plan, grad_output, w, rows);
+      break;
+    case Backend::kCublasLt:
+      detail::cublaslt_dgrad(plan, grad_output, w, rows);
+      break;
+    case Backend::kCublasLtGrouped:
+      detail::cublaslt_grouped_dgrad(plan, grad_output, w, rows);
+      break;
+    case Backend::kSm90:
+      TORCH_INTERNAL_ASSERT(false, "sm90 is handled above");
+  }
+  if (scatter.defined()) add_scattered_rows(grad_input, rows, scatter);
+  return grad_input;
 }
 
 void grouped_bias_grad(const GemmPlan& plan, const at::Tensor& grad_output,

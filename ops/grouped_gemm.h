@@ -21,6 +21,17 @@
 // (input.index_select(0, gather_rows)), which is the reference. The map's entries must be rows of
 // the input or -1 (a zero row: a padding row); they are not checked (that would need a
 // device-to-host copy).
+//
+// Scattered output (forward and dgrad): instead of a [rows, ·] output, a layer may add each row
+// of its product into a row of a smaller one through a RowScatter: output[t] = Σ product[i] over
+// the rows i with scatter.rows[i] = t (zeros where none lands). An MoE layer sums each token's
+// expert rows this way inside fc2's forward (the unpermute) and fc1's dgrad (the permutation's
+// backward), so that the expert-ordered rows are never written. The sm90 kernel adds each row in
+// L2 with one rounding per add: with at most two rows per output row (top-1 and top-2 routing)
+// the result does not depend on the order in which they land (zero plus a is a, and the adds
+// commute), and it is their sum rounded once, what ops::unpermute_rows gives; with more, the
+// rounding order varies from run to run. The other backends compute the rows and add them with
+// index_add_. Entries are rows of the output or -1 (not added), unchecked as gather_rows' are.
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
@@ -131,17 +142,28 @@ std::vector<GemmPlan> plan_grouped_gemms(const char* op, const at::Tensor& input
                                          const SplitSizes& m_splits, GemmBackend choice,
                                          const at::Tensor& gather_rows = {}, bool fp8 = false);
 
+// Where forward and dgrad put their rows (see "Scattered output" above); undefined rows: row i of
+// the product is row i of the output.
+struct RowScatter {
+  at::Tensor rows;          // [plan rows] int32/int64 on the output's device, contiguous
+  int64_t target_rows = 0;  // rows of the output
+  bool defined() const { return rows.defined(); }
+};
+
 // y[rows of g] = x[rows of g] · W_gᵀ + b_g.
 //   input [rows, in] contiguous, or with gather_rows [rows] any [source rows, in] read through it
 //   (see above); weights: G × [out, in]; biases: none or G × [out].
-// Returns y [rows, out] in the input's dtype.
+// Returns y [rows, out] in the input's dtype, or [scatter.target_rows, out] with the rows added
+// through `scatter`.
 at::Tensor grouped_linear_forward(const GemmPlan& plan, const at::Tensor& input,
                                   const GroupedTensors& weights, const GroupedTensors& biases,
-                                  const at::Tensor& gather_rows = {});
+                                  const at::Tensor& gather_rows = {},
+                                  const RowScatter& scatter = {});
 
-// dx[rows of g] = dy[rows of g] · W_g. grad_output [rows, out]; returns dx [rows, in].
+// dx[rows of g] = dy[rows of g] · W_g. grad_output [rows, out]; returns dx [rows, in], or
+// [scatter.target_rows, in] with the rows added through `scatter`.
 at::Tensor grouped_linear_dgrad(const GemmPlan& plan, const at::Tensor& grad_output,
-                                const GroupedTensors& weights);
+                                const GroupedTensors& weights, const RowScatter& scatter = {});
 
 // dW_g = dy_gᵀ · x_g into the caller's buffers (the module's gradients or fp32 main-grad):
 //   weight_grads_out: G × [out, in] of the input's dtype or float32; overwritten, or added to

@@ -136,11 +136,13 @@ const char* sm90_refusal(const at::Tensor& input, const GemmShape& shape, int64_
 // The split sizes as the device-split backends read them, on the input's device: the device sizes
 // (int32 or int64) as given, else one asynchronous upload of the host sizes.
 at::Tensor device_splits(const SplitSizes& m_splits, const at::Tensor& input);
-// gather_rows: undefined, or the checked row map of a gathered input (ops/grouped_gemm.h).
+// gather_rows: undefined, or the checked row map of a gathered input; scatter: undefined, or the
+// checked map of a scattered output, which then holds zeros (ops/grouped_gemm.h).
 void sm90_forward(const GemmPlan& plan, const at::Tensor& input, const at::Tensor& gather_rows,
-                  const CheckedGroups& weights, const CheckedGroups& biases, at::Tensor& output);
+                  const CheckedGroups& weights, const CheckedGroups& biases, at::Tensor& output,
+                  const RowScatter& scatter);
 void sm90_dgrad(const GemmPlan& plan, const at::Tensor& grad_output, const CheckedGroups& weights,
-                at::Tensor& grad_input);
+                at::Tensor& grad_input, const RowScatter& scatter);
 void sm90_wgrad(const GemmPlan& plan, const at::Tensor& input, const at::Tensor& gather_rows,
                 const at::Tensor& grad_output, const CheckedGroups& weight_grads, bool accumulate);
 // db_g with the device sizes (one kernel, no host sync): the bias gradient of both

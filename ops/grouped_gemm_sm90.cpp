@@ -117,6 +117,13 @@ void set_input(kernels::Sm90GemmParams& p, const at::Tensor& x, const at::Tensor
   p.gather_source_rows = x.size(0);
 }
 
+void set_scatter(kernels::Sm90GemmParams& p, const RowScatter& scatter) {
+  if (!scatter.defined()) return;
+  p.scatter_rows = scatter.rows.const_data_ptr();
+  p.scatter_rows_int32 = scatter.rows.scalar_type() == at::kInt;
+  p.scatter_target_rows = scatter.target_rows;
+}
+
 void launch(const at::Tensor& like, kernels::Sm90GemmParams params) {
   const c10::cuda::CUDAGuard guard(like.device());
   // wgrad's tile counter: from the caching allocator, so it is stream-ordered (and part of a
@@ -163,11 +170,13 @@ at::Tensor device_splits(const SplitSizes& m_splits, const at::Tensor& input) {
 }
 
 void sm90_forward(const GemmPlan& plan, const at::Tensor& input, const at::Tensor& gather_rows,
-                  const CheckedGroups& weights, const CheckedGroups& biases, at::Tensor& output) {
+                  const CheckedGroups& weights, const CheckedGroups& biases, at::Tensor& output,
+                  const RowScatter& scatter) {
   if (plan.rows == 0) return;
   const at::Tensor x = aligned_operand(input);
   auto p = device_split_params<kernels::Sm90GemmParams>(kernels::GemmKind::kFprop, plan);
   set_input(p, x, gather_rows);
+  set_scatter(p, scatter);
   p.output = output.data_ptr();
   set_weights(p, weights);
   p.bias = group_address(biases);
@@ -175,11 +184,12 @@ void sm90_forward(const GemmPlan& plan, const at::Tensor& input, const at::Tenso
 }
 
 void sm90_dgrad(const GemmPlan& plan, const at::Tensor& grad_output, const CheckedGroups& weights,
-                at::Tensor& grad_input) {
+                at::Tensor& grad_input, const RowScatter& scatter) {
   if (plan.rows == 0) return;
   const at::Tensor dy = aligned_operand(grad_output);
   auto p = device_split_params<kernels::Sm90GemmParams>(kernels::GemmKind::kDgrad, plan);
   p.grad_output = dy.const_data_ptr();
+  set_scatter(p, scatter);
   p.output = grad_input.data_ptr();
   set_weights(p, weights);
   launch(dy, p);

@@ -213,6 +213,68 @@ TEST_CASE("GroupedMLP on CUDA (bf16) vs float64 reference", "[modules][grouped_m
   run_mlp_case(c);
 }
 
+// forward_combined sums each token's expert rows inside fc2's GEMM and its input-gradient rows
+// inside fc1's dgrad (top-1 and top-2 on sm90); top-3 takes the three steps themselves. Against
+// the permuted copy, forward and unpermute: the output and every gradient equal bit for bit.
+TEST_CASE("GroupedMLP::forward_combined is the permuted forward and its unpermute, bit for bit",
+          "[modules][grouped_mlp][cuda][sm90][scatter]") {
+  TORCHMOE_REQUIRE_SM90();
+  const int64_t topk = GENERATE(1, 2, 3);
+  const bool bias = GENERATE(false, true);
+  const bool delay = GENERATE(false, true);
+  const bool recompute = GENERATE(false, true);
+  const bool dropped = GENERATE(false, true);  // a fifth of the tokens lose their last slot
+  INFO("topk=" << topk << " bias=" << bias << " delay=" << delay << " recompute=" << recompute
+               << " dropped=" << dropped);
+  const int64_t tokens = 333, hidden = 128, ffn = 200, experts = 6;
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+  torch::manual_seed(41);
+  GroupedMLPOptions options(experts, hidden, ffn);
+  options.recompute_activation(recompute);
+  options.linear()
+      .bias(bias)
+      .delay_wgrad_compute(delay)
+      .params_dtype(torch::kBFloat16)
+      .device(torch::kCUDA);
+  GroupedMLP mlp(options);
+  const torch::Tensor x_in = torch::randn({tokens, hidden}, cuda);
+  const torch::Tensor dy = torch::randn({tokens, hidden}, cuda);
+  torch::Tensor indices =
+      torch::rand({tokens, experts}).argsort(/*dim=*/int64_t{1}).narrow(1, 0, topk).clone();
+  if (dropped) indices.select(1, topk - 1).masked_fill_(torch::arange(tokens) % 5 == 0, -1);
+  indices = indices.to(torch::kCUDA);
+  const torch::Tensor probs_in = torch::rand({tokens, topk}, cuda.dtype(torch::kFloat32));
+  struct Result {
+    torch::Tensor y, dx, dprobs;
+    std::vector<torch::Tensor> grads;
+  };
+  auto run = [&](bool combined) {
+    mlp->zero_grad();
+    const torch::Tensor x = x_in.clone().requires_grad_(true);
+    const torch::Tensor probs = probs_in.clone().requires_grad_(true);
+    const torchmoe::PermutedTokens routed =
+        torchmoe::functional::permute_tokens(x, indices, experts, probs);
+    const torch::Tensor y = combined
+                                ? mlp->forward_combined(x, routed)
+                                : torchmoe::functional::unpermute_tokens(
+                                      mlp(routed.tokens, routed.m_splits, routed.probs), routed);
+    (y * dy).sum().backward();
+    if (delay) mlp->backward_dw();
+    Result r{y.detach(), x.grad(), probs.grad(), {}};
+    for (const torch::Tensor& p : mlp->parameters()) r.grads.push_back(p.grad());
+    return r;
+  };
+  const Result combined = run(true), three_steps = run(false);
+  CHECK(torch::equal(combined.y, three_steps.y));
+  CHECK(torch::equal(combined.dx, three_steps.dx));
+  CHECK(torch::equal(combined.dprobs, three_steps.dprobs));
+  REQUIRE(combined.grads.size() == three_steps.grads.size());
+  for (size_t i = 0; i < combined.grads.size(); ++i) {
+    INFO("parameter " << i);
+    CHECK(torch::equal(combined.grads[i], three_steps.grads[i]));
+  }
+}
+
 TEST_CASE("GroupedMLP recompute_activation gives the same numbers", "[modules][grouped_mlp]") {
   const bool delay = GENERATE(false, true);
   const bool clamped = GENERATE(false, true);

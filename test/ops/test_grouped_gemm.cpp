@@ -302,6 +302,71 @@ TEST_CASE("grouped GEMM reads a gathered input as its gathered copy", "[ops]") {
   }
 }
 
+// Scattered output: each product row added into the output row its map names, -1 into none; the
+// reference backend computes the rows and adds them with index_add_.
+TEST_CASE("grouped GEMM adds scattered rows into their output rows", "[ops]") {
+  torch::manual_seed(6);
+  const std::vector<int64_t> splits = {3, 0, 8, 1};
+  const auto w = make_weights(4, 5, 7, torch::kFloat64);
+  const auto b = make_weights(4, 1, 5, torch::kFloat64);
+  std::vector<torch::Tensor> biases;
+  for (const torch::Tensor& t : b) biases.push_back(t.view({5}));
+  const torch::Tensor x = torch::randn({12, 7}, torch::kFloat64);
+  const torch::Tensor dy = torch::randn({12, 5}, torch::kFloat64);
+  const auto map_dtype = GENERATE(torch::kInt, torch::kLong);
+  INFO("map dtype " << map_dtype);
+  // Twelve rows into seven output rows: twice each (top-2) for five of them, once for row 5, none
+  // for row 6, and one row into none (-1).
+  const torch::Tensor map =
+      torch::tensor({3, 0, 4, -1, 1, 2, 0, 3, 5, 1, 4, 2}, torch::kLong).to(map_dtype);
+  const ops::GemmPlan plan = plan_for(x, 5, 7, splits);
+  const torch::Tensor y_rows = ops::grouped_linear_forward(plan, x, w, biases);
+  const torch::Tensor dx_rows = ops::grouped_linear_dgrad(plan, dy, w);
+  auto summed = [&](const torch::Tensor& rows) {
+    torch::Tensor out = torch::zeros({7, rows.size(1)}, torch::kFloat64);
+    for (int64_t i = 0; i < 12; ++i) {
+      const int64_t t = map[i].item<int64_t>();
+      if (t >= 0) out[t] += rows[i];
+    }
+    return out;
+  };
+  const ops::RowScatter scatter{map, 7};
+  check_close(ops::grouped_linear_forward(plan, x, w, biases, {}, scatter), summed(y_rows),
+              {1e-12, 1e-12}, "y");
+  check_close(ops::grouped_linear_dgrad(plan, dy, w, scatter), summed(dx_rows), {1e-12, 1e-12},
+              "dx");
+  // Rows read through a gather map and added through a scatter map.
+  const torch::Tensor gather = torch::randperm(12, torch::kLong);
+  const ops::GemmPlan gathered_plan =
+      ops::plan_grouped_gemms("test", x, {ops::GemmShape{5, 7, 4}}, splits,
+                              torchmoe::GemmBackend::kAuto, gather)
+          .front();
+  check_close(ops::grouped_linear_forward(gathered_plan, x, w, biases, gather, scatter),
+              summed(ops::grouped_linear_forward(plan, x.index_select(0, gather), w, biases)),
+              {1e-12, 1e-12}, "y of gathered rows");
+}
+
+TEST_CASE("grouped GEMM ops reject bad scatter maps", "[ops][errors]") {
+  const auto w = make_weights(2, 4, 6, torch::kFloat32);
+  const torch::Tensor x = torch::randn({5, 6});
+  const torch::Tensor dy = torch::randn({5, 4});
+  const torch::Tensor map = torch::tensor({0, 1, 2, 2, 1}, torch::kLong);
+  const ops::GemmPlan plan = plan_for(x, 4, 6, std::vector<int64_t>{2, 3});
+  REQUIRE_THROWS_WITH(
+      ops::grouped_linear_forward(plan, x, w, {}, {}, {map.narrow(0, 0, 4), 3}),
+      Contains("grouped_linear_forward: scatter.rows must be a 1-D tensor of the plan's 5 rows, "
+               "got [4]"));
+  REQUIRE_THROWS_WITH(ops::grouped_linear_dgrad(plan, dy, w, {map.to(torch::kFloat), 3}),
+                      Contains("grouped_linear_dgrad: scatter.rows must be int32 or int64, got "
+                               "Float"));
+  REQUIRE_THROWS_WITH(ops::grouped_linear_dgrad(plan, dy, w, {map, -1}),
+                      Contains("grouped_linear_dgrad: scatter.target_rows must be >= 0, got -1"));
+  REQUIRE_THROWS_WITH(ops::grouped_linear_forward(
+                          plan, x, w, {}, {},
+                          {torch::tensor({0, 1, 2, 2, 1, 0, 1, 2, 2, 1}).slice(0, 0, 10, 2), 3}),
+                      Contains("grouped_linear_forward: scatter.rows must be contiguous"));
+}
+
 TEST_CASE("grouped GEMM ops reject bad row maps", "[ops][errors]") {
   const auto w = make_weights(2, 4, 6, torch::kFloat32);
   const torch::Tensor x = torch::randn({3, 6});

@@ -1,7 +1,8 @@
 // The device-split grouped GEMM backends (forced: the sm90 kernel, and the cuBLASLt grouped
 // matmul where the process loaded cuBLASLt >= 13.8) against float64 per-group products: fprop with
 // bias, dgrad, wgrad (input-dtype and fp32 output, fp32 accumulation) and the bias gradients; on
-// sm90, fprop and wgrad with x gathered through a row map, also against the gathered copy.
+// sm90, fprop and wgrad with x gathered through a row map, also against the gathered copy, and
+// fprop and dgrad with their rows added per token through a scatter map, against the unpermute.
 //
 // Axes: backend × the cases below × dtype {bf16, fp16} × splits {host, device (int32 or int64)} ×
 // weights and their gradients {views of one buffer: one 3-D tensor map each; separate tensors: a
@@ -10,6 +11,7 @@
 // valid result shows up.
 
 #include <torchmoe/ops/grouped_gemm.h>
+#include <torchmoe/ops/token_permutation.h>
 
 #include <limits>
 #include <string>
@@ -248,7 +250,92 @@ void run_gather_case(const GatherCase& c, torch::Dtype dtype, bool device_splits
   }
 }
 
+// Scattered output: row i of fprop (with bias) or dgrad added into row map[i] of a [tokens, ·]
+// output, as an MoE layer's fc2 sums each token's expert rows (the unpermute) and fc1's dgrad its
+// input-gradient rows (the permutation's backward), for top-1 and top-2 routing.
+struct ScatterCase {
+  const char* name;
+  std::vector<int64_t> splits;  // summing to a multiple of topk
+  int64_t topk, k, n;
+  int64_t padding = 0;  // rows past the last group (device splits only)
+};
+
+std::vector<ScatterCase> scatter_cases() {
+  return {
+      {"top-2, empty groups, sizes not multiples of 8 or 128",
+       {0, 5, 130, 0, 64, 1027, 0, 4},
+       2,
+       128,
+       512},
+      {"top-1, random splits", random_splits(8, 3000, 3, 5), 1, 256, 384},
+      {"top-2, features not multiples of the tile", {5, 130, 0, 64, 259}, 2, 72, 200},
+      {"top-2, one group over several reduction blocks", {778}, 2, 200, 136},
+      {"top-2, capacity padding", {100, 0, 38}, 2, 128, 136, 51},
+  };
+}
+
+// Against the unscattered rows summed per token by ops::unpermute_rows (each token's fp32 sum of
+// its rows, rounded once): equal bit for bit, as two adds from zero in either order round to that.
+// Every seventh row is dropped (-1 in both maps); padding rows (NaN inputs) name token 0, and a
+// read of one into the sums shows up.
+void run_scatter_case(const ScatterCase& c, torch::Dtype dtype, bool device_splits,
+                      torch::Dtype map_dtype) {
+  if (c.padding > 0 && !device_splits) return;  // host sizes must sum to the rows
+  INFO(c.name << ": dtype " << dtype << ", splits on " << (device_splits ? "device" : "host")
+              << ", row map " << map_dtype);
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(dtype);
+  const auto groups = static_cast<int64_t>(c.splits.size());
+  int64_t valid = 0;
+  for (int64_t s : c.splits) valid += s;
+  REQUIRE(valid % c.topk == 0);
+  const int64_t rows = valid + c.padding, tokens = valid / c.topk;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+
+  // Slot t·k + j of token t sits at row perm[t·k + j].
+  const torch::Tensor perm = torch::randperm(valid, torch::kLong);
+  const torch::Tensor dropped = perm % 7 == 3;
+  const torch::Tensor row_map = perm.masked_fill(dropped, -1).view({tokens, c.topk});
+  torch::Tensor token_of_row = torch::zeros({rows}, torch::kLong);
+  token_of_row.index_put_(
+      {perm}, torch::arange(valid, torch::kLong).floor_divide(c.topk).masked_fill(dropped, -1));
+  const torch::Tensor map = token_of_row.to(torch::kCUDA, map_dtype);
+  const torch::Tensor reference_map = row_map.to(torch::kCUDA);
+
+  torch::Tensor x = torch::randn({rows, c.k}, cuda);
+  x.narrow(0, valid, c.padding).fill_(nan);
+  torch::Tensor dy = torch::randn({rows, c.n}, cuda);
+  dy.narrow(0, valid, c.padding).fill_(nan);
+  const auto weights = group_tensors(groups, {c.n, c.k}, true, cuda, 0.1);
+  const auto biases = group_tensors(groups, {c.n}, true, cuda, 1.0);
+  const torchmoe::SplitSizes splits =
+      device_splits ? torchmoe::SplitSizes(torch::tensor(c.splits, torch::kLong).to(torch::kCUDA))
+                    : torchmoe::SplitSizes(c.splits);
+  const ops::GemmPlan plan = forced_plan(x, c.n, c.k, splits);
+  const ops::RowScatter scatter{map, tokens};
+
+  const torch::Tensor y = ops::grouped_linear_forward(plan, x, weights, biases, {}, scatter);
+  const torch::Tensor y_rows = ops::grouped_linear_forward(plan, x, weights, biases);
+  CHECK(y.sizes() == torch::IntArrayRef{tokens, c.n});
+  CHECK(torch::equal(y, ops::unpermute_rows(y_rows, reference_map, torch::Tensor())));
+  const torch::Tensor dx = ops::grouped_linear_dgrad(plan, dy, weights, scatter);
+  const torch::Tensor dx_rows = ops::grouped_linear_dgrad(plan, dy, weights);
+  CHECK(dx.sizes() == torch::IntArrayRef{tokens, c.k});
+  CHECK(torch::equal(dx, ops::unpermute_rows(dx_rows, reference_map, torch::Tensor())));
+  // The same again: the adds' order changes from run to run, their results do not.
+  CHECK(torch::equal(y, ops::grouped_linear_forward(plan, x, weights, biases, {}, scatter)));
+}
+
 }  // namespace
+
+TEST_CASE("sm90 grouped GEMM adds scattered rows per token, bit for bit their unpermute",
+          "[ops][cuda][sm90][scatter]") {
+  TORCHMOE_REQUIRE_SM90();
+  torch::manual_seed(17);
+  const auto dtype = GENERATE(torch::kBFloat16, torch::kFloat16);
+  const bool device_splits = GENERATE(true, false);
+  const auto map_dtype = GENERATE(torch::kInt, torch::kLong);
+  for (const ScatterCase& c : scatter_cases()) run_scatter_case(c, dtype, device_splits, map_dtype);
+}
 
 TEST_CASE("sm90 grouped GEMM reads gathered rows through a row map", "[ops][cuda][sm90][gather]") {
   TORCHMOE_REQUIRE_SM90();
@@ -270,7 +357,8 @@ TEST_CASE("sm90 grouped GEMM vs float64 per-group products", "[ops][cuda][sm90]"
 
 // The cases above minus the two largest, for compute-sanitizer's racecheck (which runs the full
 // set for longer than one device call allows): every kernel path (fprop/dgrad/wgrad, TMA and
-// register epilogues, masked wgrad tails, padding, empty groups, gathered rows) is still taken.
+// register epilogues, masked wgrad tails, padding, empty groups, gathered and scattered rows) is
+// still taken.
 TEST_CASE("sm90 grouped GEMM, small cases (for racecheck)", "[.][sm90-small]") {
   TORCHMOE_REQUIRE_SM90();
   torch::manual_seed(11);
@@ -284,6 +372,11 @@ TEST_CASE("sm90 grouped GEMM, small cases (for racecheck)", "[.][sm90-small]") {
   for (const GatherCase& c : gather_cases()) {
     if (one_buffer && c.tokens <= 700) {
       run_gather_case(c, torch::kBFloat16, device_splits, torch::kLong);
+    }
+  }
+  if (one_buffer) {
+    for (const ScatterCase& c : scatter_cases()) {
+      run_scatter_case(c, torch::kBFloat16, device_splits, torch::kLong);
     }
   }
 }
