@@ -30,8 +30,9 @@
 // row scatter_rows[i] of the output (an MoE layer's unpermute in fc2's forward, or its
 // permutation's backward in fc1's dgrad, so that the expert-ordered rows are never written). The
 // epilogue adds each row in L2 (red.add of eight 16-bit values, one rounding per add): a target
-// that starts at -0.0 and receives at most two rows ends with their sum rounded once, whatever
-// their order (-0.0 + a is a, and a + b is b + a), which is what top-1 and top-2 routing give.
+// that starts at +0.0 and receives at most two rows ends with their sum rounded once, whatever
+// their order (+0.0 + a is a, or +0.0 for a = -0.0 as in an fp32 sum from +0.0; and a + b is
+// b + a), which is what top-1 and top-2 routing give.
 
 #include <cuda_runtime_api.h>
 

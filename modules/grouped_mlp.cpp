@@ -150,20 +150,16 @@ torch::Tensor GroupedMLPImpl::forward_combined(const torch::Tensor& tokens,
                        !(fc2->options.bias() && options.scale_bias());
   if (!combine) {
     const torch::Tensor rows =
-        routed.tokens.defined()
-            ? routed.tokens.contiguous()
-            : autograd::PermuteFunction::apply(x, routed.row_map, routed.sorted_slots);
+        autograd::PermuteFunction::apply(x, routed.row_map, routed.sorted_slots);
     return autograd::unpermute_tokens(
         run_layers(rows, nullptr, plans, routed.probs, is_first_microbatch), routed, std::nullopt);
   }
   // fc1 reads a copy in expert order (a TMA load per 128-row tile, faster than reading the tokens
-  // through the map: docs/performance.md), routed.tokens when given, and adds its input
-  // gradient's rows per token into the tokens' gradient.
-  const torch::Tensor copy =
-      routed.tokens.defined()
-          ? routed.tokens.detach().contiguous()
-          : ops::permute_rows(x, routed.row_map, routed.sorted_slots, torch::Tensor());
-  const autograd::RowGather gather{source_rows, routed.row_map, copy};
+  // through the map: docs/performance.md) and adds its input gradient's rows per token into the
+  // tokens' gradient.
+  const autograd::RowGather gather{
+      source_rows, routed.row_map,
+      ops::permute_rows(x, routed.row_map, routed.sorted_slots, torch::Tensor())};
   const autograd::OutputScatter scatter{source_rows, routed.row_map, routed.sorted_slots};
   return run_layers(x, &gather, plans, routed.probs, is_first_microbatch, nullptr, &scatter);
 }
@@ -184,6 +180,9 @@ torch::Tensor GroupedMLPImpl::run_layers(const torch::Tensor& input,
                                          std::optional<bool> is_first_microbatch,
                                          std::shared_ptr<autograd::Fp8GradLink> output_grad_link,
                                          const autograd::OutputScatter* scatter) {
+  TORCH_INTERNAL_ASSERT(
+      scatter == nullptr || !(fc2->options.bias() && options.scale_bias()),
+      "GroupedMLP: scale_bias would change fc2's rows after a scatter summed them");
   const int64_t rows = plans[0].rows;
   TORCH_CHECK(probs.defined() && probs.dim() == 1 && probs.size(0) == rows, kModule,
               ": probs must be [rows] with one probability per row of x (", rows, "), got ",
@@ -214,8 +213,6 @@ torch::Tensor GroupedMLPImpl::run_layers(const torch::Tensor& input,
     y = fc2->run(h, plans[1], is_first_microbatch, torch::Tensor(), nullptr, nullptr, nullptr,
                  nullptr, scatter);
   }
-  TORCH_INTERNAL_ASSERT(scatter == nullptr || !(fc2->options.bias() && options.scale_bias()),
-                        "GroupedMLP: scale_bias changes fc2's rows, which a scatter has summed");
   // fc2 as built decides whether it added a bias (options.linear() is only what it was built
   // from).
   if (fc2->options.bias() && options.scale_bias()) {

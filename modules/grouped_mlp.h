@@ -87,14 +87,14 @@ class GroupedMLPImpl : public torch::nn::Cloneable<GroupedMLPImpl> {
                                std::optional<bool> is_first_microbatch,
                                std::shared_ptr<autograd::Fp8GradLink> output_grad_link);
 
-  /// The experts from tokens [T, hidden] to their output [T, hidden], routed by `routed` (from
-  /// functional::permute_tokens, or autograd::route_tokens without the permuted copy): what
+  /// The experts from tokens [T, hidden] to their output [T, hidden], routed by `routed` (the
+  /// routing of these tokens, from autograd::route_tokens or functional::permute_tokens, whose
+  /// permuted copy is not read: the copy is made here, its gradient the tokens'): what
   /// unpermute_tokens(forward(permuted tokens, ...), routed) returns, bit for bit. With top-1 or
   /// top-2 routing and 16-bit products on the sm90 kernel (and no scale_bias on a biased fc2),
   /// each token's expert rows are summed inside fc2's GEMM and each token's input-gradient rows
   /// inside fc1's dgrad, so that neither the expert-ordered output nor the expert-ordered
-  /// gradient of fc1's input is written; fc1 reads the permuted copy (made here when
-  /// routed.tokens is undefined). Otherwise those three steps.
+  /// gradient of fc1's input is written. Otherwise those three steps.
   torch::Tensor forward_combined(const torch::Tensor& tokens, const PermutedTokens& routed,
                                  std::optional<bool> is_first_microbatch = std::nullopt);
 

@@ -98,23 +98,27 @@ void check_scatter(const char* op, const RowScatter& scatter, const GemmPlan& pl
               scatter.target_rows);
 }
 
-// The output of forward or dgrad: [rows, cols], or zeros to add scattered rows into.
-at::Tensor new_output(const GemmPlan& plan, const RowScatter& scatter, int64_t cols,
-                      const at::TensorOptions& options) {
-  if (scatter.defined()) return at::zeros({scatter.target_rows, cols}, options);
-  return at::empty({plan.rows, cols}, options);
+// The buffer forward or dgrad writes: the sm90 kernel adds scattered rows into zeros of the
+// output's shape; the other backends write [rows, cols] first (zeros past the last group, which
+// they leave unwritten, when the rows are added up after: summed_rows).
+at::Tensor new_output(const GemmPlan& plan, const RowScatter& scatter, Backend backend,
+                      int64_t cols, const at::TensorOptions& options) {
+  if (!scatter.defined()) return at::empty({plan.rows, cols}, options);
+  if (backend == Backend::kSm90) return at::zeros({scatter.target_rows, cols}, options);
+  return at::zeros({plan.rows, cols}, options);
 }
 
-// The backends without scattered stores: their rows (zeros past the last group, which they leave
-// unwritten) added into `output` with index_add_, entries -1 or past the output into a spare row.
-// One add per row in order, each rounded: the sm90 kernel's sums for two rows per output row.
-void add_scattered_rows(at::Tensor& output, const at::Tensor& rows, const RowScatter& scatter) {
+// The other backends' scattered output: `rows` added with index_add_, entries -1 or past the
+// output into a spare row past its end. At most two adds per output row make the result
+// independent of their order (on CUDA index_add_'s atomics), as the sm90 kernel's.
+at::Tensor summed_rows(const at::Tensor& rows, const RowScatter& scatter) {
+  if (!scatter.defined()) return rows;
   const int64_t target = scatter.target_rows;
   const at::Tensor index = scatter.rows.to(at::kLong);
   const at::Tensor spare = (index < 0).logical_or_(index >= target);
-  at::Tensor padded = at::zeros({target + 1, output.size(1)}, output.options());
+  at::Tensor padded = at::zeros({target + 1, rows.size(1)}, rows.options());
   padded.index_add_(0, index.masked_fill(spare, target), rows);
-  output.copy_(padded.narrow(0, 0, target));
+  return padded.narrow(0, 0, target);  // the leading rows: contiguous
 }
 
 CheckedGroups check_weights(const char* op, const GemmPlan& plan, const GroupedTensors& weights,
@@ -482,29 +486,22 @@ at::Tensor grouped_linear_forward(const GemmPlan& plan, const at::Tensor& input,
   const CheckedGroups w = check_weights(op, plan, weights, input);
   const CheckedGroups b = check_vectors(op, "biases", plan, biases, input);
   if (scatter.defined()) check_scatter(op, scatter, plan);
-  at::Tensor output = new_output(plan, scatter, plan.shape.n, input.options());
-  if (plan.backend == Backend::kSm90) {
-    detail::sm90_forward(plan, input, gather_rows, w, b, output, scatter);
-    return output;
-  }
-  // Without a scatter the rows are the output; with one, zeros past the last group.
-  at::Tensor rows =
-      scatter.defined() ? at::zeros({plan.rows, plan.shape.n}, input.options()) : output;
+  at::Tensor output = new_output(plan, scatter, plan.backend, plan.shape.n, input.options());
   switch (plan.backend) {
-    case Backend::kReference:
-      detail::reference_forward(plan, gathered(input, gather_rows), w, b, rows);
-      break;
-    case Backend::kCublasLt:
-      detail::cublaslt_forward(plan, gathered(input, gather_rows), w, b, rows);
-      break;
-    case Backend::kCublasLtGrouped:
-      detail::cublaslt_grouped_forward(plan, gathered(input, gather_rows), w, b, rows);
-      break;
     case Backend::kSm90:
-      TORCH_INTERNAL_ASSERT(false, "sm90 is handled above");
+      detail::sm90_forward(plan, input, gather_rows, w, b, output, scatter);
+      return output;
+    case Backend::kReference:
+      detail::reference_forward(plan, gathered(input, gather_rows), w, b, output);
+      return summed_rows(output, scatter);
+    case Backend::kCublasLt:
+      detail::cublaslt_forward(plan, gathered(input, gather_rows), w, b, output);
+      return summed_rows(output, scatter);
+    case Backend::kCublasLtGrouped:
+      detail::cublaslt_grouped_forward(plan, gathered(input, gather_rows), w, b, output);
+      return summed_rows(output, scatter);
   }
-  if (scatter.defined()) add_scattered_rows(output, rows, scatter);
-  return output;
+  TORCH_INTERNAL_ASSERT(false, "unhandled Backend");
 }
 
 at::Tensor grouped_linear_dgrad(const GemmPlan& plan, const at::Tensor& grad_output,
@@ -516,28 +513,23 @@ at::Tensor grouped_linear_dgrad(const GemmPlan& plan, const at::Tensor& grad_out
               " features, got ", grad_output.size(1));
   const CheckedGroups w = check_weights(op, plan, weights, grad_output);
   if (scatter.defined()) check_scatter(op, scatter, plan);
-  at::Tensor grad_input = new_output(plan, scatter, plan.shape.k, grad_output.options());
-  if (plan.dgrad_backend == Backend::kSm90) {
-    detail::sm90_dgrad(plan, grad_output, w, grad_input, scatter);
-    return grad_input;
-  }
-  at::Tensor rows =
-      scatter.defined() ? at::zeros({plan.rows, plan.shape.k}, grad_output.options()) : grad_input;
+  at::Tensor grad_input =
+      new_output(plan, scatter, plan.dgrad_backend, plan.shape.k, grad_output.options());
   switch (plan.dgrad_backend) {
-    case Backend::kReference:
-      detail::reference_dgrad(plan, grad_output, w, rows);
-      break;
-    case Backend::kCublasLt:
-      detail::cublaslt_dgrad(plan, grad_output, w, rows);
-      break;
-    case Backend::kCublasLtGrouped:
-      detail::cublaslt_grouped_dgrad(plan, grad_output, w, rows);
-      break;
     case Backend::kSm90:
-      TORCH_INTERNAL_ASSERT(false, "sm90 is handled above");
+      detail::sm90_dgrad(plan, grad_output, w, grad_input, scatter);
+      return grad_input;
+    case Backend::kReference:
+      detail::reference_dgrad(plan, grad_output, w, grad_input);
+      return summed_rows(grad_input, scatter);
+    case Backend::kCublasLt:
+      detail::cublaslt_dgrad(plan, grad_output, w, grad_input);
+      return summed_rows(grad_input, scatter);
+    case Backend::kCublasLtGrouped:
+      detail::cublaslt_grouped_dgrad(plan, grad_output, w, grad_input);
+      return summed_rows(grad_input, scatter);
   }
-  if (scatter.defined()) add_scattered_rows(grad_input, rows, scatter);
-  return grad_input;
+  TORCH_INTERNAL_ASSERT(false, "unhandled Backend");
 }
 
 void grouped_bias_grad(const GemmPlan& plan, const at::Tensor& grad_output,

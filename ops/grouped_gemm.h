@@ -29,9 +29,10 @@
 // backward), so that the expert-ordered rows are never written. The sm90 kernel adds each row in
 // L2 with one rounding per add: with at most two rows per output row (top-1 and top-2 routing)
 // the result does not depend on the order in which they land (zero plus a is a, and the adds
-// commute), and it is their sum rounded once, what ops::unpermute_rows gives; with more, the
-// rounding order varies from run to run. The other backends compute the rows and add them with
-// index_add_. Entries are rows of the output or -1 (not added), unchecked as gather_rows' are.
+// commute), and it is their sum rounded once, what ops::unpermute_rows gives (its fp32 sum of two
+// 16-bit values, rounded, is that: fp32 has more than twice their precision plus two bits); with
+// more, the rounding order varies from run to run. The other backends compute the rows and add them
+// with index_add_. Entries are rows of the output or -1 (not added), unchecked as gather_rows' are.
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>

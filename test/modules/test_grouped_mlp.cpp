@@ -2,6 +2,7 @@
 // TE's test_grouped_mlp setup: 4 experts, hidden {128, 256}, splits shuffled {0, 256, 512, 768},
 // x and dy in U[-0.25, 0.25], probs U[0, 1), biases U[-0.5, 0.5]; y, dx, dprobs, every dW and db.
 
+#include <torchmoe/autograd/token_permutation_function.h>
 #include <torchmoe/torchmoe.h>
 
 #include <limits>
@@ -214,25 +215,27 @@ TEST_CASE("GroupedMLP on CUDA (bf16) vs float64 reference", "[modules][grouped_m
 }
 
 // forward_combined sums each token's expert rows inside fc2's GEMM and its input-gradient rows
-// inside fc1's dgrad (top-1 and top-2 on sm90); top-3 takes the three steps themselves. Against
-// the permuted copy, forward and unpermute: the output and every gradient equal bit for bit.
+// inside fc1's dgrad (top-1 and top-2 on sm90); top-3, and scale_bias on a biased fc2, take the
+// three steps themselves. Against the permuted copy, forward and unpermute: the output and every
+// gradient equal bit for bit, and the output's node says which path ran.
 TEST_CASE("GroupedMLP::forward_combined is the permuted forward and its unpermute, bit for bit",
           "[modules][grouped_mlp][cuda][sm90][scatter]") {
   TORCHMOE_REQUIRE_SM90();
   const int64_t topk = GENERATE(1, 2, 3);
-  const bool bias = GENERATE(false, true);
+  const int bias = GENERATE(0, 1, 2);  // none, fc2's bias, fc2's bias scaled (scale_bias)
   const bool delay = GENERATE(false, true);
   const bool recompute = GENERATE(false, true);
   const bool dropped = GENERATE(false, true);  // a fifth of the tokens lose their last slot
+  const bool copied = GENERATE(false, true);   // routed by permute_tokens (a copy) or route_tokens
   INFO("topk=" << topk << " bias=" << bias << " delay=" << delay << " recompute=" << recompute
-               << " dropped=" << dropped);
+               << " dropped=" << dropped << " copied=" << copied);
   const int64_t tokens = 333, hidden = 128, ffn = 200, experts = 6;
   const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
   torch::manual_seed(41);
   GroupedMLPOptions options(experts, hidden, ffn);
-  options.recompute_activation(recompute);
+  options.recompute_activation(recompute).scale_bias(bias == 2);
   options.linear()
-      .bias(bias)
+      .bias(bias > 0)
       .delay_wgrad_compute(delay)
       .params_dtype(torch::kBFloat16)
       .device(torch::kCUDA);
@@ -247,24 +250,30 @@ TEST_CASE("GroupedMLP::forward_combined is the permuted forward and its unpermut
   struct Result {
     torch::Tensor y, dx, dprobs;
     std::vector<torch::Tensor> grads;
+    std::string node;
   };
   auto run = [&](bool combined) {
     mlp->zero_grad();
     const torch::Tensor x = x_in.clone().requires_grad_(true);
     const torch::Tensor probs = probs_in.clone().requires_grad_(true);
     const torchmoe::PermutedTokens routed =
-        torchmoe::functional::permute_tokens(x, indices, experts, probs);
+        combined && !copied ? torchmoe::autograd::route_tokens(x, indices, experts, probs)
+                            : torchmoe::functional::permute_tokens(x, indices, experts, probs);
     const torch::Tensor y = combined
                                 ? mlp->forward_combined(x, routed)
                                 : torchmoe::functional::unpermute_tokens(
                                       mlp(routed.tokens, routed.m_splits, routed.probs), routed);
     (y * dy).sum().backward();
     if (delay) mlp->backward_dw();
-    Result r{y.detach(), x.grad(), probs.grad(), {}};
+    Result r{y.detach(), x.grad(), probs.grad(), {}, y.grad_fn()->name()};
     for (const torch::Tensor& p : mlp->parameters()) r.grads.push_back(p.grad());
     return r;
   };
   const Result combined = run(true), three_steps = run(false);
+  INFO("output nodes: " << combined.node << ", " << three_steps.node);
+  const bool sums_in_gemms = topk <= 2 && bias != 2;
+  CHECK((combined.node.find("UnpermuteFunction") == std::string::npos) == sums_in_gemms);
+  CHECK(three_steps.node.find("UnpermuteFunction") != std::string::npos);
   CHECK(torch::equal(combined.y, three_steps.y));
   CHECK(torch::equal(combined.dx, three_steps.dx));
   CHECK(torch::equal(combined.dprobs, three_steps.dprobs));
