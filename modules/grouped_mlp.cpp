@@ -112,12 +112,7 @@ torch::Tensor GroupedMLPImpl::forward_routed(
     std::optional<bool> is_first_microbatch,
     std::shared_ptr<autograd::Fp8GradLink> output_grad_link) {
   const torch::Tensor x = checked_input(tokens);
-  check_routing(x, routed);
-  const torch::Tensor source_rows =
-      ops::tokens_of_rows(routed.sorted_slots, routed.row_map.size(1));
-  const std::vector<ops::GemmPlan> plans =
-      autograd::plan_layers(kModule, x, {fc1->gemm_shape(), fc2->gemm_shape()}, routed.m_splits,
-                            options.linear().gemm_backend(), source_rows, fp8::enabled());
+  const auto [source_rows, plans] = plan_routed(x, routed);
   // The sm90 kernel reads the rows through the map; in FP8 fc1's input quantize does, on any
   // backend (FP8 products read no row map).
   if (plans[0].backend == ops::Backend::kSm90 || plans[0].fp8) {
@@ -136,12 +131,8 @@ torch::Tensor GroupedMLPImpl::forward_combined(const torch::Tensor& tokens,
                                                const PermutedTokens& routed,
                                                std::optional<bool> is_first_microbatch) {
   const torch::Tensor x = checked_input(tokens);
-  check_routing(x, routed);
+  const auto [source_rows, plans] = plan_routed(x, routed);
   const int64_t topk = routed.row_map.size(1);
-  const torch::Tensor source_rows = ops::tokens_of_rows(routed.sorted_slots, topk);
-  const std::vector<ops::GemmPlan> plans =
-      autograd::plan_layers(kModule, x, {fc1->gemm_shape(), fc2->gemm_shape()}, routed.m_splits,
-                            options.linear().gemm_backend(), source_rows, fp8::enabled());
   // The sums inside the GEMMs: the sm90 kernel's L2 adds, at most two rows per token (their sum
   // then does not depend on the order they land in), and fc2's output left as it is (scale_bias
   // changes it after fc2).
@@ -164,13 +155,20 @@ torch::Tensor GroupedMLPImpl::forward_combined(const torch::Tensor& tokens,
   return run_layers(x, &gather, plans, routed.probs, is_first_microbatch, nullptr, &scatter);
 }
 
-void GroupedMLPImpl::check_routing(const torch::Tensor& x, const PermutedTokens& routed) const {
+GroupedMLPImpl::RoutedPlans GroupedMLPImpl::plan_routed(const torch::Tensor& x,
+                                                        const PermutedTokens& routed) const {
   TORCH_CHECK(routed.row_map.defined() && routed.row_map.dim() == 2 &&
                   routed.row_map.size(0) == x.size(0) && routed.sorted_slots.defined() &&
                   routed.sorted_slots.dim() == 1,
               kModule, ": routed must be the routing of the ", x.size(0),
               " tokens (row_map [T, k] and sorted_slots [N]), got row_map ",
               routed.row_map.defined() ? routed.row_map.sizes() : torch::IntArrayRef{});
+  RoutedPlans out;
+  out.source_rows = ops::tokens_of_rows(routed.sorted_slots, routed.row_map.size(1));
+  out.plans =
+      autograd::plan_layers(kModule, x, {fc1->gemm_shape(), fc2->gemm_shape()}, routed.m_splits,
+                            options.linear().gemm_backend(), out.source_rows, fp8::enabled());
+  return out;
 }
 
 torch::Tensor GroupedMLPImpl::run_layers(const torch::Tensor& input,

@@ -11,6 +11,7 @@
 
 #include <optional>
 #include <ostream>
+#include <vector>
 
 #include "torchmoe/modules/glu.h"
 #include "torchmoe/modules/grouped_linear.h"
@@ -121,8 +122,13 @@ class GroupedMLPImpl : public torch::nn::Cloneable<GroupedMLPImpl> {
  private:
   // Checks x [rows, hidden] against the parameters; returns it contiguous.
   torch::Tensor checked_input(const torch::Tensor& x) const;
-  // Checks that `routed` routes the T rows of x.
-  void check_routing(const torch::Tensor& x, const PermutedTokens& routed) const;
+  // What both routed forwards start from, once `routed` is checked to route the T rows of x: the
+  // token row of each GEMM row and the two layers' plans over those rows.
+  struct RoutedPlans {
+    torch::Tensor source_rows;
+    std::vector<ops::GemmPlan> plans;
+  };
+  RoutedPlans plan_routed(const torch::Tensor& x, const PermutedTokens& routed) const;
   // fc1 -> activation -> fc2 on fc1's input (read through `gather` when given), planned as `plans`;
   // output_grad_link: fc2's (FP8, without bias); scatter: fc2's output rows summed per token.
   torch::Tensor run_layers(const torch::Tensor& input, const autograd::RowGather* gather,

@@ -46,15 +46,22 @@ void check_rows_operand(const char* op, const char* name, const at::Tensor& t,
               " like the planned input, got ", t.scalar_type(), " on ", t.device());
 }
 
+// A row map's entries (gather_rows, scatter.rows; its shape checked by the caller): int32/int64,
+// contiguous, on the input's device, as the kernels read them.
+void check_row_index(const char* op, const char* name, const at::Tensor& map,
+                     const c10::Device& device) {
+  TORCH_CHECK(map.scalar_type() == at::kInt || map.scalar_type() == at::kLong, op, ": ", name,
+              " must be int32 or int64, got ", map.scalar_type());
+  TORCH_CHECK(map.device() == device, op, ": ", name, " must be on ", device,
+              " like the input, got ", map.device());
+  TORCH_CHECK(map.is_contiguous(), op, ": ", name, " must be contiguous");
+}
+
 // The row map of a gathered input: [rows] int32/int64, contiguous, on the input's device.
 void check_gather_rows(const char* op, const at::Tensor& gather_rows, const at::Tensor& input) {
   TORCH_CHECK(gather_rows.dim() == 1, op, ": gather_rows must be a 1-D tensor, got ",
               gather_rows.dim(), "-D");
-  TORCH_CHECK(gather_rows.scalar_type() == at::kInt || gather_rows.scalar_type() == at::kLong, op,
-              ": gather_rows must be int32 or int64, got ", gather_rows.scalar_type());
-  TORCH_CHECK(gather_rows.device() == input.device(), op, ": gather_rows must be on ",
-              input.device(), " like the input, got ", gather_rows.device());
-  TORCH_CHECK(gather_rows.is_contiguous(), op, ": gather_rows must be contiguous");
+  check_row_index(op, "gather_rows", gather_rows, input.device());
 }
 
 // An input read through gather_rows: any row count (at least one row when rows are gathered).
@@ -89,11 +96,7 @@ void check_scatter(const char* op, const RowScatter& scatter, const GemmPlan& pl
   const at::Tensor& rows = scatter.rows;
   TORCH_CHECK(rows.dim() == 1 && rows.size(0) == plan.rows, op, ": scatter.rows must be a 1-D ",
               "tensor of the plan's ", plan.rows, " rows, got ", rows.sizes());
-  TORCH_CHECK(rows.scalar_type() == at::kInt || rows.scalar_type() == at::kLong, op,
-              ": scatter.rows must be int32 or int64, got ", rows.scalar_type());
-  TORCH_CHECK(rows.device() == plan.device, op, ": scatter.rows must be on ", plan.device,
-              " like the planned input, got ", rows.device());
-  TORCH_CHECK(rows.is_contiguous(), op, ": scatter.rows must be contiguous");
+  check_row_index(op, "scatter.rows", rows, plan.device);
   TORCH_CHECK(scatter.target_rows >= 0, op, ": scatter.target_rows must be >= 0, got ",
               scatter.target_rows);
 }

@@ -66,6 +66,14 @@ std::vector<Case> cases() {
   };
 }
 
+// The sizes on the host, or on the device as int64 (or int32) entries.
+torchmoe::SplitSizes split_sizes(const std::vector<int64_t>& sizes, bool on_device,
+                                 bool int32 = false) {
+  if (!on_device) return torchmoe::SplitSizes(sizes);
+  return torchmoe::SplitSizes(
+      torch::tensor(sizes, torch::kLong).to(torch::kCUDA, int32 ? torch::kInt : torch::kLong));
+}
+
 std::vector<torch::Tensor> group_tensors(int64_t groups, at::IntArrayRef shape, bool one_buffer,
                                          const torch::TensorOptions& options, double scale) {
   if (one_buffer) {
@@ -109,11 +117,7 @@ void run_case(const Case& c, torch::Dtype dtype, bool device_splits, bool one_bu
   dy.narrow(0, valid, c.padding).fill_(nan);
   const auto weights = group_tensors(groups, {c.n, c.k}, one_buffer, cuda, 0.1);
   const auto biases = group_tensors(groups, {c.n}, one_buffer, cuda, 1.0);
-  const torchmoe::SplitSizes splits =
-      device_splits
-          ? torchmoe::SplitSizes(torch::tensor(c.splits, torch::kLong)
-                                     .to(torch::kCUDA, int32_splits ? torch::kInt : torch::kLong))
-          : torchmoe::SplitSizes(c.splits);
+  const torchmoe::SplitSizes splits = split_sizes(c.splits, device_splits, int32_splits);
   const ops::GemmPlan plan = forced_plan(x, c.n, c.k, splits, backend);
 
   const torch::Tensor y = ops::grouped_linear_forward(plan, x, weights, biases);
@@ -200,9 +204,7 @@ void run_gather_case(const GatherCase& c, torch::Dtype dtype, bool device_splits
   dy.narrow(0, valid, c.padding).fill_(nan);
   const auto weights = group_tensors(groups, {c.n, c.k}, true, cuda, 0.1);
   const auto biases = group_tensors(groups, {c.n}, true, cuda, 1.0);
-  const torchmoe::SplitSizes splits =
-      device_splits ? torchmoe::SplitSizes(torch::tensor(c.splits, torch::kLong).to(torch::kCUDA))
-                    : torchmoe::SplitSizes(c.splits);
+  const torchmoe::SplitSizes splits = split_sizes(c.splits, device_splits);
   const ops::GemmPlan plan =
       ops::plan_grouped_gemms("test", x, {ops::GemmShape{c.n, c.k, splits.size()}}, splits, kSm90,
                               map)
@@ -307,9 +309,7 @@ void run_scatter_case(const ScatterCase& c, torch::Dtype dtype, bool device_spli
   dy.narrow(0, valid, c.padding).fill_(nan);
   const auto weights = group_tensors(groups, {c.n, c.k}, true, cuda, 0.1);
   const auto biases = group_tensors(groups, {c.n}, true, cuda, 1.0);
-  const torchmoe::SplitSizes splits =
-      device_splits ? torchmoe::SplitSizes(torch::tensor(c.splits, torch::kLong).to(torch::kCUDA))
-                    : torchmoe::SplitSizes(c.splits);
+  const torchmoe::SplitSizes splits = split_sizes(c.splits, device_splits);
   const ops::GemmPlan plan = forced_plan(x, c.n, c.k, splits);
   const ops::RowScatter scatter{map, tokens};
 
