@@ -332,6 +332,17 @@ TEST_CASE("GroupedMLP rejects bad input", "[modules][grouped_mlp][errors]") {
                       Contains("GroupedMLP: x must have the parameters' dtype Float, got Double"));
   REQUIRE_THROWS_WITH(mlp(torch::randn({6, 12}), splits, torch::rand({6})),
                       Contains("x must be [rows, hidden=16], got [6, 12]"));
+  // The routed forwards: tokens checked as x is, and the routing must be these tokens'.
+  const torchmoe::PermutedTokens routed = torchmoe::functional::permute_tokens(
+      x, torch::tensor({{0, 2}, {2, 1}, {0, 1}, {1, 2}, {0, 2}, {1, 0}}), 3, torch::rand({6, 2}));
+  REQUIRE_THROWS_WITH(mlp->forward_combined(x.narrow(0, 0, 5), routed),
+                      Contains("GroupedMLP: routed must be the routing of the 5 tokens (row_map "
+                               "[T, k] and sorted_slots [N]), got row_map [6, 2]"));
+  REQUIRE_THROWS_WITH(mlp->forward_routed(x.narrow(0, 0, 5), routed),
+                      Contains("GroupedMLP: routed must be the routing of the 5 tokens"));
+  REQUIRE_THROWS_WITH(mlp->forward_combined(x.to(torch::kFloat64), routed),
+                      Contains("GroupedMLP: x must have the parameters' dtype Float, got Double"));
+  CHECK(mlp->forward_combined(x, routed).sizes() == x.sizes());
   REQUIRE_THROWS_WITH(GroupedMLP(GroupedMLPOptions(3, 16, 0)),
                       Contains("ffn_hidden must be positive, got 0"));
   // The activation's options are checked when the layers are built, not after fc1 has run.
