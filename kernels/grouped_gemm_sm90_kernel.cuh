@@ -56,10 +56,14 @@ __device__ __forceinline__ bool gathers_rows(const Sm90GemmParams& p) {
   return !kIsFp8<T> && kKind != GemmKind::kDgrad && p.gather_rows != nullptr;
 }
 
+// Entry `at` of an int32 or int64 row map (gather_rows, scatter_rows).
+__device__ __forceinline__ int64_t map_entry(const void* map, bool int32, int64_t at) {
+  return int32 ? static_cast<const int32_t*>(map)[at] : static_cast<const int64_t*>(map)[at];
+}
+
 __device__ __forceinline__ int gather_row(const Sm90GemmParams& p, int64_t row, bool valid) {
   if (!valid) return -1;
-  return p.gather_rows_int32 ? static_cast<const int32_t*>(p.gather_rows)[row]
-                             : static_cast<int>(static_cast<const int64_t*>(p.gather_rows)[row]);
+  return static_cast<int>(map_entry(p.gather_rows, p.gather_rows_int32, row));
 }
 
 // The gathered loads are shared by the producer warpgroup's kGatherWarps warps (warp 0 also
@@ -401,55 +405,71 @@ __device__ __forceinline__ void store_tile_tma(const KernelArgs& args, const Til
   }
 }
 
-// Scattered rows (Sm90GemmParams::scatter_rows): adds this warpgroup's 64 × 256 accumulators into
-// the output rows the map names. Each round is staged as for TMA; then each thread reads back
-// 16-byte pieces (eight columns of one row: a warp reads eight whole 64-byte box rows, without
-// bank conflicts) and adds them in L2 (red_add8). Rows past the tile's valid rows and entries -1
-// or past the output are not added, so a group's last tile needs no separate path. A round waits
-// until the previous round's pieces have been read back.
+// Scattered rows (Sm90GemmParams::scatter_rows): this warpgroup's 64 × 256 accumulators are added
+// into the output rows the map names. Each round is staged as for TMA; then each thread reads back
+// 16-byte pieces and adds them in L2 (red_add8). A warp reads four rows of both boxes of a round,
+// so that each of its adds covers a row's 128 contiguous bytes (four lines per instruction, half
+// the requests of a box at a time; its 512-byte read takes the four shared-memory wavefronts any
+// such read needs). Rows past the tile's valid rows and entries -1 or past the
+// output are not added, so a group's last tile needs no separate path. A round waits until the
+// previous round's pieces have been read back.
+constexpr int kScatterUnitsPerRow = 2 * kEpilogueRowBytes / 16;  // a round's row: two boxes
+constexpr int kScatterRowsPerPass = 128 / kScatterUnitsPerRow;   // rows a warpgroup reads at once
+constexpr int kScatterPasses = 64 / kScatterRowsPerPass;
+
+// The map's entries for this thread's rows of a tile, loaded when the tile starts so that their
+// latency passes under the main loop rather than at the epilogue's start.
+struct ScatterTargets {
+  int64_t entry[kScatterPasses];  // -1 for rows past the tile's valid rows
+};
+
+__device__ __forceinline__ ScatterTargets load_scatter_targets(const Sm90GemmParams& p,
+                                                               const Tile& tile, int consumer) {
+  ScatterTargets t;
+  const int thread = threadIdx.x % 128;
+#pragma unroll
+  for (int pass = 0; pass < kScatterPasses; ++pass) {
+    const int row = consumer * 64 + pass * kScatterRowsPerPass + thread / kScatterUnitsPerRow;
+    t.entry[pass] = row < tile.valid_rows ? map_entry(p.scatter_rows, p.scatter_rows_int32,
+                                                      static_cast<int64_t>(tile.row0) + row)
+                                          : -1;
+  }
+  return t;
+}
+
 template <int kEpilogueBoxes, typename OutT>
 __device__ __forceinline__ void scatter_add_tile(const Sm90GemmParams& p, const TileOutput<OutT>& o,
                                                  const Tile& tile, const float (&acc)[128],
-                                                 uint8_t* buffer, int consumer) {
+                                                 uint8_t* buffer, int consumer,
+                                                 const ScatterTargets& targets) {
   constexpr int kChunkCols = kEpilogueRowBytes / static_cast<int>(sizeof(OutT));
   constexpr int kRounds = kBlockN / kChunkCols / kEpilogueBoxes;
-  constexpr int kUnitsPerRow = kEpilogueRowBytes / 16;
-  constexpr int kRowsPerPass = 128 / kUnitsPerRow;  // rows the warpgroup reads back at once
-  static_assert(2 * kRowsPerPass == 64, "two box rows per thread");
-  const int thread = threadIdx.x % 128, unit = thread % kUnitsPerRow;
+  static_assert(kEpilogueBoxes == 2, "a scattered round's row is two boxes' rows");
+  const int thread = threadIdx.x % 128, piece_unit = thread % kScatterUnitsPerRow;
+  const int box = piece_unit / 4, unit = piece_unit % 4;
   const int barrier = 2 + consumer;
-  // This thread's two rows of every box (r and r + 32) and the output rows they are added to.
-  OutT* dst[2];
+  OutT* dst[kScatterPasses];
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int row = consumer * 64 + i * kRowsPerPass + thread / kUnitsPerRow;
-    int64_t target = -1;
-    if (row < tile.valid_rows) {
-      const int64_t at = static_cast<int64_t>(tile.row0) + row;
-      target = p.scatter_rows_int32 ? static_cast<const int32_t*>(p.scatter_rows)[at]
-                                    : static_cast<const int64_t*>(p.scatter_rows)[at];
-    }
-    dst[i] = target >= 0 && target < p.scatter_target_rows
-                 ? static_cast<OutT*>(p.output) + target * o.cols
-                 : nullptr;
+  for (int pass = 0; pass < kScatterPasses; ++pass) {
+    const int64_t target = targets.entry[pass];
+    dst[pass] = target >= 0 && target < p.scatter_target_rows
+                    ? static_cast<OutT*>(p.output) + target * o.cols
+                    : nullptr;
   }
 #pragma unroll
   for (int round = 0; round < kRounds; ++round) {
     named_barrier(barrier, 128);
     stage_round<kEpilogueBoxes, OutT>(o, tile, acc, buffer, round);
     named_barrier(barrier, 128);
+    const int64_t col = tile.col0 + (round * kEpilogueBoxes + box) * kChunkCols + unit * 8;
+    if (col >= o.cols) continue;  // cols is a multiple of 8: a piece is wholly in or out
 #pragma unroll
-    for (int box = 0; box < kEpilogueBoxes; ++box) {
-      const int64_t col = tile.col0 + (round * kEpilogueBoxes + box) * kChunkCols + unit * 8;
-      if (col >= o.cols) continue;  // cols is a multiple of 8: a piece is wholly in or out
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        if (dst[i] == nullptr) continue;
-        const int r = i * kRowsPerPass + thread / kUnitsPerRow;
-        const uint8_t* piece =
-            buffer + box * kEpilogueBoxBytes + r * kEpilogueRowBytes + (unit ^ ((r / 2) % 4)) * 16;
-        red_add8(dst[i] + col, *reinterpret_cast<const uint4*>(piece));
-      }
+    for (int pass = 0; pass < kScatterPasses; ++pass) {
+      if (dst[pass] == nullptr) continue;
+      const int r = pass * kScatterRowsPerPass + thread / kScatterUnitsPerRow;
+      const uint8_t* piece =
+          buffer + box * kEpilogueBoxBytes + r * kEpilogueRowBytes + (unit ^ ((r / 2) % 4)) * 16;
+      red_add8(dst[pass] + col, *reinterpret_cast<const uint4*>(piece));
     }
   }
 }
@@ -549,6 +569,11 @@ __device__ void consume(const KernelArgs& args, const GroupTable& t, const TileR
   }
 
   receive_tiles<kKind, kBlockKOf<TA>>(p, t, ring, [&](const Tile& tile) {
+    constexpr bool kMayScatter = kKind != GemmKind::kWgrad && !std::is_same_v<OutT, float>;
+    ScatterTargets targets{};
+    if constexpr (kMayScatter) {
+      if (p.scatter_rows != nullptr) targets = load_scatter_targets(p, tile, consumer);
+    }
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
     int previous = -1;
@@ -671,9 +696,9 @@ __device__ void consume(const KernelArgs& args, const GroupTable& t, const TileR
       // A TMA store would write whole 64-row boxes: rows of the next group must not be touched.
       tma = tma && tile.valid_rows >= (consumer + 1) * 64;
     }
-    if constexpr (kKind != GemmKind::kWgrad && !std::is_same_v<OutT, float>) {
+    if constexpr (kMayScatter) {
       if (p.scatter_rows != nullptr) {
-        scatter_add_tile<Layout::kEpilogueBoxes, OutT>(p, o, tile, acc, buffer, consumer);
+        scatter_add_tile<Layout::kEpilogueBoxes, OutT>(p, o, tile, acc, buffer, consumer, targets);
         return;
       }
     }

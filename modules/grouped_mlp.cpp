@@ -227,11 +227,13 @@ torch::Tensor GroupedMLPImpl::run_layers(const torch::Tensor& input,
         torch::searchsorted(torch::cumsum(sizes, 0), torch::arange(rows, on_device),
                             /*out_int32=*/false, /*right=*/true)
             .clamp_max(options.num_experts() - 1);
-    // In fp32 (or wider): the gather's backward sums each expert's rows, which must not round
-    // per row in bf16.
+    // In fp32 (or wider): the lookup's backward sums each expert's rows, which must not round
+    // per row in bf16. A lookup by embedding, not index_select: on CUDA index_select's backward
+    // adds rows with float atomics (bits depend on their order), embedding's sums them in a fixed
+    // order.
     const auto wide = torch::promote_types(y.scalar_type(), torch::kFloat32);
     const torch::Tensor b2 =
-        torch::stack(fc2->expert_biases()).to(wide).index_select(0, expert_of_row);
+        torch::embedding(torch::stack(fc2->expert_biases()).to(wide), expert_of_row);
     y = (y.to(wide) + b2 * (probs.to(wide) - 1).unsqueeze(1)).to(y.scalar_type());
   }
   return y;
