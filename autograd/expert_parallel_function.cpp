@@ -51,7 +51,7 @@ PermutedTokens permute_received(const at::Tensor& rows, const at::Tensor& probs,
   TORCH_CHECK(probs.dim() == 1 && probs.size(0) == map.num_rows, kOp, ": probs must be [",
               map.num_rows, "], got ", probs.sizes());
   PermutedTokens out;
-  out.tokens = PermuteFunction::apply(rows, map.row_map, map.sorted_slots);
+  out.tokens = PermuteFunction::apply(rows, map.row_map, map.sorted_slots, std::nullopt);
   out.probs = probs.index_select(0, map.sorted_slots);
   out.row_map = std::move(map.row_map);
   out.sorted_slots = std::move(map.sorted_slots);
@@ -69,7 +69,7 @@ PermutedTokens permute_to_capacity(const at::Tensor& tokens, const at::Tensor& i
               indices.sizes(), ", got ", probs.sizes());
   ops::CapacityMap map = ops::make_capacity_map(indices, num_experts, capacity);
   PermutedTokens out;
-  out.tokens = PermuteFunction::apply(tokens, map.row_map, map.sorted_slots);
+  out.tokens = PermuteFunction::apply(tokens, map.row_map, map.sorted_slots, std::nullopt);
   const at::Tensor padding = map.sorted_slots < 0;
   out.probs =
       probs.reshape(-1).index_select(0, map.sorted_slots.clamp_min(0)).masked_fill(padding, 0);

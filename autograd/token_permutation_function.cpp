@@ -10,8 +10,10 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 at::Tensor PermuteFunction::forward(AutogradContext* ctx, const at::Tensor& tokens,
-                                    const at::Tensor& row_map, const at::Tensor& sorted_slots) {
+                                    const at::Tensor& row_map, const at::Tensor& sorted_slots,
+                                    const std::optional<at::Tensor>& permuted) {
   ctx->save_for_backward({row_map});
+  if (permuted.has_value()) return *permuted;
   return ops::permute_rows(tokens.contiguous(), row_map, sorted_slots, at::Tensor());
 }
 
@@ -22,7 +24,8 @@ variable_list PermuteFunction::backward(AutogradContext* ctx, variable_list grad
   if (ctx->needs_input_grad(0)) {
     grad_tokens = ops::unpermute_rows(grad_outputs[0].contiguous(), row_map, at::Tensor());
   }
-  return once_differentiable("PermuteFunction", once, {grad_tokens, at::Tensor(), at::Tensor()});
+  return once_differentiable("PermuteFunction", once,
+                             {grad_tokens, at::Tensor(), at::Tensor(), at::Tensor()});
 }
 
 at::Tensor UnpermuteFunction::forward(AutogradContext* ctx, const at::Tensor& permuted,
@@ -82,7 +85,7 @@ PermutedTokens permute_tokens(const at::Tensor& tokens, const at::Tensor& indice
                               int64_t num_experts, const std::optional<at::Tensor>& probs,
                               ops::IndexTrust trust) {
   PermutedTokens out = route_tokens(tokens, indices, num_experts, probs, trust);
-  out.tokens = PermuteFunction::apply(tokens, out.row_map, out.sorted_slots);
+  out.tokens = PermuteFunction::apply(tokens, out.row_map, out.sorted_slots, std::nullopt);
   return out;
 }
 
@@ -97,26 +100,36 @@ PermutedTokens route_tokens(const at::Tensor& tokens, const at::Tensor& indices,
               indices.defined() ? indices.sizes() : at::IntArrayRef{});
   TORCH_CHECK(indices.device() == tokens.device(), "permute_tokens: indices must be on ",
               tokens.device(), " like the tokens, got ", indices.device());
-  ops::RoutingMap map = ops::make_routing_map(indices, num_experts, trust);
-  PermutedTokens out;
-  if (probs.has_value() && probs->defined()) {
+  const bool has_probs = probs.has_value() && probs->defined();
+  if (has_probs) {
     TORCH_CHECK(probs->sizes() == indices.sizes(), "permute_tokens: probs must have shape ",
                 indices.sizes(), " like the indices, got ", probs->sizes());
     TORCH_CHECK(probs->device() == tokens.device(), "permute_tokens: probs must be on ",
                 tokens.device(), ", got ", probs->device());
     TORCH_CHECK(at::isFloatingType(probs->scalar_type()),
                 "permute_tokens: probs must have a floating dtype, got ", probs->scalar_type());
-    // Each row's probability: the slots' values as one-element token rows (k = 1), through the
-    // row kernels, one launch each way (ATen's index_select and its backward took three); float64
-    // on CUDA, which the row kernels do not take, through index_select.
+  }
+  // float32 probabilities are put in row order by the map's own pass.
+  const bool fp32_probs = has_probs && probs->scalar_type() == at::kFloat;
+  ops::RoutingMap map =
+      ops::make_routing_map(indices, num_experts, trust, fp32_probs ? *probs : at::Tensor());
+  PermutedTokens out;
+  if (has_probs) {
+    // Each row's probability: the slots' values as one-element token rows (k = 1), whose
+    // gradient goes back through the row kernels, one launch (ATen's index_select and its
+    // backward took three); float64 on CUDA, which the row kernels do not take, through
+    // index_select.
     out.probs = probs->is_cuda() && probs->scalar_type() == at::kDouble
                     ? probs->reshape(-1).index_select(0, map.sorted_slots)
-                    : PermuteFunction::apply(probs->reshape({-1, 1}), map.row_map.view({-1, 1}),
-                                             map.sorted_slots)
+                    : PermuteFunction::apply(
+                          probs->reshape({-1, 1}), map.row_map.view({-1, 1}), map.sorted_slots,
+                          fp32_probs ? std::optional<at::Tensor>(map.row_probs.view({-1, 1}))
+                                     : std::nullopt)
                           .view(-1);
   }
   out.row_map = std::move(map.row_map);
   out.sorted_slots = std::move(map.sorted_slots);
+  out.row_tokens = std::move(map.row_tokens);
   out.m_splits = ops::split_sizes(map);
   return out;
 }

@@ -20,9 +20,11 @@ namespace torchmoe::autograd {
 class PermuteFunction : public torch::autograd::Function<PermuteFunction> {
  public:
   // tokens [T, H], row_map [T, k] and its inverse sorted_slots [N] -> [N, H]. Gradient: the sum
-  // over each token's rows.
+  // over each token's rows. permuted: none, or those rows already made (the routing map's
+  // pass writes the probabilities'), which forward then returns instead of permuting.
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& tokens,
-                            const at::Tensor& row_map, const at::Tensor& sorted_slots);
+                            const at::Tensor& row_map, const at::Tensor& sorted_slots,
+                            const std::optional<at::Tensor>& permuted);
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs);
 };

@@ -112,11 +112,12 @@ __device__ void block_exclusive_scan(int32_t* a, int32_t n, int32_t* warp_totals
 // slots of that bin; within the chunk, warp w's span after warps 0..w-1, and within a warp's 32
 // slots, peers of one bin in lane order (match_any): a stable counting sort in two launches.
 template <typename Index>
-__global__ void routing_scatter_kernel(const Index* __restrict__ indices, int64_t slots,
-                                       int32_t experts, int64_t span,
-                                       const int32_t* __restrict__ chunk_counts, int64_t chunks,
-                                       int64_t* __restrict__ counts, int64_t* __restrict__ row_map,
-                                       int64_t* __restrict__ sorted_slots) {
+__global__ void routing_scatter_kernel(
+    const Index* __restrict__ indices, int64_t slots, int32_t experts, int64_t span,
+    const int32_t* __restrict__ chunk_counts, int64_t chunks, int64_t topk,
+    int64_t* __restrict__ counts, int64_t* __restrict__ row_map, int64_t* __restrict__ sorted_slots,
+    int64_t* __restrict__ row_tokens, const float* __restrict__ probs,
+    float* __restrict__ row_probs) {
   extern __shared__ int32_t map_shared[];
   __shared__ int32_t warp_totals[kMaxMapWarps];
   const int warps = blockDim.x / kWarpSize;
@@ -181,6 +182,8 @@ __global__ void routing_scatter_kernel(const Index* __restrict__ indices, int64_
       peers = __match_any_sync(active, key);
       const int32_t position = own[key] + __popc(peers & ((1u << lane) - 1u));
       sorted_slots[position] = s;
+      row_tokens[position] = s / topk;
+      if (row_probs != nullptr) row_probs[position] = probs[s];
       row_map[s] = key < experts ? position : -1;
     }
     __syncwarp();
@@ -445,8 +448,8 @@ void launch_routing_map(const RoutingMapParams& params, cudaStream_t stream) {
         indices, slots, experts, c.warps * c.span, chunk_counts);
     TORCHMOE_CUDA_CHECK(cudaGetLastError());
     routing_scatter_kernel<Index><<<c.chunks, threads, c.scatter_shared_bytes, stream>>>(
-        indices, slots, experts, c.span, chunk_counts, c.chunks, params.counts, params.row_map,
-        params.sorted_slots);
+        indices, slots, experts, c.span, chunk_counts, c.chunks, params.topk, params.counts,
+        params.row_map, params.sorted_slots, params.row_tokens, params.probs, params.row_probs);
     TORCHMOE_CUDA_CHECK(cudaGetLastError());
   };
   if (params.indices_int32) {

@@ -37,6 +37,9 @@ struct RoutingMapParams {
 
   int64_t* row_map = nullptr;       // [T·k]
   int64_t* sorted_slots = nullptr;  // [T·k]: permuted rows first, then the dropped slots
+  int64_t* row_tokens = nullptr;    // [T·k]: sorted_slots' tokens (slot / k), in the same order
+  const float* probs = nullptr;     // [T·k] or null
+  float* row_probs = nullptr;       // [T·k] with probs: sorted_slots' probabilities, in order
   // [E + 2] int64: tokens per expert, then the dropped count, then the count of indices outside
   // [-1, E) (an error the caller reports after reading the counts back).
   int64_t* counts = nullptr;

@@ -120,9 +120,10 @@ torch::Tensor GroupedMLPImpl::forward_routed(
     return run_layers(x, &gather, plans, routed.probs, is_first_microbatch,
                       std::move(output_grad_link));
   }
-  const torch::Tensor rows = routed.tokens.defined() ? routed.tokens.contiguous()
-                                                     : autograd::PermuteFunction::apply(
-                                                           x, routed.row_map, routed.sorted_slots);
+  const torch::Tensor rows =
+      routed.tokens.defined()
+          ? routed.tokens.contiguous()
+          : autograd::PermuteFunction::apply(x, routed.row_map, routed.sorted_slots, std::nullopt);
   return run_layers(rows, nullptr, plans, routed.probs, is_first_microbatch,
                     std::move(output_grad_link));
 }
@@ -141,7 +142,7 @@ torch::Tensor GroupedMLPImpl::forward_combined(const torch::Tensor& tokens,
                        !(fc2->options.bias() && options.scale_bias());
   if (!combine) {
     const torch::Tensor rows =
-        autograd::PermuteFunction::apply(x, routed.row_map, routed.sorted_slots);
+        autograd::PermuteFunction::apply(x, routed.row_map, routed.sorted_slots, std::nullopt);
     return autograd::unpermute_tokens(
         run_layers(rows, nullptr, plans, routed.probs, is_first_microbatch), routed, std::nullopt);
   }
@@ -164,7 +165,10 @@ GroupedMLPImpl::RoutedPlans GroupedMLPImpl::plan_routed(const torch::Tensor& x,
               " tokens (row_map [T, k] and sorted_slots [N]), got row_map ",
               routed.row_map.defined() ? routed.row_map.sizes() : torch::IntArrayRef{});
   RoutedPlans out;
-  out.source_rows = ops::tokens_of_rows(routed.sorted_slots, routed.row_map.size(1));
+  // The routing map's tokens of the rows, or the same computed for a PermutedTokens made without.
+  out.source_rows = routed.row_tokens.defined()
+                        ? routed.row_tokens
+                        : ops::tokens_of_rows(routed.sorted_slots, routed.row_map.size(1));
   out.plans =
       autograd::plan_layers(kModule, x, {fc1->gemm_shape(), fc2->gemm_shape()}, routed.m_splits,
                             options.linear().gemm_backend(), out.source_rows, fp8::enabled());

@@ -102,7 +102,8 @@ SplitSizes split_sizes(const RoutingMap& map) {
   return SplitSizes(map.host_splits, map.m_splits);
 }
 
-RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts, IndexTrust trust) {
+RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts, IndexTrust trust,
+                            const at::Tensor& probs) {
   constexpr const char* kOp = "torchmoe::make_routing_map";
   TORCH_CHECK(indices.defined() && indices.dim() == 2, kOp,
               ": indices must be 2-D [tokens, topk], got ",
@@ -114,6 +115,13 @@ RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts, Inde
   TORCH_CHECK(indices.numel() < std::numeric_limits<int32_t>::max(), kOp,
               ": at most 2^31 - 1 (token, expert) slots, got ", indices.numel());
   const int64_t tokens = indices.size(0), topk = indices.size(1);
+  TORCH_CHECK(
+      !probs.defined() || (probs.sizes() == indices.sizes() && probs.scalar_type() == at::kFloat &&
+                           probs.device() == indices.device()),
+      kOp, ": probs must be a float32 tensor of the indices' shape ", indices.sizes(), " on ",
+      indices.device(), ", got ", probs.defined() ? probs.sizes() : at::IntArrayRef{}, " ",
+      probs.defined() ? probs.scalar_type() : at::ScalarType::Undefined);
+  const at::Tensor flat_probs = probs.defined() ? probs.contiguous().view(-1) : at::Tensor();
   const at::TensorOptions long_options = indices.options().dtype(at::kLong);
   RoutingMap map;
   at::Tensor host_counts;  // [E + 2] on the host: per expert, dropped, out of range
@@ -137,6 +145,8 @@ RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts, Inde
     const int64_t slots = tokens * topk;
     map.row_map = at::empty({slots}, long_options);
     map.sorted_slots = at::empty({slots}, long_options);
+    map.row_tokens = at::empty({slots}, long_options);
+    if (probs.defined()) map.row_probs = at::empty({slots}, flat_probs.options());
     const at::Tensor counts = at::empty({num_experts + 2}, long_options);
     const size_t workspace_bytes = kernels::routing_map_workspace_bytes(slots, num_experts);
     const at::Tensor workspace =
@@ -149,6 +159,11 @@ RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts, Inde
     p.indices_int32 = idx.scalar_type() == at::kInt;
     p.row_map = map.row_map.data_ptr<int64_t>();
     p.sorted_slots = map.sorted_slots.data_ptr<int64_t>();
+    p.row_tokens = map.row_tokens.data_ptr<int64_t>();
+    if (probs.defined()) {
+      p.probs = flat_probs.const_data_ptr<float>();
+      p.row_probs = map.row_probs.data_ptr<float>();
+    }
     p.counts = counts.data_ptr<int64_t>();
     p.workspace = workspace.data_ptr();
     p.workspace_bytes = workspace_bytes;
@@ -175,6 +190,13 @@ RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts, Inde
   }
   map.row_map = map.row_map.view({tokens, topk});
   map.sorted_slots = map.sorted_slots.narrow(0, 0, map.num_rows);
+  if (indices.is_cpu()) {
+    map.row_tokens = tokens_of_rows(map.sorted_slots, topk);
+    if (probs.defined()) map.row_probs = flat_probs.index_select(0, map.sorted_slots);
+  } else {
+    map.row_tokens = map.row_tokens.narrow(0, 0, map.num_rows);
+    if (probs.defined()) map.row_probs = map.row_probs.narrow(0, 0, map.num_rows);
+  }
   return map;
 }
 

@@ -15,6 +15,8 @@ namespace torchmoe::ops {
 struct RoutingMap {
   at::Tensor row_map;                // [T, k] int64: permuted row of each slot, -1 when dropped
   at::Tensor sorted_slots;           // [N] int64: slot t·k + j of each permuted row
+  at::Tensor row_tokens;             // [N] int64: token t of each permuted row (slot / k)
+  at::Tensor row_probs;              // [N] float32: probs' value of each permuted row (with probs)
   at::Tensor m_splits;               // [E] int64 on the indices' device: rows per expert
   std::vector<int64_t> host_splits;  // the same on the host (not on CUDA with kDropless)
   int64_t num_rows = 0;              // N = Σ m_splits
@@ -36,9 +38,11 @@ enum class IndexTrust {
 SplitSizes split_sizes(const RoutingMap& map);
 
 // indices [T, k] int32/int64 with values in [0, E) or -1 (dropped). Rows are grouped by expert,
-// in slot order within an expert.
+// in slot order within an expert. probs: none, or [T, k] float32 on the indices' device, whose
+// value of each permuted row the map's pass writes into row_probs (the routing probabilities in
+// row order, without a launch of their own).
 RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts,
-                            IndexTrust trust = IndexTrust::kChecked);
+                            IndexTrust trust = IndexTrust::kChecked, const at::Tensor& probs = {});
 
 // tokens [T, H] -> [N, H]: row r = tokens[sorted_slots[r] / k] (· probs.flat[sorted_slots[r]]
 // when given, probs [T, k]); zeros where sorted_slots[r] is -1. row_map [T, k] and sorted_slots

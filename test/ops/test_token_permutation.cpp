@@ -59,6 +59,7 @@ TEST_CASE("make_routing_map on a worked example", "[ops][permutation]") {
   CHECK(map.num_rows == 5);
   CHECK(torch::equal(map.row_map, torch::tensor({1, 0, 2, 4, -1, 3}, torch::kLong).view({3, 2})));
   CHECK(torch::equal(map.sorted_slots, torch::tensor({1, 0, 2, 5, 3}, torch::kLong)));
+  CHECK(torch::equal(map.row_tokens, torch::tensor({0, 0, 1, 2, 1}, torch::kLong)));
   CHECK(torch::equal(map.m_splits, torch::tensor({1, 3, 1, 0}, torch::kLong)));
   CHECK(torch::equal(torchmoe::ops::slots_of_rows(map.row_map, map.num_rows), map.sorted_slots));
 }
@@ -73,6 +74,7 @@ TEST_CASE("permute_tokens matches a loop over experts and round-trips", "[ops][p
   const torch::Tensor probs = torch::softmax(torch::randn({tokens, topk}, torch::kFloat64), 1);
 
   const auto routed = F::permute_tokens(x, indices, experts, probs);
+  CHECK(torch::equal(routed.row_tokens, routed.sorted_slots.div(topk, "floor")));
   const ExpectedPermutation expected = loop_reference(x, indices, experts);
   CHECK(routed.m_splits.host().vec() == expected.splits);
   CHECK(torch::equal(routed.tokens, expected.permuted));
@@ -135,6 +137,57 @@ TEST_CASE("permute/unpermute finite-difference gradients (float64)", "[ops][perm
   };
   loss().backward();
   check_finite_differences(loss, {{"tokens", x}, {"probs", probs}});
+}
+
+// float32 probabilities are put in row order by the routing map's own pass (row_probs), and
+// permute_tokens hands them out with the gradient of a permutation: each row's back to its slot,
+// none to a dropped slot. With int32 and int64 indices.
+namespace {
+
+void check_row_probs(const torch::Device& device) {
+  torch::manual_seed(23);
+  const int64_t tokens = 300, topk = 2, experts = 6;
+  torch::Tensor indices = random_indices(tokens, topk, experts, 29);
+  indices.index_put_({torch::rand({tokens, topk}) < 0.1}, -1);
+  const torch::Tensor probs = torch::rand({tokens, topk});
+  const torch::Tensor weights = torch::randn({tokens * topk});
+  for (const bool int32 : {false, true}) {
+    INFO("device " << device << ", int32 indices " << int32);
+    const torch::Tensor idx = (int32 ? indices.to(torch::kInt) : indices).to(device);
+    const auto map = torchmoe::ops::make_routing_map(
+        idx, experts, torchmoe::ops::IndexTrust::kChecked, probs.to(device));
+    CHECK(torch::equal(map.row_probs.cpu(),
+                       probs.reshape(-1).index_select(0, map.sorted_slots.cpu())));
+    const torch::Tensor p = probs.to(device).detach().requires_grad_(true);
+    const auto routed = F::permute_tokens(torch::randn({tokens, 4}, device), idx, experts, p);
+    CHECK(torch::equal(routed.probs.cpu(), map.row_probs.cpu()));
+    (routed.probs * weights.narrow(0, 0, map.num_rows).to(device)).sum().backward();
+    torch::Tensor expected = torch::zeros({tokens * topk});
+    expected.index_put_({map.sorted_slots.cpu()}, weights.narrow(0, 0, map.num_rows));
+    CHECK(torch::equal(p.grad().cpu().reshape(-1), expected));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("the routing map puts float32 probabilities in row order", "[ops][permutation]") {
+  check_row_probs(torch::kCPU);
+  const torch::Tensor indices = torch::zeros({3, 2}, torch::kLong);
+  CHECK_THROWS_WITH(
+      torchmoe::ops::make_routing_map(indices, 4, torchmoe::ops::IndexTrust::kChecked,
+                                      torch::rand({3, 2}, torch::kFloat64)),
+      Contains("make_routing_map: probs must be a float32 tensor of the indices' shape [3, 2] on "
+               "cpu, got [3, 2] Double"));
+  CHECK_THROWS_WITH(torchmoe::ops::make_routing_map(indices, 4, torchmoe::ops::IndexTrust::kChecked,
+                                                    torch::rand({2, 3})),
+                    Contains("make_routing_map: probs must be a float32 tensor of the indices' "
+                             "shape [3, 2] on cpu, got [2, 3] Float"));
+}
+
+TEST_CASE("the CUDA routing map puts float32 probabilities in row order",
+          "[ops][permutation][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  check_row_probs(torch::kCUDA);
 }
 
 TEST_CASE("permutation errors", "[ops][permutation]") {
@@ -331,6 +384,8 @@ TEST_CASE(
   CHECK(torch::equal(dropless.m_splits, checked.m_splits));
   CHECK(torch::equal(dropless.row_map, checked.row_map));
   CHECK(torch::equal(dropless.sorted_slots, checked.sorted_slots));
+  CHECK(torch::equal(dropless.row_tokens, checked.row_tokens));
+  CHECK(torch::equal(checked.row_tokens.cpu(), checked.sorted_slots.cpu().div(topk, "floor")));
 }
 
 // The counting sort at sizes the small cases do not reach: hundreds of blocks (each summing the
@@ -358,6 +413,7 @@ TEST_CASE("the CUDA routing map matches the CPU at large sizes and refuses too m
     CHECK(torch::equal(actual.m_splits.cpu(), expected.m_splits));
     CHECK(torch::equal(actual.row_map.cpu(), expected.row_map));
     CHECK(torch::equal(actual.sorted_slots.cpu(), expected.sorted_slots));
+    CHECK(torch::equal(actual.row_tokens.cpu(), expected.row_tokens));
   }
   const torch::Tensor wild = torch::tensor({{0, 9000}, {-1, 4093}}, torch::kLong).cuda();
   CHECK_THROWS_WITH(make_routing_map(wild, 4094, IndexTrust::kChecked),
