@@ -166,8 +166,17 @@ GroupedMLPImpl::RoutedPlans GroupedMLPImpl::plan_routed(const torch::Tensor& x,
               routed.row_map.defined() ? routed.row_map.sizes() : torch::IntArrayRef{});
   RoutedPlans out;
   // The routing map's tokens of the rows, or the same computed for a PermutedTokens made without.
-  out.source_rows = routed.row_tokens.defined()
-                        ? routed.row_tokens
+  const torch::Tensor& row_tokens = routed.row_tokens;
+  TORCH_CHECK(!row_tokens.defined() ||
+                  (row_tokens.dim() == 1 && row_tokens.size(0) == routed.sorted_slots.size(0) &&
+                   row_tokens.scalar_type() == torch::kLong && row_tokens.device() == x.device()),
+              kModule, ": routed.row_tokens must be an int64 [", routed.sorted_slots.size(0),
+              "] tensor on ", x.device(), " like sorted_slots, got ",
+              row_tokens.defined() ? row_tokens.sizes() : torch::IntArrayRef{}, " ",
+              row_tokens.defined() ? row_tokens.scalar_type() : torch::ScalarType::Undefined,
+              " on ", row_tokens.defined() ? row_tokens.device() : x.device());
+  out.source_rows = row_tokens.defined()
+                        ? row_tokens
                         : ops::tokens_of_rows(routed.sorted_slots, routed.row_map.size(1));
   out.plans =
       autograd::plan_layers(kModule, x, {fc1->gemm_shape(), fc2->gemm_shape()}, routed.m_splits,
@@ -231,13 +240,12 @@ torch::Tensor GroupedMLPImpl::run_layers(const torch::Tensor& input,
         torch::searchsorted(torch::cumsum(sizes, 0), torch::arange(rows, on_device),
                             /*out_int32=*/false, /*right=*/true)
             .clamp_max(options.num_experts() - 1);
-    // In fp32 (or wider): the lookup's backward sums each expert's rows, which must not round
-    // per row in bf16. A lookup by embedding, not index_select: on CUDA index_select's backward
-    // adds rows with float atomics (bits depend on their order), embedding's sums them in a fixed
-    // order.
+    // In fp32 (or wider): the gather's backward sums each expert's rows, which must not round
+    // per row in bf16. On CUDA that backward adds the rows with float atomics, so b2's gradient
+    // can differ in its last bits from run to run (docs/glu_and_mlp.md).
     const auto wide = torch::promote_types(y.scalar_type(), torch::kFloat32);
     const torch::Tensor b2 =
-        torch::embedding(torch::stack(fc2->expert_biases()).to(wide), expert_of_row);
+        torch::stack(fc2->expert_biases()).to(wide).index_select(0, expert_of_row);
     y = (y.to(wide) + b2 * (probs.to(wide) - 1).unsqueeze(1)).to(y.scalar_type());
   }
   return y;

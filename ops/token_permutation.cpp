@@ -120,8 +120,12 @@ RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts, Inde
                            probs.device() == indices.device()),
       kOp, ": probs must be a float32 tensor of the indices' shape ", indices.sizes(), " on ",
       indices.device(), ", got ", probs.defined() ? probs.sizes() : at::IntArrayRef{}, " ",
-      probs.defined() ? probs.scalar_type() : at::ScalarType::Undefined);
-  const at::Tensor flat_probs = probs.defined() ? probs.contiguous().view(-1) : at::Tensor();
+      probs.defined() ? probs.scalar_type() : at::ScalarType::Undefined, " on ",
+      probs.defined() ? probs.device() : indices.device());
+  // Values only: row_probs is data (route_tokens gives it autograd history through
+  // PermuteFunction).
+  const at::Tensor flat_probs =
+      probs.defined() ? probs.detach().contiguous().view(-1) : at::Tensor();
   const at::TensorOptions long_options = indices.options().dtype(at::kLong);
   RoutingMap map;
   at::Tensor host_counts;  // [E + 2] on the host: per expert, dropped, out of range

@@ -16,7 +16,8 @@ struct RoutingMap {
   at::Tensor row_map;                // [T, k] int64: permuted row of each slot, -1 when dropped
   at::Tensor sorted_slots;           // [N] int64: slot t·k + j of each permuted row
   at::Tensor row_tokens;             // [N] int64: token t of each permuted row (slot / k)
-  at::Tensor row_probs;              // [N] float32: probs' value of each permuted row (with probs)
+  at::Tensor row_probs;              // [N] float32: probs' value of each permuted row, or undefined
+                                     // (no probs given; received_routing_map makes neither)
   at::Tensor m_splits;               // [E] int64 on the indices' device: rows per expert
   std::vector<int64_t> host_splits;  // the same on the host (not on CUDA with kDropless)
   int64_t num_rows = 0;              // N = Σ m_splits

@@ -50,12 +50,15 @@ class SplitSizes {
 /// Tokens grouped by expert, as functional::permute_tokens returns them.
 struct PermutedTokens {
   at::Tensor tokens;  // [N, H]: expert e's rows contiguous, experts in order
-  at::Tensor probs;   // [N]: each row's routing probability (when probs were given)
+  // [N]: each row's routing probability (when probs were given). For float32 probabilities a view
+  // of what the routing map wrote, returned by PermuteFunction: not to be changed in place.
+  at::Tensor probs;
   // [T, k] int64: the permuted row of each (token, choice) slot, -1 where dropped.
   at::Tensor row_map;
   // [N] int64: the slot t·k + j of each permuted row (row_map's inverse).
   at::Tensor sorted_slots;
-  // [N] int64: the token t of each permuted row (sorted_slots / k), as the routing map wrote it.
+  // [N] int64: the token t of each permuted row (sorted_slots / k), as the routing map wrote it;
+  // undefined in the expert-parallel and capacity maps, which do not make it.
   at::Tensor row_tokens;
   // Rows per expert: on the host, and for CUDA tokens on the device too. MoELayer's dropless
   // routing keeps them on the device only (no host sync; GEMM backends that loop over groups on

@@ -250,6 +250,7 @@ TEST_CASE("GroupedMLP::forward_combined is the permuted forward and its unpermut
   struct Result {
     torch::Tensor y, dx, dprobs;
     std::vector<torch::Tensor> grads;
+    std::vector<std::string> names;
     std::string node;
   };
   auto run = [&](bool combined) {
@@ -265,8 +266,11 @@ TEST_CASE("GroupedMLP::forward_combined is the permuted forward and its unpermut
                                       mlp(routed.tokens, routed.m_splits, routed.probs), routed);
     (y * dy).sum().backward();
     if (delay) mlp->backward_dw();
-    Result r{y.detach(), x.grad(), probs.grad(), {}, y.grad_fn()->name()};
-    for (const torch::Tensor& p : mlp->parameters()) r.grads.push_back(p.grad());
+    Result r{y.detach(), x.grad(), probs.grad(), {}, {}, y.grad_fn()->name()};
+    for (const auto& p : mlp->named_parameters()) {
+      r.names.push_back(p.key());
+      r.grads.push_back(p.value().grad());
+    }
     return r;
   };
   const Result combined = run(true), three_steps = run(false);
@@ -279,8 +283,14 @@ TEST_CASE("GroupedMLP::forward_combined is the permuted forward and its unpermut
   CHECK(torch::equal(combined.dprobs, three_steps.dprobs));
   REQUIRE(combined.grads.size() == three_steps.grads.size());
   for (size_t i = 0; i < combined.grads.size(); ++i) {
-    INFO("parameter " << i);
-    CHECK(torch::equal(combined.grads[i], three_steps.grads[i]));
+    INFO("parameter " << combined.names[i]);
+    // scale_bias sums fc2's bias gradient with float atomics on CUDA (the rows' gather backward):
+    // its last bits vary from run to run whichever path ran, so within a bf16 rounding there.
+    if (bias == 2 && combined.names[i].rfind("fc2.bias", 0) == 0) {
+      CHECK(torch::allclose(combined.grads[i], three_steps.grads[i], 1e-2, 1e-3));
+    } else {
+      CHECK(torch::equal(combined.grads[i], three_steps.grads[i]));
+    }
   }
 }
 

@@ -158,6 +158,9 @@ void check_row_probs(const torch::Device& device) {
         idx, experts, torchmoe::ops::IndexTrust::kChecked, probs.to(device));
     CHECK(torch::equal(map.row_probs.cpu(),
                        probs.reshape(-1).index_select(0, map.sorted_slots.cpu())));
+    CHECK_FALSE(torchmoe::ops::make_routing_map(idx, experts, torchmoe::ops::IndexTrust::kChecked,
+                                                probs.to(device).detach().requires_grad_(true))
+                    .row_probs.requires_grad());
     const torch::Tensor p = probs.to(device).detach().requires_grad_(true);
     const auto routed = F::permute_tokens(torch::randn({tokens, 4}, device), idx, experts, p);
     CHECK(torch::equal(routed.probs.cpu(), map.row_probs.cpu()));
@@ -177,11 +180,11 @@ TEST_CASE("the routing map puts float32 probabilities in row order", "[ops][perm
       torchmoe::ops::make_routing_map(indices, 4, torchmoe::ops::IndexTrust::kChecked,
                                       torch::rand({3, 2}, torch::kFloat64)),
       Contains("make_routing_map: probs must be a float32 tensor of the indices' shape [3, 2] on "
-               "cpu, got [3, 2] Double"));
+               "cpu, got [3, 2] Double on cpu"));
   CHECK_THROWS_WITH(torchmoe::ops::make_routing_map(indices, 4, torchmoe::ops::IndexTrust::kChecked,
                                                     torch::rand({2, 3})),
                     Contains("make_routing_map: probs must be a float32 tensor of the indices' "
-                             "shape [3, 2] on cpu, got [2, 3] Float"));
+                             "shape [3, 2] on cpu, got [2, 3] Float on cpu"));
 }
 
 TEST_CASE("the CUDA routing map puts float32 probabilities in row order",
