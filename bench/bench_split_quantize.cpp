@@ -209,7 +209,7 @@ int main(int argc, char** argv) {
     const torch::Tensor indices =
         torch::randint(0, shape.experts, {t, shape.topk}, bf16.dtype(torch::kLong));
     const torchmoe::ops::RoutingMap map = torchmoe::ops::make_routing_map(indices, shape.experts);
-    const torch::Tensor source_rows = torchmoe::ops::tokens_of_rows(map.sorted_slots, shape.topk);
+    const torch::Tensor& source_rows = map.row_tokens;
     const torchmoe::SplitSizes splits = torchmoe::ops::split_sizes(map);
     torch::Tensor copy_src = torch::randn({m, k}, bf16), copy_dst = torch::empty_like(copy_src);
     const DelayedCast cast = delayed_cast(shape.experts);
