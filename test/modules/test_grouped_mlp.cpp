@@ -353,6 +353,16 @@ TEST_CASE("GroupedMLP rejects bad input", "[modules][grouped_mlp][errors]") {
   REQUIRE_THROWS_WITH(mlp->forward_combined(x.to(torch::kFloat64), routed),
                       Contains("GroupedMLP: x must have the parameters' dtype Float, got Double"));
   CHECK(mlp->forward_combined(x, routed).sizes() == x.sizes());
+  // A caller's row_tokens that are not the routing map's (each row's token, int64, x's device).
+  torchmoe::PermutedTokens stale = routed;
+  stale.row_tokens = routed.row_tokens.narrow(0, 0, 11);
+  REQUIRE_THROWS_WITH(mlp->forward_routed(x, stale),
+                      Contains("GroupedMLP: routed.row_tokens must be an int64 [12] tensor on cpu "
+                               "like sorted_slots, got [11] Long on cpu"));
+  stale.row_tokens = routed.row_tokens.to(torch::kInt);
+  REQUIRE_THROWS_WITH(mlp->forward_combined(x, stale),
+                      Contains("GroupedMLP: routed.row_tokens must be an int64 [12] tensor on cpu "
+                               "like sorted_slots, got [12] Int on cpu"));
   REQUIRE_THROWS_WITH(GroupedMLP(GroupedMLPOptions(3, 16, 0)),
                       Contains("ffn_hidden must be positive, got 0"));
   // The activation's options are checked when the layers are built, not after fc1 has run.
