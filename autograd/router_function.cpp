@@ -13,6 +13,11 @@ at::Tensor RouterLogitsFunction::forward(AutogradContext* ctx, const at::Tensor&
                                          const std::shared_ptr<RouterGradLink>& link) {
   ctx->save_for_backward({x, weight});
   save_link(ctx, link);
+  // The backward's bf16 halves (ops::router_logits_backward) can be made by the top-k's launch.
+  if (link && x.is_cuda() && x.scalar_type() == at::kBFloat16 &&
+      weight.scalar_type() == at::kBFloat16 && weight.device() == x.device()) {
+    link->split_weight = weight.contiguous();
+  }
   return ops::router_logits(x, weight);
 }
 
@@ -25,8 +30,16 @@ variable_list RouterLogitsFunction::backward(AutogradContext* ctx, variable_list
   const ops::RouterGradX grad_x = !ctx->needs_input_grad(0) ? ops::RouterGradX::kNone
                                   : deferred                ? ops::RouterGradX::kDeferred
                                                             : ops::RouterGradX::kNow;
-  ops::RouterLogitsGrads grads = ops::router_logits_backward(grad_logits, saved[0], saved[1],
-                                                             grad_x, ctx->needs_input_grad(1));
+  // The top-k's split, when the gradient here is the one it split (autograd added nothing to it).
+  ops::RouterGradXProduct split;
+  if (link) {
+    if (link->split_of.defined() && link->split_of.is_same(grad_logits)) split = link->split;
+    link->split_of = at::Tensor();
+    link->split = {};
+    link->split_weight = at::Tensor();
+  }
+  ops::RouterLogitsGrads grads = ops::router_logits_backward(
+      grad_logits, saved[0], saved[1], grad_x, ctx->needs_input_grad(1), split);
   if (deferred) link->grad_x_product = std::move(grads.grad_x_product);
   return once_differentiable("RouterLogitsFunction", once,
                              {grads.grad_x, grads.grad_weight, at::Tensor()});
@@ -80,7 +93,9 @@ ops::RouterScoring scoring_of(AutogradContext* ctx) {
 variable_list RouterTopKFunction::forward(AutogradContext* ctx, const at::Tensor& logits,
                                           const std::optional<at::Tensor>& expert_bias,
                                           int64_t topk, bool sigmoid, bool normalize, bool aux,
-                                          double aux_loss_scale) {
+                                          double aux_loss_scale,
+                                          const std::shared_ptr<RouterGradLink>& link) {
+  save_link(ctx, link);
   ops::RouterScoring scoring;
   scoring.topk = topk;
   scoring.sigmoid = sigmoid;
@@ -109,12 +124,29 @@ variable_list RouterTopKFunction::backward(AutogradContext* ctx, variable_list g
   const OnceDifferentiable once;
   const variable_list saved = ctx->get_saved_variables();
   auto contiguous = [](const at::Tensor& t) { return t.defined() ? t.contiguous() : t; };
-  const at::Tensor grad_logits = ops::router_topk_backward(
+  const ops::RouterScoring scoring = scoring_of(ctx);
+  const std::shared_ptr<RouterGradLink> link = saved_link<RouterGradLink>(ctx);
+  ops::RouterTopKLinks links;
+  if (link) {
+    if (link->probs_grad_rows.defined()) {
+      const int64_t tokens = saved[0].size(0);
+      links.grad_probs_rows = link->probs_grad_rows.contiguous().view(-1);
+      links.probs_row_map = link->probs_row_map.contiguous().view({tokens, scoring.topk});
+      link->probs_grad_rows = at::Tensor();
+      link->probs_row_map = at::Tensor();
+    }
+    links.split_weight = link->split_weight;
+  }
+  ops::RouterTopKGrads grads = ops::router_topk_backward(
       saved[0], saved[1], saved[2], contiguous(grad_outputs[1]), contiguous(grad_outputs[2]),
-      contiguous(grad_outputs[3]), scoring_of(ctx), saved[3], contiguous(grad_outputs[5]));
+      contiguous(grad_outputs[3]), scoring, saved[3], contiguous(grad_outputs[5]), links);
+  if (link && grads.split.lhs.defined()) {
+    link->split_of = grads.grad_logits;
+    link->split = std::move(grads.split);
+  }
   return once_differentiable("RouterTopKFunction", once,
-                             {grad_logits, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-                              at::Tensor(), at::Tensor()});
+                             {grads.grad_logits, at::Tensor(), at::Tensor(), at::Tensor(),
+                              at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()});
 }
 
 }  // namespace torchmoe::autograd

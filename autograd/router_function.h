@@ -13,10 +13,18 @@
 
 namespace torchmoe::autograd {
 
-// The router's gradient of x, handed from RouterLogitsFunction's backward to the ForkFunction
-// that gave the router its x, so that it is added to the other branch's gradient by the GEMM
-// that makes it (ops::router_grad_x's addend) rather than by autograd's add of
-// the two branches (14 µs on moe-lm, 35 on qwen3).
+// What the router's Functions hand each other and the Functions around them in backward, so
+// that no launch is spent moving a gradient between them (MoELayer's router):
+// - the router's gradient of x, from RouterLogitsFunction's backward to the ForkFunction that
+//   gave the router its x, added to the other branch's gradient by the GEMM that makes it
+//   (ops::router_grad_x's addend) rather than by autograd's add of the two branches (14 µs on
+//   moe-lm, 35 on qwen3);
+// - the logits' gradient split into bf16 halves by RouterTopKFunction's launch, for
+//   RouterLogitsFunction (no split launch), used only when the gradient it receives is the one
+//   the split was made from;
+// - the routing probabilities' gradient in the permuted rows' order, from the PermuteFunction
+//   that put them in that order (route_tokens) to RouterTopKFunction, which reads it through the
+//   row map (no launch for the permutation's backward).
 struct RouterGradLink {
   // Set by the caller: the fork's second output goes to one Function whose backward returns a
   // tensor of its own (MoELayer's permutation), so the product may be added into it in place;
@@ -25,6 +33,19 @@ struct RouterGradLink {
   // Set by the router's backward (the operands its weight gradient also used), taken by the
   // fork's.
   ops::RouterGradXProduct grad_x_product;
+  // Set by RouterLogitsFunction's forward where its backward takes the bf16 halves: the weight
+  // whose [W; W] the top-k's launch writes with them.
+  at::Tensor split_weight;
+  // Set by RouterTopKFunction's backward, taken by RouterLogitsFunction's: the logits' gradient it
+  // returned and that tensor's split.
+  at::Tensor split_of;
+  ops::RouterGradXProduct split;
+  // Set by the PermuteFunction given this link, taken by RouterTopKFunction's backward: the
+  // gradient of the rows' probabilities [N, 1] and the permutation's row map [T·k, 1]. The
+  // permutation then returns no gradient for probs itself, so probs must go from the top-k to that
+  // permutation unchanged (no capacity mask between them); other uses of probs add theirs as usual.
+  at::Tensor probs_grad_rows;
+  at::Tensor probs_row_map;
 };
 
 class RouterLogitsFunction : public torch::autograd::Function<RouterLogitsFunction> {
@@ -40,14 +61,15 @@ class RouterLogitsFunction : public torch::autograd::Function<RouterLogitsFuncti
 
 // Scoring and top-k (ops::router_topk): logits [T, E] and an optional expert_bias [E] (no
 // gradient) -> {indices, probs, aux_sums, lse, counts, aux_loss}; differentiable in logits through
-// probs, aux_sums, lse and aux_loss (aux_loss_scale > 0, else an empty [0] output).
+// probs, aux_sums, lse and aux_loss (aux_loss_scale > 0, else an empty [0] output). With a link,
+// the backward also takes probs' gradient from the link's permutation and splits the logits'
+// gradient for RouterLogitsFunction (RouterGradLink).
 class RouterTopKFunction : public torch::autograd::Function<RouterTopKFunction> {
  public:
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
-                                                const at::Tensor& logits,
-                                                const std::optional<at::Tensor>& expert_bias,
-                                                int64_t topk, bool sigmoid, bool normalize,
-                                                bool aux, double aux_loss_scale = 0.0);
+  static torch::autograd::variable_list forward(
+      torch::autograd::AutogradContext* ctx, const at::Tensor& logits,
+      const std::optional<at::Tensor>& expert_bias, int64_t topk, bool sigmoid, bool normalize,
+      bool aux, double aux_loss_scale = 0.0, const std::shared_ptr<RouterGradLink>& link = nullptr);
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs);
 };

@@ -11,8 +11,10 @@ using torch::autograd::variable_list;
 
 at::Tensor PermuteFunction::forward(AutogradContext* ctx, const at::Tensor& tokens,
                                     const at::Tensor& row_map, const at::Tensor& sorted_slots,
-                                    const std::optional<at::Tensor>& permuted) {
+                                    const std::optional<at::Tensor>& permuted,
+                                    const std::shared_ptr<RouterGradLink>& probs_link) {
   ctx->save_for_backward({row_map});
+  save_link(ctx, probs_link);
   if (permuted.has_value()) return *permuted;
   return ops::permute_rows(tokens.contiguous(), row_map, sorted_slots, at::Tensor());
 }
@@ -21,11 +23,16 @@ variable_list PermuteFunction::backward(AutogradContext* ctx, variable_list grad
   const OnceDifferentiable once;
   const at::Tensor row_map = ctx->get_saved_variables()[0];
   at::Tensor grad_tokens;
-  if (ctx->needs_input_grad(0)) {
+  const std::shared_ptr<RouterGradLink> link = saved_link<RouterGradLink>(ctx);
+  if (link && ctx->needs_input_grad(0) && grad_outputs[0].defined()) {
+    // The router's backward reads these through the map: no gradient of its own here.
+    link->probs_grad_rows = grad_outputs[0];
+    link->probs_row_map = row_map;
+  } else if (ctx->needs_input_grad(0)) {
     grad_tokens = ops::unpermute_rows(grad_outputs[0].contiguous(), row_map, at::Tensor());
   }
   return once_differentiable("PermuteFunction", once,
-                             {grad_tokens, at::Tensor(), at::Tensor(), at::Tensor()});
+                             {grad_tokens, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()});
 }
 
 at::Tensor UnpermuteFunction::forward(AutogradContext* ctx, const at::Tensor& permuted,
@@ -91,7 +98,8 @@ PermutedTokens permute_tokens(const at::Tensor& tokens, const at::Tensor& indice
 
 PermutedTokens route_tokens(const at::Tensor& tokens, const at::Tensor& indices,
                             int64_t num_experts, const std::optional<at::Tensor>& probs,
-                            ops::IndexTrust trust) {
+                            ops::IndexTrust trust,
+                            const std::shared_ptr<RouterGradLink>& probs_link) {
   TORCH_CHECK(tokens.defined() && tokens.dim() == 2,
               "permute_tokens: tokens must be 2-D [T, H], got ",
               tokens.defined() ? tokens.sizes() : at::IntArrayRef{});
@@ -124,7 +132,8 @@ PermutedTokens route_tokens(const at::Tensor& tokens, const at::Tensor& indices,
                     : PermuteFunction::apply(
                           probs->reshape({-1, 1}), map.row_map.view({-1, 1}), map.sorted_slots,
                           fp32_probs ? std::optional<at::Tensor>(map.row_probs.view({-1, 1}))
-                                     : std::nullopt)
+                                     : std::nullopt,
+                          probs_link)
                           .view(-1);
   }
   out.row_map = std::move(map.row_map);

@@ -12,6 +12,7 @@
 #include <optional>
 
 #include "torchmoe/autograd/grouped_linear_function.h"
+#include "torchmoe/autograd/router_function.h"
 #include "torchmoe/ops/token_permutation.h"
 #include "torchmoe/ops/types.h"
 
@@ -22,9 +23,13 @@ class PermuteFunction : public torch::autograd::Function<PermuteFunction> {
   // tokens [T, H], row_map [T, k] and its inverse sorted_slots [N] -> [N, H]. Gradient: the sum
   // over each token's rows. permuted: none, or those rows already made (the routing map's
   // pass writes the probabilities'), which forward then returns instead of permuting.
+  // probs_link: `tokens` are a router's probabilities [T·k, 1] straight from its
+  // RouterTopKFunction given the same link, whose backward reads their rows' gradient through the
+  // map; this backward then only hands it over (RouterGradLink).
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& tokens,
                             const at::Tensor& row_map, const at::Tensor& sorted_slots,
-                            const std::optional<at::Tensor>& permuted);
+                            const std::optional<at::Tensor>& permuted,
+                            const std::shared_ptr<RouterGradLink>& probs_link = nullptr);
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs);
 };
@@ -56,10 +61,13 @@ PermutedTokens permute_tokens(const at::Tensor& tokens, const at::Tensor& indice
 
 // permute_tokens without the permuted copy: the routing map, the rows' probabilities and the split
 // sizes, with `tokens` left undefined, for experts that read the tokens through the map
-// (GroupedMLP::forward_routed).
+// (GroupedMLP::forward_routed). probs_link: probs are the top-k's of a router given the same
+// link, unchanged since; the rows' probabilities' gradient then goes to it through the link
+// (PermuteFunction).
 PermutedTokens route_tokens(const at::Tensor& tokens, const at::Tensor& indices,
                             int64_t num_experts, const std::optional<at::Tensor>& probs,
-                            ops::IndexTrust trust = ops::IndexTrust::kChecked);
+                            ops::IndexTrust trust = ops::IndexTrust::kChecked,
+                            const std::shared_ptr<RouterGradLink>& probs_link = nullptr);
 
 // Through a row_map the caller built: checked against the contract first (one device-to-host
 // copy on CUDA).

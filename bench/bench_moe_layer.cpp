@@ -116,10 +116,12 @@ int main(int argc, char** argv) {
           torchmoe::functional::unpermute_tokens(routed.tokens, routed);
         },
         args.iters, args.warmup);
+    // Both output gradients made once, as the MLP's dy: a step times the layer, not the seeds.
     const torch::Tensor dout = torch::randn({s.tokens, s.hidden}, bf16);
+    const torch::Tensor daux = torch::ones({}, bf16.dtype(torch::kFloat32));
     auto layer_step = [&](torchmoe::MoELayer& layer) {
       const torchmoe::MoEOutput out = layer(x);
-      torch::autograd::backward({out.output, out.aux_loss}, {dout, torch::ones_like(out.aux_loss)});
+      torch::autograd::backward({out.output, out.aux_loss}, {dout, daux});
     };
     // The experts in FP8 (delayed scaling, its scales left at their initial values: the speed is
     // the same), with the permuted copy quantized, and with fc1's input quantize gathering the

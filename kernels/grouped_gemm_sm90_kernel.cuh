@@ -417,6 +417,11 @@ constexpr int kScatterUnitsPerRow = 2 * kEpilogueRowBytes / 16;  // a round's ro
 constexpr int kScatterRowsPerPass = 128 / kScatterUnitsPerRow;   // rows a warpgroup reads at once
 constexpr int kScatterPasses = 64 / kScatterRowsPerPass;
 
+// This thread's row, of its warpgroup's 64 rows of a tile, in a pass of the scattered epilogue.
+__device__ __forceinline__ int scatter_row(int pass, int thread) {
+  return pass * kScatterRowsPerPass + thread / kScatterUnitsPerRow;
+}
+
 // The map's entries for this thread's rows of a tile, loaded when the tile starts so that their
 // latency passes under the main loop rather than at the epilogue's start.
 struct ScatterTargets {
@@ -429,7 +434,7 @@ __device__ __forceinline__ ScatterTargets load_scatter_targets(const Sm90GemmPar
   const int thread = threadIdx.x % 128;
 #pragma unroll
   for (int pass = 0; pass < kScatterPasses; ++pass) {
-    const int row = consumer * 64 + pass * kScatterRowsPerPass + thread / kScatterUnitsPerRow;
+    const int row = consumer * 64 + scatter_row(pass, thread);
     t.entry[pass] = row < tile.valid_rows ? map_entry(p.scatter_rows, p.scatter_rows_int32,
                                                       static_cast<int64_t>(tile.row0) + row)
                                           : -1;
@@ -466,7 +471,7 @@ __device__ __forceinline__ void scatter_add_tile(const Sm90GemmParams& p, const 
 #pragma unroll
     for (int pass = 0; pass < kScatterPasses; ++pass) {
       if (dst[pass] == nullptr) continue;
-      const int r = pass * kScatterRowsPerPass + thread / kScatterUnitsPerRow;
+      const int r = scatter_row(pass, thread);
       const uint8_t* piece =
           buffer + box * kEpilogueBoxBytes + r * kEpilogueRowBytes + (unit ^ ((r / 2) % 4)) * 16;
       red_add8(dst[pass] + col, *reinterpret_cast<const uint4*>(piece));
@@ -570,7 +575,7 @@ __device__ void consume(const KernelArgs& args, const GroupTable& t, const TileR
 
   receive_tiles<kKind, kBlockKOf<TA>>(p, t, ring, [&](const Tile& tile) {
     constexpr bool kMayScatter = kKind != GemmKind::kWgrad && !std::is_same_v<OutT, float>;
-    ScatterTargets targets{};
+    ScatterTargets targets{};  // read only when scattering
     if constexpr (kMayScatter) {
       if (p.scatter_rows != nullptr) targets = load_scatter_targets(p, tile, consumer);
     }

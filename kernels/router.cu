@@ -225,6 +225,17 @@ __global__ void __launch_bounds__(kMaxThreads, 4) router_forward_kernel(const Ro
   }
 }
 
+// g as hi + lo, both bf16 rounded to nearest even (router.h's split).
+struct RouterHalves {
+  __nv_bfloat16 hi;
+  __nv_bfloat16 lo;
+};
+
+__device__ __forceinline__ RouterHalves split_halves(float g) {
+  const __nv_bfloat16 hi = __float2bfloat16_rn(g);
+  return {hi, __float2bfloat16_rn(g - __bfloat162float(hi))};
+}
+
 // A chosen slot of the forward (index, probability) and its probability's gradient.
 struct ChosenSlot {
   int64_t index = -1;
@@ -233,7 +244,12 @@ struct ChosenSlot {
 };
 
 __device__ __forceinline__ ChosenSlot load_slot(const RouterParams& p, int64_t slot) {
-  return {p.saved_indices[slot], p.saved_probs[slot], p.grad_probs[slot]};
+  float grad = p.grad_probs ? p.grad_probs[slot] : 0.0f;
+  if (p.grad_probs_rows) {
+    const int64_t row = p.probs_row_map[slot];
+    if (row >= 0) grad += p.grad_probs_rows[row];
+  }
+  return {p.saved_indices[slot], p.saved_probs[slot], grad};
 }
 
 // Shared memory of the backward: per warp its scores and their gradient [E] each (fp32).
@@ -251,6 +267,7 @@ __global__ void __launch_bounds__(kMaxThreads, 3) router_backward_kernel(const R
   float* ds = s + experts;
   const float loss_grad =
       p.grad_aux_loss ? static_cast<float>(*p.grad_aux_loss * p.aux_loss_scale) : 0.0f;
+  const bool has_gp = p.grad_probs || p.grad_probs_rows;
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * warps + warp; t < p.tokens;
        t += static_cast<int64_t>(gridDim.x) * warps) {
     const float* row = p.logits + t * experts;
@@ -259,7 +276,7 @@ __global__ void __launch_bounds__(kMaxThreads, 3) router_backward_kernel(const R
     const float gl = p.grad_lse ? p.grad_lse[t] : 0.0f;
     const bool one_round = topk <= kWarpSize;
     ChosenSlot first;
-    if (p.grad_probs && one_round && lane < topk) first = load_slot(p, t * topk + lane);
+    if (has_gp && one_round && lane < topk) first = load_slot(p, t * topk + lane);
     // The gradient of aux_sums (every token's aux[t, e] gets it), plus the aux loss's through it:
     // aux_loss = scale · Σ_e aux_sums[e] · counts[e].
     const bool has_ga = p.grad_aux || p.grad_aux_loss;
@@ -287,7 +304,7 @@ __global__ void __launch_bounds__(kMaxThreads, 3) router_backward_kernel(const R
     }
     __syncwarp();
     // d/ds of the chosen probabilities (distinct experts: each lane owns its j's expert).
-    if (p.grad_probs) {
+    if (has_gp) {
       const auto slot = [&](int j) { return one_round ? first : load_slot(p, t * topk + j); };
       // An index outside [0, experts) (not one router_topk wrote) is never used as an address:
       // it reaches no score past the row's (the row's gradient is then not meaningful).
@@ -314,12 +331,32 @@ __global__ void __launch_bounds__(kMaxThreads, 3) router_backward_kernel(const R
       s_dot = warp_sum(s_dot);
     }
     float* out = p.grad_logits + t * experts;
+    auto* hilo = static_cast<__nv_bfloat16*>(p.grad_hilo);  // row t at t · 2E, when given
     for (int e = lane; e < experts; e += kWarpSize) {
       const float softmax = p.sigmoid ? expf(row[e] - stats.lse) : s[e];
       const float d = p.sigmoid ? ds[e] * s[e] * (1.0f - s[e]) : s[e] * (ds[e] - s_dot);
-      out[e] = d + gl * softmax;
+      const float g = d + gl * softmax;
+      out[e] = g;
+      if (p.grad_hilo) {
+        const RouterHalves halves = split_halves(g);
+        hilo[t * 2 * experts + e] = halves.hi;
+        hilo[t * 2 * experts + experts + e] = halves.lo;
+      }
     }
     __syncwarp();
+  }
+  if (p.stacked) {
+    // [W; W] for the logits' backward, after the tokens (its loads would hold up this thread's
+    // first token): W is E·H elements, a few per thread of the grid.
+    const auto* weight = static_cast<const __nv_bfloat16*>(p.split_weight);
+    auto* stacked = static_cast<__nv_bfloat16*>(p.stacked);
+    const int64_t w = p.experts * p.hidden;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < w;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      const __nv_bfloat16 v = weight[i];
+      stacked[i] = v;
+      stacked[i + w] = v;
+    }
   }
 }
 
@@ -332,15 +369,36 @@ __global__ void __launch_bounds__(kSplitThreads)
        i += static_cast<int64_t>(gridDim.x) * kSplitThreads) {
     if (i < n) {
       const int64_t t = i / experts, e = i % experts;
-      const float g = grad[i];
-      const __nv_bfloat16 hi = __float2bfloat16_rn(g);
-      hilo[t * 2 * experts + e] = hi;
-      hilo[t * 2 * experts + experts + e] = __float2bfloat16_rn(g - __bfloat162float(hi));
+      const RouterHalves halves = split_halves(grad[i]);
+      hilo[t * 2 * experts + e] = halves.hi;
+      hilo[t * 2 * experts + experts + e] = halves.lo;
     } else {
       const __nv_bfloat16 v = weight[i - n];
       stacked[i - n] = v;
       stacked[i - n + w] = v;
     }
+  }
+}
+
+// Four elements a thread where the halves allow 16-byte loads, the rest one at a time.
+__global__ void __launch_bounds__(kSplitThreads)
+    router_halves_sum_kernel(const float* halves, __nv_bfloat16* out, int64_t n, bool vectors) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kSplitThreads;
+  const int64_t first = blockIdx.x * static_cast<int64_t>(kSplitThreads) + threadIdx.x;
+  const int64_t n4 = vectors ? n / 4 : 0;
+  const auto* hi4 = reinterpret_cast<const float4*>(halves);
+  const auto* lo4 = reinterpret_cast<const float4*>(halves + n);
+  for (int64_t i = first; i < n4; i += stride) {
+    const float4 a = hi4[i], b = lo4[i];
+    const __nv_bfloat162 x = __floats2bfloat162_rn(a.x + b.x, a.y + b.y);
+    const __nv_bfloat162 y = __floats2bfloat162_rn(a.z + b.z, a.w + b.w);
+    uint2 packed;
+    packed.x = *reinterpret_cast<const unsigned*>(&x);
+    packed.y = *reinterpret_cast<const unsigned*>(&y);
+    *reinterpret_cast<uint2*>(out + 4 * i) = packed;
+  }
+  for (int64_t i = 4 * n4 + first; i < n; i += stride) {
+    out[i] = __float2bfloat16_rn(halves[i] + halves[n + i]);
   }
 }
 
@@ -384,7 +442,11 @@ void launch_router_backward(const RouterParams& params, cudaStream_t stream) {
   TORCH_INTERNAL_ASSERT(params.experts > 0 && params.experts <= kRouterMaxExperts &&
                             params.topk >= 1 && params.topk <= params.experts,
                         "launch_router_backward: unsupported experts/topk");
-  if (params.tokens == 0) return;
+  TORCH_INTERNAL_ASSERT(!params.grad_probs_rows == !params.probs_row_map,
+                        "launch_router_backward: grad_probs_rows needs probs_row_map");
+  TORCH_INTERNAL_ASSERT(!params.stacked || (params.split_weight && params.hidden > 0),
+                        "launch_router_backward: stacked needs split_weight and hidden");
+  if (params.tokens == 0 && !params.stacked) return;
   launch(router_backward_kernel, params, 0, backward_warp_bytes(params.experts), stream);
 }
 
@@ -397,6 +459,20 @@ void launch_router_grad_split(const RouterGradSplitParams& p, cudaStream_t strea
       p.grad, static_cast<__nv_bfloat16*>(p.hilo), p.tokens, p.experts,
       static_cast<const __nv_bfloat16*>(p.weight), static_cast<__nv_bfloat16*>(p.stacked),
       p.hidden);
+  TORCHMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_router_halves_sum(const RouterHalvesSumParams& p, cudaStream_t stream) {
+  const int64_t n = p.experts * p.hidden;
+  if (n == 0) return;
+  // 16-byte loads of both halves (the second starts n floats in) and 8-byte stores.
+  const bool vectors = n % 4 == 0 && reinterpret_cast<uintptr_t>(p.halves) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(p.out) % 8 == 0;
+  const int64_t work = vectors ? n / 4 : n;
+  const int64_t blocks = (work + kSplitThreads - 1) / kSplitThreads;
+  router_halves_sum_kernel<<<one_wave_grid(router_halves_sum_kernel, kSplitThreads, 0, blocks),
+                             kSplitThreads, 0, stream>>>(
+      p.halves, static_cast<__nv_bfloat16*>(p.out), n, vectors);
   TORCHMOE_CUDA_CHECK(cudaGetLastError());
 }
 

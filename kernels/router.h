@@ -66,11 +66,22 @@ struct RouterParams {
   const int64_t* saved_indices = nullptr;  // [T, k]
   const float* saved_probs = nullptr;      // [T, k]
   const float* grad_probs = nullptr;       // [T, k]
+  // probs' gradient in a permutation's row order, read through probs_row_map [T, k] (each slot's
+  // row, -1 for none: no gradient) and added to grad_probs': the permutation's backward needs no
+  // launch of its own. Both null or both set.
+  const float* grad_probs_rows = nullptr;  // [N]
+  const int64_t* probs_row_map = nullptr;  // [T, k]
   const float* grad_aux = nullptr;         // [E]: of aux_sums
   const float* grad_lse = nullptr;         // [T]
   const float* grad_aux_loss = nullptr;    // []: with saved_counts, the forward's counts [E]
   const int64_t* saved_counts = nullptr;
   float* grad_logits = nullptr;
+  // Optional, the logits' backward's operands written by the same launch (router_grad_split's
+  // hilo and stacked, below): no split launch after it.
+  void* grad_hilo = nullptr;           // [T, 2E] bf16
+  const void* split_weight = nullptr;  // [E, H] bf16, contiguous; with stacked
+  void* stacked = nullptr;             // [2E, H] bf16
+  int64_t hidden = 0;                  // H
 };
 
 int64_t router_forward_scratch_words(int64_t experts);
@@ -91,5 +102,16 @@ struct RouterGradSplitParams {
   int64_t hidden = 0;
 };
 void launch_router_grad_split(const RouterGradSplitParams& params, cudaStream_t stream);
+
+// The weight's gradient from its two fp32 halves, hiᵀ·x in rows [0, E) and loᵀ·x in [E, 2E) of
+// one product [2E, H]: out [E, H] bf16 = their sum, rounded once (ATen's add into bf16 rounds the
+// same, but element by element for the dtype change: 3 µs on moe-lm's 32 × 1024).
+struct RouterHalvesSumParams {
+  const float* halves = nullptr;  // [2E, H], contiguous
+  void* out = nullptr;            // [E, H] bf16, contiguous
+  int64_t experts = 0;
+  int64_t hidden = 0;
+};
+void launch_router_halves_sum(const RouterHalvesSumParams& params, cudaStream_t stream);
 
 }  // namespace torchmoe::kernels

@@ -154,6 +154,10 @@ MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_f
     // the host.
     const ops::IndexTrust trust =
         router->options.capacity_factor() ? ops::IndexTrust::kChecked : ops::IndexTrust::kDropless;
+    // The rows' probabilities' gradient to the router's top-k through the link, where the router
+    // hands its probabilities over unchanged (a capacity masks them first).
+    const std::shared_ptr<autograd::RouterGradLink> probs_link =
+        router->options.capacity_factor() ? nullptr : link;
     if (options.expert_parallel()) {
       const PermutedTokens routed = autograd::permute_tokens(
           tokens, routing.indices, options.num_experts(), routing.probs, trust);
@@ -161,7 +165,7 @@ MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_f
                                               routed, std::nullopt);
     } else if (options.fuse_permutation().value_or(fp8::enabled())) {
       const PermutedTokens routed = autograd::route_tokens(
-          tokens, routing.indices, options.num_experts(), routing.probs, trust);
+          tokens, routing.indices, options.num_experts(), routing.probs, trust, probs_link);
       // In FP8 the unpermute's backward quantizes fc2's output gradient from the rows of the
       // layer's, so the permuted 16-bit gradient is not written either.
       std::shared_ptr<autograd::Fp8GradLink> grad_link;
@@ -173,7 +177,7 @@ MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_f
       // Top-1 and top-2 routing on the sm90 kernel: the unpermute inside fc2's GEMM and the
       // permutation's backward inside fc1's dgrad (GroupedMLP::forward_combined).
       const PermutedTokens routed = autograd::route_tokens(
-          tokens, routing.indices, options.num_experts(), routing.probs, trust);
+          tokens, routing.indices, options.num_experts(), routing.probs, trust, probs_link);
       out.output = experts->forward_combined(tokens, routed, is_first_microbatch);
     }
   }

@@ -151,7 +151,7 @@ RouterOutput TopKRouterImpl::forward(const torch::Tensor& x,
   const torch::autograd::variable_list scored = autograd::RouterTopKFunction::apply(
       logits, expert_bias.defined() ? std::optional(expert_bias) : std::nullopt, topk,
       o.score_function() == RouterScore::kSigmoid, o.normalize_topk() && topk > 1, want_aux,
-      aux_scale);
+      aux_scale, grad_link);
 
   RouterOutput out;
   out.indices = scored[0];

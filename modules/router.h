@@ -103,7 +103,9 @@ class TopKRouterImpl : public torch::nn::Cloneable<TopKRouterImpl> {
 
   /// x [..., hidden] (T = x.numel() / hidden tokens). grad_link: for MoELayer, which forks x
   /// between the router and the permutation (autograd::ForkFunction) and takes the router's
-  /// gradient of x through it.
+  /// gradient of x through it, and may hand the probabilities' gradient to the router through
+  /// it (autograd::route_tokens); the router's two Functions also pass the logits' gradient
+  /// split in bf16 halves through it.
   RouterOutput forward(const torch::Tensor& x,
                        const std::shared_ptr<autograd::RouterGradLink>& grad_link = nullptr);
 

@@ -97,7 +97,7 @@ at::Tensor router_logits(const at::Tensor& x, const at::Tensor& weight) {
 
 RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at::Tensor& x,
                                          const at::Tensor& weight, RouterGradX grad_x,
-                                         bool need_grad_weight) {
+                                         bool need_grad_weight, const RouterGradXProduct& split) {
   check_operands(x, weight);
   TORCH_CHECK(grad_logits.defined() && grad_logits.dim() == 2 && grad_logits.size(0) == x.size(0) &&
                   grad_logits.size(1) == weight.size(0),
@@ -112,31 +112,51 @@ RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at
   product.out_dtype = x.scalar_type();
   const bool need_grad_x = grad_x != RouterGradX::kNone;
   // bf16 only: fp16's narrow exponent range makes the small halves of small gradients subnormal.
-  if (tensor_core_path(x, weight) && x.scalar_type() == at::kBFloat16) {
-    // [hi | lo] and [W; W] (kernels/router.h) in one launch: each product below is then one GEMM
-    // over both halves.
+  const bool halves = tensor_core_path(x, weight) && x.scalar_type() == at::kBFloat16;
+  const int64_t tokens = x.size(0), experts = weight.size(0);
+  if (split.lhs.defined()) {
+    TORCH_CHECK(
+        halves && split.lhs.sizes() == at::IntArrayRef({tokens, 2 * experts}) &&
+            split.lhs.scalar_type() == at::kBFloat16 &&
+            (!need_grad_x || (split.rhs.defined() &&
+                              split.rhs.sizes() == at::IntArrayRef({2 * experts, x.size(1)}))),
+        kOp, ": split must be router_topk_backward's split for bf16 x and weight on ", "CUDA ([",
+        tokens, ", ", 2 * experts, "] and [", 2 * experts, ", ", x.size(1), "] bf16), got ",
+        split.lhs.sizes(), " ", split.lhs.scalar_type(), " for ", x.scalar_type(), " x on ",
+        x.device());
+  }
+  if (halves) {
+    // [hi | lo] and [W; W] (kernels/router.h) in one launch, or the top-k's launch when it wrote
+    // them: each product below is then one GEMM over both halves.
     const c10::cuda::CUDAGuard guard(x.device());
-    const at::Tensor g = grad_logits.to(at::kFloat).contiguous();
-    const at::Tensor w = need_grad_x ? weight.contiguous() : at::Tensor();
-    const int64_t tokens = g.size(0), experts = g.size(1);
-    product.lhs = at::empty({tokens, 2 * experts}, x.options());
-    if (need_grad_x) product.rhs = at::empty({2 * experts, x.size(1)}, x.options());
-    kernels::RouterGradSplitParams p;
-    p.grad = g.const_data_ptr<float>();
-    p.hilo = product.lhs.data_ptr();
-    p.tokens = tokens;
-    p.experts = experts;
-    p.weight = need_grad_x ? w.const_data_ptr() : nullptr;
-    p.stacked = need_grad_x ? product.rhs.data_ptr() : nullptr;
-    p.hidden = x.size(1);
-    kernels::launch_router_grad_split(p, at::cuda::getCurrentCUDAStream().stream());
+    if (split.lhs.defined()) {
+      product.lhs = split.lhs;
+      if (need_grad_x) product.rhs = split.rhs;
+    } else {
+      const at::Tensor g = grad_logits.to(at::kFloat).contiguous();
+      const at::Tensor w = need_grad_x ? weight.contiguous() : at::Tensor();
+      product.lhs = at::empty({tokens, 2 * experts}, x.options());
+      if (need_grad_x) product.rhs = at::empty({2 * experts, x.size(1)}, x.options());
+      kernels::RouterGradSplitParams p;
+      p.grad = g.const_data_ptr<float>();
+      p.hilo = product.lhs.data_ptr();
+      p.tokens = tokens;
+      p.experts = experts;
+      p.weight = need_grad_x ? w.const_data_ptr() : nullptr;
+      p.stacked = need_grad_x ? product.rhs.data_ptr() : nullptr;
+      p.hidden = x.size(1);
+      kernels::launch_router_grad_split(p, at::cuda::getCurrentCUDAStream().stream());
+    }
     if (need_grad_weight) {
-      // Rows [0, E) are hiᵀ·x, rows [E, 2E) loᵀ·x: their fp32 sum, rounded once (one add into
-      // the weight's dtype; a sum over the halves and a cast were two launches, 5 µs on moe-lm).
+      // Rows [0, E) are hiᵀ·x, rows [E, 2E) loᵀ·x: their fp32 sum, rounded once.
       const at::Tensor halves = at::mm(product.lhs.t(), x, at::kFloat);
       grads.grad_weight = at::empty_like(weight, at::MemoryFormat::Contiguous);
-      at::add_out(grads.grad_weight, halves.narrow(0, 0, experts),
-                  halves.narrow(0, experts, experts));
+      kernels::RouterHalvesSumParams p;
+      p.halves = halves.const_data_ptr<float>();
+      p.out = grads.grad_weight.data_ptr();
+      p.experts = experts;
+      p.hidden = x.size(1);
+      kernels::launch_router_halves_sum(p, at::cuda::getCurrentCUDAStream().stream());
     }
   } else {
     const at::ScalarType compute = logits_type(x, weight);
@@ -240,11 +260,12 @@ RouterTopK router_topk(const at::Tensor& logits, const at::Tensor& expert_bias,
   return out;
 }
 
-at::Tensor router_topk_backward(const at::Tensor& logits, const at::Tensor& indices,
-                                const at::Tensor& probs, const at::Tensor& grad_probs,
-                                const at::Tensor& grad_aux, const at::Tensor& grad_lse,
-                                const RouterScoring& scoring, const at::Tensor& counts,
-                                const at::Tensor& grad_aux_loss) {
+RouterTopKGrads router_topk_backward(const at::Tensor& logits, const at::Tensor& indices,
+                                     const at::Tensor& probs, const at::Tensor& grad_probs,
+                                     const at::Tensor& grad_aux, const at::Tensor& grad_lse,
+                                     const RouterScoring& scoring, const at::Tensor& counts,
+                                     const at::Tensor& grad_aux_loss,
+                                     const RouterTopKLinks& links) {
   check_logits(logits, scoring);
   const int64_t tokens = logits.size(0), experts = logits.size(1);
   // The forward's outputs: indices and probs as router_topk returned them.
@@ -280,10 +301,51 @@ at::Tensor router_topk_backward(const at::Tensor& logits, const at::Tensor& indi
                 kTopKOp, ": grad_aux_loss needs the forward's counts, a contiguous int64 [",
                 experts, "] tensor on ", logits.device());
   }
+  const at::Tensor& rows = links.grad_probs_rows;
+  const at::Tensor& row_map = links.probs_row_map;
+  TORCH_CHECK(rows.defined() == row_map.defined(), kTopKOp,
+              ": grad_probs_rows and probs_row_map go together, got only ",
+              rows.defined() ? "grad_probs_rows" : "probs_row_map");
+  if (rows.defined()) {
+    TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == logits.scalar_type() &&
+                    rows.device() == logits.device() && rows.is_contiguous(),
+                kTopKOp, ": grad_probs_rows must be a contiguous 1-D ", logits.scalar_type(),
+                " tensor on ", logits.device(), ", got ", rows.sizes(), " ", rows.scalar_type(),
+                " on ", rows.device());
+    TORCH_CHECK(row_map.sizes() == at::IntArrayRef({tokens, scoring.topk}) &&
+                    row_map.scalar_type() == at::kLong && row_map.device() == logits.device() &&
+                    row_map.is_contiguous(),
+                kTopKOp, ": probs_row_map must be a contiguous int64 [", tokens, ", ", scoring.topk,
+                "] tensor on ", logits.device(), ", got ", row_map.sizes(), " ",
+                row_map.scalar_type(), " on ", row_map.device());
+  }
+  const at::Tensor& split_weight = links.split_weight;
+  TORCH_CHECK(!split_weight.defined() ||
+                  (split_weight.dim() == 2 && split_weight.size(0) == experts &&
+                   split_weight.scalar_type() == at::kBFloat16 &&
+                   split_weight.device() == logits.device() && split_weight.is_contiguous()),
+              kTopKOp, ": split_weight must be the router's contiguous bf16 [", experts,
+              ", hidden] weight on ", logits.device(), ", got ",
+              split_weight.defined() ? split_weight.sizes() : at::IntArrayRef{});
+  RouterTopKGrads grads;
   if (select_topk_backend(logits) == TopKBackend::kCuda) {
     const c10::cuda::CUDAGuard guard(logits.device());
     at::Tensor grad_logits = at::empty_like(logits);
     kernels::RouterParams p = kernel_params(logits, scoring);
+    if (rows.defined()) {
+      p.grad_probs_rows = rows.const_data_ptr<float>();
+      p.probs_row_map = row_map.const_data_ptr<int64_t>();
+    }
+    if (split_weight.defined()) {
+      const int64_t hidden = split_weight.size(1);
+      grads.split.lhs = at::empty({tokens, 2 * experts}, split_weight.options());
+      grads.split.rhs = at::empty({2 * experts, hidden}, split_weight.options());
+      grads.split.out_dtype = at::kBFloat16;
+      p.grad_hilo = grads.split.lhs.data_ptr();
+      p.split_weight = split_weight.const_data_ptr();
+      p.stacked = grads.split.rhs.data_ptr();
+      p.hidden = hidden;
+    }
     p.saved_indices = indices.const_data_ptr<int64_t>();
     p.saved_probs = probs.const_data_ptr<float>();
     p.grad_probs = optional_data(grad_probs);
@@ -296,7 +358,8 @@ at::Tensor router_topk_backward(const at::Tensor& logits, const at::Tensor& indi
     }
     p.grad_logits = grad_logits.data_ptr<float>();
     kernels::launch_router_backward(p, at::cuda::getCurrentCUDAStream().stream());
-    return grad_logits;
+    grads.grad_logits = std::move(grad_logits);
+    return grads;
   }
   const at::Tensor s = aten_scores(logits, scoring);
   at::Tensor ds = at::zeros_like(s);
@@ -315,11 +378,18 @@ at::Tensor router_topk_backward(const at::Tensor& logits, const at::Tensor& indi
       ds = ds + ga;
     }
   }
-  if (grad_probs.defined() && grad_probs.numel() > 0) {
-    at::Tensor g = grad_probs;
+  // probs' whole gradient: the argument's and the rows' read through the map.
+  at::Tensor gp = grad_probs.defined() && grad_probs.numel() > 0 ? grad_probs : at::Tensor();
+  if (rows.defined()) {
+    const at::Tensor linked = at::where(
+        row_map >= 0, rows.index_select(0, row_map.clamp_min(0).reshape(-1)).view_as(row_map), 0);
+    gp = gp.defined() ? gp + linked : linked;
+  }
+  if (gp.defined()) {
+    at::Tensor g = gp;
     if (scoring.normalize) {
       const at::Tensor chosen_sum = s.gather(1, indices).sum(1, true) + kernels::kRouterNormEps;
-      g = (grad_probs - (grad_probs * probs).sum(1, true)) / chosen_sum;
+      g = (gp - (gp * probs).sum(1, true)) / chosen_sum;
     }
     ds = ds.scatter_add(1, indices, g);
   }
@@ -327,7 +397,8 @@ at::Tensor router_topk_backward(const at::Tensor& logits, const at::Tensor& indi
   if (grad_lse.defined() && grad_lse.numel() > 0) {
     grad_logits = grad_logits + grad_lse.unsqueeze(1) * at::softmax(logits, 1);
   }
-  return grad_logits;
+  grads.grad_logits = std::move(grad_logits);
+  return grads;
 }
 
 }  // namespace torchmoe::ops

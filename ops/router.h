@@ -15,7 +15,8 @@
 //   grad_W = hiᵀ · x + loᵀ · x           (one GEMM [hi | lo]ᵀ · x, its two fp32 halves added,
 //                                         W's dtype out)
 // The split is one launch writing [hi | lo] and, for grad_x, [W; W] (kernels/router.h), not five
-// ATen ops and a concatenation.
+// ATen ops and a concatenation; or none, when router_topk_backward's launch wrote them with the
+// gradient (RouterTopKLinks::split_weight).
 // A softmax router's gradient rows sum to zero, so grad_x cancels: with hi alone, 8 071 of the
 // 66 600 grad_x elements of a [333, 200] × 24-expert case (test/ops/test_router.cpp) were off by
 // more than 2 units in the last place of bf16 (plus a small absolute floor); with hi + lo none.
@@ -53,9 +54,12 @@ enum class RouterGradX {
   kDeferred,  // returned as grad_x_product
 };
 
+// With `split` (router_topk_backward's split of this very grad_logits, made by its launch), the
+// products take it instead of splitting grad_logits again.
 RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at::Tensor& x,
                                          const at::Tensor& weight, RouterGradX grad_x,
-                                         bool need_grad_weight);
+                                         bool need_grad_weight,
+                                         const RouterGradXProduct& split = {});
 
 // grad_x = product.lhs · product.rhs, in product.out_dtype; with an addend ([T, H] in that dtype,
 // contiguous: another branch's gradient of x), the addend plus it. Where the product's operands
@@ -91,12 +95,31 @@ struct RouterTopK {
 RouterTopK router_topk(const at::Tensor& logits, const at::Tensor& expert_bias,
                        const RouterScoring& scoring);
 
+// What router_topk_backward may also read and write for the functions around it (the links of
+// autograd/router_function.h), each part optional.
+struct RouterTopKLinks {
+  // probs' gradient in a permutation's row order, [N] fp32, with the permutation's row_map [T, k]
+  // (each slot's row, -1 for none): added to grad_probs, so that the permutation's backward needs
+  // no launch of its own.
+  at::Tensor grad_probs_rows;
+  at::Tensor probs_row_map;
+  // The router's bf16 weight [E, H]: on the kernel's path with bf16 x, the same launch also
+  // writes router_logits_backward's split of grad_logits ([hi | lo] and [W; W]).
+  at::Tensor split_weight;
+};
+
+struct RouterTopKGrads {
+  at::Tensor grad_logits;    // [T, E]
+  RouterGradXProduct split;  // with links.split_weight on the kernel's path, else undefined
+};
+
 // grad_logits [T, E] from the gradients of probs [T, k], aux_sums [E], lse [T] and aux_loss []
 // (each undefined when none); grad_aux_loss needs the forward's counts.
-at::Tensor router_topk_backward(const at::Tensor& logits, const at::Tensor& indices,
-                                const at::Tensor& probs, const at::Tensor& grad_probs,
-                                const at::Tensor& grad_aux, const at::Tensor& grad_lse,
-                                const RouterScoring& scoring, const at::Tensor& counts = {},
-                                const at::Tensor& grad_aux_loss = {});
+RouterTopKGrads router_topk_backward(const at::Tensor& logits, const at::Tensor& indices,
+                                     const at::Tensor& probs, const at::Tensor& grad_probs,
+                                     const at::Tensor& grad_aux, const at::Tensor& grad_lse,
+                                     const RouterScoring& scoring, const at::Tensor& counts = {},
+                                     const at::Tensor& grad_aux_loss = {},
+                                     const RouterTopKLinks& links = {});
 
 }  // namespace torchmoe::ops

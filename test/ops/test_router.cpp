@@ -130,6 +130,23 @@ TEST_CASE("router logits: the cast path (CPU, mixed dtypes) and errors", "[ops][
       Contains("grad_logits must be [tokens=17, experts=6]"));
 }
 
+// The weight gradient's halves summed by 16-byte pieces where E·H allows and one at a time for the
+// rest: 7 × 203 leaves 1 element past the last piece, 7 × 1 is all rest.
+TEST_CASE("router logits: the weight gradient for any experts × hidden (bf16)",
+          "[ops][router][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const int64_t hidden = GENERATE(203, 1);
+  INFO("hidden=" << hidden);
+  const Case c = make_case(torch::kBFloat16, torch::kCUDA, 97, hidden, 7);
+  const auto grads = torchmoe::ops::router_logits_backward(c.grad_logits, c.x, c.weight,
+                                                           torchmoe::ops::RouterGradX::kNone, true);
+  const torch::Tensor dw =
+      c.grad_logits.to(torch::kCPU, torch::kFloat64).t().mm(c.x.to(torch::kCPU, torch::kFloat64));
+  const double ulp = unit_roundoff(torch::kBFloat16);
+  check_close(grads.grad_weight, dw, {2 * ulp, 1e-3 * ulp * dw.abs().max().item<double>()},
+              "grad weight");
+}
+
 TEST_CASE("router top-k: the CUDA kernel matches the ATen path", "[ops][router][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
   const bool sigmoid = GENERATE(false, true);
@@ -196,13 +213,17 @@ TEST_CASE("router top-k: the CUDA kernel matches the ATen path", "[ops][router][
       return absent == which ? torch::Tensor() : g;
     };
     // Both through the kernel's choices and counts.
-    const torch::Tensor expected = torchmoe::ops::router_topk_backward(
-        logits, indices, cuda.probs.cpu(), pick(1, grad_probs), pick(2, grad_aux),
-        pick(3, grad_lse), scoring, cuda.counts.cpu(), pick(4, grad_loss));
-    const torch::Tensor actual = torchmoe::ops::router_topk_backward(
-        logits.cuda(), cuda.indices, cuda.probs, on_cuda(pick(1, grad_probs)),
-        on_cuda(pick(2, grad_aux)), on_cuda(pick(3, grad_lse)), scoring, cuda.counts,
-        on_cuda(pick(4, grad_loss)));
+    const torch::Tensor expected =
+        torchmoe::ops::router_topk_backward(logits, indices, cuda.probs.cpu(), pick(1, grad_probs),
+                                            pick(2, grad_aux), pick(3, grad_lse), scoring,
+                                            cuda.counts.cpu(), pick(4, grad_loss))
+            .grad_logits;
+    const torch::Tensor actual =
+        torchmoe::ops::router_topk_backward(logits.cuda(), cuda.indices, cuda.probs,
+                                            on_cuda(pick(1, grad_probs)),
+                                            on_cuda(pick(2, grad_aux)), on_cuda(pick(3, grad_lse)),
+                                            scoring, cuda.counts, on_cuda(pick(4, grad_loss)))
+            .grad_logits;
     check_close(actual, expected, {1e-4, 1e-6}, "grad logits");
   }
   // Indices that router_topk cannot have written (past the experts in token 0, negative in the
@@ -217,7 +238,8 @@ TEST_CASE("router top-k: the CUDA kernel matches the ATen path", "[ops][router][
   const auto all_gradients = [&](const torch::Tensor& indices) {
     return torchmoe::ops::router_topk_backward(logits.cuda(), indices, cuda.probs,
                                                grad_probs.cuda(), grad_aux.cuda(), grad_lse.cuda(),
-                                               scoring);
+                                               scoring)
+        .grad_logits;
   };
   const torch::Tensor passed_over = all_gradients(wild);
   const torch::Tensor valid = all_gradients(cuda.indices);
@@ -352,8 +374,8 @@ TEST_CASE("router top-k rejects bad arguments", "[ops][router][errors]") {
                             const torch::Tensor& probs, int64_t topk) {
     torchmoe::ops::RouterScoring s = scoring;
     s.topk = topk;
-    return torchmoe::ops::router_topk_backward(l, indices, probs, torch::ones({5, topk}), {}, {},
-                                               s);
+    return torchmoe::ops::router_topk_backward(l, indices, probs, torch::ones({5, topk}), {}, {}, s)
+        .grad_logits;
   };
   CHECK_THROWS_WITH(backward(logits.view({20}), out.indices, out.probs, 2),
                     Contains("router_topk: logits must be 2-D [tokens, experts > 0], got [20]"));
@@ -409,4 +431,137 @@ TEST_CASE("router logits backward rejects operands it cannot multiply", "[ops][r
   CHECK(mixed_added.data_ptr() != kept.data_ptr());
   CHECK(torch::equal(kept, addend));
   check_close(mixed_added, addend + grad.matmul(weight), {1e-6, 1e-6}, "grad x, fp64 product");
+}
+
+namespace {
+
+// A permutation's row map [T, k] for the links: every slot a distinct row of N, and the slots
+// `dropped` lists as -1 (no row: no gradient). Rows in a shuffled order, as a routing map's.
+torch::Tensor shuffled_row_map(int64_t tokens, int64_t topk, int64_t rows,
+                               std::initializer_list<int64_t> dropped) {
+  torch::Tensor map = torch::randperm(rows).narrow(0, 0, tokens * topk).clone();
+  for (const int64_t slot : dropped) map[slot] = -1;
+  return map.view({tokens, topk});
+}
+
+// probs' gradient read through the map: its slots' rows, 0 where no row.
+torch::Tensor gathered(const torch::Tensor& rows, const torch::Tensor& map) {
+  return torch::where(map >= 0, rows.index_select(0, map.clamp_min(0).reshape(-1)).view_as(map),
+                      torch::zeros({}, rows.options()));
+}
+
+}  // namespace
+
+// RouterTopKLinks' probabilities' gradient in row order (a permutation's, through its map): the
+// same as that gradient gathered into slot order and added to grad_probs, on the ATen path (CPU)
+// and the kernel's (CUDA).
+TEST_CASE("router top-k backward reads probs' gradient through a row map", "[ops][router]") {
+  const bool cuda = GENERATE(false, true);
+  if (cuda && !torch::cuda::is_available()) {
+    WARN("no CUDA device: the kernel's case skipped");
+    return;
+  }
+  const bool with_grad_probs = GENERATE(false, true);
+  INFO("cuda=" << cuda << " with grad_probs=" << with_grad_probs);
+  torch::manual_seed(83);
+  const torch::Device device = cuda ? torch::kCUDA : torch::kCPU;
+  const int64_t tokens = 77, experts = 12, topk = 2, rows = 170;  // rows past T·k: padding
+  const torch::Tensor logits = (torch::randn({tokens, experts}) * 2).to(device);
+  torchmoe::ops::RouterScoring scoring;
+  scoring.topk = topk;
+  scoring.normalize = true;
+  const auto out = torchmoe::ops::router_topk(logits, {}, scoring);
+  torchmoe::ops::RouterTopKLinks links;
+  links.grad_probs_rows = torch::randn({rows}).to(device);
+  links.probs_row_map = shuffled_row_map(tokens, topk, rows, {0, 2 * tokens - 1}).to(device);
+  const torch::Tensor grad_probs =
+      with_grad_probs ? torch::randn({tokens, topk}).to(device) : torch::Tensor();
+  const torch::Tensor from_rows = gathered(links.grad_probs_rows, links.probs_row_map);
+  const torch::Tensor expected =
+      torchmoe::ops::router_topk_backward(logits, out.indices, out.probs,
+                                          with_grad_probs ? grad_probs + from_rows : from_rows, {},
+                                          {}, scoring)
+          .grad_logits;
+  const torchmoe::ops::RouterTopKGrads linked = torchmoe::ops::router_topk_backward(
+      logits, out.indices, out.probs, grad_probs, {}, {}, scoring, {}, {}, links);
+  CHECK_FALSE(linked.split.lhs.defined());
+  check_close(linked.grad_logits, expected, {1e-6, 1e-7}, "grad logits");
+}
+
+// RouterTopKLinks' split_weight: the kernel also writes [hi | lo] of the gradient it returns and
+// [W; W], the very operands router_logits_backward's own split launch makes, so that its products
+// are the same bits with the split handed over.
+TEST_CASE("router top-k backward splits its gradient for the logits' backward",
+          "[ops][router][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const int64_t tokens = GENERATE(0, 1, 333);  // none (only [W; W] written); one; not a tile
+  INFO("tokens=" << tokens);
+  torch::manual_seed(89);
+  const int64_t experts = 24, hidden = 200;
+  const auto bf16 = torch::TensorOptions(torch::kBFloat16).device(torch::kCUDA);
+  const torch::Tensor x = torch::randn({tokens, hidden}, bf16);
+  const torch::Tensor weight = torch::randn({experts, hidden}, bf16) * 0.05;
+  const torch::Tensor logits = torchmoe::ops::router_logits(x, weight);
+  torchmoe::ops::RouterScoring scoring;
+  scoring.topk = 2;
+  scoring.normalize = true;
+  const auto out = torchmoe::ops::router_topk(logits, {}, scoring);
+  const torch::Tensor grad_probs = torch::randn({tokens, 2}, bf16.dtype(torch::kFloat32));
+  const torch::Tensor grad_lse = torch::randn({tokens}, bf16.dtype(torch::kFloat32));
+  torchmoe::ops::RouterTopKLinks links;
+  links.split_weight = weight;
+  const auto plain = torchmoe::ops::router_topk_backward(logits, out.indices, out.probs, grad_probs,
+                                                         {}, grad_lse, scoring);
+  const auto split = torchmoe::ops::router_topk_backward(logits, out.indices, out.probs, grad_probs,
+                                                         {}, grad_lse, scoring, {}, {}, links);
+  REQUIRE(split.split.lhs.defined());
+  CHECK(torch::equal(split.grad_logits, plain.grad_logits));
+  using torchmoe::ops::RouterGradX;
+  const auto own = torchmoe::ops::router_logits_backward(plain.grad_logits, x, weight,
+                                                         RouterGradX::kDeferred, true);
+  CHECK(torch::equal(split.split.lhs, own.grad_x_product.lhs));
+  CHECK(torch::equal(split.split.rhs, torch::cat({weight, weight}, 0)));
+  const auto handed = torchmoe::ops::router_logits_backward(
+      split.grad_logits, x, weight, RouterGradX::kDeferred, true, split.split);
+  CHECK(handed.grad_x_product.lhs.data_ptr() == split.split.lhs.data_ptr());
+  CHECK(torch::equal(handed.grad_weight, own.grad_weight));
+  CHECK(torch::equal(torchmoe::ops::router_grad_x(handed.grad_x_product),
+                     torchmoe::ops::router_grad_x(own.grad_x_product)));
+}
+
+TEST_CASE("router top-k backward rejects links it cannot use", "[ops][router][errors]") {
+  const torch::Tensor logits = torch::randn({5, 4});
+  torchmoe::ops::RouterScoring scoring;
+  scoring.topk = 2;
+  const auto out = torchmoe::ops::router_topk(logits, {}, scoring);
+  const auto backward = [&](const torchmoe::ops::RouterTopKLinks& links) {
+    return torchmoe::ops::router_topk_backward(logits, out.indices, out.probs, {}, {}, {}, scoring,
+                                               {}, {}, links);
+  };
+  torchmoe::ops::RouterTopKLinks links;
+  links.grad_probs_rows = torch::zeros({12});
+  CHECK_THROWS_WITH(backward(links), Contains("grad_probs_rows and probs_row_map go together, "
+                                              "got only grad_probs_rows"));
+  links.probs_row_map = torch::zeros({5, 3}, torch::kLong);
+  CHECK_THROWS_WITH(backward(links),
+                    Contains("probs_row_map must be a contiguous int64 [5, 2] tensor on cpu, got "
+                             "[5, 3] Long on cpu"));
+  links.probs_row_map = torch::zeros({5, 2}, torch::kLong);
+  links.grad_probs_rows = torch::zeros({12}, torch::kFloat64);
+  CHECK_THROWS_WITH(backward(links),
+                    Contains("grad_probs_rows must be a contiguous 1-D Float tensor on cpu, got "
+                             "[12] Double on cpu"));
+  torchmoe::ops::RouterTopKLinks weight_only;
+  weight_only.split_weight = torch::zeros({4, 8});
+  CHECK_THROWS_WITH(backward(weight_only),
+                    Contains("split_weight must be the router's contiguous bf16 [4, hidden] "
+                             "weight on cpu, got [4, 8]"));
+  // A split is only taken where the backward makes bf16 halves (bf16 x and weight on CUDA).
+  torchmoe::ops::RouterGradXProduct split;
+  split.lhs = torch::zeros({5, 8}, torch::kBFloat16);
+  CHECK_THROWS_WITH(
+      torchmoe::ops::router_logits_backward(logits, torch::randn({5, 8}), torch::randn({4, 8}),
+                                            torchmoe::ops::RouterGradX::kNone, true, split),
+      Contains("split must be router_topk_backward's split for bf16 x and weight "
+               "on CUDA"));
 }
