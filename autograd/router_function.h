@@ -25,6 +25,10 @@ namespace torchmoe::autograd {
 // - the routing probabilities' gradient in the permuted rows' order, from the PermuteFunction
 //   that put them in that order (route_tokens) to RouterTopKFunction, which reads it through the
 //   row map (no launch for the permutation's backward).
+// A link serves one forward (MoELayer makes one per call); its backward parts are taken and
+// cleared as they are used. The probabilities' part is the one a shared link would mix up:
+// route_tokens checks that its probs come from the top-k holding the link, and PermuteFunction
+// refuses to hand over rows while another permutation's wait in it.
 struct RouterGradLink {
   // Set by the caller: the fork's second output goes to one Function whose backward returns a
   // tensor of its own (MoELayer's permutation), so the product may be added into it in place;

@@ -1,5 +1,7 @@
 #include "torchmoe/autograd/token_permutation_function.h"
 
+#include <string>
+
 #include "torchmoe/autograd/once_differentiable.h"
 #include "torchmoe/autograd/saved_link.h"
 #include "torchmoe/ops/token_permutation.h"
@@ -26,6 +28,8 @@ variable_list PermuteFunction::backward(AutogradContext* ctx, variable_list grad
   const std::shared_ptr<RouterGradLink> link = saved_link<RouterGradLink>(ctx);
   if (link && ctx->needs_input_grad(0) && grad_outputs[0].defined()) {
     // The router's backward reads these through the map: no gradient of its own here.
+    TORCH_CHECK(!link->probs_grad_rows.defined(), "PermuteFunction: the RouterGradLink still ",
+                "holds another permutation's gradient; a link serves one forward");
     link->probs_grad_rows = grad_outputs[0];
     link->probs_row_map = row_map;
   } else if (ctx->needs_input_grad(0)) {
@@ -119,6 +123,17 @@ PermutedTokens route_tokens(const at::Tensor& tokens, const at::Tensor& indices,
   }
   // float32 probabilities are put in row order by the map's own pass.
   const bool fp32_probs = has_probs && probs->scalar_type() == at::kFloat;
+  if (probs_link && has_probs && probs->requires_grad()) {
+    // The rows' gradient goes to the top-k through the link, as the gradient of its own output:
+    // probs must be that output, unchanged (a product or mask in between would be skipped).
+    auto* top_k =
+        dynamic_cast<torch::autograd::CppNode<RouterTopKFunction>*>(probs->grad_fn().get());
+    TORCH_CHECK(top_k != nullptr && probs->output_nr() == 1 &&
+                    saved_link<RouterGradLink>(&top_k->ctx_) == probs_link,
+                "route_tokens: with a probs_link, probs must be the probabilities of the "
+                "RouterTopKFunction given that link, unchanged; got a tensor from ",
+                probs->grad_fn() ? probs->grad_fn()->name() : std::string("no function"));
+  }
   ops::RoutingMap map =
       ops::make_routing_map(indices, num_experts, trust, fp32_probs ? *probs : at::Tensor());
   PermutedTokens out;

@@ -86,15 +86,19 @@ __device__ __forceinline__ void store2(__half* p, float a, float b) {
 template <typename T>
 __device__ __forceinline__ T warp_sum(T v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  // 32-bit integers in one redux.sync instead of five dependent shuffles.
-  if constexpr (std::is_same_v<T, int32_t> || std::is_same_v<T, uint32_t>) {
-    return __reduce_add_sync(0xffffffffu, v);
-  }
+  constexpr bool kRedux = std::is_same_v<T, int32_t> || std::is_same_v<T, uint32_t>;
+#else
+  constexpr bool kRedux = false;
 #endif
+  if constexpr (kRedux) {
+    // 32-bit integers in one redux.sync instead of five dependent shuffles.
+    return __reduce_add_sync(0xffffffffu, v);
+  } else {
 #pragma unroll
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2)
-    v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
+    for (int offset = kWarpSize / 2; offset > 0; offset /= 2)
+      v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
+  }
 }
 
 // The max over the warp (fmaxf: a NaN lane is ignored unless every lane is NaN); every lane gets

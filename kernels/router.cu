@@ -252,6 +252,16 @@ __device__ __forceinline__ ChosenSlot load_slot(const RouterParams& p, int64_t s
   return {p.saved_indices[slot], p.saved_probs[slot], grad};
 }
 
+// The 16-byte pieces of W the backward copies into [W; W] as such: all of W when its size and
+// both addresses allow (the second copy then starts at a piece too), else none.
+__host__ __device__ int64_t stacked_pieces(const RouterParams& p) {
+  const int64_t w = p.experts * p.hidden;
+  const bool aligned =
+      ((reinterpret_cast<uintptr_t>(p.split_weight) | reinterpret_cast<uintptr_t>(p.stacked)) %
+       16) == 0;
+  return p.stacked && w % 8 == 0 && aligned ? w / 8 : 0;
+}
+
 // Shared memory of the backward: per warp its scores and their gradient [E] each (fp32).
 __host__ __device__ size_t backward_warp_bytes(int64_t experts) {
   return static_cast<size_t>(2 * experts) * sizeof(float);
@@ -347,12 +357,20 @@ __global__ void __launch_bounds__(kMaxThreads, 3) router_backward_kernel(const R
   }
   if (p.stacked) {
     // [W; W] for the logits' backward, after the tokens (its loads would hold up this thread's
-    // first token): W is E·H elements, a few per thread of the grid.
+    // first token): W's E·H elements over the grid, by 16-byte pieces where its size and
+    // addresses allow (the launch has enough blocks for them), the rest one at a time.
     const auto* weight = static_cast<const __nv_bfloat16*>(p.split_weight);
     auto* stacked = static_cast<__nv_bfloat16*>(p.stacked);
     const int64_t w = p.experts * p.hidden;
-    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < w;
-         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    const int64_t pieces = stacked_pieces(p);
+    for (int64_t i = first; i < pieces; i += stride) {
+      const uint4 v = reinterpret_cast<const uint4*>(weight)[i];
+      reinterpret_cast<uint4*>(stacked)[i] = v;
+      reinterpret_cast<uint4*>(stacked)[i + pieces] = v;
+    }
+    for (int64_t i = 8 * pieces + first; i < w; i += stride) {
       const __nv_bfloat16 v = weight[i];
       stacked[i] = v;
       stacked[i + w] = v;
@@ -403,18 +421,19 @@ __global__ void __launch_bounds__(kSplitThreads)
 }
 
 // A warp per token, `warps` per block (each needing `warp_bytes` of shared memory after
-// `block_bytes`), at least one block (the forward's last block writes the counts and sums even
-// for zero tokens), one wave at most.
+// `block_bytes`), and at least `min_threads` threads and one block (the forward's last block
+// writes the counts and sums even for zero tokens), one wave at most.
 template <typename Kernel>
 void launch(Kernel* kernel, const RouterParams& p, size_t block_bytes, size_t warp_bytes,
-            cudaStream_t stream) {
+            cudaStream_t stream, int64_t min_threads = 0) {
   TORCH_INTERNAL_ASSERT(block_bytes + warp_bytes <= kSharedBudget,
                         "router launch: one warp's shared memory exceeds the budget");
   const int warps = static_cast<int>(
       std::min<size_t>(kMaxWarpsPerBlock, (kSharedBudget - block_bytes) / warp_bytes));
   const int threads = warps * kWarpSize;
   const size_t shared = block_bytes + warps * warp_bytes;
-  const int64_t blocks = std::max<int64_t>(1, (p.tokens + warps - 1) / warps);
+  const int64_t blocks =
+      std::max<int64_t>({1, (p.tokens + warps - 1) / warps, (min_threads + threads - 1) / threads});
   kernel<<<one_wave_grid(kernel, threads, shared, blocks), threads, shared, stream>>>(p);
   TORCHMOE_CUDA_CHECK(cudaGetLastError());
 }
@@ -447,7 +466,13 @@ void launch_router_backward(const RouterParams& params, cudaStream_t stream) {
   TORCH_INTERNAL_ASSERT(!params.stacked || (params.split_weight && params.hidden > 0),
                         "launch_router_backward: stacked needs split_weight and hidden");
   if (params.tokens == 0 && !params.stacked) return;
-  launch(router_backward_kernel, params, 0, backward_warp_bytes(params.experts), stream);
+  // A thread per piece (or element) of [W; W]'s copy too: few tokens must not leave one block
+  // copying all of W.
+  const int64_t pieces = stacked_pieces(params);
+  const int64_t copy_threads =
+      params.stacked ? (pieces > 0 ? pieces : params.experts * params.hidden) : 0;
+  launch(router_backward_kernel, params, 0, backward_warp_bytes(params.experts), stream,
+         copy_threads);
 }
 
 void launch_router_grad_split(const RouterGradSplitParams& p, cudaStream_t stream) {

@@ -133,19 +133,21 @@ MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_f
     routing = router(flat);
     out.output = run_padded(flat, routing, is_first_microbatch);
   } else {
-    // x forked between the router and the permutation: the router's gradient of x is added to
-    // the permutation's by the router's own GEMM (autograd::ForkFunction), not by autograd. Not
-    // when x takes no gradient (the fork's node would be host time for nothing).
+    // The router's backward takes gradients from the functions around it through a link
+    // (autograd::RouterGradLink). x forked between the router and the permutation: the router's
+    // gradient of x is added to the permutation's by the router's own GEMM
+    // (autograd::ForkFunction), not by autograd. No fork when x takes no gradient (its node would
+    // be host time for nothing).
     std::shared_ptr<autograd::RouterGradLink> link;
     torch::Tensor tokens = flat;
-    if (flat.requires_grad() && torch::GradMode::is_enabled()) {
-      link = std::make_shared<autograd::RouterGradLink>();
+    if (torch::GradMode::is_enabled()) link = std::make_shared<autograd::RouterGradLink>();
+    if (link && flat.requires_grad()) {
       link->other_branch_exclusive = true;  // forked[1] goes to the permutation alone
       const torch::autograd::variable_list forked = autograd::ForkFunction::apply(flat, link);
       routing = router->forward(forked[0], link);
       tokens = forked[1];
     } else {
-      routing = router(flat);
+      routing = router->forward(flat, link);
     }
     // Without a capacity the router's top-k has no dropped slot, so the permuted row count is T·k
     // and the split sizes can stay on the device: no host sync in the layer when the experts'

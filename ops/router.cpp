@@ -112,12 +112,12 @@ RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at
   product.out_dtype = x.scalar_type();
   const bool need_grad_x = grad_x != RouterGradX::kNone;
   // bf16 only: fp16's narrow exponent range makes the small halves of small gradients subnormal.
-  const bool halves = tensor_core_path(x, weight) && x.scalar_type() == at::kBFloat16;
+  const bool split_path = tensor_core_path(x, weight) && x.scalar_type() == at::kBFloat16;
   const int64_t tokens = x.size(0), experts = weight.size(0);
   if (split.lhs.defined()) {
     TORCH_CHECK(
-        halves && split.lhs.sizes() == at::IntArrayRef({tokens, 2 * experts}) &&
-            split.lhs.scalar_type() == at::kBFloat16 &&
+        split_path && split.lhs.sizes() == at::IntArrayRef({tokens, 2 * experts}) &&
+            split.lhs.scalar_type() == at::kBFloat16 && split.lhs.device() == x.device() &&
             (!need_grad_x || (split.rhs.defined() &&
                               split.rhs.sizes() == at::IntArrayRef({2 * experts, x.size(1)}))),
         kOp, ": split must be router_topk_backward's split for bf16 x and weight on ", "CUDA ([",
@@ -125,7 +125,7 @@ RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at
         split.lhs.sizes(), " ", split.lhs.scalar_type(), " for ", x.scalar_type(), " x on ",
         x.device());
   }
-  if (halves) {
+  if (split_path) {
     // [hi | lo] and [W; W] (kernels/router.h) in one launch, or the top-k's launch when it wrote
     // them: each product below is then one GEMM over both halves.
     const c10::cuda::CUDAGuard guard(x.device());
@@ -150,6 +150,7 @@ RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at
     if (need_grad_weight) {
       // Rows [0, E) are hiᵀ·x, rows [E, 2E) loᵀ·x: their fp32 sum, rounded once.
       const at::Tensor halves = at::mm(product.lhs.t(), x, at::kFloat);
+      TORCH_INTERNAL_ASSERT(halves.is_contiguous(), kOp, ": the halves' product is not row-major");
       grads.grad_weight = at::empty_like(weight, at::MemoryFormat::Contiguous);
       kernels::RouterHalvesSumParams p;
       p.halves = halves.const_data_ptr<float>();
@@ -381,8 +382,12 @@ RouterTopKGrads router_topk_backward(const at::Tensor& logits, const at::Tensor&
   // probs' whole gradient: the argument's and the rows' read through the map.
   at::Tensor gp = grad_probs.defined() && grad_probs.numel() > 0 ? grad_probs : at::Tensor();
   if (rows.defined()) {
-    const at::Tensor linked = at::where(
-        row_map >= 0, rows.index_select(0, row_map.clamp_min(0).reshape(-1)).view_as(row_map), 0);
+    // No rows: every slot's entry is -1 (no gradient); index_select would find no row 0.
+    const at::Tensor linked =
+        rows.numel() == 0
+            ? at::zeros_like(probs)
+            : at::where(row_map >= 0,
+                        rows.index_select(0, row_map.clamp_min(0).reshape(-1)).view_as(row_map), 0);
     gp = gp.defined() ? gp + linked : linked;
   }
   if (gp.defined()) {

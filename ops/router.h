@@ -98,9 +98,10 @@ RouterTopK router_topk(const at::Tensor& logits, const at::Tensor& expert_bias,
 // What router_topk_backward may also read and write for the functions around it (the links of
 // autograd/router_function.h), each part optional.
 struct RouterTopKLinks {
-  // probs' gradient in a permutation's row order, [N] fp32, with the permutation's row_map [T, k]
-  // (each slot's row, -1 for none): added to grad_probs, so that the permutation's backward needs
-  // no launch of its own.
+  // probs' gradient in a permutation's row order, [N] in the logits' dtype, with the
+  // permutation's row_map [T, k] (each slot's row in [0, N), or -1 for none: trusted, as the
+  // routing map wrote it): added to grad_probs, so that the permutation's backward needs no
+  // launch of its own.
   at::Tensor grad_probs_rows;
   at::Tensor probs_row_map;
   // The router's bf16 weight [E, H]: on the kernel's path with bf16 x, the same launch also

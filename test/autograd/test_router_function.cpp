@@ -1,15 +1,18 @@
 // ForkFunction and RouterLogitsFunction with a RouterGradLink (how MoELayer gives x to its router
 // and its permutation): x's gradient equals autograd's sum of the two branches' without the link,
 // with either branch unused too; the router's product is added by its GEMM, in place (fp32 and
-// fp64, and bf16 on CUDA's tensor cores) where the layer vouches for the other branch.
+// fp64, and bf16 on CUDA's tensor cores) where the layer vouches for the other branch. The same
+// link carries the probabilities' gradient from route_tokens' permutation to RouterTopKFunction.
 
 #include <torchmoe/autograd/router_function.h>
+#include <torchmoe/autograd/token_permutation_function.h>
 
 #include <memory>
 
 #include "test_utils.h"
 
 using namespace torchmoe::test;
+using Catch::Matchers::Contains;
 using torchmoe::autograd::ForkFunction;
 using torchmoe::autograd::RouterGradLink;
 using torchmoe::autograd::RouterLogitsFunction;
@@ -108,4 +111,57 @@ TEST_CASE("a linked fork leaves a gradient tensor it shares untouched on CUDA (b
           "[autograd][router][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
   check_shared_gradient_untouched(torch::TensorOptions(torch::kBFloat16).device(torch::kCUDA));
+}
+
+// The probabilities' gradient goes to the top-k holding the link only when route_tokens is given
+// that top-k's own probabilities: anything else (here a product of them) is refused, as its
+// gradient would reach the top-k without the product's.
+TEST_CASE("route_tokens takes a probs link only with the linked top-k's probabilities",
+          "[autograd][router][errors]") {
+  using torchmoe::autograd::RouterTopKFunction;
+  torch::manual_seed(79);
+  const torch::Tensor logits = torch::randn({6, 4}).requires_grad_(true);
+  const torch::Tensor tokens = torch::randn({6, 8});
+  const auto link = std::make_shared<RouterGradLink>();
+  const torch::autograd::variable_list scored =
+      RouterTopKFunction::apply(logits, std::nullopt, 2, false, true, false, 0.0, link);
+  const torch::Tensor& indices = scored[0];
+  const torch::Tensor& probs = scored[1];
+  CHECK_NOTHROW(torchmoe::autograd::route_tokens(tokens, indices, 4, probs,
+                                                 torchmoe::ops::IndexTrust::kDropless, link));
+  CHECK_THROWS_WITH(
+      torchmoe::autograd::route_tokens(tokens, indices, 4, probs * 2,
+                                       torchmoe::ops::IndexTrust::kDropless, link),
+      Contains("route_tokens: with a probs_link, probs must be the probabilities of the "
+               "RouterTopKFunction given that link, unchanged; got a tensor from MulBackward"));
+  const auto other = std::make_shared<RouterGradLink>();
+  CHECK_THROWS_WITH(torchmoe::autograd::route_tokens(tokens, indices, 4, probs,
+                                                     torchmoe::ops::IndexTrust::kDropless, other),
+                    Contains("with a probs_link, probs must be the probabilities of the "
+                             "RouterTopKFunction given that link"));
+}
+
+// Through the link the top-k gets the rows' gradient of the probabilities, read back through the
+// row map: the logits' gradient equals the unlinked route's (which permutes and unpermutes the
+// probabilities as ordinary tensors).
+TEST_CASE("the probabilities' gradient through a probs link equals autograd's",
+          "[autograd][router]") {
+  using torchmoe::autograd::RouterTopKFunction;
+  torch::manual_seed(83);
+  const torch::Tensor logits0 = torch::randn({9, 5}, torch::kFloat64);
+  const torch::Tensor tokens = torch::randn({9, 3}, torch::kFloat64);
+  auto grad_logits = [&](bool linked) {
+    const torch::Tensor logits = logits0.clone().requires_grad_(true);
+    const auto link = linked ? std::make_shared<RouterGradLink>() : nullptr;
+    const torch::autograd::variable_list scored =
+        RouterTopKFunction::apply(logits, std::nullopt, 2, false, true, false, 0.0, link);
+    const torchmoe::PermutedTokens routed = torchmoe::autograd::route_tokens(
+        tokens, scored[0], 5, scored[1], torchmoe::ops::IndexTrust::kDropless, link);
+    // A loss of the rows' probabilities with a different weight per row.
+    const torch::Tensor weights =
+        torch::arange(1, routed.probs.size(0) + 1, routed.probs.options());
+    (routed.probs * weights).sum().backward();
+    return logits.grad();
+  };
+  check_close(grad_logits(true), grad_logits(false), {1e-12, 1e-12}, "grad logits");
 }

@@ -77,14 +77,15 @@ void check_scaled(const torch::Tensor& actual, const torch::Tensor& expected, do
   check_close(actual, expected, {rel, rel * scale + 1e-12}, what);
 }
 
-// flat: x [63, hidden] (taken as it is) instead of [3, 21, hidden] (reshaped and back).
+// flat: x [63, hidden] (taken as it is) instead of [3, 21, hidden] (reshaped and back). aux: the
+// aux loss's coefficient (0: the router's top-k gets its gradient from the probabilities alone).
 void check_layer(torch::Dtype dtype, torch::Device device, int64_t topk, double rel,
-                 bool single = false, bool flat = false) {
+                 bool single = false, bool flat = false, double aux = 0.05) {
   torch::manual_seed(17);
   const int64_t hidden = 32, ffn = 48, experts = 6;
   MoELayerOptions options(hidden, ffn, experts, topk);
   options.params_dtype(dtype).device(device);
-  options.router().aux_loss_coeff(0.05);
+  options.router().aux_loss_coeff(aux);
   options.experts().linear().single_grouped_weight(single);
   MoELayer moe(options);
   const std::vector<int64_t> shape =
@@ -151,6 +152,47 @@ TEST_CASE("MoELayer gives the same results whether x takes a gradient or not", "
   CHECK(torch::equal(y1, y0));
   CHECK(torch::equal(aux1, aux0));
   check_close(grad1, grad0, {1e-12, 1e-12}, "router weight gradient");
+}
+
+// Without an aux loss (or z-loss) the top-k's only gradient is the probabilities', which reaches
+// it through the layer's link rather than as an output gradient: the router's weight gradient
+// must still match.
+TEST_CASE("MoELayer without an aux loss matches the reference", "[modules][moe]") {
+  const bool cuda = GENERATE(false, true);
+  TORCHMOE_RETURN_IF_NO_GPU_FOR(cuda);
+  const torch::Dtype dtype = cuda ? torch::kBFloat16 : torch::kFloat64;
+  INFO("dtype=" << dtype);
+  check_layer(dtype, cuda ? torch::kCUDA : torch::kCPU, 2, cuda ? 3e-2 : 1e-10, false, true, 0.0);
+}
+
+// A second backward through a retained graph: the links' parts are taken as they are used, so
+// each backward gives the same gradients (twice one backward's, accumulated).
+TEST_CASE("MoELayer's gradients through a retained graph", "[modules][moe]") {
+  const bool cuda = GENERATE(false, true);
+  TORCHMOE_RETURN_IF_NO_GPU_FOR(cuda);
+  const torch::Device device = cuda ? torch::kCUDA : torch::kCPU;
+  const torch::Dtype dtype = cuda ? torch::kFloat32 : torch::kFloat64;
+  INFO("device=" << device);
+  torch::manual_seed(73);
+  MoELayerOptions options(16, 24, 4, 2);
+  options.params_dtype(dtype).device(device);
+  options.router().aux_loss_coeff(0.05);
+  MoELayer moe(options);
+  const torch::Tensor x0 = torch::randn({30, 16}, torch::TensorOptions(dtype).device(device));
+  const torch::Tensor dy = torch::randn_like(x0);
+  auto grads = [&](int backwards) {
+    moe->zero_grad();
+    const torch::Tensor x = x0.clone().requires_grad_(true);
+    const auto out = moe(x);
+    const torch::Tensor loss = (out.output * dy).sum() + out.aux_loss;
+    for (int i = 0; i < backwards; ++i) loss.backward({}, /*retain_graph=*/i + 1 < backwards);
+    return std::make_pair(x.grad(), moe->router->weight.grad().clone());
+  };
+  const auto [x1, w1] = grads(1);
+  const auto [x2, w2] = grads(2);
+  const double tol = cuda ? 1e-5 : 1e-12;
+  check_close(x2, 2 * x1, {tol, tol}, "grad x, two backwards");
+  check_close(w2, 2 * w1, {tol, tol}, "router weight gradient, two backwards");
 }
 
 TEST_CASE("MoELayer matches the reference on CUDA", "[modules][moe][cuda]") {
