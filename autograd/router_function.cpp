@@ -14,8 +14,7 @@ at::Tensor RouterLogitsFunction::forward(AutogradContext* ctx, const at::Tensor&
   ctx->save_for_backward({x, weight});
   save_link(ctx, link);
   // The backward's bf16 halves (ops::router_logits_backward) can be made by the top-k's launch.
-  if (link && x.is_cuda() && x.scalar_type() == at::kBFloat16 &&
-      weight.scalar_type() == at::kBFloat16 && weight.device() == x.device()) {
+  if (link && ops::router_logits_backward_splits(x, weight)) {
     link->split_weight = weight.contiguous();
   }
   return ops::router_logits(x, weight);

@@ -95,6 +95,12 @@ at::Tensor router_logits(const at::Tensor& x, const at::Tensor& weight) {
   return at::mm(x.to(compute), weight.to(compute).t());
 }
 
+bool router_logits_backward_splits(const at::Tensor& x, const at::Tensor& weight) {
+  // bf16 only: fp16's narrow exponent range makes the small halves of small gradients subnormal.
+  return tensor_core_path(x, weight) && x.scalar_type() == at::kBFloat16 &&
+         x.device() == weight.device();
+}
+
 RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at::Tensor& x,
                                          const at::Tensor& weight, RouterGradX grad_x,
                                          bool need_grad_weight, const RouterGradXProduct& split) {
@@ -111,8 +117,7 @@ RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at
   RouterGradXProduct product;
   product.out_dtype = x.scalar_type();
   const bool need_grad_x = grad_x != RouterGradX::kNone;
-  // bf16 only: fp16's narrow exponent range makes the small halves of small gradients subnormal.
-  const bool split_path = tensor_core_path(x, weight) && x.scalar_type() == at::kBFloat16;
+  const bool split_path = router_logits_backward_splits(x, weight);
   const int64_t tokens = x.size(0), experts = weight.size(0);
   if (split.lhs.defined()) {
     TORCH_CHECK(

@@ -54,6 +54,10 @@ enum class RouterGradX {
   kDeferred,  // returned as grad_x_product
 };
 
+// Whether router_logits_backward multiplies grad_logits as bf16 halves [hi | lo] (bf16 x and
+// weight on CUDA): the case where it takes a split made by router_topk_backward.
+bool router_logits_backward_splits(const at::Tensor& x, const at::Tensor& weight);
+
 // With `split` (router_topk_backward's split of this very grad_logits, made by its launch), the
 // products take it instead of splitting grad_logits again.
 RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at::Tensor& x,
