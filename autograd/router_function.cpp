@@ -84,6 +84,8 @@ ops::RouterScoring scoring_of(AutogradContext* ctx) {
   scoring.normalize = ctx->saved_data["normalize"].toBool();
   scoring.aux = ctx->saved_data["aux"].toBool();
   scoring.aux_loss_scale = ctx->saved_data["aux_loss_scale"].toDouble();
+  scoring.z_loss = ctx->saved_data["z_loss"].toBool();
+  scoring.z_loss_scale = ctx->saved_data["z_loss_scale"].toDouble();
   return scoring;
 }
 
@@ -92,7 +94,7 @@ ops::RouterScoring scoring_of(AutogradContext* ctx) {
 variable_list RouterTopKFunction::forward(AutogradContext* ctx, const at::Tensor& logits,
                                           const std::optional<at::Tensor>& expert_bias,
                                           int64_t topk, bool sigmoid, bool normalize, bool aux,
-                                          double aux_loss_scale,
+                                          double aux_loss_scale, bool z_loss, double z_loss_scale,
                                           const std::shared_ptr<RouterGradLink>& link) {
   save_link(ctx, link);
   ops::RouterScoring scoring;
@@ -101,22 +103,28 @@ variable_list RouterTopKFunction::forward(AutogradContext* ctx, const at::Tensor
   scoring.normalize = normalize;
   scoring.aux = aux;
   scoring.aux_loss_scale = aux_loss_scale;
+  scoring.z_loss = z_loss;
+  scoring.z_loss_scale = z_loss_scale;
   ops::RouterTopK out = ops::router_topk(logits, expert_bias.value_or(at::Tensor()), scoring);
   ctx->saved_data["topk"] = topk;
   ctx->saved_data["sigmoid"] = sigmoid;
   ctx->saved_data["normalize"] = normalize;
   ctx->saved_data["aux"] = aux;
   ctx->saved_data["aux_loss_scale"] = aux_loss_scale;
+  ctx->saved_data["z_loss"] = z_loss;
+  ctx->saved_data["z_loss_scale"] = z_loss_scale;
   // The counts only for the aux loss's gradient (an output saved: no copy).
   ctx->save_for_backward(
       {logits, out.indices, out.probs, aux_loss_scale > 0 ? out.counts : at::Tensor()});
   ctx->mark_non_differentiable({out.indices, out.counts});
   // Unused outputs (no aux or z loss) get no gradient rather than a tensor of zeros.
   ctx->set_materialize_grads(false);
-  // An output cannot be undefined: no aux loss is an empty tensor, like no aux sums.
-  return {out.indices,  out.probs,
-          out.aux_sums, out.lse,
-          out.counts,   out.aux_loss.defined() ? out.aux_loss : at::empty({0}, logits.options())};
+  // An output cannot be undefined: no aux or z loss is an empty tensor, like no aux sums.
+  const auto or_empty = [&](const at::Tensor& t) {
+    return t.defined() ? t : at::empty({0}, logits.options());
+  };
+  return {out.indices,         out.probs, out.aux_sums, out.lse, out.counts, or_empty(out.aux_loss),
+          or_empty(out.z_loss)};
 }
 
 variable_list RouterTopKFunction::backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -138,14 +146,16 @@ variable_list RouterTopKFunction::backward(AutogradContext* ctx, variable_list g
   }
   ops::RouterTopKGrads grads = ops::router_topk_backward(
       saved[0], saved[1], saved[2], contiguous(grad_outputs[1]), contiguous(grad_outputs[2]),
-      contiguous(grad_outputs[3]), scoring, saved[3], contiguous(grad_outputs[5]), links);
+      contiguous(grad_outputs[3]), scoring, saved[3], contiguous(grad_outputs[5]),
+      contiguous(grad_outputs[6]), links);
   if (link && grads.split.lhs.defined()) {
     link->split_of = grads.grad_logits;
     link->split = std::move(grads.split);
   }
-  return once_differentiable("RouterTopKFunction", once,
-                             {grads.grad_logits, at::Tensor(), at::Tensor(), at::Tensor(),
-                              at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()});
+  return once_differentiable(
+      "RouterTopKFunction", once,
+      {grads.grad_logits, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+       at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()});
 }
 
 }  // namespace torchmoe::autograd

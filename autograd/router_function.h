@@ -64,8 +64,9 @@ class RouterLogitsFunction : public torch::autograd::Function<RouterLogitsFuncti
 };
 
 // Scoring and top-k (ops::router_topk): logits [T, E] and an optional expert_bias [E] (no
-// gradient) -> {indices, probs, aux_sums, lse, counts, aux_loss}; differentiable in logits through
-// probs, aux_sums, lse and aux_loss (aux_loss_scale > 0, else an empty [0] output). With a link,
+// gradient) -> {indices, probs, aux_sums, lse, counts, aux_loss, z_loss}; differentiable in logits
+// through probs, aux_sums, lse, aux_loss (aux_loss_scale > 0, else an empty [0] output) and z_loss
+// (with z_loss, else an empty [0] output; 0 when z_loss_scale is 0). With a link,
 // the backward also takes probs' gradient from the link's permutation and splits the logits'
 // gradient for RouterLogitsFunction (RouterGradLink).
 class RouterTopKFunction : public torch::autograd::Function<RouterTopKFunction> {
@@ -73,7 +74,8 @@ class RouterTopKFunction : public torch::autograd::Function<RouterTopKFunction> 
   static torch::autograd::variable_list forward(
       torch::autograd::AutogradContext* ctx, const at::Tensor& logits,
       const std::optional<at::Tensor>& expert_bias, int64_t topk, bool sigmoid, bool normalize,
-      bool aux, double aux_loss_scale = 0.0, const std::shared_ptr<RouterGradLink>& link = nullptr);
+      bool aux, double aux_loss_scale = 0.0, bool z_loss = false, double z_loss_scale = 0.0,
+      const std::shared_ptr<RouterGradLink>& link = nullptr);
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs);
 };

@@ -1,13 +1,18 @@
 // The router's scoring, top-k and the inputs of its losses in one pass per token (router.h).
 //
-// One warp per token: its lanes stride over the E logits, keep the row in shared memory and reduce
-// with shuffles (max, sum of exponentials, each top-k round's argmax), so a token costs one read of
-// its logits and the writes of its outputs. The alternative, ATen's softmax, topk, gather,
-// normalisation, bincount and logsumexp, is ~25 launches forward and more backward whose time on
-// small-expert MoE layers was comparable to the router's GEMM.
+// One warp per token, its row in registers: lane l holds experts l, l + 32, … (kPerLane of them,
+// a compile-time count: E ≤ 32 · kPerLane). The row's reductions are shuffles, each top-k round two
+// redux.sync (the largest choice key, then the lowest expert holding it), and the chosen expert's
+// lane takes it out of its registers, so a token costs one read of its logits and the writes of
+// its outputs. The alternative, ATen's softmax, topk, gather, normalisation, bincount and
+// logsumexp, is ~25 launches forward and more backward whose time on small-expert MoE layers was
+// comparable to the router's GEMM.
 
+#include <algorithm>
 #include <cfloat>
 #include <cstdint>
+#include <limits>
+#include <type_traits>
 
 #include "torchmoe/kernels/device_types.cuh"
 #include "torchmoe/kernels/router.h"
@@ -17,16 +22,43 @@ namespace {
 
 constexpr int kSplitThreads = 256;  // router_grad_split_kernel's elementwise blocks
 constexpr float kNormEps = static_cast<float>(kRouterNormEps);
+constexpr unsigned kFullMask = 0xffffffffu;
 
-// The larger value, the lower index on ties; returned to every lane.
-__device__ __forceinline__ void warp_argmax(float& value, int& index) {
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-    const float v = __shfl_xor_sync(0xffffffffu, value, offset);
-    const int i = __shfl_xor_sync(0xffffffffu, index, offset);
-    if (v > value || (v == value && i < index)) {
-      value = v;
-      index = i;
-    }
+// Calls f(std::integral_constant<int, kPerLane>) with the fewest experts per lane that hold E.
+template <typename F>
+void dispatch_per_lane(int64_t experts, F&& f) {
+  static_assert(kRouterMaxExperts == 32 * kWarpSize, "dispatch_per_lane: kPerLane up to 32");
+  if (experts <= kWarpSize) {
+    f(std::integral_constant<int, 1>{});
+  } else if (experts <= 2 * kWarpSize) {
+    f(std::integral_constant<int, 2>{});
+  } else if (experts <= 4 * kWarpSize) {
+    f(std::integral_constant<int, 4>{});
+  } else if (experts <= 8 * kWarpSize) {
+    f(std::integral_constant<int, 8>{});
+  } else if (experts <= 16 * kWarpSize) {
+    f(std::integral_constant<int, 16>{});
+  } else {
+    f(std::integral_constant<int, 32>{});
+  }
+}
+
+// Blocks of 16 warps per SM that each instantiation asks registers for: `small` blocks for rows of
+// up to `small_lanes` experts per lane, fewer as the row's registers grow (kPerLane of each
+// per-expert array). ptxas -v: a word or two spilled at 2 (forward) and 8 (backward) experts per
+// lane, 200 bytes at 32 (backward, E > 512).
+constexpr int min_blocks(int per_lane, int small, int small_lanes) {
+  return per_lane <= small_lanes ? small : per_lane <= 8 ? 2 : 1;
+}
+
+// Token t's logits into l (experts past E: -FLT_MAX, never read as scores).
+template <int kPerLane>
+__device__ __forceinline__ void load_row(const float* row, int experts, int lane,
+                                         float (&l)[kPerLane]) {
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int e = lane + i * kWarpSize;
+    l[i] = e < experts ? row[e] : -FLT_MAX;
   }
 }
 
@@ -35,27 +67,40 @@ struct RowStats {
   float score_sum;  // Σ_e s (sigmoid's normaliser)
 };
 
-// Loads token t's logits, writes its scores into `s` (shared) and returns the row's statistics.
-__device__ RowStats score_row(const RouterParams& p, const float* row, float* s, int lane) {
+// The scores of the logits l into s, and the row's statistics (every lane).
+template <int kPerLane>
+__device__ __forceinline__ RowStats score_row(const RouterParams& p, const float (&l)[kPerLane],
+                                              int lane, float (&s)[kPerLane]) {
   const int experts = static_cast<int>(p.experts);
   float m = -FLT_MAX;
-  for (int e = lane; e < experts; e += kWarpSize) {
-    s[e] = row[e];
-    m = fmaxf(m, s[e]);
-  }
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) m = fmaxf(m, l[i]);
   m = warp_max(m);
+  float ex[kPerLane];
   float sum = 0.0f;
-  for (int e = lane; e < experts; e += kWarpSize) sum += expf(s[e] - m);
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    ex[i] = expf(l[i] - m);
+    if (lane + i * kWarpSize < experts) sum += ex[i];
+  }
   sum = warp_sum(sum);
   float score_sum = 0.0f;
-  for (int e = lane; e < experts; e += kWarpSize) {
-    const float score = p.sigmoid ? 1.0f / (1.0f + expf(-s[e])) : expf(s[e] - m) / sum;
-    s[e] = score;
-    score_sum += score;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    s[i] = p.sigmoid ? 1.0f / (1.0f + expf(-l[i])) : ex[i] / sum;
+    if (lane + i * kWarpSize < experts) score_sum += s[i];
   }
   score_sum = warp_sum(score_sum);
-  __syncwarp();
   return {m + logf(sum), score_sum};
+}
+
+// A choice key as an unsigned integer of the same order, for redux.sync: 0 for a key that is never
+// chosen (NaN, -inf, -FLT_MAX: the value that marks a taken expert), and -0 as +0 so that equal
+// keys tie (the lower expert wins).
+__device__ __forceinline__ unsigned choice_key(float k) {
+  if (!(k > -FLT_MAX)) return 0u;
+  const unsigned bits = __float_as_uint(k == 0.0f ? 0.0f : k);
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 
 // aux_sums' fixed point: a term in [0, 1] counts as round(term · 2^32) (router.h).
@@ -79,25 +124,41 @@ __device__ __host__ constexpr int64_t scratch_replica_words(int64_t experts) {
 }
 
 // Shared memory of the forward: the last block's sums of the replicas, counts and aux [E] (u64);
-// then per warp its own fixed-point aux sums [E] (u64, with aux_sums), counts [E] (u32), scores and
-// choice keys [E] (fp32) and chosen experts [k] (i32), padded to 8 bytes. Per-warp sums need no
-// atomics: a warp's lanes own distinct experts.
+// then per warp its own fixed-point aux sums [E] (u64, with aux_sums) and counts [E] (u32), padded
+// to 8 bytes. Per-warp sums need no atomics: expert e's entries are only ever touched by lane
+// e % 32 of their warp.
 __host__ __device__ size_t forward_block_bytes(int64_t experts) {
   return static_cast<size_t>(2 * experts) * sizeof(unsigned long long);
 }
-__host__ __device__ size_t forward_warp_bytes(int64_t experts, int64_t topk, bool aux) {
-  const size_t bytes = static_cast<size_t>(experts) * ((aux ? 8 : 0) + 4 + 2 * 4) + 4 * topk;
+__host__ __device__ size_t forward_warp_bytes(int64_t experts, bool aux) {
+  const size_t bytes = static_cast<size_t>(experts) * ((aux ? 8 : 0) + 4);
   return (bytes + 7) / 8 * 8;
 }
 
-// 4 blocks of 16 warps per SM (32 registers): every warp of the SM resident.
-__global__ void __launch_bounds__(kMaxThreads, 4) router_forward_kernel(const RouterParams p) {
+// The block's sum of v in a fixed order (each warp's shuffles, then the warps in turn), on thread
+// 0; `parts` holds a double per warp. Every thread of the block calls it.
+__device__ double block_sum_in_order(double v, double* parts) {
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  v = warp_sum(v);
+  __syncthreads();  // parts' earlier reads done
+  if (lane == 0) parts[warp] = v;
+  __syncthreads();
+  double sum = 0.0;
+  if (threadIdx.x == 0) {
+    for (int w = 0; w < static_cast<int>(blockDim.x / kWarpSize); ++w) sum += parts[w];
+  }
+  return sum;
+}
+
+template <int kPerLane>
+__global__ void __launch_bounds__(kMaxThreads, min_blocks(kPerLane, 4, 2))
+    router_forward_kernel(const RouterParams p) {
   extern __shared__ __align__(16) unsigned char shared[];
   const int warps = blockDim.x / kWarpSize;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int experts = static_cast<int>(p.experts), topk = static_cast<int>(p.topk);
   const bool aux = p.aux_sums != nullptr;
-  const size_t warp_bytes = forward_warp_bytes(experts, topk, aux);
+  const size_t warp_bytes = forward_warp_bytes(experts, aux);
   const auto warp_row = [&](int w) {
     return shared + forward_block_bytes(experts) + w * warp_bytes;
   };
@@ -105,23 +166,31 @@ __global__ void __launch_bounds__(kMaxThreads, 4) router_forward_kernel(const Ro
   const size_t counts_offset = aux ? experts * sizeof(unsigned long long) : 0;
   auto* aux_own = reinterpret_cast<unsigned long long*>(warp_row(warp));
   auto* counts_own = reinterpret_cast<unsigned*>(warp_row(warp) + counts_offset);
-  float* s = reinterpret_cast<float*>(counts_own + experts);
-  float* key = s + experts;
-  int* chosen = reinterpret_cast<int*>(key + experts);
   for (int e = lane; e < experts; e += kWarpSize) {
     counts_own[e] = 0;
     if (aux) aux_own[e] = 0;
   }
-  __syncwarp();
   bool aux_nan = false;
+  double z_part = 0.0;  // lane 0: Σ lse² over this warp's tokens, in their order
+  const bool z_sum = p.z_loss && p.z_loss_scale > 0;
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * warps + warp; t < p.tokens;
        t += static_cast<int64_t>(gridDim.x) * warps) {
-    const RowStats stats = score_row(p, p.logits + t * experts, s, lane);
-    if (lane == 0) p.lse[t] = stats.lse;
-    for (int e = lane; e < experts; e += kWarpSize) {
-      key[e] = p.expert_bias ? s[e] + p.expert_bias[e] : s[e];
+    float l[kPerLane], s[kPerLane];
+    load_row(p.logits + t * experts, experts, lane, l);
+    const RowStats stats = score_row(p, l, lane, s);
+    if (lane == 0) {
+      p.lse[t] = stats.lse;
+      if (z_sum) z_part += static_cast<double>(stats.lse) * static_cast<double>(stats.lse);
+    }
+    unsigned key[kPerLane];
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int e = lane + i * kWarpSize;
+      key[i] = 0u;
+      if (e >= experts) continue;
+      key[i] = choice_key(p.expert_bias ? s[i] + p.expert_bias[e] : s[i]);
       if (aux) {
-        const float a = p.sigmoid ? s[e] / (stats.score_sum + kNormEps) : s[e];
+        const float a = p.sigmoid ? s[i] / (stats.score_sum + kNormEps) : s[i];
         if (isnan(a)) {
           aux_nan = true;
         } else {  // a in [0, 1]: a non-negative count
@@ -129,50 +198,64 @@ __global__ void __launch_bounds__(kMaxThreads, 4) router_forward_kernel(const Ro
         }
       }
     }
-    __syncwarp();
+    // Round j: the largest key over the warp, the lowest expert holding it; its lane takes it
+    // out and counts it. Lane j keeps choice j.
     float chosen_sum = 0.0f;  // Σ of the chosen scores, on every lane
+    int own_e = 0;
+    float own_s = 0.0f;
     for (int j = 0; j < topk; ++j) {
-      float best = -FLT_MAX;
-      int best_e = experts;
-      for (int e = lane; e < experts; e += kWarpSize) {
-        if (key[e] > best) {  // lanes scan in increasing e: the first of equals stays
-          best = key[e];
-          best_e = e;
+      unsigned best = 0u;
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) best = max(best, key[i]);
+      best = __reduce_max_sync(kFullMask, best);
+      int chosen = j;  // a row of no choosable key (NaN scores): any valid expert (NaN probs)
+      if (best != 0u) {
+        unsigned first = static_cast<unsigned>(experts);
+#pragma unroll
+        for (int i = kPerLane - 1; i >= 0; --i) {
+          if (key[i] == best) first = static_cast<unsigned>(lane + i * kWarpSize);
+        }
+        chosen = static_cast<int>(__reduce_min_sync(kFullMask, first));
+      }
+      float held = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        if (lane + i * kWarpSize == chosen) {
+          held = s[i];
+          key[i] = 0u;
+          ++counts_own[chosen];  // the fallback above can repeat an expert: counted twice
         }
       }
-      warp_argmax(best, best_e);
-      if (best_e == experts) best_e = j;  // a row of NaN scores: any valid expert (NaN probs)
-      chosen_sum += s[best_e];
-      __syncwarp();  // every lane's reads of key before lane 0 writes one (racecheck)
-      if (lane == 0) {
-        chosen[j] = best_e;
-        key[best_e] = -FLT_MAX;  // taken: no finite score or bias reaches it
+      const float chosen_s = __shfl_sync(kFullMask, held, chosen % kWarpSize);
+      chosen_sum += chosen_s;
+      if (lane == j) {
+        own_e = chosen;
+        own_s = chosen_s;
       }
-      __syncwarp();
     }
-    // The k choices written side by side (no read-back of probs from global memory). The count is
-    // a shared atomic: the fallback above can repeat an expert (a row of NaN keys after a choice).
-    int64_t* indices = p.indices + t * topk;
-    float* probs = p.probs + t * topk;
-    for (int j = lane; j < topk; j += kWarpSize) {
-      const int e = chosen[j];
-      indices[j] = e;
-      probs[j] = p.normalize ? s[e] / (chosen_sum + kNormEps) : s[e];
-      atomicAdd(&counts_own[e], 1u);
+    if (lane < topk) {
+      p.indices[t * topk + lane] = own_e;
+      p.probs[t * topk + lane] = p.normalize ? own_s / (chosen_sum + kNormEps) : own_s;
     }
-    __syncwarp();
   }
 
-  // The block's counts and sums into its replica (integer adds: any order gives the same bits),
-  // then the last block to finish adds the replicas and writes counts and aux_sums.
+  // The block's counts and sums into its replica (integer adds: any order gives the same bits)
+  // and its Σ lse² into its own word, then the last block to finish adds the replicas and the
+  // blocks' words (in block order) and writes counts, aux_sums and the losses.
   auto* scratch = reinterpret_cast<unsigned long long*>(p.scratch);
   const int64_t replica = blockIdx.x % kRouterSumReplicas;
   unsigned long long* count_sums = scratch;                                 // [replicas][E]
   unsigned long long* aux_sums = scratch + scratch_replica_words(experts);  // [replicas][E]
   unsigned long long* nan_flag = aux_sums + scratch_replica_words(experts);
   unsigned long long* finished = nan_flag + 1;
+  auto* z_sums = reinterpret_cast<double*>(finished + 1);  // [gridDim.x]
   __shared__ bool last;
+  __shared__ double warp_parts[kMaxWarpsPerBlock];
   if (aux && __any_sync(0xffffffffu, aux_nan) && lane == 0) atomicOr(nan_flag, 1ull);
+  if (z_sum) {
+    const double block_z = block_sum_in_order(z_part, warp_parts);
+    if (threadIdx.x == 0) z_sums[blockIdx.x] = block_z;
+  }
   __syncthreads();
   for (int e = threadIdx.x; e < experts; e += blockDim.x) {
     unsigned long long count = 0, sum = 0;
@@ -212,28 +295,59 @@ __global__ void __launch_bounds__(kMaxThreads, 4) router_forward_kernel(const Ro
       loss_part += static_cast<double>(sum) * static_cast<double>(total_counts[e]);
     }
   }
-  if (!p.aux_loss) return;
-  // The load-balancing loss in a fixed order (each warp's shuffles, then the warps in turn).
-  __shared__ double warp_parts[kMaxWarpsPerBlock];
-  loss_part = warp_sum(loss_part);
-  if (lane == 0) warp_parts[warp] = loss_part;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    double loss = 0.0;
-    for (int w = 0; w < warps; ++w) loss += warp_parts[w];
-    *p.aux_loss = static_cast<float>(loss * p.aux_loss_scale);
+  if (p.aux_loss) {
+    const double loss = block_sum_in_order(loss_part, warp_parts);
+    if (threadIdx.x == 0) *p.aux_loss = static_cast<float>(loss * p.aux_loss_scale);
+  }
+  if (p.z_loss) {
+    // A zero scale gives 0 without the sum (an infinite logsumexp would make it NaN).
+    double part = 0.0;
+    if (z_sum) {
+      for (int64_t b = threadIdx.x; b < gridDim.x; b += blockDim.x) part += __ldcg(z_sums + b);
+    }
+    const double loss = block_sum_in_order(part, warp_parts);
+    if (threadIdx.x == 0) *p.z_loss = z_sum ? static_cast<float>(loss * p.z_loss_scale) : 0.0f;
   }
 }
 
-// g as hi + lo, both bf16 rounded to nearest even (router.h's split).
-struct RouterHalves {
-  __nv_bfloat16 hi;
-  __nv_bfloat16 lo;
-};
-
-__device__ __forceinline__ RouterHalves split_halves(float g) {
+// Row t of hilo [T, 2E]: hi = bf16(g) in column e, lo = bf16(g − hi) in column E + e, both
+// rounded to nearest even (router.h's split).
+__device__ __forceinline__ void store_halves(__nv_bfloat16* hilo, int64_t experts, int64_t t,
+                                             int64_t e, float g) {
   const __nv_bfloat16 hi = __float2bfloat16_rn(g);
-  return {hi, __float2bfloat16_rn(g - __bfloat162float(hi))};
+  hilo[t * 2 * experts + e] = hi;
+  hilo[t * 2 * experts + experts + e] = __float2bfloat16_rn(g - __bfloat162float(hi));
+}
+
+// The 16-byte pieces of W [w elements] that copy_stacked copies as such: all of W when its size
+// and both addresses allow (the second copy then starts at a piece too), else none.
+__host__ __device__ int64_t stacked_pieces(const void* weight, const void* stacked, int64_t w) {
+  const bool aligned =
+      ((reinterpret_cast<uintptr_t>(weight) | reinterpret_cast<uintptr_t>(stacked)) % 16) == 0;
+  return w % 8 == 0 && aligned ? w / 8 : 0;
+}
+
+// Threads that copy_stacked keeps busy: one per piece, or per element.
+int64_t copy_stacked_threads(const void* weight, const void* stacked, int64_t w) {
+  const int64_t pieces = stacked_pieces(weight, stacked, w);
+  return pieces > 0 ? pieces : w;
+}
+
+// stacked [2E, H] = [W; W] from W's w = E·H bf16 elements, thread `first` of `stride` taking every
+// stride-th piece (or element, where W has no pieces).
+__device__ __forceinline__ void copy_stacked(const __nv_bfloat16* weight, __nv_bfloat16* stacked,
+                                             int64_t w, int64_t first, int64_t stride) {
+  const int64_t pieces = stacked_pieces(weight, stacked, w);
+  for (int64_t i = first; i < pieces; i += stride) {
+    const uint4 v = reinterpret_cast<const uint4*>(weight)[i];
+    reinterpret_cast<uint4*>(stacked)[i] = v;
+    reinterpret_cast<uint4*>(stacked)[i + pieces] = v;
+  }
+  for (int64_t i = 8 * pieces + first; i < w; i += stride) {
+    const __nv_bfloat16 v = weight[i];
+    stacked[i] = v;
+    stacked[i + w] = v;
+  }
 }
 
 // A chosen slot of the forward (index, probability) and its probability's gradient.
@@ -252,150 +366,122 @@ __device__ __forceinline__ ChosenSlot load_slot(const RouterParams& p, int64_t s
   return {p.saved_indices[slot], p.saved_probs[slot], grad};
 }
 
-// The 16-byte pieces of W the backward copies into [W; W] as such: all of W when its size and
-// both addresses allow (the second copy then starts at a piece too), else none.
-__host__ __device__ int64_t stacked_pieces(const RouterParams& p) {
-  const int64_t w = p.experts * p.hidden;
-  const bool aligned =
-      ((reinterpret_cast<uintptr_t>(p.split_weight) | reinterpret_cast<uintptr_t>(p.stacked)) %
-       16) == 0;
-  return p.stacked && w % 8 == 0 && aligned ? w / 8 : 0;
-}
-
-// Shared memory of the backward: per warp its scores and their gradient [E] each (fp32).
-__host__ __device__ size_t backward_warp_bytes(int64_t experts) {
-  return static_cast<size_t>(2 * experts) * sizeof(float);
-}
-
-// 3 blocks of 16 warps per SM (40 registers; at 32 it spills ~80 bytes a thread).
-__global__ void __launch_bounds__(kMaxThreads, 3) router_backward_kernel(const RouterParams p) {
-  extern __shared__ __align__(16) unsigned char shared[];
+template <int kPerLane>
+__global__ void __launch_bounds__(kMaxThreads, min_blocks(kPerLane, 3, 1))
+    router_backward_kernel(const RouterParams p) {
   const int warps = blockDim.x / kWarpSize;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int experts = static_cast<int>(p.experts), topk = static_cast<int>(p.topk);
-  float* s = reinterpret_cast<float*>(shared + warp * backward_warp_bytes(experts));
-  float* ds = s + experts;
+  const bool has_gp = p.grad_probs || p.grad_probs_rows;
+  // The gradient of aux_sums (every token's aux[t, e] gets it), plus the aux loss's through it:
+  // aux_loss = scale · Σ_e aux_sums[e] · counts[e]. The same for every token.
+  const bool has_ga = p.grad_aux || p.grad_aux_loss;
   const float loss_grad =
       p.grad_aux_loss ? static_cast<float>(*p.grad_aux_loss * p.aux_loss_scale) : 0.0f;
-  const bool has_gp = p.grad_probs || p.grad_probs_rows;
+  // z_loss = scale · Σ_t lse[t]²: d/d lse[t] = 2 · scale · lse[t] times its gradient.
+  const float z_grad =
+      p.grad_z_loss ? static_cast<float>(2.0 * *p.grad_z_loss * p.z_loss_scale) : 0.0f;
+  float ga[kPerLane];
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int e = lane + i * kWarpSize;
+    ga[i] = 0.0f;
+    if (!has_ga || e >= experts) continue;
+    if (p.grad_aux) ga[i] = p.grad_aux[e];
+    if (p.grad_aux_loss) ga[i] += loss_grad * static_cast<float>(p.saved_counts[e]);
+  }
+  auto* hilo = static_cast<__nv_bfloat16*>(p.grad_hilo);  // row t at t · 2E, when given
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * warps + warp; t < p.tokens;
        t += static_cast<int64_t>(gridDim.x) * warps) {
-    const float* row = p.logits + t * experts;
-    // Loads the row's reductions do not wait for, issued before them: the logsumexp's gradient
-    // and, for k <= 32, lane j's slot.
-    const float gl = p.grad_lse ? p.grad_lse[t] : 0.0f;
-    const bool one_round = topk <= kWarpSize;
-    ChosenSlot first;
-    if (has_gp && one_round && lane < topk) first = load_slot(p, t * topk + lane);
-    // The gradient of aux_sums (every token's aux[t, e] gets it), plus the aux loss's through it:
-    // aux_loss = scale · Σ_e aux_sums[e] · counts[e].
-    const bool has_ga = p.grad_aux || p.grad_aux_loss;
-    const auto load_grad_aux = [&](int e) {
-      float g = p.grad_aux ? p.grad_aux[e] : 0.0f;
-      if (p.grad_aux_loss) g += loss_grad * static_cast<float>(p.saved_counts[e]);
-      return g;
-    };
-    const float ga_lane = has_ga && lane < experts ? load_grad_aux(lane) : 0.0f;
-    const auto grad_aux = [&](int e) { return e == lane ? ga_lane : load_grad_aux(e); };
-    const RowStats stats = score_row(p, row, s, lane);
+    // Loads the row's reductions do not wait for, issued before them: the logsumexp's gradient and
+    // lane j's slot (k ≤ 32).
+    const float grad_lse = p.grad_lse ? p.grad_lse[t] : 0.0f;
+    ChosenSlot c;
+    if (has_gp && lane < topk) c = load_slot(p, t * topk + lane);
+    float l[kPerLane], s[kPerLane];
+    load_row(p.logits + t * experts, experts, lane, l);
+    const RowStats stats = score_row(p, l, lane, s);
+    const float gl = p.grad_z_loss ? grad_lse + z_grad * stats.lse : grad_lse;
     // d/ds of the aux scores: the identity for softmax; through s / (Σ s + eps) for sigmoid.
     float aux_dot = 0.0f;
     if (has_ga && p.sigmoid) {
-      for (int e = lane; e < experts; e += kWarpSize)
-        aux_dot += grad_aux(e) * s[e] / (stats.score_sum + kNormEps);
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        if (lane + i * kWarpSize < experts) aux_dot += ga[i] * s[i] / (stats.score_sum + kNormEps);
+      }
       aux_dot = warp_sum(aux_dot);
     }
-    for (int e = lane; e < experts; e += kWarpSize) {
-      float g = 0.0f;
-      if (has_ga) {
-        g = p.sigmoid ? (grad_aux(e) - aux_dot) / (stats.score_sum + kNormEps) : grad_aux(e);
-      }
-      ds[e] = g;
+    float ds[kPerLane];
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      ds[i] = !has_ga ? 0.0f : p.sigmoid ? (ga[i] - aux_dot) / (stats.score_sum + kNormEps) : ga[i];
     }
-    __syncwarp();
-    // d/ds of the chosen probabilities (distinct experts: each lane owns its j's expert).
+    // d/ds of the chosen probabilities. An index outside [0, experts) (not one router_topk wrote)
+    // is never used: it reaches no score (the row's gradient is then not meaningful).
     if (has_gp) {
-      const auto slot = [&](int j) { return one_round ? first : load_slot(p, t * topk + j); };
-      // An index outside [0, experts) (not one router_topk wrote) is never used as an address:
-      // it reaches no score past the row's (the row's gradient is then not meaningful).
-      const auto valid = [&](const ChosenSlot& c) { return c.index >= 0 && c.index < experts; };
-      float dot = 0.0f, chosen_sum = 0.0f;
-      for (int j = lane; j < topk; j += kWarpSize) {
-        const ChosenSlot c = slot(j);
-        dot += c.grad * c.prob;
-        if (valid(c)) chosen_sum += s[c.index];
+      const bool valid = c.index >= 0 && c.index < experts;
+      const int index = valid ? static_cast<int>(c.index) : -1;
+      float chosen_s = 0.0f;  // s at this lane's choice, from the lane that holds it
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        const float v = __shfl_sync(kFullMask, s[i], index & (kWarpSize - 1));
+        if (valid && index / kWarpSize == i) chosen_s = v;
       }
-      dot = warp_sum(dot);
-      chosen_sum = warp_sum(chosen_sum);
-      for (int j = lane; j < topk; j += kWarpSize) {
-        const ChosenSlot c = slot(j);
-        if (valid(c))
-          ds[c.index] += p.normalize ? (c.grad - dot) / (chosen_sum + kNormEps) : c.grad;
+      const float dot = warp_sum(c.grad * c.prob);
+      const float chosen_sum = warp_sum(chosen_s);
+      const float add = p.normalize ? (c.grad - dot) / (chosen_sum + kNormEps) : c.grad;
+      // Each choice's term to its expert's lane, in order (a repeated expert gets both).
+      for (int j = 0; j < topk; ++j) {
+        const int e = __shfl_sync(kFullMask, index, j);
+        const float a = __shfl_sync(kFullMask, add, j);
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) {
+          if (lane + i * kWarpSize == e) ds[i] += a;
+        }
       }
-      __syncwarp();
     }
     // Through the scores to the logits, plus the logsumexp's softmax.
     float s_dot = 0.0f;
     if (!p.sigmoid) {
-      for (int e = lane; e < experts; e += kWarpSize) s_dot += s[e] * ds[e];
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        if (lane + i * kWarpSize < experts) s_dot += s[i] * ds[i];
+      }
       s_dot = warp_sum(s_dot);
     }
-    float* out = p.grad_logits + t * experts;
-    auto* hilo = static_cast<__nv_bfloat16*>(p.grad_hilo);  // row t at t · 2E, when given
-    for (int e = lane; e < experts; e += kWarpSize) {
-      const float softmax = p.sigmoid ? expf(row[e] - stats.lse) : s[e];
-      const float d = p.sigmoid ? ds[e] * s[e] * (1.0f - s[e]) : s[e] * (ds[e] - s_dot);
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int e = lane + i * kWarpSize;
+      if (e >= experts) continue;
+      const float softmax = p.sigmoid ? expf(l[i] - stats.lse) : s[i];
+      const float d = p.sigmoid ? ds[i] * s[i] * (1.0f - s[i]) : s[i] * (ds[i] - s_dot);
       const float g = d + gl * softmax;
-      out[e] = g;
-      if (p.grad_hilo) {
-        const RouterHalves halves = split_halves(g);
-        hilo[t * 2 * experts + e] = halves.hi;
-        hilo[t * 2 * experts + experts + e] = halves.lo;
-      }
+      p.grad_logits[t * experts + e] = g;
+      if (hilo) store_halves(hilo, experts, t, e, g);
     }
-    __syncwarp();
   }
+  // [W; W] for the logits' backward, after the tokens (its loads would hold up this thread's first
+  // token), over the whole grid (the launch has a thread per piece).
   if (p.stacked) {
-    // [W; W] for the logits' backward, after the tokens (its loads would hold up this thread's
-    // first token): W's E·H elements over the grid, by 16-byte pieces where its size and
-    // addresses allow (the launch has enough blocks for them), the rest one at a time.
-    const auto* weight = static_cast<const __nv_bfloat16*>(p.split_weight);
-    auto* stacked = static_cast<__nv_bfloat16*>(p.stacked);
-    const int64_t w = p.experts * p.hidden;
-    const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-    const int64_t pieces = stacked_pieces(p);
-    for (int64_t i = first; i < pieces; i += stride) {
-      const uint4 v = reinterpret_cast<const uint4*>(weight)[i];
-      reinterpret_cast<uint4*>(stacked)[i] = v;
-      reinterpret_cast<uint4*>(stacked)[i + pieces] = v;
-    }
-    for (int64_t i = 8 * pieces + first; i < w; i += stride) {
-      const __nv_bfloat16 v = weight[i];
-      stacked[i] = v;
-      stacked[i + w] = v;
-    }
+    copy_stacked(static_cast<const __nv_bfloat16*>(p.split_weight),
+                 static_cast<__nv_bfloat16*>(p.stacked), p.experts * p.hidden,
+                 static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x,
+                 static_cast<int64_t>(gridDim.x) * blockDim.x);
   }
 }
 
+// hilo from grad, then [W; W].
 __global__ void __launch_bounds__(kSplitThreads)
     router_grad_split_kernel(const float* grad, __nv_bfloat16* hilo, int64_t tokens,
                              int64_t experts, const __nv_bfloat16* weight, __nv_bfloat16* stacked,
                              int64_t hidden) {
-  const int64_t n = tokens * experts, w = weight ? experts * hidden : 0;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(kSplitThreads) + threadIdx.x; i < n + w;
-       i += static_cast<int64_t>(gridDim.x) * kSplitThreads) {
-    if (i < n) {
-      const int64_t t = i / experts, e = i % experts;
-      const RouterHalves halves = split_halves(grad[i]);
-      hilo[t * 2 * experts + e] = halves.hi;
-      hilo[t * 2 * experts + experts + e] = halves.lo;
-    } else {
-      const __nv_bfloat16 v = weight[i - n];
-      stacked[i - n] = v;
-      stacked[i - n + w] = v;
-    }
+  const int64_t n = tokens * experts;
+  const int64_t first = blockIdx.x * static_cast<int64_t>(kSplitThreads) + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kSplitThreads;
+  for (int64_t i = first; i < n; i += stride) {
+    store_halves(hilo, experts, i / experts, i % experts, grad[i]);
   }
+  if (weight) copy_stacked(weight, stacked, experts * hidden, first, stride);
 }
 
 // Four elements a thread where the halves allow 16-byte loads, the rest one at a time.
@@ -422,26 +508,46 @@ __global__ void __launch_bounds__(kSplitThreads)
 
 // A warp per token, `warps` per block (each needing `warp_bytes` of shared memory after
 // `block_bytes`), and at least `min_threads` threads and one block (the forward's last block
-// writes the counts and sums even for zero tokens), one wave at most.
-template <typename Kernel>
-void launch(Kernel* kernel, const RouterParams& p, size_t block_bytes, size_t warp_bytes,
-            cudaStream_t stream, int64_t min_threads = 0) {
+// writes the counts and sums even for zero tokens), one wave and max_blocks at most.
+int warps_per_block(size_t block_bytes, size_t warp_bytes) {
   TORCH_INTERNAL_ASSERT(block_bytes + warp_bytes <= kSharedBudget,
                         "router launch: one warp's shared memory exceeds the budget");
-  const int warps = static_cast<int>(
-      std::min<size_t>(kMaxWarpsPerBlock, (kSharedBudget - block_bytes) / warp_bytes));
+  return warp_bytes == 0 ? kMaxWarpsPerBlock
+                         : static_cast<int>(std::min<size_t>(
+                               kMaxWarpsPerBlock, (kSharedBudget - block_bytes) / warp_bytes));
+}
+
+template <typename Kernel>
+void launch(Kernel* kernel, const RouterParams& p, size_t block_bytes, size_t warp_bytes,
+            cudaStream_t stream, int64_t min_threads = 0,
+            int64_t max_blocks = std::numeric_limits<int64_t>::max()) {
+  const int warps = warps_per_block(block_bytes, warp_bytes);
   const int threads = warps * kWarpSize;
   const size_t shared = block_bytes + warps * warp_bytes;
   const int64_t blocks =
       std::max<int64_t>({1, (p.tokens + warps - 1) / warps, (min_threads + threads - 1) / threads});
-  kernel<<<one_wave_grid(kernel, threads, shared, blocks), threads, shared, stream>>>(p);
+  kernel<<<one_wave_grid(kernel, threads, shared, std::min(blocks, max_blocks)), threads, shared,
+           stream>>>(p);
   TORCHMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+// The forward's grid is at most one block per `warps` tokens and one wave: no more blocks than
+// fit on the SMs by their threads.
+int64_t forward_max_blocks(const RouterParams& p) {
+  const int warps = warps_per_block(forward_block_bytes(p.experts),
+                                    forward_warp_bytes(p.experts, p.aux_sums != nullptr));
+  int device = 0, threads_per_sm = 0;
+  TORCHMOE_CUDA_CHECK(cudaGetDevice(&device));
+  TORCHMOE_CUDA_CHECK(
+      cudaDeviceGetAttribute(&threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, device));
+  const int64_t wave = static_cast<int64_t>(sm_count()) * (threads_per_sm / (warps * kWarpSize));
+  return std::max<int64_t>(1, std::min<int64_t>((p.tokens + warps - 1) / warps, wave));
 }
 
 }  // namespace
 
-int64_t router_forward_scratch_words(int64_t experts) {
-  return 2 * scratch_replica_words(experts) + 2;
+int64_t router_forward_scratch_words(const RouterParams& params) {
+  return 2 * scratch_replica_words(params.experts) + 2 + forward_max_blocks(params);
 }
 
 void launch_router_forward(const RouterParams& params, cudaStream_t stream) {
@@ -452,9 +558,14 @@ void launch_router_forward(const RouterParams& params, cudaStream_t stream) {
                         "launch_router_forward: needs scratch and counts");
   TORCH_INTERNAL_ASSERT(!params.aux_sums || params.tokens < kRouterMaxAuxTokens,
                         "launch_router_forward: aux_sums needs T < 2^31");
+  TORCH_INTERNAL_ASSERT(params.topk <= kRouterMaxTopK, "launch_router_forward: k > ",
+                        kRouterMaxTopK);
   const bool aux = params.aux_sums != nullptr;
-  launch(router_forward_kernel, params, forward_block_bytes(params.experts),
-         forward_warp_bytes(params.experts, params.topk, aux), stream);
+  dispatch_per_lane(params.experts, [&](auto per_lane) {
+    // At most a block per Σ lse² word at the scratch's end (router_forward_scratch_words).
+    launch(router_forward_kernel<per_lane>, params, forward_block_bytes(params.experts),
+           forward_warp_bytes(params.experts, aux), stream, 0, forward_max_blocks(params));
+  });
 }
 
 void launch_router_backward(const RouterParams& params, cudaStream_t stream) {
@@ -465,18 +576,24 @@ void launch_router_backward(const RouterParams& params, cudaStream_t stream) {
                         "launch_router_backward: grad_probs_rows needs probs_row_map");
   TORCH_INTERNAL_ASSERT(!params.stacked || (params.split_weight && params.hidden > 0),
                         "launch_router_backward: stacked needs split_weight and hidden");
+  TORCH_INTERNAL_ASSERT(params.topk <= kRouterMaxTopK, "launch_router_backward: k > ",
+                        kRouterMaxTopK);
   if (params.tokens == 0 && !params.stacked) return;
   // A thread per piece (or element) of [W; W]'s copy too: few tokens must not leave one block
   // copying all of W.
-  const int64_t pieces = stacked_pieces(params);
-  const int64_t copy_threads =
-      params.stacked ? (pieces > 0 ? pieces : params.experts * params.hidden) : 0;
-  launch(router_backward_kernel, params, 0, backward_warp_bytes(params.experts), stream,
-         copy_threads);
+  const int64_t copy_threads = params.stacked
+                                   ? copy_stacked_threads(params.split_weight, params.stacked,
+                                                          params.experts * params.hidden)
+                                   : 0;
+  dispatch_per_lane(params.experts, [&](auto per_lane) {
+    launch(router_backward_kernel<per_lane>, params, 0, 0, stream, copy_threads);
+  });
 }
 
 void launch_router_grad_split(const RouterGradSplitParams& p, cudaStream_t stream) {
-  const int64_t n = p.tokens * p.experts + (p.weight ? p.experts * p.hidden : 0);
+  const int64_t n =
+      std::max(p.tokens * p.experts,
+               p.weight ? copy_stacked_threads(p.weight, p.stacked, p.experts * p.hidden) : 0);
   if (n == 0) return;
   const int64_t blocks = (n + kSplitThreads - 1) / kSplitThreads;
   router_grad_split_kernel<<<one_wave_grid(router_grad_split_kernel, kSplitThreads, 0, blocks),

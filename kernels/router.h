@@ -14,9 +14,12 @@
 //   counts[e]      = number of tokens choosing e                                     (int64)
 //   aux_loss       = aux_loss_scale · Σ_e aux_sums[e] · counts[e]   (optional, with aux_sums: the
 //                    load-balancing loss when the counts are this launch's own)
+//   z_loss         = z_loss_scale · Σ_t lse[t]²                      (optional: the router z-loss
+//                    when the tokens are the batch's; 0 when z_loss_scale is 0)
 //
-// The backward takes the gradients of probs, aux_sums, aux_loss and lse (each optional) and writes
-// grad_logits [T, E]. One warp per token, the row kept in shared memory: E ≤ kMaxExperts.
+// The backward takes the gradients of probs, aux_sums, aux_loss, lse and z_loss (each optional) and
+// writes grad_logits [T, E]. One warp per token, the row kept in registers: E ≤ kRouterMaxExperts
+// and k ≤ kRouterMaxTopK (lane j keeps choice j).
 //
 // aux_sums is summed in fixed point, each term a multiple of 2^-32 (exact for terms of at least
 // 2^-9, whose fp32 spacing that is; within 2^-33 below), so that integer atomics add the blocks'
@@ -24,7 +27,8 @@
 // never written, and no reduction launch follows); the block that finishes last converts them. A
 // NaN term (a NaN logit makes its whole row of terms NaN) makes every sum NaN. The counts take the
 // same path: each block counts its tokens' choices in shared memory and adds them to the launch's
-// sums once.
+// sums once. Σ lse² is summed in double in a fixed order (each warp's tokens, the block's warps,
+// then the blocks), one word per block in the scratch.
 
 #include <cuda_runtime_api.h>
 
@@ -33,6 +37,7 @@
 namespace torchmoe::kernels {
 
 constexpr int64_t kRouterMaxExperts = 1024;
+constexpr int64_t kRouterMaxTopK = 32;
 // Normalisations divide by Σ + kRouterNormEps (a row of zero scores stays finite); the ATen path
 // (ops/router.cpp) uses the same.
 constexpr double kRouterNormEps = 1e-20;
@@ -44,7 +49,7 @@ constexpr int64_t kRouterSumReplicas = 8;
 struct RouterParams {
   int64_t tokens = 0;   // T
   int64_t experts = 0;  // E ≤ kRouterMaxExperts
-  int64_t topk = 0;     // k ≤ E
+  int64_t topk = 0;     // k ≤ min(E, kRouterMaxTopK)
   bool sigmoid = false;
   bool normalize = false;
   const float* logits = nullptr;       // [T, E]
@@ -54,12 +59,15 @@ struct RouterParams {
   int64_t* indices = nullptr;  // [T, k]
   float* probs = nullptr;      // [T, k]
   float* aux_sums = nullptr;   // [E] or null; T < 2^31 (the fixed-point sums' range)
-  int64_t* scratch = nullptr;  // router_forward_scratch_words(E), zeroed by the caller: the
-                               // counts' and sums' replicas, a NaN flag, the finished blocks
+  int64_t* scratch = nullptr;  // router_forward_scratch_words(params), zeroed by the caller: the
+                               // counts' and sums' replicas, a NaN flag, the finished blocks,
+                               // each block's Σ lse²
   float* lse = nullptr;        // [T]
   int64_t* counts = nullptr;   // [E]
   float* aux_loss = nullptr;   // [] or null (needs aux_sums)
   double aux_loss_scale = 0.0;
+  float* z_loss = nullptr;  // [] or null
+  double z_loss_scale = 0.0;
 
   // backward: the forward's indices and probs, the output gradients (each may be null), and
   // grad_logits [T, E] (written)
@@ -75,6 +83,7 @@ struct RouterParams {
   const float* grad_lse = nullptr;         // [T]
   const float* grad_aux_loss = nullptr;    // []: with saved_counts, the forward's counts [E]
   const int64_t* saved_counts = nullptr;
+  const float* grad_z_loss = nullptr;  // []: with z_loss_scale
   float* grad_logits = nullptr;
   // Optional, the logits' backward's operands written by the same launch (router_grad_split's
   // hilo and stacked, below): no split launch after it.
@@ -84,7 +93,8 @@ struct RouterParams {
   int64_t hidden = 0;                  // H
 };
 
-int64_t router_forward_scratch_words(int64_t experts);
+// The forward's scratch for params' experts, tokens and aux_sums (null or not).
+int64_t router_forward_scratch_words(const RouterParams& params);
 void launch_router_forward(const RouterParams& params, cudaStream_t stream);
 void launch_router_backward(const RouterParams& params, cudaStream_t stream);
 

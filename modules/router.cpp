@@ -148,10 +148,15 @@ RouterOutput TopKRouterImpl::forward(const torch::Tensor& x,
       aux_in_kernel ? o.aux_loss_coeff() * experts /
                           (static_cast<double>(topk) * tokens * static_cast<double>(tokens))
                     : 0.0;
+  // z_loss = coeff · mean_t lse_t²: in the router kernel without a process group (also its zero
+  // without a z-loss, rather than a fill); with a group after the token count's all-reduce.
+  const bool z_in_kernel = !o.process_group();
+  const double z_scale =
+      z_in_kernel && o.z_loss_coeff() > 0 && tokens > 0 ? o.z_loss_coeff() / tokens : 0.0;
   const torch::autograd::variable_list scored = autograd::RouterTopKFunction::apply(
       logits, expert_bias.defined() ? std::optional(expert_bias) : std::nullopt, topk,
       o.score_function() == RouterScore::kSigmoid, o.normalize_topk() && topk > 1, want_aux,
-      aux_scale, grad_link);
+      aux_scale, z_in_kernel, z_scale, grad_link);
 
   RouterOutput out;
   out.indices = scored[0];
@@ -179,10 +184,11 @@ RouterOutput TopKRouterImpl::forward(const torch::Tensor& x,
   } else {
     out.aux_loss = torch::zeros({}, scalar);
   }
-  if (o.z_loss_coeff() > 0 && tokens > 0) {
+  if (z_in_kernel) {
+    out.z_loss = scored[6];
+  } else if (o.z_loss_coeff() > 0 && tokens > 0) {
     const torch::Tensor z = scored[3].square();  // scored[3]: logsumexp per token
-    out.z_loss = group_tokens.defined() ? z.sum() * o.z_loss_coeff() / group_tokens
-                                        : z.mean() * o.z_loss_coeff();
+    out.z_loss = z.sum() * o.z_loss_coeff() / group_tokens;
   } else {
     out.z_loss = torch::zeros({}, scalar);
   }

@@ -28,13 +28,13 @@ bool tensor_core_path(const at::Tensor& x, const at::Tensor& weight) {
 constexpr const char* kTopKOp = "torchmoe::ops::router_topk";
 
 enum class TopKBackend {
-  kAten,  // ATen ops: any device, fp32/fp64, any expert count
-  kCuda,  // kernels/router.cu: fp32 logits, E <= kRouterMaxExperts
+  kAten,  // ATen ops: any device, fp32/fp64, any expert count and k
+  kCuda,  // kernels/router.cu: fp32 logits, E <= kRouterMaxExperts, k <= kRouterMaxTopK
 };
 
-TopKBackend select_topk_backend(const at::Tensor& logits) {
+TopKBackend select_topk_backend(const at::Tensor& logits, const RouterScoring& scoring) {
   if (logits.is_cuda() && logits.scalar_type() == at::kFloat &&
-      logits.size(1) <= kernels::kRouterMaxExperts) {
+      logits.size(1) <= kernels::kRouterMaxExperts && scoring.topk <= kernels::kRouterMaxTopK) {
     return TopKBackend::kCuda;
   }
   return TopKBackend::kAten;
@@ -214,6 +214,10 @@ RouterTopK router_topk(const at::Tensor& logits, const at::Tensor& expert_bias,
               kTopKOp, ": aux_loss_scale must be finite, >= 0, and 0 without aux, got ",
               scoring.aux_loss_scale);
   const bool want_loss = scoring.aux_loss_scale > 0;
+  TORCH_CHECK(std::isfinite(scoring.z_loss_scale) && scoring.z_loss_scale >= 0 &&
+                  (scoring.z_loss_scale == 0 || scoring.z_loss),
+              kTopKOp, ": z_loss_scale must be finite, >= 0, and 0 without z_loss, got ",
+              scoring.z_loss_scale);
   TORCH_CHECK(!expert_bias.defined() ||
                   (expert_bias.dim() == 1 && expert_bias.size(0) == experts &&
                    expert_bias.scalar_type() == at::kFloat &&
@@ -221,7 +225,7 @@ RouterTopK router_topk(const at::Tensor& logits, const at::Tensor& expert_bias,
               kTopKOp, ": expert_bias must be a contiguous float32 [", experts, "] tensor on ",
               logits.device());
   RouterTopK out;
-  if (select_topk_backend(logits) == TopKBackend::kCuda) {
+  if (select_topk_backend(logits, scoring) == TopKBackend::kCuda) {
     const c10::cuda::CUDAGuard guard(logits.device());
     const at::TensorOptions options = logits.options();
     out.indices = at::empty({tokens, scoring.topk}, options.dtype(at::kLong));
@@ -229,15 +233,20 @@ RouterTopK router_topk(const at::Tensor& logits, const at::Tensor& expert_bias,
     out.aux_sums = at::empty({scoring.aux ? experts : 0}, options);
     out.lse = at::empty({tokens}, options);
     out.counts = at::empty({experts}, options.dtype(at::kLong));
-    const at::Tensor scratch =
-        at::zeros({kernels::router_forward_scratch_words(experts)}, options.dtype(at::kLong));
     kernels::RouterParams p = kernel_params(logits, scoring);
     p.expert_bias = expert_bias.defined() ? expert_bias.const_data_ptr<float>() : nullptr;
     p.indices = out.indices.data_ptr<int64_t>();
     p.probs = out.probs.data_ptr<float>();
     if (scoring.aux) p.aux_sums = out.aux_sums.data_ptr<float>();
+    const at::Tensor scratch =
+        at::zeros({kernels::router_forward_scratch_words(p)}, options.dtype(at::kLong));
     p.scratch = scratch.data_ptr<int64_t>();
     p.lse = out.lse.data_ptr<float>();
+    if (scoring.z_loss) {
+      out.z_loss = at::empty({}, options);
+      p.z_loss = out.z_loss.data_ptr<float>();
+      p.z_loss_scale = scoring.z_loss_scale;
+    }
     p.counts = out.counts.data_ptr<int64_t>();
     if (want_loss) {
       out.aux_loss = at::empty({}, options);
@@ -263,6 +272,10 @@ RouterTopK router_topk(const at::Tensor& logits, const at::Tensor& expert_bias,
     out.aux_loss =
         at::dot(out.aux_sums, out.counts.to(logits.scalar_type())) * scoring.aux_loss_scale;
   }
+  if (scoring.z_loss) {
+    out.z_loss = scoring.z_loss_scale > 0 ? out.lse.square().sum() * scoring.z_loss_scale
+                                          : at::zeros({}, logits.options());
+  }
   return out;
 }
 
@@ -270,7 +283,7 @@ RouterTopKGrads router_topk_backward(const at::Tensor& logits, const at::Tensor&
                                      const at::Tensor& probs, const at::Tensor& grad_probs,
                                      const at::Tensor& grad_aux, const at::Tensor& grad_lse,
                                      const RouterScoring& scoring, const at::Tensor& counts,
-                                     const at::Tensor& grad_aux_loss,
+                                     const at::Tensor& grad_aux_loss, const at::Tensor& grad_z_loss,
                                      const RouterTopKLinks& links) {
   check_logits(logits, scoring);
   const int64_t tokens = logits.size(0), experts = logits.size(1);
@@ -307,6 +320,13 @@ RouterTopKGrads router_topk_backward(const at::Tensor& logits, const at::Tensor&
                 kTopKOp, ": grad_aux_loss needs the forward's counts, a contiguous int64 [",
                 experts, "] tensor on ", logits.device());
   }
+  const bool z_given = grad_z_loss.defined() && grad_z_loss.numel() > 0;
+  if (z_given) {
+    check_grad(grad_z_loss, {}, "grad_z_loss");
+    TORCH_CHECK(scoring.z_loss, kTopKOp, ": grad_z_loss needs z_loss");
+  }
+  // A zero scale's z-loss is the constant 0: no gradient (0 · an infinite logsumexp is NaN).
+  const bool z_grad = z_given && scoring.z_loss_scale > 0;
   const at::Tensor& rows = links.grad_probs_rows;
   const at::Tensor& row_map = links.probs_row_map;
   TORCH_CHECK(rows.defined() == row_map.defined(), kTopKOp,
@@ -334,7 +354,7 @@ RouterTopKGrads router_topk_backward(const at::Tensor& logits, const at::Tensor&
               ", hidden] weight on ", logits.device(), ", got ",
               split_weight.defined() ? split_weight.sizes() : at::IntArrayRef{});
   RouterTopKGrads grads;
-  if (select_topk_backend(logits) == TopKBackend::kCuda) {
+  if (select_topk_backend(logits, scoring) == TopKBackend::kCuda) {
     const c10::cuda::CUDAGuard guard(logits.device());
     at::Tensor grad_logits = at::empty_like(logits);
     kernels::RouterParams p = kernel_params(logits, scoring);
@@ -361,6 +381,10 @@ RouterTopKGrads router_topk_backward(const at::Tensor& logits, const at::Tensor&
       p.grad_aux_loss = grad_aux_loss.const_data_ptr<float>();
       p.saved_counts = counts.const_data_ptr<int64_t>();
       p.aux_loss_scale = scoring.aux_loss_scale;
+    }
+    if (z_grad) {
+      p.grad_z_loss = grad_z_loss.const_data_ptr<float>();
+      p.z_loss_scale = scoring.z_loss_scale;
     }
     p.grad_logits = grad_logits.data_ptr<float>();
     kernels::launch_router_backward(p, at::cuda::getCurrentCUDAStream().stream());
@@ -404,9 +428,14 @@ RouterTopKGrads router_topk_backward(const at::Tensor& logits, const at::Tensor&
     ds = ds.scatter_add(1, indices, g);
   }
   at::Tensor grad_logits = scoring.sigmoid ? ds * s * (1 - s) : s * (ds - (s * ds).sum(1, true));
-  if (grad_lse.defined() && grad_lse.numel() > 0) {
-    grad_logits = grad_logits + grad_lse.unsqueeze(1) * at::softmax(logits, 1);
+  // The logsumexp's gradient, its own and the z-loss's: d(scale · Σ lse²)/d lse = 2 · scale · lse.
+  at::Tensor gl = grad_lse.defined() && grad_lse.numel() > 0 ? grad_lse : at::Tensor();
+  if (z_grad) {
+    const at::Tensor through_z =
+        at::logsumexp(logits, 1) * (grad_z_loss * (2 * scoring.z_loss_scale));
+    gl = gl.defined() ? gl + through_z : through_z;
   }
+  if (gl.defined()) grad_logits = grad_logits + gl.unsqueeze(1) * at::softmax(logits, 1);
   grads.grad_logits = std::move(grad_logits);
   return grads;
 }

@@ -73,8 +73,8 @@ RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at
 at::Tensor router_grad_x(const RouterGradXProduct& product, const at::Tensor& grad_x_addend = {});
 
 // Scoring and top-k from the logits (the formulas: kernels/router.h): one kernel each way on CUDA
-// for fp32 logits and E <= 1024 experts, else ATen ops (the CPU reference, fp64 logits, more
-// experts).
+// for fp32 logits, E <= 1024 experts and k <= 32, else ATen ops (the CPU reference, fp64 logits,
+// more experts or choices).
 struct RouterScoring {
   int64_t topk = 1;
   bool sigmoid = false;    // sigmoid scores, else softmax
@@ -83,6 +83,10 @@ struct RouterScoring {
   // With aux and > 0: also return aux_loss = aux_loss_scale · Σ_e aux_sums[e] · counts[e], the
   // load-balancing loss when this call's counts are the batch's (no process group).
   double aux_loss_scale = 0.0;
+  // Also return z_loss = z_loss_scale · Σ_t lse[t]² (0 when the scale is 0): the router z-loss
+  // when this call's tokens are the batch's (no process group).
+  bool z_loss = false;
+  double z_loss_scale = 0.0;
 };
 
 struct RouterTopK {
@@ -93,6 +97,7 @@ struct RouterTopK {
   at::Tensor lse;       // [T] logsumexp of each row of logits
   at::Tensor counts;    // [E] int64 tokens choosing each expert
   at::Tensor aux_loss;  // [] in the logits' dtype with aux_loss_scale > 0, else undefined
+  at::Tensor z_loss;    // [] in the logits' dtype with z_loss, else undefined
 };
 
 // logits [T, E] fp32 or fp64; expert_bias undefined or [E] fp32 (shifts the choice, not probs).
@@ -118,13 +123,14 @@ struct RouterTopKGrads {
   RouterGradXProduct split;  // with links.split_weight on the kernel's path, else undefined
 };
 
-// grad_logits [T, E] from the gradients of probs [T, k], aux_sums [E], lse [T] and aux_loss []
-// (each undefined when none); grad_aux_loss needs the forward's counts.
+// grad_logits [T, E] from the gradients of probs [T, k], aux_sums [E], lse [T], aux_loss [] and
+// z_loss [] (each undefined when none); grad_aux_loss needs the forward's counts.
 RouterTopKGrads router_topk_backward(const at::Tensor& logits, const at::Tensor& indices,
                                      const at::Tensor& probs, const at::Tensor& grad_probs,
                                      const at::Tensor& grad_aux, const at::Tensor& grad_lse,
                                      const RouterScoring& scoring, const at::Tensor& counts = {},
                                      const at::Tensor& grad_aux_loss = {},
+                                     const at::Tensor& grad_z_loss = {},
                                      const RouterTopKLinks& links = {});
 
 }  // namespace torchmoe::ops

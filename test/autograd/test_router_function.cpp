@@ -124,7 +124,7 @@ TEST_CASE("route_tokens takes a probs link only with the linked top-k's probabil
   const torch::Tensor tokens = torch::randn({6, 8});
   const auto link = std::make_shared<RouterGradLink>();
   const torch::autograd::variable_list scored =
-      RouterTopKFunction::apply(logits, std::nullopt, 2, false, true, false, 0.0, link);
+      RouterTopKFunction::apply(logits, std::nullopt, 2, false, true, false, 0.0, false, 0.0, link);
   const torch::Tensor& indices = scored[0];
   const torch::Tensor& probs = scored[1];
   CHECK_NOTHROW(torchmoe::autograd::route_tokens(tokens, indices, 4, probs,
@@ -153,8 +153,8 @@ TEST_CASE("the probabilities' gradient through a probs link equals autograd's",
   auto grad_logits = [&](bool linked) {
     const torch::Tensor logits = logits0.clone().requires_grad_(true);
     const auto link = linked ? std::make_shared<RouterGradLink>() : nullptr;
-    const torch::autograd::variable_list scored =
-        RouterTopKFunction::apply(logits, std::nullopt, 2, false, true, false, 0.0, link);
+    const torch::autograd::variable_list scored = RouterTopKFunction::apply(
+        logits, std::nullopt, 2, false, true, false, 0.0, false, 0.0, link);
     const torchmoe::PermutedTokens routed = torchmoe::autograd::route_tokens(
         tokens, scored[0], 5, scored[1], torchmoe::ops::IndexTrust::kDropless, link);
     // A loss of the rows' probabilities with a different weight per row.

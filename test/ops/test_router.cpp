@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include "test_utils.h"
 
@@ -160,9 +161,9 @@ TEST_CASE("router top-k: the CUDA kernel matches the ATen path", "[ops][router][
   const bool normalize = GENERATE(false, true);
   const bool bias = GENERATE(false, true);
   const int64_t topk = GENERATE(1, 2, 8);
-  // 8 and 100: rows shorter than a warp and not a multiple of one; 1024 the kernel's limit; 2000
-  // takes the ATen path on CUDA too.
-  const int64_t experts = GENERATE(8, 100, 1024, 2000);
+  // Experts per lane (kernels/router.cu): 8 and 100 rows shorter than their lanes' registers, 32
+  // and 256 that fill them; 1024 the kernel's limit; 2000 takes the ATen path on CUDA too.
+  const int64_t experts = GENERATE(8, 32, 100, 256, 1024, 2000);
   INFO("sigmoid=" << sigmoid << " normalize=" << normalize << " bias=" << bias << " topk=" << topk
                   << " experts=" << experts);
   torch::manual_seed(43);
@@ -175,6 +176,8 @@ TEST_CASE("router top-k: the CUDA kernel matches the ATen path", "[ops][router][
   scoring.normalize = normalize;
   scoring.aux = true;
   scoring.aux_loss_scale = 0.37;
+  scoring.z_loss = true;
+  scoring.z_loss_scale = 0.013;
   const auto cpu = torchmoe::ops::router_topk(logits, expert_bias, scoring);
   const auto cuda = torchmoe::ops::router_topk(
       logits.cuda(), bias ? expert_bias.cuda() : torch::Tensor(), scoring);
@@ -208,13 +211,16 @@ TEST_CASE("router top-k: the CUDA kernel matches the ATen path", "[ops][router][
       0.37 *
       torch::dot(cpu.aux_sums.to(torch::kFloat64), cpu.counts.to(torch::kFloat64)).item<double>();
   CHECK(cpu.aux_loss.item<double>() == Approx(cpu_loss).epsilon(1e-6));
+  CHECK(cuda.z_loss.dim() == 0);
+  CHECK(cuda.z_loss.item<double>() == Approx(cpu.z_loss.item<double>()).epsilon(1e-6));
 
   const torch::Tensor grad_probs = torch::randn({tokens, topk});
   const torch::Tensor grad_aux = torch::randn({experts}) * 1e-2;
   const torch::Tensor grad_lse = torch::randn({tokens});
   const torch::Tensor grad_loss = torch::tensor(1e-3);
+  const torch::Tensor grad_z = torch::tensor(0.7);
   auto on_cuda = [](const torch::Tensor& t) { return t.defined() ? t.cuda() : t; };
-  for (int absent = 0; absent < 5; ++absent) {  // all gradients, then each one left out
+  for (int absent = 0; absent < 6; ++absent) {  // all gradients, then each one left out
     INFO("absent gradient " << absent);
     auto pick = [&](int which, const torch::Tensor& g) {
       return absent == which ? torch::Tensor() : g;
@@ -223,13 +229,13 @@ TEST_CASE("router top-k: the CUDA kernel matches the ATen path", "[ops][router][
     const torch::Tensor expected =
         torchmoe::ops::router_topk_backward(logits, indices, cuda.probs.cpu(), pick(1, grad_probs),
                                             pick(2, grad_aux), pick(3, grad_lse), scoring,
-                                            cuda.counts.cpu(), pick(4, grad_loss))
+                                            cuda.counts.cpu(), pick(4, grad_loss), pick(5, grad_z))
             .grad_logits;
     const torch::Tensor actual =
-        torchmoe::ops::router_topk_backward(logits.cuda(), cuda.indices, cuda.probs,
-                                            on_cuda(pick(1, grad_probs)),
-                                            on_cuda(pick(2, grad_aux)), on_cuda(pick(3, grad_lse)),
-                                            scoring, cuda.counts, on_cuda(pick(4, grad_loss)))
+        torchmoe::ops::router_topk_backward(
+            logits.cuda(), cuda.indices, cuda.probs, on_cuda(pick(1, grad_probs)),
+            on_cuda(pick(2, grad_aux)), on_cuda(pick(3, grad_lse)), scoring, cuda.counts,
+            on_cuda(pick(4, grad_loss)), on_cuda(pick(5, grad_z)))
             .grad_logits;
     check_close(actual, expected, {1e-4, 1e-6}, "grad logits");
   }
@@ -271,9 +277,12 @@ TEST_CASE("router top-k: the aux sums are exact to fp32 and deterministic", "[op
   scoring.topk = 2;
   scoring.sigmoid = sigmoid;
   scoring.aux = true;
+  scoring.z_loss = true;
+  scoring.z_loss_scale = 1.0 / tokens;
   const auto first = torchmoe::ops::router_topk(logits.cuda(), {}, scoring);
   const auto second = torchmoe::ops::router_topk(logits.cuda(), {}, scoring);
   CHECK(torch::equal(first.aux_sums, second.aux_sums));
+  CHECK(torch::equal(first.z_loss, second.z_loss));
   // The counts, with the aux sums and without (each block's counts added to the launch's once).
   const torch::Tensor bincount = torch::bincount(first.indices.cpu().reshape(-1), {}, experts);
   CHECK(torch::equal(first.counts.cpu(), bincount));
@@ -289,6 +298,9 @@ TEST_CASE("router top-k: the aux sums are exact to fp32 and deterministic", "[op
   // sums' relative error is theirs plus one rounding; an fp32 sum of 10^5 terms in any order
   // would be off by ~10^-5.
   check_close(first.aux_sums, scores.sum(0), {2e-6, tokens * 0x1p-33}, "aux sums");
+  // The z-loss's sum is in double: within a few fp32 roundings of the logsumexps' own.
+  const double z = torch::logsumexp(l64, 1).square().mean().item<double>();
+  CHECK(first.z_loss.item<double>() == Approx(z).epsilon(1e-6));
 
   const auto empty = torchmoe::ops::router_topk(logits.narrow(0, 0, 0).cuda(), {}, scoring);
   CHECK(torch::equal(empty.aux_sums.cpu(), torch::zeros({experts})));
@@ -297,25 +309,45 @@ TEST_CASE("router top-k: the aux sums are exact to fp32 and deterministic", "[op
   with_nan[500][3] = NAN;
   const auto nan = torchmoe::ops::router_topk(with_nan.cuda(), {}, scoring);
   CHECK(nan.aux_sums.isnan().all().item<bool>());
+  // A zero scale's z-loss is 0 whatever the logsumexps (an infinite one here), on both paths, and
+  // gives no gradient.
+  torch::Tensor with_inf = logits.narrow(0, 0, 1000).clone();
+  with_inf[7][1] = INFINITY;
+  scoring.z_loss_scale = 0;
+  for (const torch::Tensor& l : {with_inf, with_inf.cuda()}) {
+    const auto out = torchmoe::ops::router_topk(l, {}, scoring);
+    CHECK(out.z_loss.item<double>() == 0);
+  }
+  const torch::Tensor finite = logits.narrow(0, 0, 1000).cuda();
+  const auto out = torchmoe::ops::router_topk(finite, {}, scoring);
+  const torch::Tensor grad_lse = torch::randn({1000}).cuda();
+  const auto grad_with = [&](const torch::Tensor& grad_z) {
+    return torchmoe::ops::router_topk_backward(finite, out.indices, out.probs, {}, {}, grad_lse,
+                                               scoring, {}, {}, grad_z)
+        .grad_logits;
+  };
+  CHECK(torch::equal(grad_with(torch::tensor(1.0f).cuda()), grad_with({})));
 }
 
-// Launch edges of the forward: 144 experts, k = 12 with the aux sums, whose 16 warps' rows and the
-// block's sums would take exactly the 48 KB a launch gets, with no room left for the kernel's
-// static flags (the launch takes 15); and a sigmoid row whose only finite score is expert 1 makes
-// the top-2's fallback repeat it (its count must then be 2).
+// Launch edges of the forward: 236 experts with the aux sums, whose 16 warps' rows and the block's
+// sums take 49,088 bytes, within the 48 KB a launch gets but not with the kernel's static flags
+// (the launch takes 15 warps); k = 33, past the kernel's 32, on the ATen path; and a sigmoid row
+// whose only finite score is expert 1 makes the top-2's fallback repeat it (its count must then
+// be 2).
 TEST_CASE("router top-k at its shared-memory budget and with a repeated expert",
           "[ops][router][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
   torch::manual_seed(53);
   torchmoe::ops::RouterScoring scoring;
   scoring.aux = true;
-  {
-    scoring.topk = 12;
-    const torch::Tensor logits = torch::randn({1000, 144});
+  for (const auto [experts, topk] : {std::pair<int64_t, int64_t>{236, 12}, {100, 33}}) {
+    INFO("experts=" << experts << " topk=" << topk);
+    scoring.topk = topk;
+    const torch::Tensor logits = torch::randn({1000, experts});
     const auto cpu = torchmoe::ops::router_topk(logits, {}, scoring);
     const auto cuda = torchmoe::ops::router_topk(logits.cuda(), {}, scoring);
     CHECK(torch::equal(cuda.counts.cpu(),
-                       torch::bincount(cuda.indices.cpu().reshape(-1), {}, logits.size(1))));
+                       torch::bincount(cuda.indices.cpu().reshape(-1), {}, experts)));
     check_close(cuda.aux_sums, cpu.aux_sums, {1e-5, 1e-6}, "aux sums");
   }
   scoring.topk = 2;
@@ -377,6 +409,17 @@ TEST_CASE("router top-k rejects bad arguments", "[ops][router][errors]") {
       torchmoe::ops::router_topk_backward(logits, out.indices, out.probs, {}, {}, {}, with_loss,
                                           torch::zeros({4}, torch::kLong), torch::ones({2})),
       Contains("grad_aux_loss must be a contiguous Float [] tensor"));
+  torchmoe::ops::RouterScoring bad_z = scoring;
+  bad_z.z_loss_scale = 0.5;
+  CHECK_THROWS_WITH(router_topk(logits, {}, bad_z),
+                    Contains("z_loss_scale must be finite, >= 0, and 0 without z_loss, got 0.5"));
+  bad_z.z_loss = true;
+  bad_z.z_loss_scale = -1;
+  CHECK_THROWS_WITH(router_topk(logits, {}, bad_z),
+                    Contains("z_loss_scale must be finite, >= 0, and 0 without z_loss, got -1"));
+  CHECK_THROWS_WITH(torchmoe::ops::router_topk_backward(logits, out.indices, out.probs, {}, {}, {},
+                                                        scoring, {}, {}, torch::tensor(1.0f)),
+                    Contains("grad_z_loss needs z_loss"));
   const auto backward = [&](const torch::Tensor& l, const torch::Tensor& indices,
                             const torch::Tensor& probs, int64_t topk) {
     torchmoe::ops::RouterScoring s = scoring;
@@ -487,7 +530,7 @@ TEST_CASE("router top-k backward reads probs' gradient through a row map", "[ops
                                           {}, scoring)
           .grad_logits;
   const torchmoe::ops::RouterTopKGrads linked = torchmoe::ops::router_topk_backward(
-      logits, out.indices, out.probs, grad_probs, {}, {}, scoring, {}, {}, links);
+      logits, out.indices, out.probs, grad_probs, {}, {}, scoring, {}, {}, {}, links);
   CHECK_FALSE(linked.split.lhs.defined());
   check_close(linked.grad_logits, expected, {1e-6, 1e-7}, "grad logits");
 }
@@ -517,7 +560,7 @@ TEST_CASE("router top-k backward splits its gradient for the logits' backward",
   const auto plain = torchmoe::ops::router_topk_backward(logits, out.indices, out.probs, grad_probs,
                                                          {}, grad_lse, scoring);
   const auto split = torchmoe::ops::router_topk_backward(logits, out.indices, out.probs, grad_probs,
-                                                         {}, grad_lse, scoring, {}, {}, links);
+                                                         {}, grad_lse, scoring, {}, {}, {}, links);
   REQUIRE(split.split.lhs.defined());
   CHECK(torch::equal(split.grad_logits, plain.grad_logits));
   using torchmoe::ops::RouterGradX;
@@ -540,7 +583,7 @@ TEST_CASE("router top-k backward rejects links it cannot use", "[ops][router][er
   const auto out = torchmoe::ops::router_topk(logits, {}, scoring);
   const auto backward = [&](const torchmoe::ops::RouterTopKLinks& links) {
     return torchmoe::ops::router_topk_backward(logits, out.indices, out.probs, {}, {}, {}, scoring,
-                                               {}, {}, links);
+                                               {}, {}, {}, links);
   };
   torchmoe::ops::RouterTopKLinks links;
   links.grad_probs_rows = torch::zeros({12});
