@@ -17,6 +17,10 @@
 #include "torchmoe/kernels/device_types.cuh"
 #include "torchmoe/kernels/router.h"
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#error "kernels/router.cu: the top-k rounds use redux.sync (sm_80 or newer)"
+#endif
+
 namespace torchmoe::kernels {
 namespace {
 
@@ -114,7 +118,7 @@ constexpr double kAuxUnit = 1.0 / 4294967296.0;
 constexpr int kMaxWarpsPerBlock = 16;
 constexpr int kMaxThreads = kMaxWarpsPerBlock * kWarpSize;
 // What a launch gets without opting in, less room for the forward's static shared memory (its
-// flag and the aux loss's partial sums: static and dynamic count together against the 48 KB).
+// flag and the losses' per-warp sums: static and dynamic count together against the 48 KB).
 constexpr size_t kSharedBudget = 48 * 1024 - 256;
 
 // Block b adds its sums into replica b % kRouterSumReplicas (router.h): a replica's E addresses
@@ -241,7 +245,8 @@ __global__ void __launch_bounds__(kMaxThreads, min_blocks(kPerLane, 4, 2))
 
   // The block's counts and sums into its replica (integer adds: any order gives the same bits)
   // and its Σ lse² into its own word, then the last block to finish adds the replicas and the
-  // blocks' words (in block order) and writes counts, aux_sums and the losses.
+  // blocks' words (in a fixed order for a given grid: the same bits run to run on one device) and
+  // writes counts, aux_sums and the losses.
   auto* scratch = reinterpret_cast<unsigned long long*>(p.scratch);
   const int64_t replica = blockIdx.x % kRouterSumReplicas;
   unsigned long long* count_sums = scratch;                                 // [replicas][E]
@@ -531,17 +536,13 @@ void launch(Kernel* kernel, const RouterParams& p, size_t block_bytes, size_t wa
   TORCHMOE_CUDA_CHECK(cudaGetLastError());
 }
 
-// The forward's grid is at most one block per `warps` tokens and one wave: no more blocks than
-// fit on the SMs by their threads.
+// The forward's grid has at most one block per `warps` tokens (arithmetic only: no device query
+// on the host path; a word per block of a grid the wave would cut is 8 bytes of the scratch's
+// memset).
 int64_t forward_max_blocks(const RouterParams& p) {
   const int warps = warps_per_block(forward_block_bytes(p.experts),
                                     forward_warp_bytes(p.experts, p.aux_sums != nullptr));
-  int device = 0, threads_per_sm = 0;
-  TORCHMOE_CUDA_CHECK(cudaGetDevice(&device));
-  TORCHMOE_CUDA_CHECK(
-      cudaDeviceGetAttribute(&threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, device));
-  const int64_t wave = static_cast<int64_t>(sm_count()) * (threads_per_sm / (warps * kWarpSize));
-  return std::max<int64_t>(1, std::min<int64_t>((p.tokens + warps - 1) / warps, wave));
+  return std::max<int64_t>(1, (p.tokens + warps - 1) / warps);
 }
 
 }  // namespace

@@ -27,8 +27,8 @@
 // never written, and no reduction launch follows); the block that finishes last converts them. A
 // NaN term (a NaN logit makes its whole row of terms NaN) makes every sum NaN. The counts take the
 // same path: each block counts its tokens' choices in shared memory and adds them to the launch's
-// sums once. Σ lse² is summed in double in a fixed order (each warp's tokens, the block's warps,
-// then the blocks), one word per block in the scratch.
+// sums once. Σ lse² is summed in double in a fixed order for a given grid (each warp's tokens, the
+// block's warps, then the blocks' words in the scratch): the same bits run to run on one device.
 
 #include <cuda_runtime_api.h>
 

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <utility>
+#include <vector>
 
 #include "test_utils.h"
 
@@ -161,9 +162,10 @@ TEST_CASE("router top-k: the CUDA kernel matches the ATen path", "[ops][router][
   const bool normalize = GENERATE(false, true);
   const bool bias = GENERATE(false, true);
   const int64_t topk = GENERATE(1, 2, 8);
-  // Experts per lane (kernels/router.cu): 8 and 100 rows shorter than their lanes' registers, 32
-  // and 256 that fill them; 1024 the kernel's limit; 2000 takes the ATen path on CUDA too.
-  const int64_t experts = GENERATE(8, 32, 100, 256, 1024, 2000);
+  // Experts per lane (kernels/router.cu: 1, 2, 4, 8, 16, 32): 8, 100 and 600 rows shorter than
+  // their lanes' registers, 32, 64 and 256 that fill them; 1024 the kernel's limit; 2000 takes the
+  // ATen path on CUDA too.
+  const int64_t experts = GENERATE(8, 32, 64, 100, 256, 600, 1024, 2000);
   INFO("sigmoid=" << sigmoid << " normalize=" << normalize << " bias=" << bias << " topk=" << topk
                   << " experts=" << experts);
   torch::manual_seed(43);
@@ -360,6 +362,43 @@ TEST_CASE("router top-k at its shared-memory budget and with a repeated expert",
   CHECK(indices[2][0].item<int64_t>() == 1);
   CHECK(indices[2][1].item<int64_t>() == 1);
   CHECK(torch::equal(out.counts.cpu(), torch::bincount(indices.reshape(-1), {}, 8)));
+}
+
+// Ties go to the lower expert, also among the experts one lane holds (0, 32, 64 and 96 on lane 0);
+// k = 32, the kernel's limit (lane 31 keeps the last choice), against ATen on distinct scores.
+TEST_CASE("router top-k: ties to the lower expert and k = 32", "[ops][router][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  torchmoe::ops::RouterScoring scoring;
+  scoring.topk = 8;
+  torch::Tensor logits = torch::zeros({2, 100});
+  for (const int64_t e : {96, 64, 32, 0}) logits[1][e] = 5.0;
+  const torch::Tensor indices =
+      torchmoe::ops::router_topk(logits.cuda(), {}, scoring).indices.cpu();
+  CHECK(torch::equal(indices[0], torch::arange(8)));
+  CHECK(torch::equal(indices[1], torch::tensor({0, 32, 64, 96, 1, 2, 3, 4}, torch::kLong)));
+
+  scoring.topk = 32;
+  scoring.sigmoid = true;
+  scoring.aux = true;
+  const int64_t tokens = 50, experts = 64;
+  // Each row a permutation of distinct values: one top-k, in one order.
+  std::vector<torch::Tensor> rows;
+  for (int64_t t = 0; t < tokens; ++t) rows.push_back(torch::randperm(experts).to(torch::kFloat));
+  const torch::Tensor scores = torch::stack(rows) * 0.05 - 1.5;
+  const auto cpu = torchmoe::ops::router_topk(scores, {}, scoring);
+  const auto cuda = torchmoe::ops::router_topk(scores.cuda(), {}, scoring);
+  CHECK(torch::equal(cuda.indices.cpu(), cpu.indices));
+  CHECK(torch::equal(cuda.counts.cpu(), cpu.counts));
+  check_close(cuda.probs, cpu.probs, {1e-6, 1e-7}, "probs");
+  const torch::Tensor grad_probs = torch::randn({tokens, 32});
+  const torch::Tensor expected = torchmoe::ops::router_topk_backward(scores, cpu.indices, cpu.probs,
+                                                                     grad_probs, {}, {}, scoring)
+                                     .grad_logits;
+  const torch::Tensor actual =
+      torchmoe::ops::router_topk_backward(scores.cuda(), cuda.indices, cuda.probs,
+                                          grad_probs.cuda(), {}, {}, scoring)
+          .grad_logits;
+  check_close(actual, expected, {1e-4, 1e-6}, "grad logits");
 }
 
 TEST_CASE("router top-k rejects bad arguments", "[ops][router][errors]") {
