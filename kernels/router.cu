@@ -139,6 +139,17 @@ __host__ __device__ size_t forward_warp_bytes(int64_t experts, bool aux) {
   return (bytes + 7) / 8 * 8;
 }
 
+// *p += v at the GPU's scope with acquire and release semantics; returns the old value.
+__device__ __forceinline__ unsigned long long add_acq_rel(unsigned long long* p,
+                                                          unsigned long long v) {
+  unsigned long long old;
+  asm volatile("atom.acq_rel.gpu.global.add.u64 %0, [%1], %2;"
+               : "=l"(old)
+               : "l"(p), "l"(v)
+               : "memory");
+  return old;
+}
+
 // The block's sum of v in a fixed order (each warp's shuffles, then the warps in turn), on thread
 // 0; `parts` holds a double per warp. Every thread of the block calls it.
 __device__ double block_sum_in_order(double v, double* parts) {
@@ -271,12 +282,13 @@ __global__ void __launch_bounds__(kMaxThreads, min_blocks(kPerLane, 4, 2))
     if (count != 0) atomicAdd(count_sums + replica * experts + e, count);
     if (sum != 0) atomicAdd(aux_sums + replica * experts + e, sum);
   }
-  __threadfence();  // this block's adds before its count
+  // The block's adds (before the barrier) are visible before its count, every earlier block's
+  // after it: thread 0's acquire-release add orders them for the block, where a __threadfence by
+  // every thread made each wait for its own atomics.
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(finished, 1ull) == gridDim.x - 1;
+  if (threadIdx.x == 0) last = add_acq_rel(finished, 1ull) == gridDim.x - 1;
   __syncthreads();
   if (!last) return;
-  __threadfence();  // every block's adds (before their counts) are visible
   // The replicas summed in shared memory, every (replica, expert) load in flight at once rather
   // than a replica at a time.
   auto* total_counts = reinterpret_cast<unsigned long long*>(shared);

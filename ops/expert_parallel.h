@@ -47,9 +47,9 @@ struct CapacityMap {
 
 // indices [T, k] int32/int64 in [0, E) or -1 (dropped; so is any other index outside [0, E),
 // which cannot be refused without a host sync). A slot's position within its expert follows slot
-// order (as in permute_tokens); slots past `capacity` are dropped too. Computed on the device from
-// a cumulative sum over a [T·k, E] one-hot map: no host sync, so it can be captured in a CUDA
-// graph.
+// order (as in permute_tokens); slots past `capacity` are dropped too. Computed on the device (on
+// CUDA from the routing map's stable sort by expert, on the CPU from a cumulative sum over a
+// [T·k, E] one-hot map): no host sync, so it can be captured in a CUDA graph.
 CapacityMap make_capacity_map(const at::Tensor& indices, int64_t num_experts, int64_t capacity);
 
 // rows [N, ...] (N = Σ send_splits, contiguous blocks in rank order) -> [Σ recv_splits, ...]: the
