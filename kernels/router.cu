@@ -283,8 +283,9 @@ __global__ void __launch_bounds__(kMaxThreads, min_blocks(kPerLane, 4, 2))
     if (sum != 0) atomicAdd(aux_sums + replica * experts + e, sum);
   }
   // The block's adds (before the barrier) are visible before its count, every earlier block's
-  // after it: thread 0's acquire-release add orders them for the block, where a __threadfence by
-  // every thread made each wait for its own atomics.
+  // after it: thread 0's add releases what the barrier ordered before it, and its acquire half,
+  // passed on by the next barrier, orders the last block's reads (a release alone would not).
+  // A __threadfence by every thread made each wait for its own atomics.
   __syncthreads();
   if (threadIdx.x == 0) last = add_acq_rel(finished, 1ull) == gridDim.x - 1;
   __syncthreads();
