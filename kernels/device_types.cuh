@@ -161,6 +161,40 @@ inline bool aligned16(std::initializer_list<const void*> pointers) {
   return true;
 }
 
+// Programmatic dependent launch (sm_90 and newer; elsewhere both are no-ops). A kernel launched
+// by launch_dependent may start while the kernel ahead of it in the stream still runs: it calls
+// wait_for_prior_grid before touching global memory, which returns once that kernel has finished
+// and its writes are visible, so only the launch's latency overlaps. A kernel calls
+// allow_dependent_launch to let the one behind it start that early (else at its own end).
+__device__ __forceinline__ void wait_for_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// kernel<<<grid, block, shared, stream>>>(args...) with programmatic stream serialization: the
+// kernel must call wait_for_prior_grid before its first global memory access.
+template <typename... Params, typename... Args>
+void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared,
+                      cudaStream_t stream, Args... args) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = shared;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  TORCHMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...));
+}
+
 // Multiprocessors of the current device.
 inline int sm_count() {
   int device = 0, sms = 0;

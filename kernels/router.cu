@@ -169,6 +169,7 @@ template <int kPerLane>
 __global__ void __launch_bounds__(kMaxThreads, min_blocks(kPerLane, 4, 2))
     router_forward_kernel(const RouterParams p) {
   extern __shared__ __align__(16) unsigned char shared[];
+  allow_dependent_launch();  // the routing map's histogram (token_permutation.cu) waits for it
   const int warps = blockDim.x / kWarpSize;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int experts = static_cast<int>(p.experts), topk = static_cast<int>(p.topk);

@@ -74,8 +74,10 @@ __global__ void routing_histogram_kernel(const Index* __restrict__ indices, int6
                                          int32_t experts, int64_t chunk,
                                          int32_t* __restrict__ chunk_counts) {
   extern __shared__ int32_t hist[];
+  allow_dependent_launch();
   const int32_t bins = static_cast<int32_t>(routing_bins(experts));
   for (int32_t b = threadIdx.x; b < bins; b += blockDim.x) hist[b] = 0;
+  wait_for_prior_grid();
   __syncthreads();
   const int64_t lo = blockIdx.x * chunk, hi = std::min(slots, lo + chunk);
   for (int64_t s = lo + threadIdx.x; s < hi; s += blockDim.x) {
@@ -120,6 +122,8 @@ __global__ void routing_scatter_kernel(
     float* __restrict__ row_probs) {
   extern __shared__ int32_t map_shared[];
   __shared__ int32_t warp_totals[kMaxMapWarps];
+  allow_dependent_launch();
+  wait_for_prior_grid();
   const int warps = blockDim.x / kWarpSize;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int32_t bins = static_cast<int32_t>(routing_bins(experts));
@@ -231,6 +235,7 @@ __global__ void permute_kernel(const T* __restrict__ input, const int64_t* __res
                                const S* __restrict__ probs, T* __restrict__ output, int64_t tokens,
                                int64_t rows, int64_t topk, int64_t hidden) {
   constexpr int kBatch = 4;
+  wait_for_prior_grid();
   const int64_t chunks = chunk_count<V>(hidden);
   const int lane = threadIdx.x % kWarpSize;
   const int64_t first_warp =
@@ -444,13 +449,15 @@ void launch_routing_map(const RoutingMapParams& params, cudaStream_t stream) {
   auto launch = [&](auto index_tag) {
     using Index = decltype(index_tag);
     const auto* indices = static_cast<const Index*>(params.indices);
-    routing_histogram_kernel<Index><<<c.chunks, threads, bins * sizeof(int32_t), stream>>>(
-        indices, slots, experts, c.warps * c.span, chunk_counts);
-    TORCHMOE_CUDA_CHECK(cudaGetLastError());
-    routing_scatter_kernel<Index><<<c.chunks, threads, c.scatter_shared_bytes, stream>>>(
-        indices, slots, experts, c.span, chunk_counts, c.chunks, params.topk, params.counts,
-        params.row_map, params.sorted_slots, params.row_tokens, params.probs, params.row_probs);
-    TORCHMOE_CUDA_CHECK(cudaGetLastError());
+    // Each launch may start while the kernel before it finishes (the router's, then the
+    // histogram): its blocks wait at wait_for_prior_grid, so only the launch latency overlaps.
+    launch_dependent(routing_histogram_kernel<Index>, static_cast<unsigned>(c.chunks), threads,
+                     bins * sizeof(int32_t), stream, indices, slots, experts, c.warps * c.span,
+                     chunk_counts);
+    launch_dependent(routing_scatter_kernel<Index>, static_cast<unsigned>(c.chunks), threads,
+                     c.scatter_shared_bytes, stream, indices, slots, experts, c.span, chunk_counts,
+                     c.chunks, params.topk, params.counts, params.row_map, params.sorted_slots,
+                     params.row_tokens, params.probs, params.row_probs);
   };
   if (params.indices_int32) {
     launch(int32_t{});
@@ -473,12 +480,14 @@ void launch_permute(const PermuteParams& params, cudaStream_t stream) {
                                   params.topk);
                return;
              }
+             // May start while the routing map's scatter finishes (wait_for_prior_grid).
              auto* kernel = permute_kernel<T, S, decltype(vec)::value>;
-             kernel<<<row_grid(kernel, std::max(params.tokens, params.rows / kWarpSize)), kThreads,
-                      0, stream>>>(static_cast<const T*>(params.input), params.row_map,
-                                   params.sorted_slots, static_cast<const S*>(params.probs),
-                                   static_cast<T*>(params.output), params.tokens, params.rows,
-                                   params.topk, params.hidden);
+             launch_dependent(kernel,
+                              row_grid(kernel, std::max(params.tokens, params.rows / kWarpSize)),
+                              kThreads, 0, stream, static_cast<const T*>(params.input),
+                              params.row_map, params.sorted_slots,
+                              static_cast<const S*>(params.probs), static_cast<T*>(params.output),
+                              params.tokens, params.rows, params.topk, params.hidden);
            });
 }
 
