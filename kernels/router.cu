@@ -268,7 +268,7 @@ __global__ void __launch_bounds__(kMaxThreads, min_blocks(kPerLane, 4, 2))
   auto* z_sums = reinterpret_cast<double*>(finished + 1);  // [gridDim.x]
   __shared__ bool last;
   __shared__ double warp_parts[kMaxWarpsPerBlock];
-  if (aux && __any_sync(0xffffffffu, aux_nan) && lane == 0) atomicOr(nan_flag, 1ull);
+  if (aux && __any_sync(kFullMask, aux_nan) && lane == 0) atomicOr(nan_flag, 1ull);
   if (z_sum) {
     const double block_z = block_sum_in_order(z_part, warp_parts);
     if (threadIdx.x == 0) z_sums[blockIdx.x] = block_z;
