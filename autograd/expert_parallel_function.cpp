@@ -41,18 +41,17 @@ at::Tensor all_to_all_rows(const at::Tensor& rows, c10::IntArrayRef send_splits,
   return AllToAllFunction::apply(rows, send_splits.vec(), recv_splits.vec(), group);
 }
 
-PermutedTokens permute_received(const at::Tensor& rows, const at::Tensor& probs,
-                                c10::IntArrayRef recv_per_expert, int64_t num_local_experts) {
-  constexpr const char* kOp = "permute_received";
+PermutedTokens route_received(const at::Tensor& probs, c10::IntArrayRef recv_per_expert,
+                              int64_t num_local_experts) {
+  constexpr const char* kOp = "route_received";
+  TORCH_CHECK(probs.defined(), kOp, ": probs must be defined");
   ops::RoutingMap map =
-      ops::received_routing_map(recv_per_expert, num_local_experts, rows.device());
-  TORCH_CHECK(rows.dim() == 2 && rows.size(0) == map.num_rows, kOp, ": rows must be [",
-              map.num_rows, ", H] as the counts say, got ", rows.sizes());
+      ops::received_routing_map(recv_per_expert, num_local_experts, probs.device());
   TORCH_CHECK(probs.dim() == 1 && probs.size(0) == map.num_rows, kOp, ": probs must be [",
-              map.num_rows, "], got ", probs.sizes());
+              map.num_rows, "] as the counts say, got ", probs.sizes());
   PermutedTokens out;
-  out.tokens = PermuteFunction::apply(rows, map.row_map, map.sorted_slots, std::nullopt);
   out.probs = probs.index_select(0, map.sorted_slots);
+  out.row_tokens = map.sorted_slots;  // top-k 1: a row's slot is its received row
   out.row_map = std::move(map.row_map);
   out.sorted_slots = std::move(map.sorted_slots);
   out.m_splits = ops::split_sizes(map);

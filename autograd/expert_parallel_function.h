@@ -35,11 +35,15 @@ class AllToAllFunction : public torch::autograd::Function<AllToAllFunction> {
 at::Tensor all_to_all_rows(const at::Tensor& rows, c10::IntArrayRef send_splits,
                            c10::IntArrayRef recv_splits, const ProcessGroupOptions& group);
 
-// rows [N, H] and their probs [N] as an all-to-all delivered them (see
-// ops::received_routing_map) -> grouped by local expert, as permute_tokens would with top-k 1,
-// without a host sync. Differentiable in rows and probs.
-PermutedTokens permute_received(const at::Tensor& rows, const at::Tensor& probs,
-                                c10::IntArrayRef recv_per_expert, int64_t num_local_experts);
+// The routing that groups the rows an all-to-all delivered by local expert (see
+// ops::received_routing_map; top-k 1, one slot per received row), without a host sync: row_map,
+// sorted_slots, row_tokens (the same as sorted_slots), the rows per local expert, and `probs` [N],
+// the rows' probabilities as delivered, in grouped order (differentiable). `tokens` stays
+// undefined: GroupedMLP::forward_combined runs the received rows through the map and writes its
+// output rows back in received order, so that (on the sm90 kernel in 16 bits) no grouped output
+// is written and then ungrouped.
+PermutedTokens route_received(const at::Tensor& probs, c10::IntArrayRef recv_per_expert,
+                              int64_t num_local_experts);
 
 // Capacity mode: tokens [T, H] -> [E·capacity, H], expert e's rows at [e·capacity, (e+1)·capacity),
 // zero rows (probability 0) where an expert has fewer; slots beyond capacity are dropped (see

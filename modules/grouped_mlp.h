@@ -89,8 +89,9 @@ class GroupedMLPImpl : public torch::nn::Cloneable<GroupedMLPImpl> {
                                std::shared_ptr<autograd::Fp8GradLink> output_grad_link);
 
   /// The experts from tokens [T, hidden] to their output [T, hidden], routed by `routed` (the
-  /// routing of these tokens, from autograd::route_tokens or functional::permute_tokens, whose
-  /// permuted copy is not read: the copy is made here, its gradient the tokens'): what
+  /// routing of these tokens, from autograd::route_tokens, functional::permute_tokens or, for
+  /// rows an expert-parallel exchange delivered, autograd::route_received; a permuted copy in it
+  /// is not read: the copy is made here, its gradient the tokens'): what
   /// unpermute_tokens(forward(permuted tokens, ...), routed) returns, bit for bit. With top-1 or
   /// top-2 routing and 16-bit products on the sm90 kernel (and no scale_bias on a biased fc2),
   /// each token's expert rows are summed inside fc2's GEMM and each token's input-gradient rows

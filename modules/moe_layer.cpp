@@ -206,11 +206,14 @@ torch::Tensor MoELayerImpl::run_experts_parallel(const PermutedTokens& routed,
       autograd::all_to_all_rows(routed.tokens, splits.send, splits.recv, group);
   const torch::Tensor probs =
       autograd::all_to_all_rows(routed.probs, splits.send, splits.recv, group);
-  const PermutedTokens local = autograd::permute_received(rows, probs, splits.recv_per_expert,
-                                                          experts->options.num_experts());
-  const torch::Tensor y = experts(local.tokens, local.m_splits, local.probs, is_first_microbatch);
-  return autograd::all_to_all_rows(functional::unpermute_tokens(y, local), splits.recv, splits.send,
-                                   group);
+  // The received rows come in blocks by source rank, each grouped by local expert: the experts
+  // run them grouped by local expert through the map and write their output rows back in received
+  // order (on the sm90 kernel in 16 bits, fc2's epilogue does, and fc1's dgrad for the rows'
+  // gradient, so that no grouped output is written and then ungrouped).
+  const PermutedTokens local =
+      autograd::route_received(probs, splits.recv_per_expert, experts->options.num_experts());
+  return autograd::all_to_all_rows(experts->forward_combined(rows, local, is_first_microbatch),
+                                   splits.recv, splits.send, group);
 }
 
 torch::Tensor MoELayerImpl::run_padded(const torch::Tensor& tokens, const RouterOutput& routing,

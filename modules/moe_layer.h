@@ -21,8 +21,9 @@
 // back between permute and unpermute:
 //
 //   permute (rows by global expert = by destination rank) -> exchange the split sizes (all-to-all,
-//   the one host sync) -> all-to-all of the rows and of their probabilities -> group by local
-//   expert -> GroupedMLP -> ungroup -> all-to-all back -> unpermute
+//   the one host sync) -> all-to-all of the rows and of their probabilities -> GroupedMLP over
+//   the received rows grouped by local expert, its output rows back in received order -> all-to-all
+//   back -> unpermute
 //
 // Backward runs the reverse exchanges. docs/moe.md, "Expert parallelism".
 

@@ -58,7 +58,7 @@ struct PermutedTokens {
   // [N] int64: the slot t·k + j of each permuted row (row_map's inverse).
   at::Tensor sorted_slots;
   // [N] int64: the token t of each permuted row (sorted_slots / k), as the routing map wrote it;
-  // undefined in the expert-parallel and capacity maps, which do not make it.
+  // for received rows (top-k 1) their sorted_slots; undefined in the capacity map.
   at::Tensor row_tokens;
   // Rows per expert: on the host, and for CUDA tokens on the device too. MoELayer's dropless
   // routing keeps them on the device only (no host sync; GEMM backends that loop over groups on

@@ -89,22 +89,40 @@ TEST_CASE("all_reduce_max_: the elementwise max over the ranks, in place", "[ep]
                       Contains("all_reduce_max_: tensor must be a defined contiguous tensor"));
 }
 
-TEST_CASE("permute_received groups the received chunks by local expert", "[ep]") {
+TEST_CASE("route_received groups the received chunks by local expert", "[ep]") {
   // 2 sources x 2 local experts: chunks (r0,e0)=1, (r0,e1)=2, (r1,e0)=0, (r1,e1)=3 rows.
   const std::vector<int64_t> counts = {1, 2, 0, 3};
-  const torch::Tensor rows = torch::arange(6, torch::kFloat64).unsqueeze(1).repeat({1, 2});
-  const torch::Tensor probs = torch::arange(6, torch::kFloat64) / 10;
+  const torch::Tensor probs = (torch::arange(6, torch::kFloat64) / 10).requires_grad_(true);
   const torchmoe::PermutedTokens grouped =
-      torchmoe::autograd::permute_received(rows, probs, counts, /*num_local_experts=*/2);
+      torchmoe::autograd::route_received(probs, counts, /*num_local_experts=*/2);
   // Expert 0: row 0; expert 1: rows 1, 2 (rank 0), then 3, 4, 5 (rank 1).
-  REQUIRE(torch::equal(grouped.tokens.select(1, 0), torch::arange(6, torch::kFloat64)));
+  REQUIRE(torch::equal(grouped.sorted_slots, torch::arange(6, torch::kLong)));
+  REQUIRE(torch::equal(grouped.row_tokens, grouped.sorted_slots));
   REQUIRE(grouped.m_splits.host().vec() == std::vector<int64_t>{1, 5});
+  REQUIRE_FALSE(grouped.tokens.defined());
   const std::vector<int64_t> chunks = {2, 1, 1, 0};  // (r0,e0)=2, (r0,e1)=1, (r1,e0)=1, (r1,e1)=0
+  const torch::Tensor delivered = (torch::arange(4, torch::kFloat64) / 10).requires_grad_(true);
   const torchmoe::PermutedTokens regrouped =
-      torchmoe::autograd::permute_received(torch::arange(4, torch::kFloat64).unsqueeze(1),
-                                           torch::zeros({4}, torch::kFloat64), chunks, 2);
+      torchmoe::autograd::route_received(delivered, chunks, 2);
   REQUIRE(torch::equal(regrouped.sorted_slots, torch::tensor({0, 1, 3, 2}, torch::kLong)));
+  REQUIRE(torch::equal(regrouped.row_map, torch::tensor({0, 1, 3, 2}, torch::kLong).view({4, 1})));
   REQUIRE(regrouped.m_splits.host().vec() == std::vector<int64_t>{3, 1});
+  REQUIRE(torch::equal(regrouped.probs, torch::tensor({0.0, 0.1, 0.3, 0.2}, torch::kFloat64)));
+  // The probabilities' gradient goes back to the rows they were delivered with.
+  (regrouped.probs * torch::tensor({1.0, 2.0, 3.0, 4.0}, torch::kFloat64)).sum().backward();
+  REQUIRE(torch::equal(delivered.grad(), torch::tensor({1.0, 2.0, 4.0, 3.0}, torch::kFloat64)));
+  // 3 sources x 2 local experts, one row each but (r2,e1): the map interleaves the sources and is
+  // not its own inverse.
+  const std::vector<int64_t> three = {1, 1, 1, 1, 1, 0};
+  const torchmoe::PermutedTokens interleaved =
+      torchmoe::autograd::route_received(torch::zeros({5}, torch::kFloat64), three, 2);
+  REQUIRE(torch::equal(interleaved.sorted_slots, torch::tensor({0, 2, 4, 1, 3}, torch::kLong)));
+  REQUIRE(torch::equal(interleaved.row_tokens, interleaved.sorted_slots));
+  REQUIRE(
+      torch::equal(interleaved.row_map, torch::tensor({0, 3, 1, 4, 2}, torch::kLong).view({5, 1})));
+  REQUIRE(interleaved.m_splits.host().vec() == std::vector<int64_t>{3, 2});
+  REQUIRE_THROWS_WITH(torchmoe::autograd::route_received(torch::zeros({3}), chunks, 2),
+                      Contains("route_received: probs must be [4] as the counts say, got [3]"));
 }
 
 TEST_CASE("permute_to_capacity pads each expert to capacity and drops the slots past it", "[ep]") {

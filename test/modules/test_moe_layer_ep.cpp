@@ -1,13 +1,20 @@
 // MoELayer with expert parallelism over Gloo, run as 2 and 4 processes (ctest: ep_n2, ep_n4), and
-// capacity mode over NCCL (ep_nccl_n2, one GPU per rank):
+// over NCCL, one GPU per rank (ep_nccl_n1, ep_nccl_n2):
 // each rank's output and gradients equal the single-process MoELayer's on the same global batch
-// in float64 (the router's gradient and the aux loss summed over the ranks); uneven batches, a
-// rank without tokens, an expert and a whole rank that receive none; argument errors, and
+// (float64 over Gloo, bf16 on the GPUs; the router's gradient and the aux loss summed over the
+// ranks); uneven batches, a rank without tokens, an expert and a whole rank that receive none;
+// capacity mode's token-count check and capture over NCCL; argument errors, and
 // init_process_group's errors for a bad environment.
 
+#include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torchmoe/torchmoe.h>
+
+#include <algorithm>
+#include <set>
+#include <string>
+#include <vector>
 
 #include "distributed/ep_test_utils.h"
 #include "test_utils.h"
@@ -98,6 +105,30 @@ void check_against_single_process(const EpCase& c) {
     check_close(layer->experts->fc2->expert_weights()[l].grad(),
                 single->experts->fc2->expert_weights()[first + l].grad(), tol, "fc2 grad");
   }
+}
+
+// The [ep_nccl] cases' group (one rendezvous per process), made on first use: Gloo for CPU
+// tensors and NCCL on this rank's GPU (LOCAL_RANK, made the current device). False, after a
+// visible skip, without a GPU for each local rank (the same decision on every rank of a host, so
+// that no rank joins the rendezvous alone).
+bool nccl_group_available() {
+  const char* local_world_env = std::getenv("LOCAL_WORLD_SIZE");
+  const char* world_env = local_world_env ? local_world_env : std::getenv("WORLD_SIZE");
+  REQUIRE(world_env != nullptr);
+  const int64_t local_world = std::stoll(world_env);
+  if (!cuda_available() || torch::cuda::device_count() < local_world) {
+    WARN("SKIPPED: no CUDA device for each of the " << local_world << " local ranks");
+    return false;
+  }
+  return true;
+}
+
+const torchmoe::ProcessGroupOptions& nccl_test_group() {
+  static const torchmoe::ProcessGroupOptions group =
+      torchmoe::ProcessGroupOptions(
+          torchmoe::distributed::init_process_group(torch::kCUDA, test_timeout()))
+          .timeout(test_timeout());
+  return group;
 }
 
 // 1, 2, ... tokens per rank: a different, uneven load on every rank.
@@ -195,29 +226,129 @@ TEST_CASE("MoELayer capacity mode refuses different token counts on the ranks", 
       Contains("every rank must have the same token count, got " + std::to_string(8 + rank)));
 }
 
-// The same over NCCL, one GPU per local rank (ctest: ep_nccl_n2; skipped with fewer GPUs): bf16
-// CUDA tensors, so the check's all-reduce, the router's count all-reduce and the all-to-alls run
-// on NCCL. A mismatch is refused on every rank; equal counts run forward and backward (with the
-// aux loss from the group's counts); the forward at a count the layer has checked is captured in a
-// CUDA graph and replayed on new data to a fresh eager forward's bits; a new count during a capture
-// is refused before the capacity all-to-alls (the router's all-reduce, already captured, is never
-// replayed).
+// The names of the functions that feed the layer's all-to-alls, from its output's graph.
+std::vector<std::string> all_to_all_inputs(const torch::Tensor& output) {
+  std::vector<std::string> names;
+  std::vector<torch::autograd::Node*> stack{output.grad_fn().get()};
+  std::set<torch::autograd::Node*> seen;
+  while (!stack.empty()) {
+    torch::autograd::Node* node = stack.back();
+    stack.pop_back();
+    if (node == nullptr || !seen.insert(node).second) continue;
+    const bool exchange = node->name().find("AllToAllFunction") != std::string::npos;
+    for (const torch::autograd::Edge& edge : node->next_edges()) {
+      if (exchange && edge.function) names.push_back(edge.function->name());
+      stack.push_back(edge.function.get());
+    }
+  }
+  return names;
+}
+
+// Dropless expert parallelism over NCCL, one GPU per local rank (ctest: ep_nccl_n1, ep_nccl_n2;
+// skipped without them), bf16: the received rows go through the experts' routed forward
+// (route_received), which the Gloo cases above, on the CPU, run as a grouped copy, GroupedMLP and
+// the ungrouping. Every rank has tokens (uneven counts), so with two ranks each receives rows from
+// both in blocks that the map must interleave; an expert that no token chooses gets none. The
+// reference is the single-process layer on the rank's own tokens (the same router product, so the
+// same routing in bf16; no aux loss, so each token's gradient is its own): the output and x's
+// gradient equal it, the local experts' gradients its gradients summed over the ranks, and the
+// router's summed gradient its summed one, within bf16 rounding (a token's k rows are summed in a
+// different order). On the sm90 kernel fc2 writes the rows that go back itself: the reverse
+// all-to-all reads GroupedLinearFunction's output, not an ungrouping.
+TEST_CASE("MoELayer dropless expert parallel over NCCL equals the single-process layer",
+          "[ep_nccl]") {
+  if (!nccl_group_available()) return;
+  const torchmoe::ProcessGroupOptions& group = nccl_test_group();
+  const torch::Device device(torch::kCUDA, c10::cuda::current_device());
+  const int64_t rank = group.group()->getRank(), world = group.group()->getSize();
+  const int64_t hidden = 128, ffn = 256, per_rank = 4, experts = per_rank * world;
+  const auto bf16 = torch::TensorOptions().device(device).dtype(torch::kBFloat16);
+  torch::manual_seed(31);  // the same global batch and parameters on every rank
+  MoELayerOptions options(hidden, ffn, experts, 2);
+  options.params_dtype(torch::kBFloat16).device(device);
+  options.router().aux_loss_coeff(0.0).expert_bias(true);
+  options.experts().linear().single_grouped_weight(true);  // [E, out, in]: one gradient to sum
+  MoELayer single(options);
+  block_experts(single, {1});
+  const std::vector<int64_t> tokens = uneven_tokens(world, 160, 48);
+  const int64_t total = std::accumulate(tokens.begin(), tokens.end(), int64_t{0});
+  const torch::Tensor x_global = torch::randn({total, hidden}, bf16);
+  const torch::Tensor dy_global = torch::randn({total, hidden}, bf16);
+  const torch::Tensor dy = rank_rows(dy_global, tokens, rank);
+
+  const torch::Tensor xs = rank_rows(x_global, tokens, rank).clone().requires_grad_(true);
+  const torchmoe::MoEOutput ref = single(xs);
+  (ref.output * dy).sum().backward();
+
+  MoELayerOptions ep_options = options;
+  ep_options.expert_parallel(group);
+  MoELayer layer(ep_options);
+  const int64_t first = rank * per_rank;
+  {
+    const torch::NoGradGuard no_grad;
+    layer->router->weight.copy_(single->router->weight);
+    layer->router->expert_bias.copy_(single->router->expert_bias);
+    for (int64_t l = 0; l < per_rank; ++l) {
+      layer->experts->fc1->expert_weights()[l].copy_(
+          single->experts->fc1->expert_weights()[first + l]);
+      layer->experts->fc2->expert_weights()[l].copy_(
+          single->experts->fc2->expert_weights()[first + l]);
+    }
+  }
+  const torch::Tensor x = xs.detach().clone().requires_grad_(true);
+  const torchmoe::MoEOutput out = layer(x);
+  (out.output * dy).sum().backward();
+  if (at::cuda::getCurrentDeviceProperties()->major == 9) {
+    const std::vector<std::string> inputs = all_to_all_inputs(out.output);
+    CHECK(std::any_of(inputs.begin(), inputs.end(), [](const std::string& n) {
+      return n.find("GroupedLinearFunction") != std::string::npos;
+    }));
+    CHECK(std::none_of(inputs.begin(), inputs.end(), [](const std::string& n) {
+      return n.find("UnpermuteFunction") != std::string::npos;
+    }));
+  }
+
+  // Every rank's collectives before any check can fail, so that the ranks stay paired.
+  const auto sum_over_ranks = [&](const torch::Tensor& t) {
+    torch::Tensor sum = t.detach().to(torch::kFloat).contiguous();
+    torchmoe::ops::all_reduce_sum_(sum, group);
+    return sum;
+  };
+  const torch::Tensor router_grad = sum_over_ranks(layer->router->weight.grad());
+  const torch::Tensor router_grad_ref = sum_over_ranks(single->router->weight.grad());
+  const auto grouped_grad = [](const torchmoe::GroupedLinear& linear) {
+    return linear->weight_parameters().front().grad();
+  };
+  const torch::Tensor fc1_grad_ref = sum_over_ranks(grouped_grad(single->experts->fc1));
+  const torch::Tensor fc2_grad_ref = sum_over_ranks(grouped_grad(single->experts->fc2));
+
+  // bf16's relative step, and an absolute floor at 1% of the largest expected value for the
+  // elements that rounding in a different summation order leaves near zero.
+  const auto close = [](const torch::Tensor& actual, const torch::Tensor& expected,
+                        const std::string& what) {
+    const double scale = expected.abs().max().item<double>();
+    check_close(actual.to(torch::kFloat), expected.to(torch::kFloat), {1.6e-2, 1e-2 * scale}, what);
+  };
+  close(out.output, ref.output, "output");
+  close(x.grad(), xs.grad(), "grad x");
+  close(router_grad, router_grad_ref, "router weight grad summed over ranks");
+  close(grouped_grad(layer->experts->fc1), fc1_grad_ref.narrow(0, first, per_rank),
+        "fc1 grad of the local experts");
+  close(grouped_grad(layer->experts->fc2), fc2_grad_ref.narrow(0, first, per_rank),
+        "fc2 grad of the local experts");
+}
+
+// Capacity mode over NCCL, one GPU per local rank (ctest: ep_nccl_n1, ep_nccl_n2; skipped without
+// them): bf16 CUDA tensors, so the check's all-reduce, the router's count all-reduce and the
+// all-to-alls run on NCCL. A mismatch is refused on every rank (with two ranks or more); equal
+// counts run forward and backward (with the aux loss from the group's counts); the forward at a
+// count the layer has checked is captured in a CUDA graph and replayed on new data to a fresh
+// eager forward's bits; a new count during a capture is refused before the capacity all-to-alls
+// (the router's all-reduce, already captured, is never replayed).
 TEST_CASE("MoELayer capacity mode over NCCL: the token-count check, backward and a capture",
           "[ep_nccl]") {
-  // The same decision on every rank of a host (no rank joins the rendezvous alone).
-  const char* local_world_env = std::getenv("LOCAL_WORLD_SIZE");
-  const char* world_env = local_world_env ? local_world_env : std::getenv("WORLD_SIZE");
-  REQUIRE(world_env != nullptr);
-  const int64_t local_world = std::stoll(world_env);
-  if (!cuda_available() || torch::cuda::device_count() < local_world) {
-    WARN("SKIPPED: no CUDA device for each of the " << local_world << " local ranks");
-    return;
-  }
-  const torchmoe::ProcessGroupOptions group(
-      torchmoe::ProcessGroupOptions(
-          torchmoe::distributed::init_process_group(torch::kCUDA, test_timeout()))
-          .timeout(test_timeout()));
-  // init_process_group made this rank's GPU (LOCAL_RANK) the current device.
+  if (!nccl_group_available()) return;
+  const torchmoe::ProcessGroupOptions& group = nccl_test_group();
   const torch::Device device(torch::kCUDA, c10::cuda::current_device());
   const int64_t rank = group.group()->getRank(), world = group.group()->getSize(), hidden = 64;
   MoELayerOptions options(hidden, 128, 4 * world, 2);
@@ -228,10 +359,12 @@ TEST_CASE("MoELayer capacity mode over NCCL: the token-count check, backward and
   options.router().capacity_factor(2.0).aux_loss_coeff(1e-2);
   MoELayer layer(options);
   const auto bf16 = torch::TensorOptions().device(device).dtype(torch::kBFloat16);
-  REQUIRE_THROWS_WITH(layer(torch::randn({100 + rank, hidden}, bf16)),
-                      Contains("every rank must have the same token count, got " +
-                               std::to_string(100 + rank) + " on rank " + std::to_string(rank)) &&
-                          Contains("from 100 to " + std::to_string(100 + world - 1)));
+  if (world > 1) {  // one rank has nothing to disagree with
+    REQUIRE_THROWS_WITH(layer(torch::randn({100 + rank, hidden}, bf16)),
+                        Contains("every rank must have the same token count, got " +
+                                 std::to_string(100 + rank) + " on rank " + std::to_string(rank)) &&
+                            Contains("from 100 to " + std::to_string(100 + world - 1)));
+  }
   for (const int64_t tokens : {128, 256}) {
     const torch::Tensor x = torch::randn({tokens, hidden}, bf16).requires_grad_(true);
     const torchmoe::MoEOutput out = layer(x);
