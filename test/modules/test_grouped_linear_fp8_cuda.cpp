@@ -1,6 +1,8 @@
 // GroupedLinear and GroupedMLP in FP8 (fp8::Autocast) against the same modules in bf16: one
 // module, run twice with the same parameters, so the only difference is FP8. Per recipe
-// (DelayedScaling after a calibration step, CurrentScaling, BlockScaling and its hybrid form);
+// (DelayedScaling after a calibration step, CurrentScaling, BlockScaling and its hybrid form),
+// with bf16 and fp16 parameters; CurrentScaling's gradients against the float64 products of its
+// dequantized operands (and those by finite differences);
 // the delayed-scaling state (amax rows, history roll, scale = fp8_max / amax); the weight cache of
 // is_first_microbatch; fused main-grad accumulation; delayed wgrad; backward outside the guard; a
 // 3-D input; GroupedMLP's activation fused into fc2's input cast against its parts; and the
@@ -212,13 +214,14 @@ RecipeCase recipe_case(int index) {
 
 }  // namespace
 
-TEST_CASE("GroupedLinear FP8 is close to the same layer in bf16", "[modules][fp8][cuda]") {
+TEST_CASE("GroupedLinear FP8 is close to the same layer in 16 bits", "[modules][fp8][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
   const RecipeCase rc = recipe_case(GENERATE(range(0, 5)));
-  INFO(rc.name);
+  const torch::Dtype dtype = GENERATE(torch::kBFloat16, torch::kHalf);  // the outputs' too
+  INFO(rc.name << ", " << dtype);
   const bool delayed = std::holds_alternative<fp8::DelayedScaling>(rc.recipe);
-  GroupedLinear m = make_layer(layer_options(delayed ? kHistory : 0));
-  const torch::Tensor x = make_input(), dy = make_grad();
+  GroupedLinear m = make_layer(layer_options(delayed ? kHistory : 0).params_dtype(dtype));
+  const torch::Tensor x = make_input().to(dtype), dy = make_grad().to(dtype);
   const Grads ref = run_layer(m, x, dy, std::nullopt);
   if (delayed) {
     // A calibration step: its amaxes become the scales of the measured step (the first step casts
@@ -229,8 +232,8 @@ TEST_CASE("GroupedLinear FP8 is close to the same layer in bf16", "[modules][fp8
     CHECK(fp8::update_delayed_scaling(*m, recipe, fp8::Pass::kBackward) == 1);
   }
   const Grads out = run_layer(m, x, dy, rc.recipe);
-  CHECK(out.y.scalar_type() == torch::kBFloat16);
-  CHECK(out.dx.scalar_type() == torch::kBFloat16);
+  CHECK(out.y.scalar_type() == dtype);
+  CHECK(out.dx.scalar_type() == dtype);
   const double grad_bound = rc.hybrid ? kHybridBound : kE4M3Bound;
   check_rows_close(out.y, ref.y, kE4M3Bound, "y");
   check_rows_close(out.dx, ref.dx, grad_bound, "dx");
@@ -240,6 +243,104 @@ TEST_CASE("GroupedLinear FP8 is close to the same layer in bf16", "[modules][fp8
   // And it did run in FP8: quantization noise (~0.04) is far above bf16's (~0.004).
   CHECK(relative_error(out.y.to(torch::kFloat), ref.y.to(torch::kFloat)) > 0.01);
   CHECK(relative_error(out.dx.to(torch::kFloat), ref.dx.to(torch::kFloat)) > 0.01);
+}
+
+// Current scaling's cast of `t` [rows, cols], dequantized, per split of rows, in float64: each
+// split times fp8_max / amax (in fp32, as the kernel computes it), rounded to `format` by torch's
+// round-to-nearest-even cast (|t·scale| <= fp8_max, so nothing saturates), divided back.
+torch::Tensor current_dequantized(const torch::Tensor& t, const std::vector<int64_t>& splits,
+                                  torch::Dtype format) {
+  const float fp8_max = format == torch::kFloat8_e4m3fn ? 448.0f : 57344.0f;
+  const torch::Tensor cpu = t.detach().to(torch::kCPU, torch::kFloat);
+  torch::Tensor out = torch::zeros(cpu.sizes(), torch::kFloat64);
+  int64_t start = 0;
+  for (const int64_t rows : splits) {
+    if (rows > 0) {
+      const torch::Tensor part = cpu.narrow(0, start, rows);
+      const float amax = part.abs().max().item<float>();
+      const float scale = amax > 0.0f ? fp8_max / amax : 1.0f;
+      out.narrow(0, start, rows)
+          .copy_((part * scale).to(format).to(torch::kFloat64) / static_cast<double>(scale));
+    }
+    start += rows;
+  }
+  return out;
+}
+
+// The gradients of the dequantized model. Under CurrentScaling (hybrid) the layer computes
+// y = x̂·Ŵᵀ + b, dx = dŷ·Ŵ and dW = dŷᵀ·x̂ per split, where x̂, Ŵ are the e4m3 casts of x and W
+// and dŷ the e5m2 cast of dy, each dequantized (current_dequantized, from the definitions): the
+// float64 products of those operands, whose gradients central finite differences of the float64
+// loss Σ (x̂·Ŵᵀ + b) ⊙ dŷ confirm at sampled elements, match the layer to its bf16 output's
+// rounding and fp32 accumulation (a wrong format, scale or operand copy is off by percents).
+TEST_CASE("GroupedLinear FP8 gradients are the dequantized model's", "[modules][fp8][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  GroupedLinear m = make_layer(layer_options());
+  const torch::Tensor x = make_input(), dy = make_grad();
+  const Grads out = run_layer(m, x, dy, fp8::Recipe(fp8::CurrentScaling()));
+  const torch::Tensor xq = current_dequantized(x, kSplits, torch::kFloat8_e4m3fn);
+  const torch::Tensor dyq = current_dequantized(dy, kSplits, torch::kFloat8_e5m2);
+  const std::vector<int64_t> expert_rows(kGroups, kOut);
+  const torch::Tensor wq =
+      current_dequantized(torch::stack(m->expert_weights()).view({kGroups * kOut, kIn}),
+                          expert_rows, torch::kFloat8_e4m3fn)
+          .view({kGroups, kOut, kIn});
+  const torch::Tensor b = torch::stack(m->expert_biases()).to(torch::kCPU, torch::kFloat64);
+
+  const auto loss = [&](const torch::Tensor& xs, const torch::Tensor& ws) {
+    double sum = 0.0;
+    int64_t start = 0;
+    for (int64_t g = 0; g < kGroups; ++g) {
+      const int64_t rows = kSplits[g];
+      const torch::Tensor y = torch::addmm(b[g], xs.narrow(0, start, rows), ws[g].t());
+      sum += (y * dyq.narrow(0, start, rows)).sum().item<double>();
+      start += rows;
+    }
+    return sum;
+  };
+  torch::Tensor y_ref = torch::empty({kRows, kOut}, torch::kFloat64);
+  torch::Tensor dx_ref = torch::empty({kRows, kIn}, torch::kFloat64);
+  std::vector<torch::Tensor> dw_ref;
+  int64_t start = 0;
+  for (int64_t g = 0; g < kGroups; ++g) {
+    const int64_t rows = kSplits[g];
+    const torch::Tensor xg = xq.narrow(0, start, rows), dyg = dyq.narrow(0, start, rows);
+    y_ref.narrow(0, start, rows).copy_(torch::addmm(b[g], xg, wq[g].t()));
+    dx_ref.narrow(0, start, rows).copy_(dyg.mm(wq[g]));
+    dw_ref.push_back(dyg.t().mm(xg));
+    start += rows;
+  }
+  // Central differences (the loss is bilinear: exact up to float64 rounding, ~1e-7 of these
+  // gradients at a loss of ~1e6) at sampled elements of x and of every expert's W.
+  const auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
+  const double eps = 1e-3;
+  for (int i = 0; i < 16; ++i) {
+    const int64_t r = torch::randint(kRows, {1}, gen).item<int64_t>();
+    const int64_t c = torch::randint(kIn, {1}, gen).item<int64_t>();
+    torch::Tensor plus = xq.clone(), minus = xq.clone();
+    plus[r][c] += eps;
+    minus[r][c] -= eps;
+    INFO("dx at (" << r << ", " << c << ")");
+    CHECK((loss(plus, wq) - loss(minus, wq)) / (2 * eps) ==
+          Approx(dx_ref[r][c].item<double>()).epsilon(1e-6).margin(1e-6));
+    const int64_t g = i % kGroups, o = torch::randint(kOut, {1}, gen).item<int64_t>();
+    torch::Tensor wplus = wq.clone(), wminus = wq.clone();
+    wplus[g][o][c] += eps;
+    wminus[g][o][c] -= eps;
+    INFO("dW at (" << g << ", " << o << ", " << c << ")");
+    CHECK((loss(xq, wplus) - loss(xq, wminus)) / (2 * eps) ==
+          Approx(dw_ref[g][o][c].item<double>()).epsilon(1e-6).margin(1e-6));
+  }
+  // The layer: bf16 outputs (a relative step of 2^-8), fp32 sums of exact FP8 products.
+  const auto close = [](const torch::Tensor& actual, const torch::Tensor& expected,
+                        const std::string& what) {
+    const double rms = expected.norm().item<double>() / std::sqrt(double(expected.numel()) + 1.0);
+    check_close(actual.to(torch::kCPU, torch::kFloat64), expected, {1.0 / 128, 1e-3 * rms}, what);
+  };
+  close(out.y, y_ref, "y");
+  close(out.dx, dx_ref, "dx");
+  for (int64_t g = 0; g < kGroups; ++g)
+    close(out.dw[g], dw_ref[g], "dW of expert " + std::to_string(g));
 }
 
 // The recipe's accumulation choice reaches each product: the same quantized operands (current
@@ -391,6 +492,29 @@ TEST_CASE("GroupedLinear FP8 is_first_microbatch caches the FP8 weights", "[modu
     double_weights();
     const Grads after = run_layer(m, x, dy, recipe);
     CHECK_FALSE(torch::equal(after.y, before.y));
+  }
+  SECTION("DelayedScaling: false reuses the cache and records no weight amax") {
+    const auto delayed = fp8::DelayedScaling().amax_history_len(kHistory);
+    GroupedLinear d = make_layer(layer_options(kHistory));
+    const torch::Tensor history = d->fp8_state()->tensors(TensorRole::kWeight).amax_history;
+    const Grads first = run_layer(d, x, dy, delayed, true);
+    const torch::Tensor recorded = history[0].clone();
+    CHECK(recorded.gt(0).all().item<bool>());
+    {
+      torch::NoGradGuard no_grad;
+      for (torch::Tensor w : d->expert_weights()) w.mul_(2);
+    }
+    const Grads cached = run_layer(d, x, dy, delayed, false);
+    CHECK(torch::equal(cached.y, first.y));
+    CHECK(torch::equal(history[0], recorded));  // the doubled weights were not cast
+    run_layer(d, x, dy, delayed, true);
+    CHECK(torch::equal(history[0], 2 * recorded));  // cast again: their amax maxed into the row
+  }
+  SECTION("false under a recipe whose weights differ from the cached ones is an error") {
+    run_layer(m, x, dy, recipe, true);               // per-tensor e4m3 weights
+    const fp8::Recipe blocks = fp8::BlockScaling();  // 128x128 weight blocks
+    const fp8::Autocast guard(blocks);
+    REQUIRE_THROWS_WITH(m(x, kSplits, false), Contains("differ in format or scaling"));
   }
   SECTION("false with nothing cached is an error") {
     const fp8::Autocast guard(recipe);
