@@ -256,13 +256,12 @@ at::Tensor GroupedLinearFunction::forward(AutogradContext* ctx, const at::Tensor
   // Backward reads the input only to differentiate a fused activation (its pre-activation) or as
   // the GEMMs' 16-bit input read through a row map. FP8 reads the quantized copies kept in the
   // config, and a gathered copy (input_gather) serves wgrad in its place; a gathered input's
-  // gradient needs only its row count. (Not holding the input matters where nothing else does:
-  // the rows an expert-parallel exchange received.)
+  // gradient has input_gather's token_rows rows. (Not holding the input matters where nothing
+  // else does: the rows an expert-parallel exchange received.)
   const bool gathered_copy = config->input_gather && config->input_gather->gathered.defined();
   const bool keeps_input =
       config->input_activation || (!gathered_copy && (!config->fp8 || config->input_gather));
   ctx->save_for_backward({keeps_input ? input : at::Tensor(), scales});
-  if (config->input_gather) ctx->saved_data["input_rows"] = input.size(0);
   if (config->grad_output_link && config->fp8) {
     bool biases_need_grad = false;
     for (const at::Tensor& b : biases) biases_need_grad |= b.requires_grad();
@@ -356,7 +355,7 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
       }
       const ops::RowScatter scatter =
           scatters_input_grad(cfg)
-              ? ops::RowScatter{cfg.input_gather->rows, ctx->saved_data["input_rows"].toInt()}
+              ? ops::RowScatter{cfg.input_gather->rows, cfg.input_gather->token_rows.size(0)}
               : ops::RowScatter{};
       grad_gemm_input = ops::grouped_linear_dgrad(cfg.plan, grad_output,
                                                   grouped(weights, cfg.grouped_weight), scatter);
