@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "ops/fp8_reference.h"
+#include "ops/split_quantize_reference.h"
 #include "test_utils.h"
 
 using namespace torchmoe::test;
@@ -246,24 +247,19 @@ TEST_CASE("GroupedLinear FP8 is close to the same layer in 16 bits", "[modules][
   CHECK(relative_error(out.dx.to(torch::kFloat), ref.dx.to(torch::kFloat)) > 0.01);
 }
 
-// Current scaling's cast of `t` [rows, cols], dequantized, per split of rows, in float64: each
-// split times fp8_max / amax (in fp32, as the kernel computes it), rounded to `format` by torch's
-// round-to-nearest-even cast (|t·scale| <= fp8_max, so nothing saturates), divided back.
+// `t` [rows, cols] as current scaling casts it per split of rows (the split-quantize tests'
+// reference quantizer, from the definitions), dequantized, in float64.
 torch::Tensor current_dequantized(const torch::Tensor& t, const std::vector<int64_t>& splits,
-                                  torch::Dtype format) {
-  const float fp8_max = format == torch::kFloat8_e4m3fn ? 448.0f : 57344.0f;
-  const torch::Tensor cpu = t.detach().to(torch::kCPU, torch::kFloat);
-  torch::Tensor out = torch::zeros(cpu.sizes(), torch::kFloat64);
+                                  Fp8Format format) {
+  SplitQuantizeOptions options;
+  options.format = format;
+  options.scaling = QuantizeScaling::kCurrent;
+  const Expected e = reference(t.detach(), splits, options);
+  torch::Tensor out = e.data.to(torch::kFloat64);
   int64_t start = 0;
-  for (const int64_t rows : splits) {
-    if (rows > 0) {
-      const torch::Tensor part = cpu.narrow(0, start, rows);
-      const float amax = part.abs().max().item<float>();
-      const float scale = amax > 0.0f ? fp8_max / amax : 1.0f;
-      out.narrow(0, start, rows)
-          .copy_((part * scale).to(format).to(torch::kFloat64) / static_cast<double>(scale));
-    }
-    start += rows;
+  for (size_t g = 0; g < splits.size(); ++g) {
+    out.narrow(0, start, splits[g]).mul_(e.scale_inv[g].item<double>());
+    start += splits[g];
   }
   return out;
 }
@@ -281,12 +277,12 @@ TEST_CASE("GroupedLinear FP8 gradients are the dequantized model's", "[modules][
   GroupedLinear m = make_layer(layer_options());
   const torch::Tensor x = make_input(), dy = make_grad();
   const Grads out = run_layer(m, x, dy, fp8::Recipe(fp8::CurrentScaling()));
-  const torch::Tensor xq = current_dequantized(x, kSplits, torch::kFloat8_e4m3fn);
-  const torch::Tensor dyq = current_dequantized(dy, kSplits, torch::kFloat8_e5m2);
+  const torch::Tensor xq = current_dequantized(x, kSplits, Fp8Format::kE4M3);
+  const torch::Tensor dyq = current_dequantized(dy, kSplits, Fp8Format::kE5M2);
   const std::vector<int64_t> expert_rows(kGroups, kOut);
   const torch::Tensor wq =
       current_dequantized(torch::stack(m->expert_weights()).view({kGroups * kOut, kIn}),
-                          expert_rows, torch::kFloat8_e4m3fn)
+                          expert_rows, Fp8Format::kE4M3)
           .view({kGroups, kOut, kIn});
   const torch::Tensor b = torch::stack(m->expert_biases()).to(torch::kCPU, torch::kFloat64);
 
