@@ -37,10 +37,25 @@ struct EpCase {
   bool pad_to_capacity = false;
 };
 
-torch::Tensor group_sum(const torch::Tensor& t) {
+torch::Tensor group_sum(const torch::Tensor& t,
+                        const torchmoe::ProcessGroupOptions& group = test_group()) {
   torch::Tensor sum = t.detach().clone().contiguous();
-  torchmoe::ops::all_reduce_sum_(sum, test_group());
+  torchmoe::ops::all_reduce_sum_(sum, group);
   return sum;
+}
+
+// The expert-parallel layer's parameters from the single-process one's: the router whole, the
+// experts [first, first + the layer's local count).
+void copy_shard(MoELayer& layer, MoELayer& single, int64_t first) {
+  const torch::NoGradGuard no_grad;
+  layer->router->weight.copy_(single->router->weight);
+  layer->router->expert_bias.copy_(single->router->expert_bias);
+  for (int64_t l = 0; l < layer->experts->options.num_experts(); ++l) {
+    layer->experts->fc1->expert_weights()[l].copy_(
+        single->experts->fc1->expert_weights()[first + l]);
+    layer->experts->fc2->expert_weights()[l].copy_(
+        single->experts->fc2->expert_weights()[first + l]);
+  }
 }
 
 void block_experts(MoELayer& layer, const std::vector<int64_t>& experts) {
@@ -76,17 +91,7 @@ void check_against_single_process(const EpCase& c) {
   MoELayer layer(ep_options);
   REQUIRE(layer->experts->options.num_experts() == c.experts_per_rank);
   const int64_t first = rank * c.experts_per_rank;
-  {
-    const torch::NoGradGuard no_grad;
-    layer->router->weight.copy_(single->router->weight);
-    layer->router->expert_bias.copy_(single->router->expert_bias);
-    for (int64_t l = 0; l < c.experts_per_rank; ++l) {
-      layer->experts->fc1->expert_weights()[l].copy_(
-          single->experts->fc1->expert_weights()[first + l]);
-      layer->experts->fc2->expert_weights()[l].copy_(
-          single->experts->fc2->expert_weights()[first + l]);
-    }
-  }
+  copy_shard(layer, single, first);
   const torch::Tensor x = rank_rows(x_global, c.tokens_per_rank, rank).clone().requires_grad_(true);
   const torchmoe::MoEOutput out = layer(x);
   ((out.output * rank_rows(dy_global, c.tokens_per_rank, rank)).sum() + out.aux_loss).backward();
@@ -284,17 +289,7 @@ TEST_CASE("MoELayer dropless expert parallel over NCCL equals the single-process
   ep_options.expert_parallel(group);
   MoELayer layer(ep_options);
   const int64_t first = rank * per_rank;
-  {
-    const torch::NoGradGuard no_grad;
-    layer->router->weight.copy_(single->router->weight);
-    layer->router->expert_bias.copy_(single->router->expert_bias);
-    for (int64_t l = 0; l < per_rank; ++l) {
-      layer->experts->fc1->expert_weights()[l].copy_(
-          single->experts->fc1->expert_weights()[first + l]);
-      layer->experts->fc2->expert_weights()[l].copy_(
-          single->experts->fc2->expert_weights()[first + l]);
-    }
-  }
+  copy_shard(layer, single, first);
   const torch::Tensor x = xs.detach().clone().requires_grad_(true);
   const torchmoe::MoEOutput out = layer(x);
   (out.output * dy).sum().backward();
@@ -310,9 +305,7 @@ TEST_CASE("MoELayer dropless expert parallel over NCCL equals the single-process
 
   // Every rank's collectives before any check can fail, so that the ranks stay paired.
   const auto sum_over_ranks = [&](const torch::Tensor& t) {
-    torch::Tensor sum = t.detach().to(torch::kFloat).contiguous();
-    torchmoe::ops::all_reduce_sum_(sum, group);
-    return sum;
+    return group_sum(t.detach().to(torch::kFloat), group);
   };
   const torch::Tensor router_grad = sum_over_ranks(layer->router->weight.grad());
   const torch::Tensor router_grad_ref = sum_over_ranks(single->router->weight.grad());
