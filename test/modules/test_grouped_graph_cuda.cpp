@@ -1,8 +1,9 @@
-// GroupedLinear and GroupedMLP with device split sizes, and a whole MoELayer, inside a CUDA graph:
-// forward + backward is captured once and replayed with new input data (and new split contents,
-// or a new routing) in the same buffers; each replay must match an eager step on the same buffers
-// bit for bit (the same kernels run), and the capacity padding rows of the output (past the split
-// sum) must keep their sentinel where the step is one op (GraphStep::padding_kept).
+// GroupedLinear and GroupedMLP with device split sizes, and a whole MoELayer, inside a CUDA graph,
+// in 16 bits and in FP8 (each recipe): forward + backward is captured once and replayed with new
+// input data (and new split contents, or a new routing) in the same buffers; each replay must
+// match an eager step on the same buffers bit for bit (the same kernels run), and the capacity
+// padding rows of the output (past the split sum) must keep their sentinel where the step is one
+// op (GraphStep::padding_kept).
 
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -14,6 +15,7 @@
 #include <functional>
 #include <numeric>
 #include <optional>
+#include <variant>
 
 #include "test_utils.h"
 
@@ -180,17 +182,35 @@ TEST_CASE("FP8 block-scaled GroupedLinear with device splits replays in a CUDA g
                      torchmoe::fp8::Recipe(torchmoe::fp8::BlockScaling()));
 }
 
-TEST_CASE("GroupedMLP with device splits replays in a CUDA graph",
-          "[modules][grouped_mlp][cuda][graph]") {
-  const auto backend =
-      GENERATE(torchmoe::GemmBackend::kSm90, torchmoe::GemmBackend::kCublasLtGrouped);
-  TORCHMOE_REQUIRE_GEMM_BACKEND(backend);
-  INFO("backend " << static_cast<int>(backend));
-  torch::manual_seed(22);
+namespace {
+
+using MaybeRecipe = std::optional<torchmoe::fp8::Recipe>;
+
+// The amax history that a recipe's layers need: only delayed scaling keeps one.
+int64_t history_for(const MaybeRecipe& recipe) {
+  return recipe && std::holds_alternative<torchmoe::fp8::DelayedScaling>(*recipe) ? 4 : 0;
+}
+
+// The recipes of the FP8 module cases. Delayed scaling's amaxes are collected but the scales not
+// updated inside the step, so replays and eager steps use the same scales.
+torchmoe::fp8::Recipe graph_recipe(int index) {
+  switch (index) {
+    case 0:
+      return torchmoe::fp8::CurrentScaling();
+    case 1:
+      return torchmoe::fp8::DelayedScaling().amax_history_len(4);
+    default:
+      return torchmoe::fp8::BlockScaling();
+  }
+}
+
+// A GroupedMLP [6 experts, 128 → 192 → 128] step with device splits, under `recipe` when it
+// has one.
+void check_mlp_graph(torchmoe::GemmBackend backend, const MaybeRecipe& recipe) {
   const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
   torchmoe::GroupedMLPOptions options(6, 128, 192);
   options.params_dtype(torch::kBFloat16).device(torch::kCUDA);
-  options.linear().gemm_backend(backend);
+  options.linear().gemm_backend(backend).fp8_amax_history_len(history_for(recipe));
   torchmoe::GroupedMLP mlp(options);
   const torch::Tensor x = torch::zeros({kRows, 128}, cuda).requires_grad_();
   const torch::Tensor probs = torch::zeros({kRows}, cuda.dtype(torch::kFloat32)).requires_grad_();
@@ -206,7 +226,12 @@ TEST_CASE("GroupedMLP with device splits replays in a CUDA graph",
   };
   GraphStep s;
   s.step = [&] {
-    torch::Tensor y = mlp(x, torchmoe::SplitSizes(splits), probs);
+    torch::Tensor y;
+    {
+      const torchmoe::fp8::Autocast fp8(recipe.value_or(torchmoe::fp8::CurrentScaling()),
+                                        recipe.has_value());
+      y = mlp(x, torchmoe::SplitSizes(splits), probs);
+    }
     y.backward(dy);
     return y;
   };
@@ -216,17 +241,14 @@ TEST_CASE("GroupedMLP with device splits replays in a CUDA graph",
   check_graph_matches_eager(s, refill);
 }
 
-TEST_CASE("MoELayer replays in a CUDA graph: routing, permutation and experts without a host sync",
-          "[modules][moe][cuda][graph]") {
-  TORCHMOE_REQUIRE_SM90();  // device splits need the sm90 kernel
-  const bool fuse = GENERATE(false, true);
-  INFO("fuse_permutation " << fuse);
-  torch::manual_seed(23);
+// A MoELayer [6 experts top-2, 128 → 192 → 128] step: routing, permutation and experts.
+void check_moe_graph(bool fuse_permutation, const MaybeRecipe& recipe) {
   const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
   torchmoe::MoELayerOptions options(/*hidden=*/128, /*ffn_hidden=*/192, /*num_experts=*/6,
                                     /*topk=*/2);
-  options.params_dtype(torch::kBFloat16).device(torch::kCUDA).fuse_permutation(fuse);
+  options.params_dtype(torch::kBFloat16).device(torch::kCUDA).fuse_permutation(fuse_permutation);
   options.router().aux_loss_coeff(1e-2).z_loss_coeff(1e-3);  // the routers' losses are captured too
+  options.experts().linear().fp8_amax_history_len(history_for(recipe));
   torchmoe::MoELayer moe(options);
   // Every row is a token: the whole output is checked (no padding rows).
   const torch::Tensor x = torch::zeros({kRows, 128}, cuda).requires_grad_();
@@ -240,13 +262,65 @@ TEST_CASE("MoELayer replays in a CUDA graph: routing, permutation and experts wi
   };
   GraphStep s;
   s.step = [&] {
-    const torchmoe::MoEOutput out = moe(x);
+    torchmoe::MoEOutput out;
+    {
+      const torchmoe::fp8::Autocast fp8(recipe.value_or(torchmoe::fp8::CurrentScaling()),
+                                        recipe.has_value());
+      out = moe(x);
+    }
     torch::autograd::backward({out.output, out.aux_loss}, {dy, torch::ones_like(out.aux_loss)});
     return out.output;
   };
   s.leaves = {x};
   s.params = moe->parameters();
   check_graph_matches_eager(s, refill);
+}
+
+}  // namespace
+
+TEST_CASE("GroupedMLP with device splits replays in a CUDA graph",
+          "[modules][grouped_mlp][cuda][graph]") {
+  const auto backend =
+      GENERATE(torchmoe::GemmBackend::kSm90, torchmoe::GemmBackend::kCublasLtGrouped);
+  TORCHMOE_REQUIRE_GEMM_BACKEND(backend);
+  INFO("backend " << static_cast<int>(backend));
+  torch::manual_seed(22);
+  check_mlp_graph(backend, std::nullopt);
+}
+
+TEST_CASE("FP8 GroupedMLP with device splits replays in a CUDA graph",
+          "[modules][grouped_mlp][fp8][cuda][graph]") {
+  // Both layers in FP8, the SwiGLU inside the casts of fc2's input and of fc1's output gradient.
+  // Per-tensor scales on either device-size backend; block scales on the sm90 kernel only (the
+  // cuBLASLt grouped matmul has none on Hopper, and per-group matmuls need host sizes).
+  const int recipe = GENERATE(0, 1, 2);
+  const auto backend =
+      GENERATE(torchmoe::GemmBackend::kSm90, torchmoe::GemmBackend::kCublasLtGrouped);
+  if (recipe == 2 && backend != torchmoe::GemmBackend::kSm90) return;
+  TORCHMOE_REQUIRE_GEMM_BACKEND(backend);
+  INFO("recipe " << recipe << ", backend " << static_cast<int>(backend));
+  torch::manual_seed(25);
+  check_mlp_graph(backend, graph_recipe(recipe));
+}
+
+TEST_CASE("MoELayer replays in a CUDA graph: routing, permutation and experts without a host sync",
+          "[modules][moe][cuda][graph]") {
+  TORCHMOE_REQUIRE_SM90();  // device splits need the sm90 kernel
+  const bool fuse = GENERATE(false, true);
+  INFO("fuse_permutation " << fuse);
+  torch::manual_seed(23);
+  check_moe_graph(fuse, std::nullopt);
+}
+
+TEST_CASE("FP8 MoELayer replays in a CUDA graph", "[modules][moe][fp8][cuda][graph]") {
+  // The experts in FP8 on the sm90 kernel: fc1's input cast from the tokens through the row map,
+  // fc2's output gradient cast in the unpermute's backward.
+  TORCHMOE_REQUIRE_SM90();
+  const int recipe = GENERATE(0, 1, 2);
+  const bool fuse = GENERATE(false, true);
+  INFO("recipe " << recipe << ", fuse_permutation " << fuse);
+  torch::manual_seed(27);
+  check_moe_graph(fuse, graph_recipe(recipe));
 }
 
 TEST_CASE("GroupedLinear with device splits leaves the output's rows past the split sum alone",

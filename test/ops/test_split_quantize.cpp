@@ -625,17 +625,26 @@ TEST_CASE("update_delayed_scaling rolls the history and updates the scale",
   torch::Tensor ref_history = torch::zeros({length, groups});
   torch::Tensor ref_scale = torch::ones({groups});
   const float scaled_max = 448.0f * 0.5f;
+  const float kNaN = std::numeric_limits<float>::quiet_NaN();
   const std::vector<std::vector<float>> steps = {
       {2.0f, 0.0f, 1.0f},
       {8.0f, 3.0f, std::numeric_limits<float>::infinity()},
       {1.0f, 0.5f, 4.0f},
-      {0.25f, 1e-39f, 2.0f}};
+      {0.25f, 1e-39f, 2.0f},
+      // A NaN amax (reduced in from another rank, or loaded): as TE's update, kMostRecent keeps
+      // the old scale and kMax's maximum leaves the NaN out (fmaxf; with a history of 1 nothing
+      // is left, so the old scale stays too). The NaN rolls through the history like any amax
+      // and never reaches a scale.
+      {kNaN, kNaN, 0.5f},
+      {0.5f, 1.0f, kNaN}};
   for (const std::vector<float>& step : steps) {
     const torch::Tensor amax = torch::tensor(step);
     ref_history[0] = amax;
     for (int64_t g = 0; g < groups; ++g) {
-      const float a =
-          algo == AmaxComputeAlgo::kMax ? ref_history.select(1, g).max().item<float>() : step[g];
+      const torch::Tensor column = ref_history.select(1, g);
+      const float a = algo == AmaxComputeAlgo::kMax
+                          ? column.masked_fill(column.isnan(), 0.0f).max().item<float>()
+                          : step[g];
       float s = ref_scale[g].item<float>();
       if (std::isfinite(a) && a > 0.0f) s = scaled_max / a;
       if (std::isinf(s)) s = FLT_MAX;
@@ -647,7 +656,9 @@ TEST_CASE("update_delayed_scaling rolls the history and updates the scale",
     uo.margin = margin;
     uo.algo = algo;
     torchmoe::ops::update_delayed_scaling(history, amax.cuda(), scale, scale_inv, uo);
-    CHECK(torch::equal(history.cpu(), ref_history));
+    // NaN != NaN: compare the histories with their NaNs at the same places.
+    CHECK(torch::equal(history.cpu().isnan(), ref_history.isnan()));
+    CHECK(torch::equal(history.cpu().nan_to_num(-1.0), ref_history.nan_to_num(-1.0)));
     CHECK(torch::equal(scale.cpu(), ref_scale));
     CHECK(torch::equal(scale_inv.cpu(), 1.0f / ref_scale));
     CHECK((scale.cpu().isfinite() & (scale.cpu() > 0)).all().item<bool>());
