@@ -186,22 +186,35 @@ namespace {
 
 using MaybeRecipe = std::optional<torchmoe::fp8::Recipe>;
 
+constexpr int64_t kHistory = 4;  // delayed scaling's amax history
+
 // The amax history that a recipe's layers need: only delayed scaling keeps one.
 int64_t history_for(const MaybeRecipe& recipe) {
-  return recipe && std::holds_alternative<torchmoe::fp8::DelayedScaling>(*recipe) ? 4 : 0;
+  return recipe && std::holds_alternative<torchmoe::fp8::DelayedScaling>(*recipe) ? kHistory : 0;
 }
 
 // The recipes of the FP8 module cases. Delayed scaling's amaxes are collected but the scales not
 // updated inside the step, so replays and eager steps use the same scales.
-torchmoe::fp8::Recipe graph_recipe(int index) {
-  switch (index) {
-    case 0:
+enum class GraphRecipe { kCurrent, kDelayed, kBlock };
+
+torchmoe::fp8::Recipe graph_recipe(GraphRecipe r) {
+  switch (r) {
+    case GraphRecipe::kCurrent:
       return torchmoe::fp8::CurrentScaling();
-    case 1:
-      return torchmoe::fp8::DelayedScaling().amax_history_len(4);
+    case GraphRecipe::kDelayed:
+      return torchmoe::fp8::DelayedScaling().amax_history_len(kHistory);
     default:
       return torchmoe::fp8::BlockScaling();
   }
+}
+
+// `forward(fp8)` runs the step's forward under `recipe` (fp8) or in bf16 on the buffers as the
+// last replay left them. FP8 must be far from bf16 on the first `rows` rows (quantization noise
+// ~0.04 against bf16's ~0.004): the recipe reached the module, so the replays compared FP8 steps.
+void check_ran_fp8(const std::function<torch::Tensor(bool)>& forward, int64_t rows) {
+  const torch::Tensor y8 = forward(true).narrow(0, 0, rows).to(torch::kFloat);
+  const torch::Tensor y16 = forward(false).narrow(0, 0, rows).to(torch::kFloat);
+  CHECK(((y8 - y16).norm() / y16.norm()).item<double>() > 0.01);
 }
 
 // A GroupedMLP [6 experts, 128 → 192 → 128] step with device splits, under `recipe` when it
@@ -224,14 +237,14 @@ void check_mlp_graph(torchmoe::GemmBackend backend, const MaybeRecipe& recipe) {
     splits.copy_(torch::tensor(kTrialSplits[trial], torch::kInt));
     return std::accumulate(kTrialSplits[trial].begin(), kTrialSplits[trial].end(), int64_t{0});
   };
+  auto forward = [&](bool fp8) {
+    const torchmoe::fp8::Autocast guard(recipe.value_or(torchmoe::fp8::CurrentScaling()),
+                                        fp8 && recipe.has_value());
+    return mlp(x, torchmoe::SplitSizes(splits), probs);
+  };
   GraphStep s;
   s.step = [&] {
-    torch::Tensor y;
-    {
-      const torchmoe::fp8::Autocast fp8(recipe.value_or(torchmoe::fp8::CurrentScaling()),
-                                        recipe.has_value());
-      y = mlp(x, torchmoe::SplitSizes(splits), probs);
-    }
+    torch::Tensor y = forward(true);
     y.backward(dy);
     return y;
   };
@@ -239,6 +252,7 @@ void check_mlp_graph(torchmoe::GemmBackend backend, const MaybeRecipe& recipe) {
   s.padding_kept = false;  // fc1 then fc2: see GraphStep
   s.params = mlp->parameters();
   check_graph_matches_eager(s, refill);
+  if (recipe) check_ran_fp8(forward, refill(1));
 }
 
 // A MoELayer [6 experts top-2, 128 → 192 → 128] step: routing, permutation and experts.
@@ -260,20 +274,21 @@ void check_moe_graph(bool fuse_permutation, const MaybeRecipe& recipe) {
     dy.copy_(torch::randn({kRows, 128}, cuda));
     return kRows;
   };
+  auto forward = [&](bool fp8) {
+    const torchmoe::fp8::Autocast guard(recipe.value_or(torchmoe::fp8::CurrentScaling()),
+                                        fp8 && recipe.has_value());
+    return moe(x);
+  };
   GraphStep s;
   s.step = [&] {
-    torchmoe::MoEOutput out;
-    {
-      const torchmoe::fp8::Autocast fp8(recipe.value_or(torchmoe::fp8::CurrentScaling()),
-                                        recipe.has_value());
-      out = moe(x);
-    }
+    const torchmoe::MoEOutput out = forward(true);
     torch::autograd::backward({out.output, out.aux_loss}, {dy, torch::ones_like(out.aux_loss)});
     return out.output;
   };
   s.leaves = {x};
   s.params = moe->parameters();
   check_graph_matches_eager(s, refill);
+  if (recipe) check_ran_fp8([&](bool fp8) { return forward(fp8).output; }, kRows);
 }
 
 }  // namespace
@@ -293,12 +308,15 @@ TEST_CASE("FP8 GroupedMLP with device splits replays in a CUDA graph",
   // Both layers in FP8, the SwiGLU inside the casts of fc2's input and of fc1's output gradient.
   // Per-tensor scales on either device-size backend; block scales on the sm90 kernel only (the
   // cuBLASLt grouped matmul has none on Hopper, and per-group matmuls need host sizes).
-  const int recipe = GENERATE(0, 1, 2);
-  const auto backend =
-      GENERATE(torchmoe::GemmBackend::kSm90, torchmoe::GemmBackend::kCublasLtGrouped);
-  if (recipe == 2 && backend != torchmoe::GemmBackend::kSm90) return;
+  using torchmoe::GemmBackend;
+  const auto [recipe, backend] = GENERATE(
+      table<GraphRecipe, GemmBackend>({{GraphRecipe::kCurrent, GemmBackend::kSm90},
+                                       {GraphRecipe::kCurrent, GemmBackend::kCublasLtGrouped},
+                                       {GraphRecipe::kDelayed, GemmBackend::kSm90},
+                                       {GraphRecipe::kDelayed, GemmBackend::kCublasLtGrouped},
+                                       {GraphRecipe::kBlock, GemmBackend::kSm90}}));
   TORCHMOE_REQUIRE_GEMM_BACKEND(backend);
-  INFO("recipe " << recipe << ", backend " << static_cast<int>(backend));
+  INFO("recipe " << static_cast<int>(recipe) << ", backend " << static_cast<int>(backend));
   torch::manual_seed(25);
   check_mlp_graph(backend, graph_recipe(recipe));
 }
@@ -313,12 +331,14 @@ TEST_CASE("MoELayer replays in a CUDA graph: routing, permutation and experts wi
 }
 
 TEST_CASE("FP8 MoELayer replays in a CUDA graph", "[modules][moe][fp8][cuda][graph]") {
-  // The experts in FP8 on the sm90 kernel: fc1's input cast from the tokens through the row map,
-  // fc2's output gradient cast in the unpermute's backward.
+  // The experts in FP8 on the sm90 kernel. With fused permutation fc1's input is cast from the
+  // tokens through the row map and fc2's output gradient in the unpermute's backward; without,
+  // the permuted copies are cast.
   TORCHMOE_REQUIRE_SM90();
-  const int recipe = GENERATE(0, 1, 2);
+  const GraphRecipe recipe =
+      GENERATE(GraphRecipe::kCurrent, GraphRecipe::kDelayed, GraphRecipe::kBlock);
   const bool fuse = GENERATE(false, true);
-  INFO("recipe " << recipe << ", fuse_permutation " << fuse);
+  INFO("recipe " << static_cast<int>(recipe) << ", fuse_permutation " << fuse);
   torch::manual_seed(27);
   check_moe_graph(fuse, graph_recipe(recipe));
 }

@@ -220,14 +220,33 @@ bool is_delayed(const fp8::Recipe& recipe) {
 }
 
 // Delayed scaling's first step casts with scale 1, which saturates split 3. A calibration step
-// and both updates make the next step's scales the amaxes of this data. Other recipes: nothing.
+// and both updates make the next step's scales fp8_max over this data's amaxes (its delayed
+// weight gradients run and are discarded). Other recipes: nothing.
 void calibrate(GroupedLinear& m, const torch::Tensor& x, const torch::Tensor& dy,
                const fp8::Recipe& recipe) {
   if (!is_delayed(recipe)) return;
   run_layer(m, x, dy, recipe, true);
+  if (m->options.delay_wgrad_compute()) m->backward_dw();
   const auto& delayed = std::get<fp8::DelayedScaling>(recipe);
   CHECK(fp8::update_delayed_scaling(*m, delayed, fp8::Pass::kForward) == 1);
   CHECK(fp8::update_delayed_scaling(*m, delayed, fp8::Pass::kBackward) == 1);
+}
+
+// Two layers that ran the same steps under delayed scaling recorded the same amaxes and hold
+// the same scales, role by role.
+void check_same_delayed_state(GroupedLinear& a, GroupedLinear& b) {
+  for (TensorRole role : {TensorRole::kInput, TensorRole::kWeight, TensorRole::kGradOutput}) {
+    INFO(fp8::role_name(role));
+    const fp8::DelayedScalingTensors& ta = a->fp8_state()->tensors(role);
+    const fp8::DelayedScalingTensors& tb = b->fp8_state()->tensors(role);
+    CHECK(torch::equal(ta.amax_history, tb.amax_history));
+    CHECK(torch::equal(ta.scale, tb.scale));
+  }
+}
+
+// FP8 ran: quantization noise (~0.04) is far above bf16's (~0.004).
+void check_not_bf16(const torch::Tensor& fp8_result, const torch::Tensor& bf16_result) {
+  CHECK(relative_error(fp8_result.to(torch::kFloat), bf16_result.to(torch::kFloat)) > 0.01);
 }
 
 }  // namespace
@@ -251,9 +270,8 @@ TEST_CASE("GroupedLinear FP8 is close to the same layer in 16 bits", "[modules][
   check_experts_close(out.dw, ref.dw, grad_bound, "dW");
   // Bias gradients are column sums of the unquantized grad_output (as TE's): bf16-close.
   check_experts_close(out.db, ref.db, 0.01, "db");
-  // And it did run in FP8: quantization noise (~0.04) is far above bf16's (~0.004).
-  CHECK(relative_error(out.y.to(torch::kFloat), ref.y.to(torch::kFloat)) > 0.01);
-  CHECK(relative_error(out.dx.to(torch::kFloat), ref.dx.to(torch::kFloat)) > 0.01);
+  check_not_bf16(out.y, ref.y);
+  check_not_bf16(out.dx, ref.dx);
 }
 
 // `t` [rows, cols] as current scaling casts it per split of rows (the split-quantize tests'
@@ -565,6 +583,7 @@ TEST_CASE("GroupedLinear FP8 with fused main-grad accumulation", "[modules][fp8]
   REQUIRE(fp8_first.size() == static_cast<size_t>(kGroups));
   CHECK(fp8_first[0].scalar_type() == torch::kFloat32);
   check_experts_close(fp8_first, bf16, rc.hybrid ? kHybridBound : kE4M3Bound, "main_grad");
+  check_not_bf16(fp8_first[0], bf16[0]);
   // A second micro-batch (cached weights) adds the same product: twice the first, to fp32
   // rounding.
   run_layer(m, x, dy, recipe, false);
@@ -581,7 +600,6 @@ TEST_CASE("GroupedLinear FP8 with fused main-grad accumulation", "[modules][fp8]
 TEST_CASE("GroupedLinear FP8 with delayed wgrad computes the same weight gradients",
           "[modules][fp8][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
-  // Both layers fresh: under delayed scaling both cast with their initial scales.
   const RecipeCase rc = recipe_case(GENERATE(0, 1, 2));  // delayed, current, blocks
   INFO(rc.name);
   const fp8::Recipe& recipe = rc.recipe;
@@ -590,6 +608,8 @@ TEST_CASE("GroupedLinear FP8 with delayed wgrad computes the same weight gradien
   GroupedLinear later = make_layer(layer_options(history).delay_wgrad_compute(true));
   REQUIRE(torch::equal(now->expert_weights()[2], later->expert_weights()[2]));
   const torch::Tensor x = make_input(), dy = make_grad();
+  calibrate(now, x, dy, recipe);
+  calibrate(later, x, dy, recipe);
   const Grads expected = run_layer(now, x, dy, recipe);
   const Grads got = run_layer(later, x, dy, recipe);
   CHECK(torch::equal(got.y, expected.y));
@@ -603,6 +623,8 @@ TEST_CASE("GroupedLinear FP8 with delayed wgrad computes the same weight gradien
     REQUIRE(dw[g].defined());
     CHECK(torch::equal(dw[g], expected.dw[g]));
   }
+  if (is_delayed(recipe)) check_same_delayed_state(now, later);
+  check_not_bf16(expected.dw[0], run_layer(now, x, dy, std::nullopt).dw[0]);
 }
 
 TEST_CASE("GroupedLinear FP8 backward follows the forward's recipe wherever it runs",
@@ -646,7 +668,7 @@ TEST_CASE("GroupedLinear FP8 with a single grouped weight matches separate weigh
           "[modules][fp8][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
   // quantize_weights reads a [G, out, in] weight in place and stacks separate ones: same bytes,
-  // so the same results (both layers fresh: under delayed scaling, the same initial scales).
+  // so the same results, and under delayed scaling the same recorded amaxes.
   const RecipeCase rc = recipe_case(GENERATE(0, 1, 2));  // delayed, current, blocks
   INFO(rc.name);
   const fp8::Recipe& recipe = rc.recipe;
@@ -662,15 +684,27 @@ TEST_CASE("GroupedLinear FP8 with a single grouped weight matches separate weigh
     }
   }
   const torch::Tensor x = make_input(), dy = make_grad();
-  const Grads expected = run_layer(separate, x, dy, recipe);
-  single->zero_grad();
   const torch::Tensor input = x.detach().requires_grad_(true);
-  torch::Tensor y;
-  {
-    const fp8::Autocast guard(recipe);
-    y = single(input, kSplits);
+  auto run_single = [&] {  // run_layer's step; the single weight has one gradient
+    single->zero_grad();
+    input.mutable_grad() = torch::Tensor();
+    torch::Tensor y;
+    {
+      const fp8::Autocast guard(recipe);
+      y = single(input, kSplits);
+    }
+    y.backward(dy);
+    return y;
+  };
+  calibrate(separate, x, dy, recipe);
+  if (is_delayed(recipe)) {  // calibrate's step for the single weight
+    run_single();
+    const auto& delayed = std::get<fp8::DelayedScaling>(recipe);
+    CHECK(fp8::update_delayed_scaling(*single, delayed, fp8::Pass::kForward) == 1);
+    CHECK(fp8::update_delayed_scaling(*single, delayed, fp8::Pass::kBackward) == 1);
   }
-  y.backward(dy);
+  const Grads expected = run_layer(separate, x, dy, recipe);
+  const torch::Tensor y = run_single();
   CHECK(torch::equal(y, expected.y));
   CHECK(torch::equal(input.grad(), expected.dx));
   const torch::Tensor dw = single->named_parameters()["weight"].grad();
@@ -679,6 +713,8 @@ TEST_CASE("GroupedLinear FP8 with a single grouped weight matches separate weigh
     INFO("expert " << g);
     CHECK(torch::equal(dw[g], expected.dw[g]));
   }
+  if (is_delayed(recipe)) check_same_delayed_state(separate, single);
+  check_not_bf16(expected.y, run_layer(separate, x, dy, std::nullopt).y);
 }
 
 TEST_CASE("GroupedLinear FP8 takes a 3-D input", "[modules][fp8][cuda]") {

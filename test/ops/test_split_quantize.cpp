@@ -634,9 +634,10 @@ TEST_CASE("update_delayed_scaling rolls the history and updates the scale",
       // A NaN amax (reduced in from another rank, or loaded): as TE's update, kMostRecent keeps
       // the old scale and kMax's maximum leaves the NaN out (fmaxf; with a history of 1 nothing
       // is left, so the old scale stays too). The NaN rolls through the history like any amax
-      // and never reaches a scale.
+      // and never reaches a scale: split 0's next amax, 16, past every earlier one, sets its
+      // scale at every history length (a NaN kept in the maximum would keep the old scale).
       {kNaN, kNaN, 0.5f},
-      {0.5f, 1.0f, kNaN}};
+      {16.0f, 1.0f, kNaN}};
   for (const std::vector<float>& step : steps) {
     const torch::Tensor amax = torch::tensor(step);
     ref_history[0] = amax;
@@ -656,9 +657,8 @@ TEST_CASE("update_delayed_scaling rolls the history and updates the scale",
     uo.margin = margin;
     uo.algo = algo;
     torchmoe::ops::update_delayed_scaling(history, amax.cuda(), scale, scale_inv, uo);
-    // NaN != NaN: compare the histories with their NaNs at the same places.
-    CHECK(torch::equal(history.cpu().isnan(), ref_history.isnan()));
-    CHECK(torch::equal(history.cpu().nan_to_num(-1.0), ref_history.nan_to_num(-1.0)));
+    // Exactly, NaN matching NaN and inf matching inf.
+    CHECK(torch::allclose(history.cpu(), ref_history, 0.0, 0.0, /*equal_nan=*/true));
     CHECK(torch::equal(scale.cpu(), ref_scale));
     CHECK(torch::equal(scale_inv.cpu(), 1.0f / ref_scale));
     CHECK((scale.cpu().isfinite() & (scale.cpu() > 0)).all().item<bool>());
