@@ -95,9 +95,32 @@ void check_graph_matches_eager(const GraphStep& s, const std::function<int64_t(i
 const std::vector<std::vector<int64_t>> kTrialSplits = {
     {40, 0, 100, 7, 60, 33}, {1, 90, 0, 0, 120, 50}, {0, 0, 0, 250, 0, 9}};
 
+using MaybeRecipe = std::optional<torchmoe::fp8::Recipe>;
+
+constexpr int64_t kHistory = 4;  // delayed scaling's amax history
+
+// The amax history that a recipe's layers need: only delayed scaling keeps one.
+int64_t history_for(const MaybeRecipe& recipe) {
+  return recipe && std::holds_alternative<torchmoe::fp8::DelayedScaling>(*recipe) ? kHistory : 0;
+}
+
+// The recipes of the FP8 module cases. Delayed scaling's amaxes are collected but the scales not
+// updated inside the step, so replays and eager steps use the same scales.
+enum class GraphRecipe { kCurrent, kDelayed, kBlock };
+
+torchmoe::fp8::Recipe graph_recipe(GraphRecipe r) {
+  switch (r) {
+    case GraphRecipe::kCurrent:
+      return torchmoe::fp8::CurrentScaling();
+    case GraphRecipe::kDelayed:
+      return torchmoe::fp8::DelayedScaling().amax_history_len(kHistory);
+    default:
+      return torchmoe::fp8::BlockScaling();
+  }
+}
+
 // A GroupedLinear [6 experts, 128 → 256] step on static buffers, under `recipe` when it has one.
-void check_linear_graph(const torchmoe::GroupedLinearOptions& options,
-                        const std::optional<torchmoe::fp8::Recipe>& recipe) {
+void check_linear_graph(const torchmoe::GroupedLinearOptions& options, const MaybeRecipe& recipe) {
   const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
   torchmoe::GroupedLinear layer(options);
   const torch::Tensor x = torch::zeros({kRows, 128}, cuda).requires_grad_();
@@ -159,14 +182,14 @@ TEST_CASE("FP8 GroupedLinear with device splits replays in a CUDA graph",
   const bool delayed = GENERATE(false, true);
   INFO("backend " << static_cast<int>(backend) << ", delayed scaling " << delayed);
   torch::manual_seed(23);
-  check_linear_graph(
-      torchmoe::GroupedLinearOptions(6, 128, 256)
-          .params_dtype(torch::kBFloat16)
-          .device(torch::kCUDA)
-          .fp8_amax_history_len(delayed ? 4 : 0)
-          .gemm_backend(backend),
-      delayed ? torchmoe::fp8::Recipe(torchmoe::fp8::DelayedScaling().amax_history_len(4))
-              : torchmoe::fp8::Recipe(torchmoe::fp8::CurrentScaling()));
+  const torchmoe::fp8::Recipe recipe =
+      graph_recipe(delayed ? GraphRecipe::kDelayed : GraphRecipe::kCurrent);
+  check_linear_graph(torchmoe::GroupedLinearOptions(6, 128, 256)
+                         .params_dtype(torch::kBFloat16)
+                         .device(torch::kCUDA)
+                         .fp8_amax_history_len(history_for(recipe))
+                         .gemm_backend(backend),
+                     recipe);
 }
 
 TEST_CASE("FP8 block-scaled GroupedLinear with device splits replays in a CUDA graph",
@@ -179,34 +202,10 @@ TEST_CASE("FP8 block-scaled GroupedLinear with device splits replays in a CUDA g
                          .params_dtype(torch::kBFloat16)
                          .device(torch::kCUDA)
                          .gemm_backend(torchmoe::GemmBackend::kSm90),
-                     torchmoe::fp8::Recipe(torchmoe::fp8::BlockScaling()));
+                     graph_recipe(GraphRecipe::kBlock));
 }
 
 namespace {
-
-using MaybeRecipe = std::optional<torchmoe::fp8::Recipe>;
-
-constexpr int64_t kHistory = 4;  // delayed scaling's amax history
-
-// The amax history that a recipe's layers need: only delayed scaling keeps one.
-int64_t history_for(const MaybeRecipe& recipe) {
-  return recipe && std::holds_alternative<torchmoe::fp8::DelayedScaling>(*recipe) ? kHistory : 0;
-}
-
-// The recipes of the FP8 module cases. Delayed scaling's amaxes are collected but the scales not
-// updated inside the step, so replays and eager steps use the same scales.
-enum class GraphRecipe { kCurrent, kDelayed, kBlock };
-
-torchmoe::fp8::Recipe graph_recipe(GraphRecipe r) {
-  switch (r) {
-    case GraphRecipe::kCurrent:
-      return torchmoe::fp8::CurrentScaling();
-    case GraphRecipe::kDelayed:
-      return torchmoe::fp8::DelayedScaling().amax_history_len(kHistory);
-    default:
-      return torchmoe::fp8::BlockScaling();
-  }
-}
 
 // `forward(fp8)` runs the step's forward under `recipe` (fp8) or in bf16 on the buffers as the
 // last replay left them. FP8 must be far from bf16 on the first `rows` rows (quantization noise

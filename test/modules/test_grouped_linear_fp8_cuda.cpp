@@ -219,6 +219,9 @@ bool is_delayed(const fp8::Recipe& recipe) {
   return std::holds_alternative<fp8::DelayedScaling>(recipe);
 }
 
+// The amax history that a recipe's layers need: only delayed scaling keeps one.
+int64_t history_for(const fp8::Recipe& recipe) { return is_delayed(recipe) ? kHistory : 0; }
+
 // Both delayed-scaling updates (forward, then backward) of the `states` FP8 states in `model`.
 void update_delayed(torch::nn::Module& model, const fp8::Recipe& recipe, int64_t states) {
   const auto& delayed = std::get<fp8::DelayedScaling>(recipe);
@@ -261,8 +264,7 @@ TEST_CASE("GroupedLinear FP8 is close to the same layer in 16 bits", "[modules][
   const RecipeCase rc = recipe_case(GENERATE(range(0, 5)));
   const torch::Dtype dtype = GENERATE(torch::kBFloat16, torch::kHalf);  // the outputs' too
   INFO(rc.name << ", " << dtype);
-  GroupedLinear m =
-      make_layer(layer_options(is_delayed(rc.recipe) ? kHistory : 0).params_dtype(dtype));
+  GroupedLinear m = make_layer(layer_options(history_for(rc.recipe)).params_dtype(dtype));
   const torch::Tensor x = make_input().to(dtype), dy = make_grad().to(dtype);
   const Grads ref = run_layer(m, x, dy, std::nullopt);
   calibrate(m, x, dy, rc.recipe);
@@ -572,8 +574,7 @@ TEST_CASE("GroupedLinear FP8 with fused main-grad accumulation", "[modules][fp8]
   const RecipeCase rc = recipe_case(GENERATE(0, 1, 2));  // delayed, current, blocks
   INFO(rc.name);
   const fp8::Recipe& recipe = rc.recipe;
-  GroupedLinear m =
-      make_layer(layer_options(is_delayed(recipe) ? kHistory : 0).fuse_wgrad_accumulation(true));
+  GroupedLinear m = make_layer(layer_options(history_for(recipe)).fuse_wgrad_accumulation(true));
   const torch::Tensor x = make_input(), dy = make_grad();
   auto main_grads = [&] {
     std::vector<torch::Tensor> copies;
@@ -608,7 +609,7 @@ TEST_CASE("GroupedLinear FP8 with delayed wgrad computes the same weight gradien
   const RecipeCase rc = recipe_case(GENERATE(0, 1, 2));  // delayed, current, blocks
   INFO(rc.name);
   const fp8::Recipe& recipe = rc.recipe;
-  const int64_t history = is_delayed(recipe) ? kHistory : 0;
+  const int64_t history = history_for(recipe);
   GroupedLinear now = make_layer(layer_options(history));
   GroupedLinear later = make_layer(layer_options(history).delay_wgrad_compute(true));
   REQUIRE(torch::equal(now->expert_weights()[2], later->expert_weights()[2]));
@@ -677,7 +678,7 @@ TEST_CASE("GroupedLinear FP8 with a single grouped weight matches separate weigh
   const RecipeCase rc = recipe_case(GENERATE(0, 1, 2));  // delayed, current, blocks
   INFO(rc.name);
   const fp8::Recipe& recipe = rc.recipe;
-  const int64_t history = is_delayed(recipe) ? kHistory : 0;
+  const int64_t history = history_for(recipe);
   GroupedLinear separate = make_layer(layer_options(history));
   GroupedLinear single =
       make_layer(layer_options(history).single_grouped_weight(true).single_grouped_bias(true));
