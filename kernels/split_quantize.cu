@@ -29,14 +29,15 @@
 // kept one's split completes (thread 0 asks while the loads are in flight), then casts the kept
 // one, exchanging the two units' pieces. Thread 0 announces each tile's amax with one release
 // (a max, then a count per split) after the block's barrier, so one warp, not every warp, waits
-// for its earlier stores to be visible. A unit that finds the stash still waiting (a split larger
-// than what the blocks can keep) or no stash (fp32 pieces: a 64 KB stash would cost a block per
-// SM) is dropped after its amax visit and loaded again for its cast: by the same block as soon as
-// its split is complete (a few held per block), or once every unit has had its amax visit. Amax
-// visits and the casts of held units before that never wait, and a cast waits only for visits
-// that running blocks hold: no deadlock whatever is resident. (The earlier scheme, the amax visits
-// a split and a wave ahead of separate cast visits, found most second reads in HBM: 61-67% of
-// copy.) kCurrent has no GLU gradient source (ops/quantize.h says why), so its units are tiles.
+// for its earlier stores to be visible. Where the stash's split is one that the stashes can hold
+// whole, the block waits for it to complete. A unit that finds the stash still waiting on a larger
+// split, or no stash (fp32 pieces: a 64 KB stash would cost a block per SM), is dropped after its
+// amax visit and loaded again for its cast: by the same block as soon as its split is complete
+// (a few held per block), or once every unit has had its amax visit. An amax visit waits only for
+// an earlier split, the casts of held units before that never wait, and a cast waits only for
+// visits that running blocks hold: no deadlock whatever is resident. (The earlier scheme, the amax
+// visits a split and a wave ahead of separate cast visits, found most second reads in HBM: 61-67%
+// of copy.) kCurrent has no GLU gradient source (ops/quantize.h says why), so its units are tiles.
 
 #include "torchmoe/kernels/split_quantize.h"
 
@@ -292,8 +293,8 @@ struct AmaxOutcome {
 // list of dropped units.
 enum Counter : int { kTickets, kRetired, kDropped, kDropClaims, kCounters };
 static_assert(kCounters == 4, "split_quantize_workspace_ints counts four counters");
-// Polls of a stashed unit's split after the next unit's amax visit before that unit is dropped:
-// the split usually completes while the next unit loads.
+// Polls of a stashed unit's split, larger than the stashes hold, after the next unit's amax
+// visit before that unit is dropped: the split usually completes while the next unit loads.
 constexpr int kStashPolls = 4;
 constexpr unsigned kPollNanoseconds = 128;
 // Dropped units a block holds for itself (thread 0's, in shared memory).
@@ -633,8 +634,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     if (kHasSlot && stashed < 0) {
       o.keep = Keep::kStash;
     } else if (kHasSlot && split_of_unit(unit) != split_of_unit(stashed)) {
-      // (The stash's split cannot be complete before this unit of it is announced.)
-      for (int poll = 0; !stash_ready && poll < kStashPolls; ++poll) {
+      // (The stash's split cannot be complete before this unit of it is announced.) A split that
+      // the stashes can hold whole completes within the amax visits in flight: wait for it rather
+      // than read this unit twice. That cannot deadlock: every ticket of the stash's split is
+      // claimed (this unit's split is later), and a block holding one of them unannounced, or
+      // claimed ahead, waits, if at all, for an earlier split. For a larger split, a few polls,
+      // then the unit is dropped (waiting idled the blocks while its last tiles loaded:
+      // performance.md).
+      const int g = split_of_unit(stashed);
+      const bool wait = (layout.tiles[g + 1] - layout.tiles[g]) * col_tiles <= gridDim.x;
+      for (int poll = 0; !stash_ready && (wait || poll < kStashPolls); ++poll) {
         __nanosleep(kPollNanoseconds);
         stash_ready = stash_split_complete();
       }
