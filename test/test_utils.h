@@ -1,13 +1,16 @@
 #pragma once
 // Shared test helpers: an independent float64 reference for grouped linear (per-group at::linear
-// under autograd), dtype tolerances, comparisons that report where they fail, and the CUDA skip.
+// under autograd), dtype tolerances, comparisons that report where they fail, the CUDA skip, and
+// the FP8 guard of a step that runs under a recipe or in 16 bits.
 
 #include <ATen/cuda/CUDAContext.h>
 #include <torch/torch.h>
+#include <torchmoe/fp8/autocast.h>
 #include <torchmoe/ops/types.h>
 #include <catch2/catch.hpp>
 
 #include <cstdint>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -102,6 +105,15 @@ inline Tolerance tolerance_for(torch::Dtype dtype) {
       FAIL("no tolerance for dtype " << dtype);
       return {0, 0};
   }
+}
+
+// A step's recipe, or none: 16 bits.
+using MaybeRecipe = std::optional<fp8::Recipe>;
+
+// While the returned guard lives: FP8 under `recipe` when there is one and `enabled`, else off.
+inline fp8::Autocast autocast_for(const MaybeRecipe& recipe, bool enabled = true) {
+  if (recipe && enabled) return fp8::Autocast(*recipe);
+  return fp8::Autocast(false);
 }
 
 // Elementwise |actual - expected| <= atol + rtol * |expected|, no NaN; reports the worst element.

@@ -95,8 +95,6 @@ void check_graph_matches_eager(const GraphStep& s, const std::function<int64_t(i
 const std::vector<std::vector<int64_t>> kTrialSplits = {
     {40, 0, 100, 7, 60, 33}, {1, 90, 0, 0, 120, 50}, {0, 0, 0, 250, 0, 9}};
 
-using MaybeRecipe = std::optional<torchmoe::fp8::Recipe>;
-
 constexpr int64_t kHistory = 4;  // delayed scaling's amax history
 
 // The amax history that a recipe's layers need: only delayed scaling keeps one.
@@ -137,8 +135,7 @@ void check_linear_graph(const torchmoe::GroupedLinearOptions& options, const May
   s.step = [&] {
     torch::Tensor y;
     {
-      const torchmoe::fp8::Autocast fp8(recipe.value_or(torchmoe::fp8::CurrentScaling()),
-                                        recipe.has_value());
+      const auto fp8 = autocast_for(recipe);
       y = layer(x, torchmoe::SplitSizes(splits));
     }
     y.backward(dy);
@@ -237,8 +234,7 @@ void check_mlp_graph(torchmoe::GemmBackend backend, const MaybeRecipe& recipe) {
     return std::accumulate(kTrialSplits[trial].begin(), kTrialSplits[trial].end(), int64_t{0});
   };
   auto forward = [&](bool fp8) {
-    const torchmoe::fp8::Autocast guard(recipe.value_or(torchmoe::fp8::CurrentScaling()),
-                                        fp8 && recipe.has_value());
+    const auto guard = autocast_for(recipe, fp8);
     return mlp(x, torchmoe::SplitSizes(splits), probs);
   };
   GraphStep s;
@@ -274,8 +270,7 @@ void check_moe_graph(bool fuse_permutation, const MaybeRecipe& recipe) {
     return kRows;
   };
   auto forward = [&](bool fp8) {
-    const torchmoe::fp8::Autocast guard(recipe.value_or(torchmoe::fp8::CurrentScaling()),
-                                        fp8 && recipe.has_value());
+    const auto guard = autocast_for(recipe, fp8);
     return moe(x);
   };
   GraphStep s;

@@ -95,9 +95,6 @@ GroupedLinear make_layer(GroupedLinearOptions options) {
   return m;
 }
 
-// A recipe, or none: bf16.
-using MaybeRecipe = std::optional<fp8::Recipe>;
-
 struct Grads {
   torch::Tensor y, dx;
   std::vector<torch::Tensor> dw, db;
@@ -120,8 +117,7 @@ Grads run_layer(GroupedLinear& m, const torch::Tensor& x, const torch::Tensor& d
   const torch::Tensor input = x.detach().requires_grad_(true);
   torch::Tensor y;
   {
-    const fp8::Autocast guard(recipe.value_or(fp8::Recipe(fp8::CurrentScaling())),
-                              recipe.has_value());
+    const auto guard = autocast_for(recipe);
     y = m(input, kSplits, first);
   }
   y.backward(dy);
@@ -781,8 +777,7 @@ MlpGrads run_mlp(
   const torch::Tensor p = c.probs.detach().requires_grad_(true);
   torch::Tensor y;
   {
-    const fp8::Autocast guard(recipe.value_or(fp8::Recipe(fp8::CurrentScaling())),
-                              recipe.has_value());
+    const auto guard = autocast_for(recipe);
     y = forward(input, p);
   }
   y.backward(c.dy);

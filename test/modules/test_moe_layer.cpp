@@ -214,7 +214,7 @@ TEST_CASE("MoELayer: the permutation fused into fc1 matches the permuted copy",
   const bool capacity = GENERATE(false, true);
   INFO("topk=" << topk << " delay_wgrad_compute=" << delay << " recipe=" << recipe
                << " capacity=" << capacity);
-  std::optional<torchmoe::fp8::Recipe> fp8;
+  MaybeRecipe fp8;
   if (recipe == 1) fp8 = torchmoe::fp8::CurrentScaling();
   if (recipe == 2) fp8 = torchmoe::fp8::DelayedScaling().amax_history_len(4);
   if (recipe == 3) fp8 = torchmoe::fp8::BlockScaling();
@@ -242,8 +242,7 @@ TEST_CASE("MoELayer: the permutation fused into fc1 matches the permuted copy",
     const torch::Tensor x = x_in.clone().requires_grad_(true);
     torchmoe::MoEOutput out;
     {
-      const torchmoe::fp8::Autocast guard(fp8.value_or(torchmoe::fp8::DelayedScaling()),
-                                          fp8.has_value());
+      const auto guard = autocast_for(fp8);
       out = moe(x);
     }
     (out.output * dy).sum().add(out.aux_loss).backward();
