@@ -1,6 +1,8 @@
 #pragma once
 // torchmoe: Mixture-of-Experts training layers for LibTorch. The one header a trainer includes.
 
+#include "torchmoe/checkpoint/hf_moe.h"
+#include "torchmoe/checkpoint/safetensors.h"
 #include "torchmoe/distributed/process_group.h"
 #include "torchmoe/fp8/autocast.h"
 #include "torchmoe/fp8/state.h"

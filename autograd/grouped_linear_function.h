@@ -38,7 +38,7 @@ struct GroupedLinearConfig;
 // A layer input whose GEMM rows are rows of it in another order: MoE's token permutation fused
 // into fc1. Forward and wgrad read GEMM row i from input[rows[i]] (ops/grouped_gemm.h, "Gathered
 // input"), or from `gathered` when the caller made that copy (the sm90 kernel's one-row loads are
-// slower than a copy: docs/performance.md); either way the Function's input, and what its
+// slower than a copy: docs/experiments.md); either way the Function's input, and what its
 // gradient is of, is the un-gathered [input rows, in] tensor. The input gradient sums the dgrad
 // rows of each input row, deterministically, as the permutation's own backward does: inside the
 // dgrad GEMM (ops "Scattered output") for at most two rows per input row, whose sum does not depend

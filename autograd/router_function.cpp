@@ -10,14 +10,15 @@ using torch::autograd::variable_list;
 
 at::Tensor RouterLogitsFunction::forward(AutogradContext* ctx, const at::Tensor& x,
                                          const at::Tensor& weight,
+                                         const std::optional<at::Tensor>& bias,
                                          const std::shared_ptr<RouterGradLink>& link) {
-  ctx->save_for_backward({x, weight});
+  ctx->save_for_backward({x, weight, bias.value_or(at::Tensor())});
   save_link(ctx, link);
   // The backward's bf16 halves (ops::router_logits_backward) can be made by the top-k's launch.
   if (link && ops::router_logits_backward_splits(x, weight)) {
     link->split_weight = weight.contiguous();
   }
-  return ops::router_logits(x, weight);
+  return ops::router_logits(x, weight, bias.value_or(at::Tensor()));
 }
 
 variable_list RouterLogitsFunction::backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -37,11 +38,12 @@ variable_list RouterLogitsFunction::backward(AutogradContext* ctx, variable_list
     link->split = {};
     link->split_weight = at::Tensor();
   }
+  const at::Tensor bias = saved[2].defined() && ctx->needs_input_grad(2) ? saved[2] : at::Tensor();
   ops::RouterLogitsGrads grads = ops::router_logits_backward(
-      grad_logits, saved[0], saved[1], grad_x, ctx->needs_input_grad(1), split);
+      grad_logits, saved[0], saved[1], grad_x, ctx->needs_input_grad(1), split, bias);
   if (deferred) link->grad_x_product = std::move(grads.grad_x_product);
   return once_differentiable("RouterLogitsFunction", once,
-                             {grads.grad_x, grads.grad_weight, at::Tensor()});
+                             {grads.grad_x, grads.grad_weight, grads.grad_bias, at::Tensor()});
 }
 
 variable_list ForkFunction::forward(AutogradContext* ctx, const at::Tensor& x,
@@ -77,11 +79,27 @@ variable_list ForkFunction::backward(AutogradContext* ctx, variable_list grad_ou
 
 namespace {
 
+void save_scoring(AutogradContext* ctx, const ops::RouterScoring& scoring) {
+  ctx->saved_data["topk"] = scoring.topk;
+  ctx->saved_data["sigmoid"] = scoring.sigmoid;
+  ctx->saved_data["normalize"] = scoring.normalize;
+  ctx->saved_data["num_groups"] = scoring.num_groups;
+  ctx->saved_data["topk_groups"] = scoring.topk_groups;
+  ctx->saved_data["scale"] = scoring.scale;
+  ctx->saved_data["aux"] = scoring.aux;
+  ctx->saved_data["aux_loss_scale"] = scoring.aux_loss_scale;
+  ctx->saved_data["z_loss"] = scoring.z_loss;
+  ctx->saved_data["z_loss_scale"] = scoring.z_loss_scale;
+}
+
 ops::RouterScoring scoring_of(AutogradContext* ctx) {
   ops::RouterScoring scoring;
   scoring.topk = ctx->saved_data["topk"].toInt();
   scoring.sigmoid = ctx->saved_data["sigmoid"].toBool();
   scoring.normalize = ctx->saved_data["normalize"].toBool();
+  scoring.num_groups = ctx->saved_data["num_groups"].toInt();
+  scoring.topk_groups = ctx->saved_data["topk_groups"].toInt();
+  scoring.scale = ctx->saved_data["scale"].toDouble();
   scoring.aux = ctx->saved_data["aux"].toBool();
   scoring.aux_loss_scale = ctx->saved_data["aux_loss_scale"].toDouble();
   scoring.z_loss = ctx->saved_data["z_loss"].toBool();
@@ -93,29 +111,14 @@ ops::RouterScoring scoring_of(AutogradContext* ctx) {
 
 variable_list RouterTopKFunction::forward(AutogradContext* ctx, const at::Tensor& logits,
                                           const std::optional<at::Tensor>& expert_bias,
-                                          int64_t topk, bool sigmoid, bool normalize, bool aux,
-                                          double aux_loss_scale, bool z_loss, double z_loss_scale,
+                                          const ops::RouterScoring& scoring,
                                           const std::shared_ptr<RouterGradLink>& link) {
   save_link(ctx, link);
-  ops::RouterScoring scoring;
-  scoring.topk = topk;
-  scoring.sigmoid = sigmoid;
-  scoring.normalize = normalize;
-  scoring.aux = aux;
-  scoring.aux_loss_scale = aux_loss_scale;
-  scoring.z_loss = z_loss;
-  scoring.z_loss_scale = z_loss_scale;
   ops::RouterTopK out = ops::router_topk(logits, expert_bias.value_or(at::Tensor()), scoring);
-  ctx->saved_data["topk"] = topk;
-  ctx->saved_data["sigmoid"] = sigmoid;
-  ctx->saved_data["normalize"] = normalize;
-  ctx->saved_data["aux"] = aux;
-  ctx->saved_data["aux_loss_scale"] = aux_loss_scale;
-  ctx->saved_data["z_loss"] = z_loss;
-  ctx->saved_data["z_loss_scale"] = z_loss_scale;
+  save_scoring(ctx, scoring);
   // The counts only for the aux loss's gradient (an output saved: no copy).
   ctx->save_for_backward(
-      {logits, out.indices, out.probs, aux_loss_scale > 0 ? out.counts : at::Tensor()});
+      {logits, out.indices, out.probs, scoring.aux_loss_scale > 0 ? out.counts : at::Tensor()});
   ctx->mark_non_differentiable({out.indices, out.counts});
   // Unused outputs (no aux or z loss) get no gradient rather than a tensor of zeros.
   ctx->set_materialize_grads(false);
@@ -152,10 +155,8 @@ variable_list RouterTopKFunction::backward(AutogradContext* ctx, variable_list g
     link->split_of = grads.grad_logits;
     link->split = std::move(grads.split);
   }
-  return once_differentiable(
-      "RouterTopKFunction", once,
-      {grads.grad_logits, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-       at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()});
+  return once_differentiable("RouterTopKFunction", once,
+                             {grads.grad_logits, at::Tensor(), at::Tensor(), at::Tensor()});
 }
 
 }  // namespace torchmoe::autograd

@@ -54,10 +54,10 @@ struct RouterGradLink {
 
 class RouterLogitsFunction : public torch::autograd::Function<RouterLogitsFunction> {
  public:
-  // x [T, H], weight [E, H] -> logits [T, E] fp32 (fp64 when either is fp64). With a link, the
-  // backward leaves x's gradient to the link's fork (and returns none for x).
+  // x [T, H], weight [E, H], bias [E] or none -> logits [T, E] fp32 (fp64 when either is fp64).
+  // With a link, the backward leaves x's gradient to the link's fork (and returns none for x).
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const at::Tensor& weight,
+                            const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                             const std::shared_ptr<RouterGradLink>& link = nullptr);
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs);
@@ -73,8 +73,7 @@ class RouterTopKFunction : public torch::autograd::Function<RouterTopKFunction> 
  public:
   static torch::autograd::variable_list forward(
       torch::autograd::AutogradContext* ctx, const at::Tensor& logits,
-      const std::optional<at::Tensor>& expert_bias, int64_t topk, bool sigmoid, bool normalize,
-      bool aux, double aux_loss_scale = 0.0, bool z_loss = false, double z_loss_scale = 0.0,
+      const std::optional<at::Tensor>& expert_bias, const ops::RouterScoring& scoring,
       const std::shared_ptr<RouterGradLink>& link = nullptr);
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs);

@@ -142,18 +142,19 @@ std::vector<std::pair<std::string, torch::Tensor>> Fp8StateImpl::named_state() c
   return buffers;
 }
 
-void Fp8StateImpl::check_state_dict(
-    const std::unordered_map<std::string, torch::Tensor>& state) const {
+void Fp8StateImpl::check_state_dict(const std::unordered_map<std::string, torch::Tensor>& state,
+                                    const std::string& key_prefix) const {
   const auto buffers = named_state();
   for (const auto& [key, value] : state) {
     const bool known = std::any_of(buffers.begin(), buffers.end(),
                                    [&](const auto& buffer) { return buffer.first == key; });
-    TORCH_CHECK(known, kModule, "::load_state_dict: unexpected key '", key, "'");
+    TORCH_CHECK(known, kModule, "::load_state_dict: unexpected key '", key_prefix, key, "'");
   }
   for (const auto& [name, target] : buffers) {
     const auto it = state.find(name);
-    TORCH_CHECK(it == state.end() || it->second.sizes() == target.sizes(), kModule, ": '", name,
-                "' must have shape ", target.sizes(), " (num_gemms=", options.num_gemms(),
+    TORCH_CHECK(it == state.end() || it->second.sizes() == target.sizes(), kModule, ": '",
+                key_prefix, name, "' must have shape ", target.sizes(),
+                " (num_gemms=", options.num_gemms(),
                 ", amax_history_len=", options.amax_history_len(), "), got ", it->second.sizes());
   }
 }

@@ -89,8 +89,10 @@ class Fp8StateImpl : public torch::nn::Cloneable<Fp8StateImpl> {
   /// amax_history_len or expert count is an error, not a silent resize.
   void load_state_dict(const std::unordered_map<std::string, torch::Tensor>& state);
   /// load_state_dict's checks alone (keys and shapes), so that a layer loading its own tensors
-  /// too can check everything before it copies anything.
-  void check_state_dict(const std::unordered_map<std::string, torch::Tensor>& state) const;
+  /// too can check everything before it copies anything. `key_prefix` is what the caller's state
+  /// dict names these keys with (GroupedLinear's "fp8_state."), for the error messages.
+  void check_state_dict(const std::unordered_map<std::string, torch::Tensor>& state,
+                        const std::string& key_prefix = "") const;
   /// The buffers an archive of this state holds, by name (for load_state_dict).
   std::unordered_map<std::string, torch::Tensor> read(
       torch::serialize::InputArchive& archive) const;

@@ -4,7 +4,7 @@
 // and the pointers allow, else V = 1. In the backward one warp walks whole rows (grid-stride over
 // rows) so that the scale gradient, a sum over the row, is a shuffle reduction in the same pass:
 // no second kernel and no block barrier. (A block per row with a block reduction was measured at
-// 73-81% of copy bandwidth in backward on the H100; see docs/performance.md.) The forward has no
+// 73-81% of copy bandwidth in backward on the H100; see docs/experiments.md.) The forward has no
 // row sum, so its work items are row segments of at most kSegmentChunks chunks: whole rows of
 // mixtral's width (56 chunks, 84 KB of traffic each) left 2.6 rows per warp, i.e. the time of 3.
 // Grids are one wave (one_wave_grid): every warp gets the same share of items.

@@ -107,6 +107,65 @@ __device__ __forceinline__ unsigned choice_key(float k) {
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 
+// The choice score a key stands for (choice_key's inverse); -inf for the never-chosen key 0.
+__device__ __forceinline__ float key_value(unsigned key) {
+  if (key == 0u) return -INFINITY;
+  return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+
+// Group-limited choice (router.h): zeroes the keys of every expert outside the token's
+// topk_groups best groups. Lane g holds group g's score, the sum of its two highest choice
+// scores, as the ATen path sums them (the larger first: the same bits).
+template <int kPerLane>
+__device__ __forceinline__ void limit_to_groups(const RouterParams& p, int lane,
+                                                unsigned (&key)[kPerLane]) {
+  const int groups = static_cast<int>(p.num_groups);
+  const int group_size = static_cast<int>(p.experts) / groups;
+  int group[kPerLane];  // each held expert's group (past E: a group no round visits)
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) group[i] = (lane + i * kWarpSize) / group_size;
+  float own_score = -INFINITY;
+  for (int g = 0; g < groups; ++g) {
+    unsigned first = 0u, second = 0u;  // this lane's two highest keys in group g
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      if (group[i] != g) continue;
+      if (key[i] > first) {
+        second = first;
+        first = key[i];
+      } else if (key[i] > second) {
+        second = key[i];
+      }
+    }
+    const unsigned best = __reduce_max_sync(kFullMask, first);
+    // The group's second key: the best again where two lanes hold it, else the highest of the
+    // other lanes' first and the best lane's second.
+    const bool holds_best = first == best;
+    const unsigned next = __popc(__ballot_sync(kFullMask, holds_best)) > 1
+                              ? best
+                              : __reduce_max_sync(kFullMask, holds_best ? second : first);
+    if (lane == g) own_score = key_value(best) + key_value(next);
+  }
+  // topk_groups rounds: the highest group score, the lowest group holding it.
+  unsigned group_key = lane < groups ? choice_key(own_score) : 0u;
+  bool kept = false;
+  for (int r = 0; r < static_cast<int>(p.topk_groups); ++r) {
+    const unsigned best = __reduce_max_sync(kFullMask, group_key);
+    if (best == 0u) break;  // no choosable group left (NaN or -inf scores)
+    const unsigned chosen =
+        __reduce_min_sync(kFullMask, group_key == best ? static_cast<unsigned>(lane) : 32u);
+    if (static_cast<unsigned>(lane) == chosen) {
+      kept = true;
+      group_key = 0u;
+    }
+  }
+  const unsigned kept_groups = __ballot_sync(kFullMask, kept);
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    if (group[i] >= groups || !((kept_groups >> group[i]) & 1u)) key[i] = 0u;
+  }
+}
+
 // aux_sums' fixed point: a term in [0, 1] counts as round(term · 2^32) (router.h).
 constexpr float kAuxScale = 4294967296.0f;  // 2^32
 constexpr double kAuxUnit = 1.0 / 4294967296.0;
@@ -214,6 +273,7 @@ __global__ void __launch_bounds__(kMaxThreads, min_blocks(kPerLane, 4, 2))
         }
       }
     }
+    if (p.num_groups > 1) limit_to_groups(p, lane, key);
     // Round j: the largest key over the warp, the lowest expert holding it; its lane takes it
     // out and counts it. Lane j keeps choice j.
     float chosen_sum = 0.0f;  // Σ of the chosen scores, on every lane
@@ -251,7 +311,7 @@ __global__ void __launch_bounds__(kMaxThreads, min_blocks(kPerLane, 4, 2))
     }
     if (lane < topk) {
       p.indices[t * topk + lane] = own_e;
-      p.probs[t * topk + lane] = p.normalize ? own_s / (chosen_sum + kNormEps) : own_s;
+      p.probs[t * topk + lane] = (p.normalize ? own_s / (chosen_sum + kNormEps) : own_s) * p.scale;
     }
   }
 
@@ -446,9 +506,11 @@ __global__ void __launch_bounds__(kMaxThreads, min_blocks(kPerLane, 3, 1))
         const float v = __shfl_sync(kFullMask, s[i], index & (kWarpSize - 1));
         if (valid && index / kWarpSize == i) chosen_s = v;
       }
+      // probs = scale · p: p's gradient is scale · grad, and scale · grad · p = grad · prob.
       const float dot = warp_sum(c.grad * c.prob);
       const float chosen_sum = warp_sum(chosen_s);
-      const float add = p.normalize ? (c.grad - dot) / (chosen_sum + kNormEps) : c.grad;
+      const float grad = c.grad * p.scale;
+      const float add = p.normalize ? (grad - dot) / (chosen_sum + kNormEps) : grad;
       // Each choice's term to its expert's lane, in order (a repeated expert gets both).
       for (int j = 0; j < topk; ++j) {
         const int e = __shfl_sync(kFullMask, index, j);
@@ -575,6 +637,12 @@ void launch_router_forward(const RouterParams& params, cudaStream_t stream) {
                         "launch_router_forward: aux_sums needs T < 2^31");
   TORCH_INTERNAL_ASSERT(params.topk <= kRouterMaxTopK, "launch_router_forward: k > ",
                         kRouterMaxTopK);
+  TORCH_INTERNAL_ASSERT(params.num_groups >= 1 && params.num_groups <= kRouterMaxGroups &&
+                            params.experts % params.num_groups == 0 && params.topk_groups >= 1 &&
+                            params.topk_groups <= params.num_groups,
+                        "launch_router_forward: num_groups ", params.num_groups,
+                        " and topk_groups ", params.topk_groups, " for ", params.experts,
+                        " experts");
   const bool aux = params.aux_sums != nullptr;
   dispatch_per_lane(params.experts, [&](auto per_lane) {
     // At most a block per Σ lse² word at the scratch's end (router_forward_scratch_words).

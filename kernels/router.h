@@ -6,9 +6,13 @@
 //
 //   lse[t]         = log Σ_e exp(logits[t, e])                       (the z-loss's input)
 //   s[t, e]        = softmax(logits[t])_e, or sigmoid(logits[t, e])
-//   indices[t, :]  = the k experts of highest s[t, e] + bias[e], in descending order (ties: the
-//                    lower expert first)
-//   probs[t, j]    = s[t, indices[t, j]], divided by Σ_j of them (+1e-20) when normalized
+//   c[t, e]        = s[t, e] + bias[e]                                (the choice score)
+//   groups[t]      = with G = num_groups > 1: the topk_groups groups (E / G consecutive experts
+//                    each) of highest c[t, first] + c[t, second], the group's two highest
+//                    (ties: the lower group first); with G = 1 every expert
+//   indices[t, :]  = the k experts of highest c[t, e] in those groups, in descending order (ties:
+//                    the lower expert first)
+//   probs[t, j]    = scale · s[t, indices[t, j]], divided by Σ_j of them (+1e-20) when normalized
 //   aux[t, e]      = s[t, e], or for sigmoid s[t, e] / (Σ_e s[t, e] + 1e-20)
 //   aux_sums[e]    = Σ_t aux[t, e]                 (optional: the load-balancing loss's input)
 //   counts[e]      = number of tokens choosing e                                     (int64)
@@ -38,6 +42,8 @@ namespace torchmoe::kernels {
 
 constexpr int64_t kRouterMaxExperts = 1024;
 constexpr int64_t kRouterMaxTopK = 32;
+// Group-limited choice keeps a group's score on lane g of the token's warp.
+constexpr int64_t kRouterMaxGroups = 32;
 // Normalisations divide by Σ + kRouterNormEps (a row of zero scores stays finite); the ATen path
 // (ops/router.cpp) uses the same.
 constexpr double kRouterNormEps = 1e-20;
@@ -52,6 +58,9 @@ struct RouterParams {
   int64_t topk = 0;     // k ≤ min(E, kRouterMaxTopK)
   bool sigmoid = false;
   bool normalize = false;
+  int64_t num_groups = 1;   // G dividing E, each group at least 2 experts; G ≤ kRouterMaxGroups
+  int64_t topk_groups = 1;  // in [1, G]
+  float scale = 1.0f;       // probs' factor
   const float* logits = nullptr;       // [T, E]
   const float* expert_bias = nullptr;  // [E] or null (selection only)
 

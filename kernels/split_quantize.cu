@@ -640,7 +640,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       // claimed (this unit's split is later), and a block holding one of them unannounced, or
       // claimed ahead, waits, if at all, for an earlier split. For a larger split, a few polls,
       // then the unit is dropped (waiting idled the blocks while its last tiles loaded:
-      // performance.md).
+      // docs/experiments.md).
       const int g = split_of_unit(stashed);
       const bool wait = (layout.tiles[g + 1] - layout.tiles[g]) * col_tiles <= gridDim.x;
       for (int poll = 0; !stash_ready && (wait || poll < kStashPolls); ++poll) {

@@ -9,7 +9,7 @@
 // hidden dimension in 16-byte vectors when H and the pointers allow, else one element at a time.
 // Each output row is written by one warp, so nothing needs atomics, and a warp per row keeps the
 // probability gradient's dot product a shuffle reduction. Rows start at different chunks
-// (chunk_start; docs/performance.md has the measurements without it).
+// (chunk_start; docs/experiments.md has the measurements without it).
 
 #include <cmath>
 #include <initializer_list>

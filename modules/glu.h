@@ -22,8 +22,9 @@ namespace torchmoe {
 /// torch::Tensor y = act(fc1_out, probs);  // [M, 2H] -> [M, H]
 /// ```
 struct SwiGLUOptions {
-  /// Input rows interleave act and gate halves in blocks of this size (a positive multiple of 32
-  /// dividing H); nullopt: plain halves [a | b].
+  /// Input rows interleave act and gate halves in blocks of this size (any positive size dividing
+  /// H: 1 alternates a and b column by column, as GPT-OSS's gate_up_proj); nullopt: plain halves
+  /// [a | b].
   TORCH_ARG(std::optional<int64_t>, glu_interleave_size) = std::nullopt;
 };
 using ScaledSwiGLUOptions = SwiGLUOptions;
@@ -39,6 +40,7 @@ struct ClampedSwiGLUOptions {
   TORCH_ARG(double, limit) = 7.0;
   TORCH_ARG(double, alpha) = 1.702;
   TORCH_ARG(double, offset) = 1.0;
+  /// As SwiGLUOptions' (GPT-OSS: 1).
   TORCH_ARG(std::optional<int64_t>, glu_interleave_size) = std::nullopt;
 };
 using ScaledClampedSwiGLUOptions = ClampedSwiGLUOptions;

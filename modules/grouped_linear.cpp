@@ -426,7 +426,7 @@ void GroupedLinearImpl::load_state_dict(
   };
   check_all(weight_targets, weights, "weight");
   check_all(bias_targets, biases, "bias");
-  if (fp8_state_) fp8_state_->check_state_dict(fp8_state);
+  if (fp8_state_) fp8_state_->check_state_dict(fp8_state, fp8_prefix);
   torch::NoGradGuard no_grad;
   for (size_t g = 0; g < weight_targets.size(); ++g) weight_targets[g].copy_(weights[g]);
   for (size_t g = 0; g < bias_targets.size(); ++g) bias_targets[g].copy_(biases[g]);

@@ -147,7 +147,7 @@ torch::Tensor GroupedMLPImpl::forward_combined(const torch::Tensor& tokens,
         run_layers(rows, nullptr, plans, routed.probs, is_first_microbatch), routed, std::nullopt);
   }
   // fc1 reads a copy in expert order (a TMA load per 128-row tile, faster than reading the tokens
-  // through the map: docs/performance.md) and adds its input gradient's rows per token into the
+  // through the map: docs/experiments.md) and adds its input gradient's rows per token into the
   // tokens' gradient.
   const autograd::RowGather gather{
       source_rows, routed.row_map,

@@ -1,5 +1,8 @@
 #include "torchmoe/modules/moe_layer.h"
 
+#include <torch/nn/init.h>
+
+#include <cmath>
 #include <utility>
 
 #include "torchmoe/autograd/expert_parallel_function.h"
@@ -22,6 +25,14 @@ TopKRouterOptions local_router_options(const MoELayerOptions& options) {
     router.process_group(*options.expert_parallel());
   }
   return router;
+}
+
+// The shared expert: one group of a SwiGLU MLP with the experts' linear settings.
+GroupedMLPOptions shared_expert_options(const MoELayerOptions& options) {
+  const GroupedMLPOptions& experts = options.experts();
+  GroupedMLPOptions shared(1, experts.hidden(), options.shared_expert()->ffn_hidden());
+  shared.linear(experts.linear());
+  return shared;
 }
 
 // This rank's shard: E / ep experts with expert parallelism.
@@ -50,6 +61,8 @@ void check_parallel_options(const MoELayerOptions& options, const TopKRouterOpti
                                 ": pad_to_capacity is implemented for expert_parallel only");
     TORCH_CHECK(router.capacity_factor(), kModule,
                 ": pad_to_capacity needs router().capacity_factor, got none");
+    TORCH_CHECK_NOT_IMPLEMENTED(!options.scale_expert_input(), kModule,
+                                ": scale_expert_input is not implemented with pad_to_capacity");
   }
 }
 
@@ -86,6 +99,24 @@ void MoELayerImpl::reset() {
   check_parallel_options(options, r);
   router = register_module("router", TopKRouter(local_router_options(options)));
   experts = register_module("experts", GroupedMLP(local_expert_options(options)));
+  shared_expert = nullptr;
+  shared_expert_gate = torch::Tensor();
+  if (options.shared_expert()) {
+    TORCH_CHECK(options.shared_expert()->ffn_hidden() > 0, kModule,
+                ": shared_expert().ffn_hidden must be positive, got ",
+                options.shared_expert()->ffn_hidden());
+    shared_expert = register_module("shared_expert", GroupedMLP(shared_expert_options(options)));
+    if (options.shared_expert()->gate()) {
+      const GroupedLinearOptions& linear = options.experts().linear();
+      shared_expert_gate = register_parameter(
+          "shared_expert_gate",
+          torch::empty({1, options.hidden()},
+                       torch::TensorOptions(linear.params_dtype()).device(linear.device())));
+      // As torch::nn::Linear(hidden, 1)'s weight.
+      const torch::NoGradGuard no_grad;
+      torch::nn::init::kaiming_uniform_(shared_expert_gate, std::sqrt(5.0));
+    }
+  }
 }
 
 // The submodules' options as built (options.router() and options.experts() are only what they
@@ -103,6 +134,11 @@ void MoELayerImpl::pretty_print(std::ostream& stream) const {
       stream << "(no process group)";
     }
   }
+  if (shared_expert) {
+    stream << ", shared_expert=" << shared_expert->options.ffn_hidden();
+    if (shared_expert_gate.defined()) stream << " (gated)";
+  }
+  if (options.scale_expert_input()) stream << ", scale_expert_input=true";
   stream << ")";
 }
 
@@ -115,7 +151,14 @@ MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_f
   const torch::ScalarType dtype = experts->fc1->parameters(/*recurse=*/false).front().scalar_type();
   TORCH_CHECK(x.scalar_type() == dtype, kModule, ": x must have the experts' dtype ", dtype,
               ", got ", x.scalar_type());
+  // Before the router runs: the experts' own refusal would name GroupedMLP.
+  TORCH_CHECK_NOT_IMPLEMENTED(!fp8::enabled() || x.is_cuda(), kModule,
+                              ": FP8 (fp8::Autocast) runs on CUDA tensors, got x on ", x.device());
   check_parallel_options(options, router->options);
+  TORCH_CHECK(static_cast<bool>(shared_expert) == options.shared_expert().has_value() &&
+                  shared_expert_gate.defined() ==
+                      (options.shared_expert() && options.shared_expert()->gate()),
+              kModule, ": shared_expert cannot change after construction: build a new layer");
   const int64_t ep =
       options.expert_parallel() ? options.expert_parallel()->group()->getSize() : int64_t{1};
   TORCH_CHECK(router->options.num_experts() == options.num_experts() &&
@@ -160,7 +203,19 @@ MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_f
     // hands its probabilities over unchanged (a capacity masks them first).
     const std::shared_ptr<autograd::RouterGradLink> probs_link =
         router->options.capacity_factor() ? nullptr : link;
-    if (options.expert_parallel()) {
+    if (options.scale_expert_input()) {
+      // The rows scaled before fc1: a permuted copy times the probabilities (their gradient
+      // through the product), and the experts' activation scaled by 1.
+      PermutedTokens routed = autograd::permute_tokens(tokens, routing.indices,
+                                                       options.num_experts(), routing.probs, trust);
+      routed.tokens = routed.tokens * routed.probs.to(dtype).unsqueeze(1);
+      routed.probs = torch::ones_like(routed.probs);
+      const torch::Tensor y =
+          options.expert_parallel()
+              ? run_experts_parallel(routed, is_first_microbatch)
+              : experts->forward(routed.tokens, routed.m_splits, routed.probs, is_first_microbatch);
+      out.output = autograd::unpermute_tokens(y, routed, std::nullopt);
+    } else if (options.expert_parallel()) {
       const PermutedTokens routed = autograd::permute_tokens(
           tokens, routing.indices, options.num_experts(), routing.probs, trust);
       out.output = autograd::unpermute_tokens(run_experts_parallel(routed, is_first_microbatch),
@@ -183,6 +238,7 @@ MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_f
       out.output = experts->forward_combined(tokens, routed, is_first_microbatch);
     }
   }
+  if (shared_expert) out.output = out.output + run_shared_expert(flat, is_first_microbatch);
   if (x.dim() != 2) out.output = out.output.view(x.sizes());
   // Without a z-loss its term is a constant zero: no add (and no backward node) for it. Here and
   // for the capacity the router's own options decide, which may have changed since it was built.
@@ -214,6 +270,19 @@ torch::Tensor MoELayerImpl::run_experts_parallel(const PermutedTokens& routed,
       autograd::route_received(probs, splits.recv_per_expert, experts->options.num_experts());
   return autograd::all_to_all_rows(experts->forward_combined(rows, local, is_first_microbatch),
                                    splits.recv, splits.send, group);
+}
+
+torch::Tensor MoELayerImpl::run_shared_expert(const torch::Tensor& tokens,
+                                              std::optional<bool> is_first_microbatch) {
+  const int64_t rows = tokens.size(0);
+  // The gate (Qwen2-MoE) is the scaled activation's row scale, which gives its gradient; without
+  // one the rows are scaled by 1.
+  const torch::Tensor scales =
+      shared_expert_gate.defined()
+          ? torch::sigmoid(torch::mm(tokens, shared_expert_gate.t())).view({rows})
+          : torch::ones({rows}, tokens.options().dtype(torch::kFloat32));
+  return shared_expert(tokens, SplitSizes::uniform(1, rows, tokens.device()), scales,
+                       is_first_microbatch);
 }
 
 torch::Tensor MoELayerImpl::run_padded(const torch::Tensor& tokens, const RouterOutput& routing,
@@ -254,7 +323,15 @@ torch::Tensor MoELayerImpl::run_padded(const torch::Tensor& tokens, const Router
   return functional::unpermute_tokens(back, padded);
 }
 
-void MoELayerImpl::backward_dw() { experts->backward_dw(); }
+void MoELayerImpl::backward_dw() {
+  experts->backward_dw();
+  if (shared_expert) shared_expert->backward_dw();
+}
+
+void MoELayerImpl::check_no_queued_wgrad(const char* where) const {
+  experts->check_no_queued_wgrad(where);
+  if (shared_expert) shared_expert->check_no_queued_wgrad(where);
+}
 
 void MoELayerImpl::load(torch::serialize::InputArchive& archive) {
   detail::load_all_or_nothing(*this, [&] { torch::nn::Module::load(archive); });
@@ -262,17 +339,17 @@ void MoELayerImpl::load(torch::serialize::InputArchive& archive) {
 
 // The experts' checks before the router moves (Module::to moves the children in order).
 void MoELayerImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
-  experts->check_no_queued_wgrad("MoELayer::to");
+  check_no_queued_wgrad("MoELayer::to");
   torch::nn::Module::to(device, dtype, non_blocking);
 }
 
 void MoELayerImpl::to(torch::Device device, bool non_blocking) {
-  experts->check_no_queued_wgrad("MoELayer::to");
+  check_no_queued_wgrad("MoELayer::to");
   torch::nn::Module::to(device, non_blocking);
 }
 
 void MoELayerImpl::to(torch::Dtype dtype, bool non_blocking) {
-  experts->check_no_queued_wgrad("MoELayer::to");
+  check_no_queued_wgrad("MoELayer::to");
   torch::nn::Module::to(dtype, non_blocking);
 }
 

@@ -41,6 +41,20 @@
 
 namespace torchmoe {
 
+/// A shared expert (DeepSeek-V3, Qwen2-MoE, Llama-4): a dense SwiGLU MLP hidden -> ffn_hidden ->
+/// hidden that every token goes through, its output added to the routed experts'. It is built as
+/// a GroupedMLP of one expert (module `shared_expert`) with the experts' linear() settings
+/// (dtype, device, FP8, fused and delayed weight gradients), so it runs wherever they run; with
+/// expert parallelism it is replicated on every rank (its gradients summed by the trainer, as
+/// the router's).
+struct SharedExpertOptions {
+  explicit SharedExpertOptions(int64_t ffn_hidden) : ffn_hidden_(ffn_hidden) {}
+  TORCH_ARG(int64_t, ffn_hidden);
+  /// Multiply the shared expert's output per token by sigmoid(x · gᵀ), g [1, hidden] the layer's
+  /// parameter `shared_expert_gate` (Qwen2-MoE's shared_expert_gate).
+  TORCH_ARG(bool, gate) = false;
+};
+
 /// Options for `MoELayer`: the router's and the experts' options, composed.
 ///
 /// Example:
@@ -87,9 +101,16 @@ struct MoELayerOptions {
   /// In FP8 the quantize of fc1's input gathers the rows (ops::gather_split_quantize), and the
   /// unpermute's backward quantizes fc2's output gradient likewise. Unset: on in FP8
   /// (fp8::Autocast), where it saves time on the H100 except on host-bound layers, and off in
-  /// bf16, where the layer's fwd+bwd measured 1.1-1.5x the copying path's (docs/performance.md).
+  /// bf16, where the layer's fwd+bwd measured 1.1-1.5x the copying path's (docs/experiments.md).
   /// Other backends in bf16 and expert parallelism always make the copy.
   TORCH_ARG(std::optional<bool>, fuse_permutation) = std::nullopt;
+  /// A shared expert beside the routed ones (SharedExpertOptions). nullopt: none.
+  TORCH_ARG(std::optional<SharedExpertOptions>, shared_expert) = std::nullopt;
+  /// Multiply each routed row by its probability before fc1 instead of after the activation
+  /// (Llama-4): expert e computes f_e(p · x), not p · f_e(x). The permuted rows are then copied
+  /// and scaled, and the probabilities' gradient comes through that product. Not with
+  /// pad_to_capacity.
+  TORCH_ARG(bool, scale_expert_input) = false;
 };
 
 struct MoEOutput {
@@ -114,8 +135,10 @@ class MoELayerImpl : public torch::nn::Cloneable<MoELayerImpl> {
   /// overwrite).
   MoEOutput forward(const torch::Tensor& x, std::optional<bool> is_first_microbatch = std::nullopt);
 
-  /// Runs the oldest delayed weight-gradient computation of the experts.
+  /// Runs the oldest delayed weight-gradient computation of the experts (and the shared expert).
   void backward_dw();
+  /// GroupedMLP::check_no_queued_wgrad of the experts and the shared expert.
+  void check_no_queued_wgrad(const char* where) const;
 
   /// As torch::nn::Module's, refused before anything moves (the router included) while the
   /// experts have queued delayed weight-gradient work.
@@ -131,12 +154,18 @@ class MoELayerImpl : public torch::nn::Cloneable<MoELayerImpl> {
   TopKRouter router{nullptr};
   /// This rank's experts: all E, or with expert_parallel the E/ep of its shard.
   GroupedMLP experts{nullptr};
+  /// With options.shared_expert: the shared expert (one group), and with its gate g [1, hidden].
+  GroupedMLP shared_expert{nullptr};
+  torch::Tensor shared_expert_gate;
 
  private:
   // routed rows (grouped by global expert) -> the experts' outputs in the same rows, through
   // the experts of all ranks.
   torch::Tensor run_experts_parallel(const PermutedTokens& routed,
                                      std::optional<bool> is_first_microbatch);
+  // tokens [T, hidden] -> the shared expert's output [T, hidden], gated when asked.
+  torch::Tensor run_shared_expert(const torch::Tensor& tokens,
+                                  std::optional<bool> is_first_microbatch);
   // tokens [T, hidden] and their routing -> the layer's output [T, hidden], in capacity mode.
   torch::Tensor run_padded(const torch::Tensor& tokens, const RouterOutput& routing,
                            std::optional<bool> is_first_microbatch);

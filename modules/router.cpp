@@ -61,11 +61,28 @@ namespace {
 void check_routing_options(const TopKRouterOptions& o) {
   TORCH_CHECK(o.topk() >= 1 && o.topk() <= o.num_experts(), kModule,
               ": topk must be in [1, num_experts=", o.num_experts(), "], got ", o.topk());
+  const int64_t groups = o.num_groups();
+  TORCH_CHECK(groups >= 1 && o.num_experts() % groups == 0 &&
+                  (groups == 1 || o.num_experts() / groups >= 2),
+              kModule, ": num_groups must divide num_experts=", o.num_experts(),
+              " into groups of at least 2 experts, got ", groups);
+  TORCH_CHECK(o.topk_groups() >= 1 && o.topk_groups() <= groups, kModule,
+              ": topk_groups must be in [1, num_groups=", groups, "], got ", o.topk_groups());
+  TORCH_CHECK(o.topk() <= o.topk_groups() * (o.num_experts() / groups), kModule,
+              ": topk=", o.topk(), " must be at most the ",
+              o.topk_groups() * (o.num_experts() / groups),
+              " experts of topk_groups=", o.topk_groups(), " groups");
+  TORCH_CHECK(std::isfinite(o.routed_scaling_factor()) && o.routed_scaling_factor() > 0, kModule,
+              ": routed_scaling_factor must be finite and positive, got ",
+              o.routed_scaling_factor());
   TORCH_CHECK(std::isfinite(o.aux_loss_coeff()) && o.aux_loss_coeff() >= 0 &&
                   std::isfinite(o.z_loss_coeff()) && o.z_loss_coeff() >= 0,
               kModule, ": loss coefficients must be finite and >= 0, got aux ", o.aux_loss_coeff(),
               ", z ", o.z_loss_coeff());
 }
+
+// normalize_topk unset: on for k > 1 only (see router.h).
+bool normalize_of(const TopKRouterOptions& o) { return o.normalize_topk().value_or(o.topk() > 1); }
 
 }  // namespace
 
@@ -87,6 +104,8 @@ void TopKRouterImpl::reset() {
   const auto tensor_options = torch::TensorOptions(o.params_dtype()).device(o.device());
   weight =
       register_parameter("weight", torch::empty({o.num_experts(), o.hidden()}, tensor_options));
+  bias = o.bias() ? register_parameter("bias", torch::empty({o.num_experts()}, tensor_options))
+                  : torch::Tensor();
   const auto fp32 = torch::TensorOptions(torch::kFloat32).device(o.device());
   if (o.expert_bias()) {
     expert_bias = register_buffer("expert_bias", torch::zeros({o.num_experts()}, fp32));
@@ -98,6 +117,9 @@ void TopKRouterImpl::reset() {
 void TopKRouterImpl::reset_parameters() {
   const torch::NoGradGuard no_grad;
   torch::nn::init::kaiming_uniform_(weight, std::sqrt(5.0));
+  // As torch::nn::Linear's bias: uniform in ±1/sqrt(fan_in).
+  if (bias.defined())
+    bias.uniform_(-1.0 / std::sqrt(options.hidden()), 1.0 / std::sqrt(options.hidden()));
   if (expert_bias.defined()) {
     expert_bias.zero_();
     expert_load.zero_();
@@ -109,7 +131,15 @@ void TopKRouterImpl::pretty_print(std::ostream& stream) const {
          << ", num_experts=" << options.num_experts() << ", topk=" << options.topk()
          << ", score_function="
          << (options.score_function() == RouterScore::kSoftmax ? "softmax" : "sigmoid")
-         << ", normalize_topk=" << options.normalize_topk() << ")";
+         << ", normalize_topk=" << normalize_of(options);
+  if (options.num_groups() > 1) {
+    stream << ", num_groups=" << options.num_groups() << ", topk_groups=" << options.topk_groups();
+  }
+  if (options.routed_scaling_factor() != 1.0) {
+    stream << ", routed_scaling_factor=" << options.routed_scaling_factor();
+  }
+  if (options.bias()) stream << ", bias=true";
+  stream << ")";
 }
 
 RouterOutput TopKRouterImpl::forward(const torch::Tensor& x,
@@ -123,6 +153,8 @@ RouterOutput TopKRouterImpl::forward(const torch::Tensor& x,
   TORCH_CHECK(expert_bias.defined() == o.expert_bias(), kModule, ": expert_bias was ",
               expert_bias.defined() ? "on" : "off",
               " when the router was built; set it before construction, got ", o.expert_bias());
+  TORCH_CHECK(bias.defined() == o.bias(), kModule, ": bias was ", bias.defined() ? "on" : "off",
+              " when the router was built; set it before construction, got ", o.bias());
   check_routing_options(o);
   TORCH_CHECK(x.defined() && x.dim() >= 1 && x.size(-1) == o.hidden(), kModule,
               ": x must be [..., hidden=", o.hidden(), "], got ",
@@ -136,8 +168,8 @@ RouterOutput TopKRouterImpl::forward(const torch::Tensor& x,
   // for it (ops/router.h).
   // A 2-D x is taken as it is: a reshape would add a view and its backward node per call.
   const torch::Tensor rows = x.dim() == 2 ? x : x.reshape({-1, o.hidden()});
-  const torch::Tensor logits =
-      autograd::RouterLogitsFunction::apply(rows.contiguous(), weight, grad_link);
+  const torch::Tensor logits = autograd::RouterLogitsFunction::apply(
+      rows.contiguous(), weight, bias.defined() ? std::optional(bias) : std::nullopt, grad_link);
   const auto compute = logits.scalar_type();
   const int64_t tokens = logits.size(0);
   const bool want_aux = o.aux_loss_coeff() > 0 && tokens > 0;
@@ -153,10 +185,20 @@ RouterOutput TopKRouterImpl::forward(const torch::Tensor& x,
   const bool z_in_kernel = !o.process_group();
   const double z_scale =
       z_in_kernel && o.z_loss_coeff() > 0 && tokens > 0 ? o.z_loss_coeff() / tokens : 0.0;
+  ops::RouterScoring scoring;
+  scoring.topk = topk;
+  scoring.sigmoid = o.score_function() == RouterScore::kSigmoid;
+  scoring.normalize = normalize_of(o);
+  scoring.num_groups = o.num_groups();
+  scoring.topk_groups = o.topk_groups();
+  scoring.scale = o.routed_scaling_factor();
+  scoring.aux = want_aux;
+  scoring.aux_loss_scale = aux_scale;
+  scoring.z_loss = z_in_kernel;
+  scoring.z_loss_scale = z_scale;
   const torch::autograd::variable_list scored = autograd::RouterTopKFunction::apply(
-      logits, expert_bias.defined() ? std::optional(expert_bias) : std::nullopt, topk,
-      o.score_function() == RouterScore::kSigmoid, o.normalize_topk() && topk > 1, want_aux,
-      aux_scale, z_in_kernel, z_scale, grad_link);
+      logits, expert_bias.defined() ? std::optional(expert_bias) : std::nullopt, scoring,
+      grad_link);
 
   RouterOutput out;
   out.indices = scored[0];
@@ -238,6 +280,7 @@ void TopKRouterImpl::update_expert_bias() {
 
 void TopKRouterImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
   weight.set_data(weight.to(device, dtype, non_blocking));
+  if (bias.defined()) bias.set_data(bias.to(device, dtype, non_blocking));
   for (torch::Tensor& buffer : buffers(/*recurse=*/false)) {
     buffer.set_data(buffer.to(device, non_blocking));
   }
@@ -245,6 +288,7 @@ void TopKRouterImpl::to(torch::Device device, torch::Dtype dtype, bool non_block
 
 void TopKRouterImpl::to(torch::Dtype dtype, bool non_blocking) {
   weight.set_data(weight.to(dtype, non_blocking));
+  if (bias.defined()) bias.set_data(bias.to(dtype, non_blocking));
 }
 
 }  // namespace torchmoe

@@ -5,9 +5,11 @@
 // per-expert token counts, and optionally drops tokens over an expert's capacity. Logits and
 // scores are computed in fp32 whatever the parameters' dtype (as Megatron-LM recommends).
 //
+//   logits   = x · Wᵀ (+ b with options.bias)                             [T, E]
 //   scores   = softmax(logits) or sigmoid(logits)                        [T, E]
-//   indices  = topk(scores + expert_bias, k)       (the bias only steers the choice)
-//   probs    = scores[indices], / Σ_k when normalize_topk
+//   indices  = topk(scores + expert_bias, k)       (the bias only steers the choice; with
+//              num_groups, among the experts of the topk_groups best groups)
+//   probs    = scores[indices], / Σ_k when normalize_topk, · routed_scaling_factor
 //   aux_loss = coeff · E / (k·T²) · Σ_e (Σ_t s[t,e]) · count_e    s = scores (sigmoid: / Σ_e)
 //   z_loss   = coeff · mean_t logsumexp(logits_t)²
 
@@ -50,9 +52,22 @@ struct TopKRouterOptions {
   TORCH_ARG(int64_t, topk);
   TORCH_ARG(RouterScore, score_function) = RouterScore::kSoftmax;
   /// Renormalise the k chosen probabilities to sum to 1 (Mixtral, Qwen3, DeepSeek-V3; Megatron's
-  /// default for softmax). Ignored for topk == 1, where it would make every probability 1 and
-  /// leave the gate without a gradient from the main loss (Switch Transformer keeps the score).
-  TORCH_ARG(bool, normalize_topk) = true;
+  /// default for softmax). Unset: on for topk > 1 and off for topk == 1, where it would make
+  /// every probability 1 and leave the gate without a gradient from the main loss (Switch
+  /// Transformer keeps the score). Set, it is applied at every k: true at topk 1 gives every token
+  /// the weight 1, as Hugging Face's Mixtral and Qwen3-MoE do with norm_topk_prob.
+  TORCH_ARG(std::optional<bool>, normalize_topk) = std::nullopt;
+  /// Group-limited routing (DeepSeek-V3's n_group and topk_group): the experts form num_groups
+  /// groups of num_experts / num_groups consecutive experts (at least 2 each); each token ranks
+  /// the groups by the sum of the two highest scores + expert bias in each, keeps the
+  /// topk_groups best, and chooses its topk experts among theirs. 1: no groups.
+  TORCH_ARG(int64_t, num_groups) = 1;
+  TORCH_ARG(int64_t, topk_groups) = 1;
+  /// The chosen probabilities multiplied by this after any renormalisation (DeepSeek-V3's
+  /// routed_scaling_factor).
+  TORCH_ARG(double, routed_scaling_factor) = 1.0;
+  /// A learned bias [num_experts] added to the logits (GPT-OSS's router), parameter `bias`.
+  TORCH_ARG(bool, bias) = false;
   /// Weight of the load-balancing loss (0 disables it; the returned aux_loss is then 0).
   TORCH_ARG(double, aux_loss_coeff) = 0.0;
   /// Weight of the router z-loss (0 disables it).
@@ -126,6 +141,7 @@ class TopKRouterImpl : public torch::nn::Cloneable<TopKRouterImpl> {
 
   TopKRouterOptions options;
   torch::Tensor weight;       // [E, hidden]
+  torch::Tensor bias;         // [E] (defined with options.bias)
   torch::Tensor expert_bias;  // buffer [E] fp32 (defined with options.expert_bias)
   torch::Tensor expert_load;  // buffer [E] fp32: tokens per expert since the last update
 };

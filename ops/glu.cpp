@@ -129,10 +129,9 @@ kernels::GluParams kernel_params(const at::Tensor& input, const at::Tensor& scal
 }  // namespace
 
 void check_glu_options(const char* op, const GluOptions& o, int64_t hidden) {
-  TORCH_CHECK(o.interleave == 0 ||
-                  (o.interleave > 0 && o.interleave % 32 == 0 && hidden % o.interleave == 0),
-              op, ": glu_interleave_size must be a positive multiple of 32 that divides H=", hidden,
-              ", got ", o.interleave);
+  TORCH_CHECK(o.interleave == 0 || (o.interleave > 0 && hidden % o.interleave == 0), op,
+              ": glu_interleave_size must be a positive divisor of H=", hidden, ", got ",
+              o.interleave);
   TORCH_CHECK(o.activation != GluActivation::kClampedSwiGLU ||
                   (std::isfinite(o.limit) && o.limit > 0 && std::isfinite(o.alpha) &&
                    std::isfinite(o.offset)),

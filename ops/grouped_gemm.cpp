@@ -186,13 +186,13 @@ const char* refusal(Backend backend, const at::Tensor& input, const GemmShape& s
 }
 
 // kAuto's candidates per product (indexed by GemmKind: fprop, dgrad, wgrad) for bf16/fp16,
-// fastest first, from bench_grouped_linear on the H100 (docs/performance.md, "Backend choice"):
-// the sm90 kernel and the cuBLASLt grouped matmul are level on GPU time (sm90 / grouped geomean
-// fprop 1.01, dgrad 1.02, wgrad 0.99, each product ahead or behind by up to 10% with the shape and
-// the skew of the splits, which planning does not see), and the grouped matmul costs ~30-60 us of
-// host time per call against ~10, which a GroupedMLP of small experts does not hide (moe-lm step
-// 1.58 ms vs 0.88). So sm90 leads; the grouped matmul takes what sm90 refuses (more than 1024
-// groups; devices newer than sm_90).
+// fastest first, from bench_grouped_linear on the H100 (docs/performance.md, "cuBLASLt grouped
+// matmul and kAuto's choice"): the sm90 kernel and the cuBLASLt grouped matmul are level on GPU
+// time (sm90 / grouped geomean fprop 1.01, dgrad 1.02, wgrad 0.99, each product ahead or behind by
+// up to 10% with the shape and the skew of the splits, which planning does not see), and the
+// grouped matmul costs ~30-60 us of host time per call against ~10, which a GroupedMLP of small
+// experts does not hide (moe-lm step 1.58 ms vs 0.88). So sm90 leads; the grouped matmul takes what
+// sm90 refuses (more than 1024 groups; devices newer than sm_90).
 constexpr Backend kAutoOrder16[3][3] = {
     {Backend::kSm90, Backend::kCublasLtGrouped, Backend::kCublasLt},
     {Backend::kSm90, Backend::kCublasLtGrouped, Backend::kCublasLt},

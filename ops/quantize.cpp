@@ -240,6 +240,11 @@ SplitQuantized glu_split_quantize(const at::Tensor& input, const at::Tensor& sca
   check_split_inputs(kGluOp, input, m_splits, o, scale, amax, InputKind::kGluActivation);
   check_cuda(kGluOp, input);
   const c10::cuda::CUDAGuard guard(input.device());
+  // The kernel's GLU source reads a and b in whole 16-column pieces; finer interleaves (GPT-OSS's
+  // 1) take the activation and the quantize as two launches.
+  if (glu.interleave % kernels::kQuantizeFeatureMultiple != 0) {
+    return split_quantize(glu_forward(input, s, glu), m_splits, o, scale, amax);
+  }
   const at::Tensor x = detail::aligned_operand(input);
   params.input = x.const_data_ptr();
   kernels::SplitQuantizeParams source;
@@ -268,7 +273,10 @@ GluGradsQuantized glu_backward_split_quantize(const at::Tensor& grad_output,
   TORCH_CHECK(grad_output.is_contiguous(), kGluGradOp, ": grad_output must be contiguous");
   check_cuda(kGluGradOp, input);
   const c10::cuda::CUDAGuard guard(input.device());
-  if (o.scaling == QuantizeScaling::kCurrent) {
+  // Current scaling needs the gradient's amax before its cast; interleaves finer than the kernel's
+  // 16-column pieces (glu_split_quantize): the GLU backward and the quantize as two launches.
+  if (o.scaling == QuantizeScaling::kCurrent ||
+      glu.interleave % kernels::kQuantizeFeatureMultiple != 0) {
     GluGrads grads = glu_backward(grad_output, input, scales, glu, grad_scales);
     if (grad_scales) {
       // Rows past the splits get 0, as the fused launch of the other scalings leaves them (it

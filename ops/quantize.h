@@ -92,7 +92,7 @@ struct GluGradsQuantized {
 // as split_quantize's. Under current scaling it is the two ops (glu_backward writes the 16-bit
 // gradient, split_quantize casts it): the one launch has to compute and load each pair of tiles
 // twice, for its split's amax and for its cast, and took 1.2-1.7x as long on the H100
-// (docs/performance.md).
+// (docs/experiments.md).
 GluGradsQuantized glu_backward_split_quantize(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& scales,
     const GluOptions& glu, bool grad_scales, const SplitSizes& m_splits,

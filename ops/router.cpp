@@ -34,7 +34,8 @@ enum class TopKBackend {
 
 TopKBackend select_topk_backend(const at::Tensor& logits, const RouterScoring& scoring) {
   if (logits.is_cuda() && logits.scalar_type() == at::kFloat &&
-      logits.size(1) <= kernels::kRouterMaxExperts && scoring.topk <= kernels::kRouterMaxTopK) {
+      logits.size(1) <= kernels::kRouterMaxExperts && scoring.topk <= kernels::kRouterMaxTopK &&
+      scoring.num_groups <= kernels::kRouterMaxGroups) {
     return TopKBackend::kCuda;
   }
   return TopKBackend::kAten;
@@ -64,6 +65,30 @@ void check_logits(const at::Tensor& logits, const RouterScoring& scoring) {
   TORCH_CHECK(logits.is_contiguous(), kTopKOp, ": logits must be contiguous");
   TORCH_CHECK(scoring.topk >= 1 && scoring.topk <= logits.size(1), kTopKOp,
               ": topk must be in [1, ", logits.size(1), "], got ", scoring.topk);
+  const int64_t experts = logits.size(1), groups = scoring.num_groups;
+  TORCH_CHECK(groups >= 1 && experts % groups == 0 && (groups == 1 || experts / groups >= 2),
+              kTopKOp, ": num_groups must divide the ", experts,
+              " experts into groups of at least 2 (each group is ranked by its two best), got ",
+              groups);
+  TORCH_CHECK(scoring.topk_groups >= 1 && scoring.topk_groups <= groups, kTopKOp,
+              ": topk_groups must be in [1, num_groups=", groups, "], got ", scoring.topk_groups);
+  TORCH_CHECK(groups == 1 || scoring.topk <= scoring.topk_groups * (experts / groups), kTopKOp,
+              ": topk must be at most the ", scoring.topk_groups * (experts / groups),
+              " experts of the topk_groups kept groups, got ", scoring.topk);
+  TORCH_CHECK(std::isfinite(scoring.scale) && scoring.scale > 0, kTopKOp,
+              ": scale must be finite and positive, got ", scoring.scale);
+}
+
+// The choice scores with every expert outside the token's topk_groups best groups at -inf.
+at::Tensor group_limited(const at::Tensor& choice, const RouterScoring& scoring) {
+  if (scoring.num_groups == 1) return choice;
+  const int64_t tokens = choice.size(0), groups = scoring.num_groups;
+  const at::Tensor grouped = choice.view({tokens, groups, -1});
+  const at::Tensor group_scores = std::get<0>(grouped.topk(2, 2)).sum(2);  // [T, G]
+  const at::Tensor kept = std::get<1>(group_scores.topk(scoring.topk_groups, 1));
+  const at::Tensor mask =
+      at::zeros({tokens, groups}, choice.options().dtype(at::kBool)).scatter(1, kept, true);
+  return grouped.masked_fill(mask.logical_not().unsqueeze(2), -INFINITY).view({tokens, -1});
 }
 
 at::Tensor aten_scores(const at::Tensor& logits, const RouterScoring& scoring) {
@@ -77,6 +102,9 @@ kernels::RouterParams kernel_params(const at::Tensor& logits, const RouterScorin
   p.topk = scoring.topk;
   p.sigmoid = scoring.sigmoid;
   p.normalize = scoring.normalize;
+  p.num_groups = scoring.num_groups;
+  p.topk_groups = scoring.topk_groups;
+  p.scale = static_cast<float>(scoring.scale);
   p.logits = logits.const_data_ptr<float>();
   return p;
 }
@@ -88,11 +116,21 @@ const float* optional_data(const at::Tensor& t) {
 
 }  // namespace
 
-at::Tensor router_logits(const at::Tensor& x, const at::Tensor& weight) {
+at::Tensor router_logits(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   check_operands(x, weight);
-  if (tensor_core_path(x, weight)) return at::mm(x, weight.t(), at::kFloat);
+  TORCH_CHECK(!bias.defined() ||
+                  (bias.dim() == 1 && bias.size(0) == weight.size(0) &&
+                   at::isFloatingType(bias.scalar_type()) && bias.device() == weight.device()),
+              kOp, ": bias must be a floating [experts=", weight.size(0), "] tensor on ",
+              weight.device(), ", got ",
+              bias.defined()
+                  ? c10::str(bias.scalar_type(), " ", bias.sizes(), " on ", bias.device())
+                  : std::string());
   const at::ScalarType compute = logits_type(x, weight);
-  return at::mm(x.to(compute), weight.to(compute).t());
+  at::Tensor logits = tensor_core_path(x, weight) ? at::mm(x, weight.t(), at::kFloat)
+                                                  : at::mm(x.to(compute), weight.to(compute).t());
+  if (bias.defined()) logits.add_(bias);
+  return logits;
 }
 
 bool router_logits_backward_splits(const at::Tensor& x, const at::Tensor& weight) {
@@ -103,7 +141,8 @@ bool router_logits_backward_splits(const at::Tensor& x, const at::Tensor& weight
 
 RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at::Tensor& x,
                                          const at::Tensor& weight, RouterGradX grad_x,
-                                         bool need_grad_weight, const RouterGradXProduct& split) {
+                                         bool need_grad_weight, const RouterGradXProduct& split,
+                                         const at::Tensor& bias) {
   check_operands(x, weight);
   TORCH_CHECK(grad_logits.defined() && grad_logits.dim() == 2 && grad_logits.size(0) == x.size(0) &&
                   grad_logits.size(1) == weight.size(0),
@@ -172,6 +211,7 @@ RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at
       grads.grad_weight = at::mm(product.lhs.t(), x.to(compute)).to(weight.scalar_type());
     }
   }
+  if (bias.defined()) grads.grad_bias = grad_logits.sum(0).to(bias.scalar_type());
   if (grad_x == RouterGradX::kNow) {
     grads.grad_x = router_grad_x(product);
   } else if (grad_x == RouterGradX::kDeferred) {
@@ -257,10 +297,12 @@ RouterTopK router_topk(const at::Tensor& logits, const at::Tensor& expert_bias,
     return out;
   }
   const at::Tensor scores = aten_scores(logits, scoring);
-  const at::Tensor choice = expert_bias.defined() ? scores + expert_bias : scores;
+  const at::Tensor choice =
+      group_limited(expert_bias.defined() ? scores + expert_bias : scores, scoring);
   out.indices = std::get<1>(choice.topk(scoring.topk, 1));
   out.probs = scores.gather(1, out.indices);
   if (scoring.normalize) out.probs = out.probs / (out.probs.sum(1, true) + kernels::kRouterNormEps);
+  if (scoring.scale != 1.0) out.probs = out.probs * scoring.scale;
   out.aux_sums = !scoring.aux ? at::empty({0}, logits.options())
                  : scoring.sigmoid
                      ? (scores / (scores.sum(1, true) + kernels::kRouterNormEps)).sum(0)
@@ -420,10 +462,11 @@ RouterTopKGrads router_topk_backward(const at::Tensor& logits, const at::Tensor&
     gp = gp.defined() ? gp + linked : linked;
   }
   if (gp.defined()) {
-    at::Tensor g = gp;
+    // probs = scale · p: p's gradient is scale · gp, and scale · gp · p = gp · probs.
+    at::Tensor g = scoring.scale != 1.0 ? gp * scoring.scale : gp;
     if (scoring.normalize) {
       const at::Tensor chosen_sum = s.gather(1, indices).sum(1, true) + kernels::kRouterNormEps;
-      g = (gp - (gp * probs).sum(1, true)) / chosen_sum;
+      g = (g - (gp * probs).sum(1, true)) / chosen_sum;
     }
     ds = ds.scatter_add(1, indices, g);
   }

@@ -29,8 +29,10 @@
 namespace torchmoe::ops {
 
 // x [T, H], weight [E, H] of floating dtypes on one device -> logits [T, E] fp32 (fp64 when
-// either is fp64).
-at::Tensor router_logits(const at::Tensor& x, const at::Tensor& weight);
+// either is fp64). bias: undefined, or [E] of a floating dtype on that device (GPT-OSS's router),
+// added to the logits in their dtype.
+at::Tensor router_logits(const at::Tensor& x, const at::Tensor& weight,
+                         const at::Tensor& bias = {});
 
 // x's gradient as a product still to be taken, grad_x = lhs · rhs: [hi | lo] and [W; W] on the
 // bf16 tensor-core path (written by the split's one launch), else grad_logits and W in the
@@ -45,6 +47,7 @@ struct RouterGradXProduct {
 struct RouterLogitsGrads {
   at::Tensor grad_x;                  // [T, H] in x's dtype (with RouterGradX::kNow)
   at::Tensor grad_weight;             // [E, H] in weight's dtype (undefined when not asked for)
+  at::Tensor grad_bias;               // [E] in the bias's dtype (undefined when not asked for)
   RouterGradXProduct grad_x_product;  // with RouterGradX::kDeferred, for router_grad_x
 };
 
@@ -60,10 +63,13 @@ bool router_logits_backward_splits(const at::Tensor& x, const at::Tensor& weight
 
 // With `split` (router_topk_backward's split of this very grad_logits, made by its launch), the
 // products take it instead of splitting grad_logits again.
+// bias: the forward's bias when its gradient is needed (Σ over tokens of grad_logits), else
+// undefined.
 RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at::Tensor& x,
                                          const at::Tensor& weight, RouterGradX grad_x,
                                          bool need_grad_weight,
-                                         const RouterGradXProduct& split = {});
+                                         const RouterGradXProduct& split = {},
+                                         const at::Tensor& bias = {});
 
 // grad_x = product.lhs · product.rhs, in product.out_dtype; with an addend ([T, H] in that dtype,
 // contiguous: another branch's gradient of x), the addend plus it. Where the product's operands
@@ -79,7 +85,15 @@ struct RouterScoring {
   int64_t topk = 1;
   bool sigmoid = false;    // sigmoid scores, else softmax
   bool normalize = false;  // probs divided by their sum over the k choices
-  bool aux = false;        // also return the aux loss's input: the scores summed over tokens
+  // Group-limited choice (DeepSeek-V3): the E experts form num_groups groups of E / num_groups
+  // consecutive experts; a token ranks the groups by the sum of their two highest choice scores
+  // (score + expert bias), keeps the topk_groups best (ties: the lower group) and chooses its k
+  // experts among theirs. num_groups 1: every expert.
+  int64_t num_groups = 1;
+  int64_t topk_groups = 1;
+  // probs multiplied by this after any normalisation (DeepSeek-V3's routed_scaling_factor).
+  double scale = 1.0;
+  bool aux = false;  // also return the aux loss's input: the scores summed over tokens
   // With aux and > 0: also return aux_loss = aux_loss_scale · Σ_e aux_sums[e] · counts[e], the
   // load-balancing loss when this call's counts are the batch's (no process group).
   double aux_loss_scale = 0.0;

@@ -93,8 +93,9 @@ void FusedAdamW::set_model_copy(const torch::Tensor& param, const torch::Tensor&
                   model.device() == param.device() && torch::isFloatingType(model.scalar_type()),
               kName, "::set_model_copy: model must be a floating tensor of shape ", param.sizes(),
               " on ", param.device(), ", got ",
-              model.defined() ? model.sizes() : torch::IntArrayRef{}, " on ",
-              model.defined() ? model.device() : param.device());
+              model.defined() ? c10::str("a tensor of dtype ", model.scalar_type(), ", shape ",
+                                         model.sizes(), " on ", model.device())
+                              : std::string("an undefined tensor"));
   const torch::ScalarType type = model.scalar_type();
   TORCH_CHECK(!model.is_cuda() || type == torch::kFloat32 || type == torch::kFloat16 ||
                   type == torch::kBFloat16,

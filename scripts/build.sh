@@ -8,7 +8,8 @@
 #   not define (its TORCHMOE_BUILD_* option is OFF) is skipped with a note.
 #
 # Environment: TORCHMOE_BUILD_DIR (default build), TORCHMOE_JOBS (default: all cores),
-# TORCHMOE_CMAKE_ARGS (extra configure arguments, used when the build directory is configured).
+# TORCHMOE_CMAKE_ARGS (extra configure arguments, used when the build directory is configured),
+# TORCHMOE_PYTHON_REQUIREMENTS (pip requirement files to install beside torch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -16,7 +17,8 @@ build_dir=${TORCHMOE_BUILD_DIR:-build}
 torch_version=2.11.0
 
 # ---- system packages ------------------------------------------------------------------------
-packages=(cmake ninja-build ccache g++ catch2 libfmt-dev libgloo-dev python3 python3-venv)
+packages=(cmake ninja-build ccache g++ catch2 libfmt-dev libgloo-dev nlohmann-json3-dev python3
+          python3-venv)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -49,6 +51,12 @@ else
   python=$root/.venv/bin/python
 fi
 torch_cmake=$("$python" -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>/dev/null)
+# Python packages beside torch (scripts/test.sh: the pinned reference models' test/reference/
+# requirements.txt); pip skips what is already installed at the pinned versions.
+for requirements in ${TORCHMOE_PYTHON_REQUIREMENTS:-}; do
+  echo "== installing $requirements into $python's environment"
+  "$python" -m pip install -q --disable-pip-version-check -r "$requirements"
+done
 
 # ---- configure + build ----------------------------------------------------------------------
 if [ ! -f "$build_dir/build.ninja" ]; then

@@ -3,6 +3,7 @@
 #include "flags.h"
 
 #include <fmt/core.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <cmath>
@@ -81,6 +82,10 @@ std::vector<Flag> flag_table(Flags& f) {
        number(f.model.aux_loss_coeff, 0)},
       {"--z-coeff", "X", "router z-loss coefficient (default 0.001)",
        number(f.model.z_loss_coeff, 0)},
+      {"--moe-block", "NAME",
+       "the MoE layers' routing and expert rules: mixtral (default), olmoe, qwen3, qwen2, "
+       "deepseek-v3, gpt-oss or llama4 (docs/moe.md)",
+       text(f.model.moe_block)},
       {"--expert-bias", nullptr,
        "aux-loss-free balancing: update each router's expert bias every step",
        [&f](const std::string&) { f.model.expert_bias = true; }},
@@ -203,6 +208,10 @@ std::optional<Flags> parse_flags(int argc, char** argv) {
   if (m.topk > m.experts)
     throw std::invalid_argument(
         fmt::format("--topk {} must be at most --experts {}", m.topk, m.experts));
+  const std::vector<std::string>& blocks = moe_blocks();
+  if (std::find(blocks.begin(), blocks.end(), m.moe_block) == blocks.end())
+    throw std::invalid_argument(fmt::format("--moe-block must be one of {}, got '{}'",
+                                            fmt::join(blocks, ", "), m.moe_block));
   if (f.device != "auto" && f.device != "cpu" && f.device != "cuda")
     throw std::invalid_argument("--device must be auto, cpu or cuda, got '" + f.device + "'");
   if (f.dtype != "auto" && f.dtype != "fp32" && f.dtype != "bf16")

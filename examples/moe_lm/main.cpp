@@ -475,9 +475,9 @@ int run(const Flags& flags_in) {
     for (const auto& p : moe->experts->parameters()) params += (f.ranks() - 1) * p.numel();
   }
   const ModelConfig& m = f.model;
-  say("moe_lm: {} layers, hidden {}, {} heads, {} experts top-{}, ffn {}, seq {} | {:.2f}M "
-      "parameters | {} {} | data {} ({} train / {} valid bytes)\n",
-      m.layers, m.hidden, m.heads, m.experts, m.topk, m.ffn, m.seq, params / 1e6,
+  say("moe_lm: {} layers, hidden {}, {} heads, {} experts top-{} ({} block), ffn {}, seq {} | "
+      "{:.2f}M parameters | {} {} | data {} ({} train / {} valid bytes)\n",
+      m.layers, m.hidden, m.heads, m.experts, m.topk, m.moe_block, m.ffn, m.seq, params / 1e6,
       cuda ? "cuda" : "cpu", dtype == torch::kBFloat16 ? "bf16 (fp32 masters)" : "fp32", f.data,
       corpus.train.size(0), corpus.valid.size(0));
   if (group)

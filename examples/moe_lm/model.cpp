@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <torch/nn/init.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -45,6 +46,7 @@ void ModelConfig::save(torch::serialize::OutputArchive& archive) const {
   archive.write("config.aux_loss_coeff", c10::IValue(aux_loss_coeff));
   archive.write("config.z_loss_coeff", c10::IValue(z_loss_coeff));
   archive.write("config.expert_bias", c10::IValue(expert_bias));
+  archive.write("config.moe_block", c10::IValue(moe_block));
 }
 
 ModelConfig ModelConfig::load(torch::serialize::InputArchive& archive) {
@@ -72,7 +74,57 @@ ModelConfig ModelConfig::load(torch::serialize::InputArchive& archive) {
   // Checkpoints from before the option have no entry: their routers had no bias.
   c10::IValue expert_bias;
   c.expert_bias = archive.try_read("config.expert_bias", expert_bias) && expert_bias.toBool();
+  // Likewise for the block: theirs was the plain softmax top-k.
+  c10::IValue block;
+  if (archive.try_read("config.moe_block", block)) c.moe_block = block.toStringRef();
   return c;
+}
+
+const std::vector<std::string>& moe_blocks() {
+  static const std::vector<std::string> blocks = {"mixtral",     "olmoe",   "qwen3", "qwen2",
+                                                  "deepseek-v3", "gpt-oss", "llama4"};
+  return blocks;
+}
+
+void apply_moe_block(const std::string& block, torchmoe::MoELayerOptions& options) {
+  torchmoe::TopKRouterOptions& router = options.router();
+  const int64_t experts = options.num_experts(), ffn = options.experts().ffn_hidden();
+  if (block == "mixtral" || block == "qwen3") {
+    router.normalize_topk(true);
+  } else if (block == "olmoe") {
+    router.normalize_topk(false);
+  } else if (block == "qwen2") {
+    router.normalize_topk(true);
+    options.shared_expert(torchmoe::SharedExpertOptions(ffn).gate(true));
+  } else if (block == "deepseek-v3") {
+    // DeepSeek-V3's 8 groups keeping 4 of 256 experts, at the example's sizes: 4 groups keeping 2
+    // where the experts divide into groups of 2 or more and those groups hold k experts.
+    int64_t groups = 4;
+    while (groups > 1 && (experts % groups != 0 || experts / groups < 2 ||
+                          router.topk() > (groups / 2) * (experts / groups))) {
+      groups /= 2;
+    }
+    router.score_function(torchmoe::RouterScore::kSigmoid)
+        .expert_bias(true)
+        .normalize_topk(true)
+        .num_groups(groups)
+        .topk_groups(std::max<int64_t>(1, groups / 2))
+        .routed_scaling_factor(2.5);
+    options.shared_expert(torchmoe::SharedExpertOptions(ffn));
+  } else if (block == "gpt-oss") {
+    router.normalize_topk(true).bias(true);
+    options.experts()
+        .activation(torchmoe::GluActivation::kClampedSwiGLU)
+        .glu_interleave_size(1)
+        .scale_bias(true);
+    options.experts().linear().bias(true);
+  } else if (block == "llama4") {
+    router.score_function(torchmoe::RouterScore::kSigmoid).normalize_topk(false);
+    options.scale_expert_input(true).shared_expert(torchmoe::SharedExpertOptions(ffn));
+  } else {
+    TORCH_CHECK(false, "--moe-block must be one of mixtral, olmoe, qwen3, qwen2, deepseek-v3, ",
+                "gpt-oss, llama4, got '", block, "'");
+  }
 }
 
 RMSNormImpl::RMSNormImpl(int64_t hidden_, torch::TensorOptions options_)
@@ -85,7 +137,7 @@ void RMSNormImpl::reset() { weight = register_parameter("weight", torch::ones({h
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
   // ATen's RMSNorm: on CUDA one fused kernel each way with fp32 statistics (the composition of
   // casts, square, mean, rsqrt and products cost 7 kernels forward and more backward per norm:
-  // about a sixth of the example's step, docs/performance.md).
+  // about a sixth of the example's step, docs/experiments.md).
   return at::rms_norm(x, {hidden}, weight, 1e-6);
 }
 
@@ -154,7 +206,8 @@ void MoETransformerImpl::reset() {
     torchmoe::MoELayerOptions moe(c.hidden, c.ffn, c.experts, c.topk);
     moe.params_dtype(dtype).device(device);
     moe.router().aux_loss_coeff(c.aux_loss_coeff).z_loss_coeff(c.z_loss_coeff);
-    moe.router().expert_bias(c.expert_bias);
+    apply_moe_block(c.moe_block, moe);
+    if (c.expert_bias) moe.router().expert_bias(true);
     moe.experts().linear().fuse_wgrad_accumulation(true).single_grouped_weight(true);
     moe.experts().linear().fp8_amax_history_len(fp8_amax_history_len);
     // The experts are initialised below, from the layer's own seeds: the default would draw

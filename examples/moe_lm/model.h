@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace moe_lm {
@@ -35,6 +36,9 @@ struct ModelConfig {
   double aux_loss_coeff = 1e-2;
   double z_loss_coeff = 1e-3;
   bool expert_bias = false;  // each router's aux-loss-free balancing bias (--expert-bias)
+  // The architecture whose routing and expert rules the MoE layers take (--moe-block): mixtral,
+  // olmoe, qwen3, qwen2, deepseek-v3, gpt-oss or llama4 (apply_moe_block).
+  std::string moe_block = "mixtral";
 
   void save(torch::serialize::OutputArchive& archive) const;
   static ModelConfig load(torch::serialize::InputArchive& archive);
@@ -63,6 +67,14 @@ class AttentionImpl : public torch::nn::Cloneable<AttentionImpl> {
   torch::nn::Linear qkv{nullptr}, proj{nullptr};
 };
 TORCH_MODULE(Attention);
+
+/// The names --moe-block takes.
+const std::vector<std::string>& moe_blocks();
+/// `block`'s routing and expert rules (checkpoint/hf_moe.h's table) on options built from the
+/// example's sizes: its score function and normalisation, groups (deepseek-v3: 4 groups keeping
+/// 2, or fewer for few experts), routed scale, router and expert biases, activation and its
+/// interleave, input-scaled experts, and a shared expert of the experts' width (gated for qwen2).
+void apply_moe_block(const std::string& block, torchmoe::MoELayerOptions& options);
 
 /// What one forward returns: logits and the summed router losses and loads of all MoE layers.
 struct ModelOutput {

@@ -42,7 +42,9 @@ void read_buffers(torch::nn::Module& model, torch::serialize::InputArchive& save
 }  // namespace
 
 Trainer::Trainer(MoETransformer& model, const Flags& f) : model_(model), flags_(f) {
-  // The expert weights are the GroupedLinear layers' (one [E, out, in] weight each, or E).
+  // The GroupedLinear layers' weights (one [E, out, in] weight each, or E) take main-grad
+  // buffers. Those of the routed experts (the MoE layers' `experts`), biases included, are the
+  // expert parameters: sharded with --ep. A shared expert's are replicated, like the dense ones.
   std::vector<std::pair<torchmoe::GroupedLinear, std::vector<std::string>>> grouped;
   std::set<std::string> expert_names;
   for (const auto& item : model->named_modules()) {
@@ -55,7 +57,11 @@ Trainer::Trainer(MoETransformer& model, const Flags& f) : model_(model), flags_(
       for (int64_t g = 0; g < layer->options.num_gemms(); ++g)
         names.push_back(item.key() + ".weight" + std::to_string(g));
     }
-    expert_names.insert(names.begin(), names.end());
+    if (item.key().find(".experts.") != std::string::npos) {
+      for (const auto& p : layer->named_parameters(/*recurse=*/false)) {
+        expert_names.insert(item.key() + "." + p.key());
+      }
+    }
     grouped.emplace_back(torchmoe::GroupedLinear(layer), std::move(names));
   }
   std::map<std::string, size_t> by_name;

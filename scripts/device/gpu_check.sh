@@ -9,6 +9,7 @@
 #             CUDA-graph cases, racecheck on the sm90 small cases (every kernel path);
 #             SANITIZE_ONLY=memcheck or racecheck runs one tool, SANITIZE_RUNS="tool|filter ..."
 #             replaces the list
+#   blocks    the example LM with every --moe-block, captured, in bf16 and FP8 (small config)
 #   example   the example LM at docs/performance.md's config, eager and with --cuda-graph, each with
 #             a trace of 5 steps summed by part (scripts/trace_summary.py)
 #   compare   scripts/compare_python.sh: the example next to the same model in PyTorch Python
@@ -26,7 +27,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 start=$SECONDS
 {
   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DCMAKE_PREFIX_PATH="$torch_cmake;$PWD/.device/catch2;$PWD/.device/fmt;$PWD/.device/gloo" &&
+    -DCMAKE_PREFIX_PATH="$torch_cmake;$PWD/.device/catch2;$PWD/.device/fmt;$PWD/.device/gloo;$PWD/.device/nlohmann" &&
     cmake --build build-gpu -j 16
 } > "$out/build.log" 2>&1 || { grep -B2 -A8 -E "error|FAILED" "$out/build.log" | head -60; exit 1; }
 echo "build ok ($((SECONDS - start)) s)"
@@ -36,9 +37,17 @@ if [ -n "${CUBLAS13:-}" ]; then
     'the loaded cuBLASLt is reported' -s 2>&1 | grep -m1 -o 'cuBLASLt [0-9]* from .*'))"
 fi
 
+# The [hf] cases' reference data, made here by test/reference/hf_moe_blocks.py (the machine has no
+# transformers): ctest then runs them without their fixture.
+hf_args=()
+if [ -d .device/hf_reference ]; then
+  mkdir -p build-gpu/test/hf_reference && cp .device/hf_reference/*.safetensors build-gpu/test/hf_reference/
+  hf_args=(--fixture-exclude-setup hf_reference)
+fi
+
 if [[ " $steps " == *" tests "* ]]; then
   # shellcheck disable=SC2086
-  ctest --test-dir build-gpu --output-on-failure -j 8 --timeout 400 ${CTEST_ARGS:-} \
+  ctest --test-dir build-gpu --output-on-failure -j 8 --timeout 400 "${hf_args[@]}" ${CTEST_ARGS:-} \
     > "$out/ctest.log" 2>&1
   echo "ctest rc=$?"
   grep -E "tests passed|Failed|\*\*\*|Not Run" "$out/ctest.log" | grep -v Skipped | tail -15
@@ -75,6 +84,20 @@ if [[ " $steps " == *" example "* ]]; then
     python3 scripts/trace_summary.py "$out/trace_$mode.json" --steps 5 --top "${TRACE_TOP:-0}" \
       --json "$out/trace_summary_$mode.json"
     rm -f "$out/trace_$mode.json"  # tens of MB; the summary is what is kept
+  done
+fi
+
+if [[ " $steps " == *" blocks "* ]]; then
+  # Every --moe-block trains with --cuda-graph (and FP8 delayed) at a small config: its last
+  # logged loss and tokens/s.
+  for block in mixtral olmoe qwen3 qwen2 deepseek-v3 gpt-oss llama4; do
+    for fp8 in "" delayed; do
+      build-gpu/examples/moe_lm --layers 2 --hidden 256 --heads 4 --experts 8 --topk 2 --ffn 256 \
+        --seq 256 --batch 16 --steps 60 --warmup 10 --log-every 20 --eval-every 0 --cuda-graph \
+        --moe-block "$block" ${fp8:+--fp8 $fp8} > "$out/block_${block}_${fp8:-bf16}.log" 2>&1
+      echo "moe_lm --moe-block $block ${fp8:+--fp8 $fp8} --cuda-graph rc=$? | $(grep -E '^step' \
+        "$out/block_${block}_${fp8:-bf16}.log" | tail -1)"
+    done
   done
 fi
 

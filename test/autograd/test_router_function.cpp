@@ -21,6 +21,14 @@ namespace {
 
 enum class Branches { kBoth, kRouterOnly, kOtherOnly };
 
+// Softmax top-2, normalised, without losses.
+torchmoe::ops::RouterScoring top2_normalized() {
+  torchmoe::ops::RouterScoring scoring;
+  scoring.topk = 2;
+  scoring.normalize = true;
+  return scoring;
+}
+
 // x's gradient of router(x) · a + x · b (each branch left out as asked), with or without the link.
 torch::Tensor grad_x(const torch::Tensor& x0, const torch::Tensor& weight, const torch::Tensor& a,
                      const torch::Tensor& b, Branches branches, bool linked) {
@@ -29,7 +37,7 @@ torch::Tensor grad_x(const torch::Tensor& x0, const torch::Tensor& weight, const
   // The other branch's gradient comes from one product, which returns a tensor of its own.
   if (link) link->other_branch_exclusive = true;
   const torch::autograd::variable_list forked = ForkFunction::apply(x, link);
-  const torch::Tensor logits = RouterLogitsFunction::apply(forked[0], weight, link);
+  const torch::Tensor logits = RouterLogitsFunction::apply(forked[0], weight, std::nullopt, link);
   torch::Tensor loss = torch::zeros({}, a.options());
   if (branches != Branches::kOtherOnly) loss = loss + (logits * a).sum();
   if (branches != Branches::kRouterOnly) loss = loss + (forked[1] * b).to(a.scalar_type()).sum();
@@ -89,7 +97,7 @@ void check_shared_gradient_untouched(const torch::TensorOptions& options) {
   const torch::Tensor weight = torch::randn({8, 128}, options) * 0.1;
   const auto link = std::make_shared<RouterGradLink>();
   const torch::autograd::variable_list forked = ForkFunction::apply(x, link);
-  const torch::Tensor logits = RouterLogitsFunction::apply(forked[0], weight, link);
+  const torch::Tensor logits = RouterLogitsFunction::apply(forked[0], weight, std::nullopt, link);
   torch::autograd::backward({logits.sum(), forked[1] + y},
                             {torch::ones({}, logits.options()), torch::ones_like(y)});
   CHECK(torch::equal(y.grad(), torch::ones_like(y)));
@@ -124,7 +132,7 @@ TEST_CASE("route_tokens takes a probs link only with the linked top-k's probabil
   const torch::Tensor tokens = torch::randn({6, 8});
   const auto link = std::make_shared<RouterGradLink>();
   const torch::autograd::variable_list scored =
-      RouterTopKFunction::apply(logits, std::nullopt, 2, false, true, false, 0.0, false, 0.0, link);
+      RouterTopKFunction::apply(logits, std::nullopt, top2_normalized(), link);
   const torch::Tensor& indices = scored[0];
   const torch::Tensor& probs = scored[1];
   CHECK_NOTHROW(torchmoe::autograd::route_tokens(tokens, indices, 4, probs,
@@ -153,8 +161,8 @@ TEST_CASE("the probabilities' gradient through a probs link equals autograd's",
   auto grad_logits = [&](bool linked) {
     const torch::Tensor logits = logits0.clone().requires_grad_(true);
     const auto link = linked ? std::make_shared<RouterGradLink>() : nullptr;
-    const torch::autograd::variable_list scored = RouterTopKFunction::apply(
-        logits, std::nullopt, 2, false, true, false, 0.0, false, 0.0, link);
+    const torch::autograd::variable_list scored =
+        RouterTopKFunction::apply(logits, std::nullopt, top2_normalized(), link);
     const torchmoe::PermutedTokens routed = torchmoe::autograd::route_tokens(
         tokens, scored[0], 5, scored[1], torchmoe::ops::IndexTrust::kDropless, link);
     // A loss of the rows' probabilities with a different weight per row.

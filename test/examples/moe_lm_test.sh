@@ -45,6 +45,23 @@ echo "step 21 loss: no bias $straight, bias $biased, bias resumed $bias_resumed"
 [ -n "$biased" ] && [ "$biased" != "$straight" ] || fail "--expert-bias changed nothing"
 [ "$biased" = "$bias_resumed" ] || fail "a resumed --expert-bias run differs"
 
+echo "== every --moe-block trains, and resumes with its block"
+for block in olmoe qwen3 qwen2 deepseek-v3 gpt-oss llama4; do
+  "$bin" "${tiny[@]}" --steps 25 --moe-block "$block" --csv "$work/block_$block.csv" \
+    > "$work/block_$block.log"
+  grep -q "($block block)" "$work/block_$block.log" || fail "--moe-block $block: not announced"
+  awk -F, 'NR == 2 { first = $2 } NR > 16 { sum += $2; n++ }
+           END { last = sum / n; printf "'"$block"': first loss %.4f, last 10 %.4f\n", first, last
+                 exit !(first - last > 0.5) }' "$work/block_$block.csv" \
+    || fail "--moe-block $block: loss did not fall by > 0.5 nat"
+done
+"$bin" "${tiny[@]}" --steps 30 --stop-at 20 --moe-block deepseek-v3 --save "$work/block.pt"
+"$bin" "${tiny[@]}" --steps 30 --stop-at 21 --moe-block deepseek-v3 --csv "$work/block_straight.csv"
+"$bin" "${tiny[@]}" --steps 30 --stop-at 21 --resume "$work/block.pt" --csv "$work/block_resumed.csv"
+[ "$(awk -F, '$1 == 21 { print $2 }' "$work/block_straight.csv")" = \
+  "$(awk -F, '$1 == 21 { print $2 }' "$work/block_resumed.csv")" ] \
+  || fail "a resumed --moe-block deepseek-v3 run differs"
+
 echo "== generation from the checkpoint"
 text=$("$bin" --resume "$work/ckpt.pt" --generate 40 --prompt "The ")
 printf '%s\n' "$text"
@@ -87,6 +104,8 @@ expect_error 1 "nothing to train: the checkpoint is at step 20, and --steps 30 -
   "${tiny[@]}" --resume "$work/ckpt.pt" --steps 30 --stop-at 20
 expect_error 2 "--heads 3 must divide --hidden 128" --heads 3
 expect_error 2 "--generate needs --resume" --generate 5
+expect_error 2 "--moe-block must be one of mixtral, olmoe, qwen3, qwen2, deepseek-v3, gpt-oss, \
+llama4, got 'switch'" --moe-block switch
 expect_error 2 "--cuda-graph needs --device cuda" --cuda-graph --device cpu
 expect_error 2 "--fp8 must be delayed, current or block, got 'e5m2'" --fp8 e5m2
 expect_error 2 "--fp8 needs --device cuda" --fp8 delayed --device cpu

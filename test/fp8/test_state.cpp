@@ -157,23 +157,25 @@ TEST_CASE("GroupedLinear FP8 state across checkpoints with and without it", "[fp
     GroupedLinear target(GroupedLinearOptions(2, 16, 8).fp8_amax_history_len(8));
     std::stringstream stream;
     torch::save(fp8_layer, stream);
-    CHECK_THROWS_WITH(torch::load(target, stream),
-                      Contains("fp8::Fp8State: 'input_amax_history' must have shape [8, 2] "
-                               "(num_gemms=2, amax_history_len=8), got [4, 2]"));
+    CHECK_THROWS_WITH(
+        torch::load(target, stream),
+        Contains("fp8::Fp8State: 'fp8_state.input_amax_history' must have shape [8, 2] "
+                 "(num_gemms=2, amax_history_len=8), got [4, 2]"));
   }
   SECTION("a rejected checkpoint leaves the state whole") {
     GroupedLinear target(GroupedLinearOptions(2, 16, 8).fp8_amax_history_len(4));
     auto state = state_dict(*fp8_layer);
     state["fp8_state.grad_output_amax_history"] = torch::zeros({5, 2});
     CHECK_THROWS_WITH(target->load_state_dict(state),
-                      Contains("'grad_output_amax_history' must have shape [4, 2]"));
+                      Contains("'fp8_state.grad_output_amax_history' must have shape [4, 2]"));
     check_same_state(*target->fp8_state(), *Fp8State(Fp8StateOptions(2, 4)));
   }
   SECTION("an unknown FP8 key is an error") {
     auto state = state_dict(*fp8_layer);
     state["fp8_state.output_scale"] = torch::ones({2});
-    CHECK_THROWS_WITH(fp8_layer->load_state_dict(state),
-                      Contains("fp8::Fp8State::load_state_dict: unexpected key 'output_scale'"));
+    CHECK_THROWS_WITH(
+        fp8_layer->load_state_dict(state),
+        Contains("fp8::Fp8State::load_state_dict: unexpected key 'fp8_state.output_scale'"));
   }
 }
 

@@ -250,13 +250,47 @@ void check_mlp_graph(torchmoe::GemmBackend backend, const MaybeRecipe& recipe) {
   if (recipe) check_ran_fp8(forward, refill(1));
 }
 
+// The architectures' MoE options (checkpoint/hf_moe.h) at the graph cases' sizes.
+enum class MoeVariant {
+  kPlain,     // softmax top-2
+  kDeepseek,  // sigmoid, expert bias, 3 groups of 2 keeping 2, scaled, a gated shared expert
+  kLlama4,    // sigmoid top-1, input-scaled experts, a shared expert
+  kGptOss,    // a router bias, clamped SwiGLU interleaved by 1, biased experts
+};
+
 // A MoELayer [6 experts top-2, 128 → 192 → 128] step: routing, permutation and experts.
-void check_moe_graph(bool fuse_permutation, const MaybeRecipe& recipe) {
+void check_moe_graph(bool fuse_permutation, const MaybeRecipe& recipe,
+                     MoeVariant variant = MoeVariant::kPlain) {
   const auto cuda = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
   torchmoe::MoELayerOptions options(/*hidden=*/128, /*ffn_hidden=*/192, /*num_experts=*/6,
-                                    /*topk=*/2);
+                                    /*topk=*/variant == MoeVariant::kLlama4 ? 1 : 2);
   options.params_dtype(torch::kBFloat16).device(torch::kCUDA).fuse_permutation(fuse_permutation);
   options.router().aux_loss_coeff(1e-2).z_loss_coeff(1e-3);  // the routers' losses are captured too
+  switch (variant) {
+    case MoeVariant::kPlain:
+      break;
+    case MoeVariant::kDeepseek:
+      options.router()
+          .score_function(torchmoe::RouterScore::kSigmoid)
+          .expert_bias(true)
+          .num_groups(3)
+          .topk_groups(2)
+          .routed_scaling_factor(2.5);
+      options.shared_expert(torchmoe::SharedExpertOptions(64).gate(true));
+      break;
+    case MoeVariant::kLlama4:
+      options.router().score_function(torchmoe::RouterScore::kSigmoid);
+      options.scale_expert_input(true).shared_expert(torchmoe::SharedExpertOptions(192));
+      break;
+    case MoeVariant::kGptOss:
+      options.router().bias(true);
+      options.experts()
+          .activation(torchmoe::GluActivation::kClampedSwiGLU)
+          .glu_interleave_size(1)
+          .scale_bias(true);
+      options.experts().linear().bias(true);
+      break;
+  }
   options.experts().linear().fp8_amax_history_len(history_for(recipe));
   torchmoe::MoELayer moe(options);
   // Every row is a token: the whole output is checked (no padding rows).
@@ -319,9 +353,11 @@ TEST_CASE("MoELayer replays in a CUDA graph: routing, permutation and experts wi
           "[modules][moe][cuda][graph]") {
   TORCHMOE_REQUIRE_SM90();  // device splits need the sm90 kernel
   const bool fuse = GENERATE(false, true);
-  INFO("fuse_permutation " << fuse);
+  const MoeVariant variant =
+      GENERATE(MoeVariant::kPlain, MoeVariant::kDeepseek, MoeVariant::kLlama4, MoeVariant::kGptOss);
+  INFO("fuse_permutation " << fuse << ", variant " << static_cast<int>(variant));
   torch::manual_seed(23);
-  check_moe_graph(fuse, std::nullopt);
+  check_moe_graph(fuse, std::nullopt, variant);
 }
 
 TEST_CASE("FP8 MoELayer replays in a CUDA graph", "[modules][moe][fp8][cuda][graph]") {
@@ -332,9 +368,12 @@ TEST_CASE("FP8 MoELayer replays in a CUDA graph", "[modules][moe][fp8][cuda][gra
   const GraphRecipe recipe =
       GENERATE(GraphRecipe::kCurrent, GraphRecipe::kDelayed, GraphRecipe::kBlock);
   const bool fuse = GENERATE(false, true);
-  INFO("recipe " << static_cast<int>(recipe) << ", fuse_permutation " << fuse);
+  const MoeVariant variant =
+      GENERATE(MoeVariant::kPlain, MoeVariant::kDeepseek, MoeVariant::kLlama4, MoeVariant::kGptOss);
+  INFO("recipe " << static_cast<int>(recipe) << ", fuse_permutation " << fuse << ", variant "
+                 << static_cast<int>(variant));
   torch::manual_seed(27);
-  check_moe_graph(fuse, graph_recipe(recipe));
+  check_moe_graph(fuse, graph_recipe(recipe), variant);
 }
 
 TEST_CASE("GroupedLinear with device splits leaves the output's rows past the split sum alone",

@@ -357,7 +357,7 @@ TEST_CASE("GroupedLinear load_state_dict rejects incomplete or foreign state",
   state["bias1"] = torch::zeros({3});
   state["fp8_state.input_amax_history"] = torch::zeros({16, 2});
   REQUIRE_THROWS_WITH(with_fp8->load_state_dict(state),
-                      Contains("'input_amax_history' must have shape [4, 2]"));
+                      Contains("'fp8_state.input_amax_history' must have shape [4, 2]"));
   CHECK(torch::equal(with_fp8->expert_weights()[0], fp8_weight0));
 }
 

@@ -367,8 +367,8 @@ TEST_CASE("GroupedMLP rejects bad input", "[modules][grouped_mlp][errors]") {
                       Contains("ffn_hidden must be positive, got 0"));
   // The activation's options are checked when the layers are built, not after fc1 has run.
   REQUIRE_THROWS_WITH(GroupedMLP(GroupedMLPOptions(3, 16, 48).glu_interleave_size(32)),
-                      Contains("GroupedMLP: glu_interleave_size must be a positive multiple of 32 "
-                               "that divides H=48, got 32"));
+                      Contains("GroupedMLP: glu_interleave_size must be a positive divisor of "
+                               "H=48, got 32"));
   GroupedMLPOptions nan_limit(3, 16, 8);
   nan_limit.activation(torchmoe::GluActivation::kClampedSwiGLU)
       .clamped()
@@ -380,7 +380,7 @@ TEST_CASE("GroupedMLP rejects bad input", "[modules][grouped_mlp][errors]") {
   // Refused by the module before fc1 runs (the activation's own check would name torchmoe::glu).
   REQUIRE_THROWS_WITH(
       changed(x, splits, torch::rand({6})),
-      Contains("GroupedMLP: glu_interleave_size must be a positive multiple of 32"));
+      Contains("GroupedMLP: glu_interleave_size must be a positive divisor of H=8, got 64"));
   GroupedMLPOptions row_parallel(3, 16, 8);
   row_parallel.linear().parallel_mode(torchmoe::ParallelMode::kRow).tp_size(2);
   REQUIRE_THROWS_AS(GroupedMLP(row_parallel), c10::NotImplementedError);

@@ -442,3 +442,79 @@ TEST_CASE("TopKRouter refuses options changed past what it was built with", "[mo
   router->options.expert_bias(false).aux_loss_coeff(INFINITY);
   REQUIRE_THROWS_WITH(router(x), Contains("loss coefficients must be finite and >= 0"));
 }
+
+TEST_CASE("MoELayer with a shared expert adds a dense SwiGLU MLP's output", "[modules][moe]") {
+  const bool gate = GENERATE(false, true);
+  const bool delayed = GENERATE(false, true);
+  INFO("gate " << gate << ", delay_wgrad_compute " << delayed);
+  torch::manual_seed(31);
+  const int64_t hidden = 32, shared_ffn = 40;
+  MoELayerOptions options(hidden, 24, 4, 2);
+  options.params_dtype(torch::kFloat64);
+  options.shared_expert(torchmoe::SharedExpertOptions(shared_ffn).gate(gate));
+  options.experts().linear().delay_wgrad_compute(delayed);
+  MoELayer moe(options);
+  REQUIRE(moe->named_parameters().contains("shared_expert.fc1.weight0"));
+  REQUIRE(moe->named_parameters().contains("shared_expert_gate") == gate);
+  // The routed part alone: the same router and experts without the shared expert.
+  MoELayerOptions routed_options = options;
+  routed_options.shared_expert(std::nullopt);
+  routed_options.experts().linear().delay_wgrad_compute(false);
+  MoELayer routed(routed_options);
+  {
+    const torch::NoGradGuard no_grad;
+    for (const auto& item : routed->named_parameters()) {
+      item.value().copy_(moe->named_parameters()[item.key()]);
+    }
+  }
+  const torch::Tensor x = torch::randn({2, 9, hidden}, torch::kFloat64);
+  const torch::Tensor dy = torch::randn({2, 9, hidden}, torch::kFloat64);
+  const torch::Tensor xs = x.clone().requires_grad_(true);
+  const auto out = moe(xs);
+  (out.output * dy).sum().backward();
+  if (delayed) {
+    CHECK_FALSE(moe->shared_expert->fc1->named_parameters()["weight0"].grad().defined());
+    moe->backward_dw();
+  }
+
+  const torch::Tensor xr = x.clone().requires_grad_(true);
+  const torch::Tensor w1 =
+      moe->shared_expert->fc1->named_parameters()["weight0"].detach().requires_grad_(true);
+  const torch::Tensor w2 =
+      moe->shared_expert->fc2->named_parameters()["weight0"].detach().requires_grad_(true);
+  const torch::Tensor g =
+      gate ? moe->shared_expert_gate.detach().requires_grad_(true) : torch::Tensor();
+  const torch::Tensor h = torch::linear(xr, w1);
+  torch::Tensor shared = torch::linear(
+      torch::silu(h.narrow(-1, 0, shared_ffn)) * h.narrow(-1, shared_ffn, shared_ffn), w2);
+  if (gate) shared = shared * torch::sigmoid(torch::linear(xr, g));
+  const torch::Tensor expected = routed(xr).output + shared;
+  (expected * dy).sum().backward();
+  check_close(out.output, expected, {1e-10, 1e-12}, "output");
+  check_close(xs.grad(), xr.grad(), {1e-10, 1e-12}, "grad x");
+  check_close(moe->shared_expert->fc1->named_parameters()["weight0"].grad(), w1.grad(),
+              {1e-10, 1e-12}, "grad shared fc1");
+  check_close(moe->shared_expert->fc2->named_parameters()["weight0"].grad(), w2.grad(),
+              {1e-10, 1e-12}, "grad shared fc2");
+  if (gate) check_close(moe->shared_expert_gate.grad(), g.grad(), {1e-10, 1e-12}, "grad gate");
+  std::ostringstream printed;
+  printed << *moe;
+  CHECK_THAT(printed.str(), Contains(gate ? "shared_expert=40 (gated)" : "shared_expert=40)"));
+}
+
+TEST_CASE("MoELayer refuses options it cannot combine or change", "[modules][moe][errors]") {
+  MoELayerOptions options(8, 16, 4, 2);
+  options.shared_expert(torchmoe::SharedExpertOptions(0));
+  CHECK_THROWS_WITH(MoELayer(options),
+                    Contains("MoELayer: shared_expert().ffn_hidden must be positive, got 0"));
+  MoELayer moe(MoELayerOptions(8, 16, 4, 2));
+  moe->options.shared_expert(torchmoe::SharedExpertOptions(8));
+  CHECK_THROWS_WITH(moe(torch::randn({3, 8})),
+                    Contains("MoELayer: shared_expert cannot change after construction"));
+  // FP8 is refused before anything runs, under the layer's name.
+  MoELayer cpu(MoELayerOptions(16, 16, 4, 2));
+  const torchmoe::fp8::Autocast fp8{torchmoe::fp8::DelayedScaling()};
+  CHECK_THROWS_AS(cpu(torch::randn({3, 16})), c10::NotImplementedError);
+  CHECK_THROWS_WITH(cpu(torch::randn({3, 16})),
+                    Contains("MoELayer: FP8 (fp8::Autocast) runs on CUDA tensors, got x on cpu"));
+}

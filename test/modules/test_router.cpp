@@ -4,6 +4,7 @@
 #include <torchmoe/torchmoe.h>
 
 #include <limits>
+#include <sstream>
 
 #include "test_utils.h"
 
@@ -50,7 +51,8 @@ TEST_CASE("TopKRouter picks the top-k scores and (re)normalises", "[modules][rou
     }
     for (int64_t j = 0; j < topk; ++j) {
       const double s = row[out.indices[t][j].item<int64_t>()];
-      const double expected = normalize && topk > 1 ? s / chosen_sum : s;
+      // Stated, the choice holds at every k: at top-1, normalised weights are 1 (HF's Mixtral).
+      const double expected = normalize ? s / chosen_sum : s;
       CHECK(out.probs[t][j].item<double>() == Approx(expected).epsilon(1e-12));
     }
   }
@@ -182,4 +184,67 @@ TEST_CASE("TopKRouter errors", "[modules][router]") {
                     Contains("x must be [..., hidden=4], got [2, 5]"));
   CHECK_THROWS_WITH(router(torch::ones({2, 4}, torch::kLong)),
                     Contains("x must have a floating dtype"));
+}
+
+TEST_CASE("TopKRouter normalises by default for k > 1 only", "[modules][router]") {
+  const torch::Tensor x = torch::randn({7, 16}, torch::kFloat64);
+  const auto top1 = make_router(TopKRouterOptions(16, 6, 1))(x);
+  CHECK((top1.probs < 1).all().item<bool>());  // the score itself (Switch Transformer)
+  const auto top2 = make_router(TopKRouterOptions(16, 6, 2))(x);
+  CHECK(torch::allclose(top2.probs.sum(1), torch::ones({7}, torch::kFloat64)));
+}
+
+TEST_CASE("TopKRouter with groups, a routed scale and a logit bias", "[modules][router]") {
+  // DeepSeek-V3's rule (the choice against ops/router's reference in test/ops/test_router.cpp):
+  // here, that the module passes its options through, and the bias parameter's gradient.
+  TopKRouter router = make_router(TopKRouterOptions(16, 8, 2)
+                                      .score_function(RouterScore::kSigmoid)
+                                      .num_groups(4)
+                                      .topk_groups(1)
+                                      .routed_scaling_factor(2.5)
+                                      .bias(true));
+  REQUIRE(router->bias.sizes() == torch::IntArrayRef({8}));
+  REQUIRE(router->named_parameters().contains("bias"));
+  const torch::Tensor x = torch::randn({11, 16}, torch::kFloat64);
+  const auto out = router(x);
+  const torch::Tensor groups = out.indices.div(2, "floor");       // groups of 2 experts
+  CHECK(torch::equal(groups.select(1, 0), groups.select(1, 1)));  // one group kept: both in it
+  CHECK(torch::allclose(out.probs.sum(1), torch::full({11}, 2.5, torch::kFloat64)));
+  // d(Σ probs · w)/d bias against finite differences of the same loss.
+  const torch::Tensor w = torch::randn({11, 2}, torch::kFloat64);
+  (out.probs * w).sum().backward();
+  const torch::Tensor analytic = router->bias.grad().clone();
+  const double h = 1e-6;
+  for (int64_t e = 0; e < 8; ++e) {
+    auto loss_at = [&](double delta) {
+      const torch::NoGradGuard no_grad;
+      router->bias[e] += delta;
+      const auto o = router(x);
+      router->bias[e] -= delta;
+      REQUIRE(torch::equal(o.indices, out.indices));  // the same choices either side
+      return (o.probs * w).sum().item<double>();
+    };
+    CHECK(analytic[e].item<double>() == Approx((loss_at(h) - loss_at(-h)) / (2 * h)).margin(1e-7));
+  }
+  std::ostringstream printed;
+  printed << *router;
+  CHECK(printed.str() ==
+        "torchmoe::TopKRouter(hidden=16, num_experts=8, topk=2, score_function=sigmoid, "
+        "normalize_topk=true, num_groups=4, topk_groups=1, routed_scaling_factor=2.5, bias=true)");
+}
+
+TEST_CASE("TopKRouter refuses group settings it cannot apply", "[modules][router][errors]") {
+  CHECK_THROWS_WITH(TopKRouter(TopKRouterOptions(16, 8, 2).num_groups(3)),
+                    Contains("TopKRouter: num_groups must divide num_experts=8 into groups of at "
+                             "least 2 experts, got 3"));
+  CHECK_THROWS_WITH(TopKRouter(TopKRouterOptions(16, 8, 2).num_groups(4).topk_groups(0)),
+                    Contains("topk_groups must be in [1, num_groups=4], got 0"));
+  CHECK_THROWS_WITH(TopKRouter(TopKRouterOptions(16, 8, 3).num_groups(4).topk_groups(1)),
+                    Contains("topk=3 must be at most the 2 experts of topk_groups=1 groups"));
+  CHECK_THROWS_WITH(TopKRouter(TopKRouterOptions(16, 8, 2).routed_scaling_factor(-1)),
+                    Contains("routed_scaling_factor must be finite and positive, got -1"));
+  TopKRouter router(TopKRouterOptions(16, 8, 2));
+  router->options.bias(true);
+  CHECK_THROWS_WITH(router(torch::randn({3, 16})),
+                    Contains("TopKRouter: bias was off when the router was built"));
 }

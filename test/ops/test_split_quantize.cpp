@@ -423,7 +423,9 @@ TEST_CASE("glu_split_quantize equals glu_forward then split_quantize", "[ops][qu
       GENERATE(QuantizeScaling::kCurrent, QuantizeScaling::kDelayed, QuantizeScaling::kBlock1x128,
                QuantizeScaling::kBlock128x128);
   const torch::Dtype dtype = GENERATE(torch::kBFloat16, torch::kHalf, torch::kFloat);
-  const int variant = GENERATE(0, 1, 2);     // SwiGLU halves, SwiGLU interleaved by 32, clamped
+  // SwiGLU halves, interleaved by 32, clamped, clamped interleaved by 1 (GPT-OSS: the GLU and the
+  // quantize as two launches inside the op)
+  const int variant = GENERATE(0, 1, 2, 3);
   const int scale_kind = GENERATE(0, 1, 2);  // float32 scales, the input's dtype, none
   const bool device_splits = GENERATE(false, true);
   const std::vector<int64_t> sizes = {131, 0, 256, 17, 300};
@@ -432,7 +434,8 @@ TEST_CASE("glu_split_quantize equals glu_forward then split_quantize", "[ops][qu
                   << ", scales " << scale_kind << ", device splits " << device_splits);
   torchmoe::ops::GluOptions glu;
   if (variant == 1) glu.interleave = 32;
-  if (variant == 2) glu.activation = torchmoe::GluActivation::kClampedSwiGLU;
+  if (variant >= 2) glu.activation = torchmoe::GluActivation::kClampedSwiGLU;
+  if (variant == 3) glu.interleave = 1;
   // Pre-activations of a few units, some past the clamp limit (7).
   const torch::Tensor z = make_input(rows, 2 * k, dtype, 31) * 4;
   torch::Tensor scales;
@@ -509,7 +512,9 @@ TEST_CASE("glu_backward_split_quantize equals glu_backward then split_quantize",
       GENERATE(QuantizeScaling::kCurrent, QuantizeScaling::kDelayed, QuantizeScaling::kBlock1x128,
                QuantizeScaling::kBlock128x128);
   const torch::Dtype dtype = GENERATE(torch::kBFloat16, torch::kHalf, torch::kFloat);
-  const int variant = GENERATE(0, 1, 2);     // SwiGLU halves, SwiGLU interleaved by 32, clamped
+  // SwiGLU halves, interleaved by 32, clamped, clamped interleaved by 1 (GPT-OSS: the GLU and the
+  // quantize as two launches inside the op)
+  const int variant = GENERATE(0, 1, 2, 3);
   const int scale_kind = GENERATE(0, 1, 2);  // float32 scales, the input's dtype, none
   const bool device_splits = GENERATE(false, true);
   const std::vector<int64_t> sizes = {131, 0, 256, 17, 300};
@@ -521,7 +526,8 @@ TEST_CASE("glu_backward_split_quantize equals glu_backward then split_quantize",
             << variant << ", scales " << scale_kind << ", device splits " << device_splits);
   torchmoe::ops::GluOptions glu;
   if (variant == 1) glu.interleave = k == 256 ? 128 : 32;
-  if (variant == 2) glu.activation = torchmoe::GluActivation::kClampedSwiGLU;
+  if (variant >= 2) glu.activation = torchmoe::GluActivation::kClampedSwiGLU;
+  if (variant == 3) glu.interleave = 1;
   const torch::Tensor z = make_input(rows, 2 * k, dtype, 41) * 4;  // some past the clamp (7)
   const torch::Tensor dy = make_input(rows, k, dtype, 43);
   torch::Tensor scales;
@@ -716,9 +722,9 @@ TEST_CASE("split_quantize and update_delayed_scaling reject bad arguments", "[op
   CHECK_THROWS_WITH(glu_split_quantize(z, torch::rand({7}), glu, {8}, o),
                     Contains("scales must have shape [8]"));
   torchmoe::ops::GluOptions bad_interleave;
-  bad_interleave.interleave = 16;
+  bad_interleave.interleave = 5;
   CHECK_THROWS_WITH(glu_split_quantize(z, {}, bad_interleave, {8}, o),
-                    Contains("glu_interleave_size must be a positive multiple of 32"));
+                    Contains("glu_interleave_size must be a positive divisor of H="));
   CHECK_THROWS_WITH(
       glu_split_quantize(z, {}, glu, {4, 5}, o),
       Contains("glu_split_quantize: m_splits must sum to at most the input's 8 rows"));

@@ -142,6 +142,11 @@ TEST_CASE("FusedAdamW writes model copies and rejects what it does not support",
                       Contains("set_model_copy: param is not one of the optimizer's parameters"));
   REQUIRE_THROWS_WITH(adamw.set_model_copy(params[2], torch::zeros({5, 33})),
                       Contains("set_model_copy: model must be a floating tensor of shape [33, 5]"));
+  // An integer model of the right shape: the message names the dtype it got.
+  REQUIRE_THROWS_WITH(
+      adamw.set_model_copy(params[2], torch::zeros({33, 5}, torch::kInt32)),
+      Contains("model must be a floating tensor of shape [33, 5] on cpu, got a tensor of dtype "
+               "Int, shape [33, 5] on cpu"));
   REQUIRE_THROWS_AS(FusedAdamW(params, FusedAdamWOptions(1e-2).amsgrad(true)),
                     c10::NotImplementedError);
   REQUIRE_THROWS_WITH(FusedAdamW(params, FusedAdamWOptions(-1.0)),
