@@ -82,13 +82,13 @@ void check_logits(const at::Tensor& logits, const RouterScoring& scoring) {
 // The choice scores with every expert outside the token's topk_groups best groups at -inf.
 at::Tensor group_limited(const at::Tensor& choice, const RouterScoring& scoring) {
   if (scoring.num_groups == 1) return choice;
-  const int64_t tokens = choice.size(0), groups = scoring.num_groups;
-  const at::Tensor grouped = choice.view({tokens, groups, -1});
+  const int64_t tokens = choice.size(0), experts = choice.size(1), groups = scoring.num_groups;
+  const at::Tensor grouped = choice.view({tokens, groups, experts / groups});
   const at::Tensor group_scores = std::get<0>(grouped.topk(2, 2)).sum(2);  // [T, G]
   const at::Tensor kept = std::get<1>(group_scores.topk(scoring.topk_groups, 1));
   const at::Tensor mask =
       at::zeros({tokens, groups}, choice.options().dtype(at::kBool)).scatter(1, kept, true);
-  return grouped.masked_fill(mask.logical_not().unsqueeze(2), -INFINITY).view({tokens, -1});
+  return grouped.masked_fill(mask.logical_not().unsqueeze(2), -INFINITY).view({tokens, experts});
 }
 
 at::Tensor aten_scores(const at::Tensor& logits, const RouterScoring& scoring) {

@@ -747,6 +747,10 @@ TEST_CASE("router top-k: group-limited choice and a routed scale against a refer
                                         logits, out.indices, out.probs, grad_probs, {}, {}, scoring)
                                         .grad_logits;
   check_close(grad_logits, expected_grad, {1e-10, 1e-12}, "grad logits");
+  // No tokens: empty choices, no error.
+  const auto none =
+      torchmoe::ops::router_topk(torch::zeros({0, experts}, torch::kFloat64), expert_bias, scoring);
+  CHECK(none.indices.sizes() == torch::IntArrayRef({0, topk}));
 }
 
 TEST_CASE("router top-k: the CUDA kernel's group-limited choice and scale match the ATen path",
