@@ -201,13 +201,22 @@ MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_f
         router->options.capacity_factor() ? ops::IndexTrust::kChecked : ops::IndexTrust::kDropless;
     // The rows' probabilities' gradient to the router's top-k through the link, where the router
     // hands its probabilities over unchanged (a capacity masks them first).
-    const std::shared_ptr<autograd::RouterGradLink> probs_link =
+    std::shared_ptr<autograd::RouterGradLink> probs_link =
         router->options.capacity_factor() ? nullptr : link;
-    if (options.scale_expert_input()) {
-      // The rows scaled before fc1: a permuted copy times the probabilities (their gradient
-      // through the product), and the experts' activation scaled by 1.
-      PermutedTokens routed = autograd::permute_tokens(tokens, routing.indices,
-                                                       options.num_experts(), routing.probs, trust);
+    // Input-scaled experts (Llama-4) at top-1: each token's one probability scales the token
+    // itself (the probability's gradient through that product), and the experts take the routed
+    // rows on their usual paths with their activation scaled by 1. With more choices each row has
+    // its own probability: the rows are scaled after a permuted copy (below).
+    torch::Tensor probs = routing.probs;
+    const bool scale_rows = options.scale_expert_input() && routing.indices.size(1) > 1;
+    if (options.scale_expert_input() && !scale_rows) {
+      tokens = tokens * probs.to(dtype);
+      probs = torch::ones_like(probs);
+      probs_link = nullptr;
+    }
+    if (scale_rows) {
+      PermutedTokens routed =
+          autograd::permute_tokens(tokens, routing.indices, options.num_experts(), probs, trust);
       routed.tokens = routed.tokens * routed.probs.to(dtype).unsqueeze(1);
       routed.probs = torch::ones_like(routed.probs);
       const torch::Tensor y =
@@ -216,13 +225,13 @@ MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_f
               : experts->forward(routed.tokens, routed.m_splits, routed.probs, is_first_microbatch);
       out.output = autograd::unpermute_tokens(y, routed, std::nullopt);
     } else if (options.expert_parallel()) {
-      const PermutedTokens routed = autograd::permute_tokens(
-          tokens, routing.indices, options.num_experts(), routing.probs, trust);
+      const PermutedTokens routed =
+          autograd::permute_tokens(tokens, routing.indices, options.num_experts(), probs, trust);
       out.output = autograd::unpermute_tokens(run_experts_parallel(routed, is_first_microbatch),
                                               routed, std::nullopt);
     } else if (options.fuse_permutation().value_or(fp8::enabled())) {
       const PermutedTokens routed = autograd::route_tokens(
-          tokens, routing.indices, options.num_experts(), routing.probs, trust, probs_link);
+          tokens, routing.indices, options.num_experts(), probs, trust, probs_link);
       // In FP8 the unpermute's backward quantizes fc2's output gradient from the rows of the
       // layer's, so the permuted 16-bit gradient is not written either.
       std::shared_ptr<autograd::Fp8GradLink> grad_link;
@@ -234,7 +243,7 @@ MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_f
       // Top-1 and top-2 routing on the sm90 kernel: the unpermute inside fc2's GEMM and the
       // permutation's backward inside fc1's dgrad (GroupedMLP::forward_combined).
       const PermutedTokens routed = autograd::route_tokens(
-          tokens, routing.indices, options.num_experts(), routing.probs, trust, probs_link);
+          tokens, routing.indices, options.num_experts(), probs, trust, probs_link);
       out.output = experts->forward_combined(tokens, routed, is_first_microbatch);
     }
   }

@@ -44,7 +44,8 @@ namespace torchmoe {
 /// A shared expert (DeepSeek-V3, Qwen2-MoE, Llama-4): a dense SwiGLU MLP hidden -> ffn_hidden ->
 /// hidden that every token goes through, its output added to the routed experts'. It is built as
 /// a GroupedMLP of one expert (module `shared_expert`) with the experts' linear() settings
-/// (dtype, device, FP8, fused and delayed weight gradients), so it runs wherever they run; with
+/// (dtype, device, init_method, FP8, fused and delayed weight gradients), so it runs wherever they
+/// run; with
 /// expert parallelism it is replicated on every rank (its gradients summed by the trainer, as
 /// the router's).
 struct SharedExpertOptions {
@@ -107,9 +108,10 @@ struct MoELayerOptions {
   /// A shared expert beside the routed ones (SharedExpertOptions). nullopt: none.
   TORCH_ARG(std::optional<SharedExpertOptions>, shared_expert) = std::nullopt;
   /// Multiply each routed row by its probability before fc1 instead of after the activation
-  /// (Llama-4): expert e computes f_e(p · x), not p · f_e(x). The permuted rows are then copied
-  /// and scaled, and the probabilities' gradient comes through that product. Not with
-  /// pad_to_capacity.
+  /// (Llama-4): expert e computes f_e(p · x), not p · f_e(x). At top-1 each token is scaled by its
+  /// one probability before the permutation, and the experts run on their usual paths; with more
+  /// choices the permuted rows are copied and scaled. The probabilities' gradient comes through
+  /// that product. Not with pad_to_capacity.
   TORCH_ARG(bool, scale_expert_input) = false;
 };
 

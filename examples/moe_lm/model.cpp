@@ -219,10 +219,18 @@ void MoETransformerImpl::reset() {
     const int64_t first_expert = expert_parallel ? expert_parallel->group()->getRank() *
                                                        layer->experts->options.num_experts()
                                                  : 0;
-    for (torchmoe::GroupedLinear fc : {layer->experts->fc1, layer->experts->fc2}) {
+    std::vector<std::pair<torchmoe::GroupedLinear, int64_t>> projections = {
+        {layer->experts->fc1, first_expert}, {layer->experts->fc2, first_expert}};
+    // A shared expert (--moe-block qwen2, deepseek-v3, llama4) takes the experts' linear options,
+    // the no-op init_method included: it is initialised here too, the same on every rank.
+    if (layer->shared_expert) {
+      projections.emplace_back(layer->shared_expert->fc1, 0);
+      projections.emplace_back(layer->shared_expert->fc2, 0);
+    }
+    for (auto& [fc, first] : projections) {
       const auto seed = static_cast<uint64_t>(
           torch::randint(std::numeric_limits<int64_t>::max(), {}, torch::kLong).item<int64_t>());
-      init_experts(fc, seed, first_expert);
+      init_experts(fc, seed, first);
     }
     moes->push_back(layer);
   }

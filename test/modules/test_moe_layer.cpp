@@ -518,3 +518,57 @@ TEST_CASE("MoELayer refuses options it cannot combine or change", "[modules][moe
   CHECK_THROWS_WITH(cpu(torch::randn({3, 16})),
                     Contains("MoELayer: FP8 (fp8::Autocast) runs on CUDA tensors, got x on cpu"));
 }
+
+TEST_CASE("MoELayer with input-scaled experts computes f_e(p · x) at any k", "[modules][moe]") {
+  // Llama-4's rule: each routed row is scaled by its probability before fc1 and not after. Top-1
+  // scales the tokens before the permutation; more choices scale each permuted row.
+  const int64_t topk = GENERATE(1, 2);
+  INFO("topk " << topk);
+  torch::manual_seed(37);
+  const int64_t hidden = 16, ffn = 24, experts = 4, tokens = 19;
+  MoELayerOptions options(hidden, ffn, experts, topk);
+  options.params_dtype(torch::kFloat64).scale_expert_input(true);
+  options.router()
+      .score_function(torchmoe::RouterScore::kSigmoid)
+      .normalize_topk(false)
+      .aux_loss_coeff(0);
+  MoELayer moe(options);
+  const torch::Tensor x = torch::randn({tokens, hidden}, torch::kFloat64);
+  const torch::Tensor dy = torch::randn({tokens, hidden}, torch::kFloat64);
+  const torch::Tensor xs = x.clone().requires_grad_(true);
+  (moe(xs).output * dy).sum().backward();
+
+  const torch::Tensor xr = x.clone().requires_grad_(true);
+  const torch::Tensor wr = moe->router->weight.detach().requires_grad_(true);
+  std::vector<torch::Tensor> w1, w2;
+  for (const auto& w : moe->experts->fc1->expert_weights()) w1.push_back(leaf(w));
+  for (const auto& w : moe->experts->fc2->expert_weights()) w2.push_back(leaf(w));
+  const torch::Tensor scores = torch::sigmoid(torch::linear(xr, wr));
+  const torch::Tensor indices = std::get<1>(scores.detach().topk(topk, 1));
+  const torch::Tensor probs = scores.gather(1, indices);
+  torch::Tensor out = torch::zeros_like(xr);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t j = 0; j < topk; ++j) {
+      const int64_t e = indices[t][j].item<int64_t>();
+      const torch::Tensor z = torch::linear(xr[t] * probs[t][j], w1[e]);
+      const torch::Tensor h = torch::silu(z.narrow(0, 0, ffn)) * z.narrow(0, ffn, ffn);
+      out = out.index_add(0, torch::tensor({t}), torch::linear(h, w2[e]).unsqueeze(0));
+    }
+  }
+  (out * dy).sum().backward();
+  check_close(xs.grad(), xr.grad(), {1e-10, 1e-12}, "grad x");
+  check_close(moe->router->weight.grad(), wr.grad(), {1e-10, 1e-12}, "grad router");
+  for (int64_t e = 0; e < experts; ++e) {
+    INFO("expert " << e);
+    // An expert no token chose has no gradient (None), in both.
+    const auto grad_or_zeros = [&](const torch::Tensor& w) {
+      return w.grad().defined() ? w.grad() : torch::zeros_like(w);
+    };
+    check_close(grad_or_zeros(moe->experts->fc1->named_parameters()["weight" + std::to_string(e)]),
+                grad_or_zeros(w1[e]), {1e-10, 1e-12}, "grad fc1");
+    check_close(grad_or_zeros(moe->experts->fc2->named_parameters()["weight" + std::to_string(e)]),
+                grad_or_zeros(w2[e]), {1e-10, 1e-12}, "grad fc2");
+  }
+  torch::NoGradGuard no_grad;
+  check_close(moe(x).output, out, {1e-10, 1e-12}, "output");
+}
