@@ -3,6 +3,7 @@
 
 #include "torchmoe/checkpoint/hf_moe.h"
 #include "torchmoe/checkpoint/safetensors.h"
+#include "torchmoe/distributed/collectives.h"
 #include "torchmoe/distributed/process_group.h"
 #include "torchmoe/fp8/autocast.h"
 #include "torchmoe/fp8/state.h"

@@ -2,6 +2,7 @@
 
 #include "torchmoe/autograd/once_differentiable.h"
 #include "torchmoe/autograd/token_permutation_function.h"
+#include "torchmoe/distributed/collectives.h"
 
 namespace torchmoe::autograd {
 
@@ -17,7 +18,7 @@ at::Tensor AllToAllFunction::forward(AutogradContext* ctx, const at::Tensor& row
   // A capsule holds the group without requiring c10d's TorchScript class registration.
   ctx->saved_data["group"] = c10::IValue::make_capsule(group.group());
   ctx->saved_data["timeout_ms"] = static_cast<int64_t>(group.timeout().count());
-  return ops::all_to_all_rows(rows, send_splits, recv_splits, group);
+  return distributed::all_to_all_rows(rows, send_splits, recv_splits, group);
 }
 
 variable_list AllToAllFunction::backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -29,8 +30,8 @@ variable_list AllToAllFunction::backward(AutogradContext* ctx, variable_list gra
           .timeout(std::chrono::milliseconds(ctx->saved_data["timeout_ms"].toInt()));
   // Run even where this rank's gradient is not needed: the peers' exchange pairs with it.
   const at::Tensor grad =
-      ops::all_to_all_rows(grad_outputs[0], ctx->saved_data["recv_splits"].toIntVector(),
-                           ctx->saved_data["send_splits"].toIntVector(), group);
+      distributed::all_to_all_rows(grad_outputs[0], ctx->saved_data["recv_splits"].toIntVector(),
+                                   ctx->saved_data["send_splits"].toIntVector(), group);
   return once_differentiable(
       "AllToAllFunction", once,
       {ctx->needs_input_grad(0) ? grad : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()});
@@ -76,20 +77,6 @@ PermutedTokens permute_to_capacity(const at::Tensor& tokens, const at::Tensor& i
   out.sorted_slots = std::move(map.sorted_slots);
   out.m_splits = SplitSizes::uniform(num_experts, capacity, tokens.device());
   return out;
-}
-
-ops::ExpertParallelSplits exchange_split_sizes(const at::Tensor& rows_per_expert,
-                                               const ProcessGroupOptions& group) {
-  return ops::exchange_split_sizes(rows_per_expert, group);
-}
-
-void all_reduce_sum_(at::Tensor& tensor, const ProcessGroupOptions& group) {
-  ops::all_reduce_sum_(tensor, group);
-}
-
-void check_same_across_ranks(const char* op, const char* what, int64_t value,
-                             const c10::Device& device, const ProcessGroupOptions& group) {
-  ops::check_same_across_ranks(op, what, value, device, group);
 }
 
 }  // namespace torchmoe::autograd

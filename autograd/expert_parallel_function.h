@@ -1,9 +1,9 @@
 #pragma once
 // Autograd for expert parallelism: AllToAllFunction exchanges rows between the ranks of a c10d
 // process group with variable splits; its backward sends the gradients back the reverse way (the
-// same exchange with send and receive splits swapped). all_to_all_rows() applies it; the split-size
-// exchange and the all-reduce carry integer counts, which have no gradient, and pass through to
-// the ops layer so that the modules call this layer only.
+// same exchange with send and receive splits swapped). all_to_all_rows() applies it. The split-size
+// exchange and the all-reduces carry counts, which have no gradient: callers use
+// ops::exchange_split_sizes and distributed/collectives.h directly.
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
@@ -12,15 +12,15 @@
 #include <cstdint>
 #include <vector>
 
+#include "torchmoe/distributed/process_group.h"
 #include "torchmoe/ops/expert_parallel.h"
-#include "torchmoe/ops/process_group.h"
 #include "torchmoe/ops/types.h"
 
 namespace torchmoe::autograd {
 
 class AllToAllFunction : public torch::autograd::Function<AllToAllFunction> {
  public:
-  // rows [N, ...] (N = Σ send_splits) -> [Σ recv_splits, ...], as ops::all_to_all_rows.
+  // rows [N, ...] (N = Σ send_splits) -> [Σ recv_splits, ...], as distributed::all_to_all_rows.
   // Gradient: grad [Σ recv_splits, ...] exchanged with recv_splits as the send splits.
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& rows,
                             const std::vector<int64_t>& send_splits,
@@ -51,13 +51,5 @@ PermutedTokens route_received(const at::Tensor& probs, c10::IntArrayRef recv_per
 // the experts' output with unpermute_tokens(y, returned) (padding rows are ignored).
 PermutedTokens permute_to_capacity(const at::Tensor& tokens, const at::Tensor& indices,
                                    const at::Tensor& probs, int64_t num_experts, int64_t capacity);
-
-// No gradient (counts). See ops/expert_parallel.h.
-ops::ExpertParallelSplits exchange_split_sizes(const at::Tensor& rows_per_expert,
-                                               const ProcessGroupOptions& group);
-void all_reduce_sum_(at::Tensor& tensor, const ProcessGroupOptions& group);
-// See ops/expert_parallel.h.
-void check_same_across_ranks(const char* op, const char* what, int64_t value,
-                             const c10::Device& device, const ProcessGroupOptions& group);
 
 }  // namespace torchmoe::autograd

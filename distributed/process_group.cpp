@@ -12,7 +12,6 @@
 #include <string>
 
 #include "torchmoe/distributed/backends.h"
-#include "torchmoe/ops/expert_parallel.h"
 
 namespace torchmoe::distributed {
 namespace {
@@ -91,10 +90,6 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(c10::Device device,
     group->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
   }
   return group;
-}
-
-void all_reduce_sum_(at::Tensor& tensor, const ProcessGroupOptions& group) {
-  ops::all_reduce_sum_(tensor, group);
 }
 
 }  // namespace torchmoe::distributed

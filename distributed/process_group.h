@@ -1,8 +1,11 @@
 #pragma once
-// init_process_group: the c10d process group of a job launched by torchrun (or anything that sets
-// the same environment), made from C++ with PyTorch's own distributed engine: a TCPStore for the
-// rendezvous, ProcessGroupGloo for CPU tensors and ProcessGroupNCCL for CUDA tensors. It is what
-// torch.distributed.init_process_group("cpu:gloo,cuda:nccl") gives a Python trainer.
+// The ground floor of communication: ProcessGroupOptions (the c10d group every collective of
+// torchmoe runs on, and its timeout: a type the user names in MoELayerOptions::expert_parallel and
+// TopKRouterOptions::process_group), and init_process_group, the c10d process group of a job
+// launched by torchrun (or anything that sets the same environment), made from C++ with PyTorch's
+// own distributed engine: a TCPStore for the rendezvous, ProcessGroupGloo for CPU tensors and
+// ProcessGroupNCCL for CUDA tensors. It is what torch.distributed.init_process_group(
+// "cpu:gloo,cuda:nccl") gives a Python trainer. The collectives are in collectives.h.
 //
 // Example (launched by `torchrun --no-python --nproc-per-node=4 ./trainer`):
 // ```
@@ -10,13 +13,37 @@
 // options.expert_parallel(group);  // MoELayerOptions: experts sharded over the 4 ranks
 // ```
 
-#include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+#include <torch/arg.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <chrono>
+#include <utility>
 
-#include "torchmoe/ops/process_group.h"
+namespace torchmoe {
+
+/// A c10d process group (Gloo for CPU tensors, NCCL for CUDA tensors; e.g. from
+/// torchmoe::distributed::init_process_group) and the timeout of every collective torchmoe runs
+/// on it, so that a peer that failed or never joins surfaces as an error on the others instead of
+/// a hang: Gloo work is waited for on the host for at most `timeout`; NCCL work is waited for by
+/// the current stream (the host goes on), with `timeout` enforced by NCCL's watchdog.
+///
+/// Example:
+/// ```
+/// options.expert_parallel(torchmoe::ProcessGroupOptions(group).timeout(std::chrono::seconds(60)));
+/// options.expert_parallel(group);  // the default timeout
+/// ```
+struct ProcessGroupOptions {
+  /* implicit */ ProcessGroupOptions(c10::intrusive_ptr<c10d::ProcessGroup> group)
+      : group_(std::move(group)) {}
+
+  TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, group);
+  /// c10d's own default for Gloo and NCCL is 30 min; 10 min still covers a slow first NCCL
+  /// communicator setup and fails a stuck job sooner.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(10);
+};
+
+}  // namespace torchmoe
 
 namespace torchmoe::distributed {
 
@@ -29,11 +56,5 @@ namespace torchmoe::distributed {
 /// backends' collective timeout.
 c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(
     c10::Device device, std::chrono::milliseconds timeout = std::chrono::minutes(10));
-
-/// In place: tensor (contiguous, on a device the group has a backend for) = its sum over the
-/// group's ranks, waited for at most the group's timeout (a peer's failure or the timeout is an
-/// error naming this rank). For what a trainer reduces itself, e.g. the replicated parameters'
-/// gradients of an expert-parallel model. Every rank of the group must call it.
-void all_reduce_sum_(at::Tensor& tensor, const ProcessGroupOptions& group);
 
 }  // namespace torchmoe::distributed

@@ -7,8 +7,8 @@
 #include <utility>
 #include <vector>
 
+#include "torchmoe/distributed/collectives.h"
 #include "torchmoe/fp8/quantize_options.h"
-#include "torchmoe/ops/expert_parallel.h"
 
 namespace torchmoe::fp8 {
 namespace {
@@ -67,11 +67,11 @@ void reduce_rows(const char* fn, const std::vector<Fp8StateImpl*>& states, Pass 
   }
   torch::NoGradGuard no_grad;
   if (rows.size() == 1) {
-    ops::all_reduce_max_(rows.front(), group);
+    distributed::all_reduce_max_(rows.front(), group);
     return;
   }
   torch::Tensor buffer = torch::cat(rows);
-  ops::all_reduce_max_(buffer, group);
+  distributed::all_reduce_max_(buffer, group);
   std::vector<int64_t> sizes;
   for (const torch::Tensor& row : rows) sizes.push_back(row.numel());
   at::_foreach_copy_(rows, buffer.split_with_sizes(sizes));

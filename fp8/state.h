@@ -19,7 +19,7 @@
 #include <unordered_map>
 
 #include "torchmoe/fp8/recipe.h"
-#include "torchmoe/ops/process_group.h"
+#include "torchmoe/distributed/process_group.h"
 
 namespace torchmoe::fp8 {
 

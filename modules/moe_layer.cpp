@@ -8,6 +8,7 @@
 #include "torchmoe/autograd/expert_parallel_function.h"
 #include "torchmoe/autograd/router_function.h"
 #include "torchmoe/autograd/token_permutation_function.h"
+#include "torchmoe/distributed/collectives.h"
 #include "torchmoe/fp8/autocast.h"
 #include "torchmoe/modules/module_load.h"
 #include "torchmoe/modules/token_permutation.h"
@@ -266,7 +267,7 @@ torch::Tensor MoELayerImpl::run_experts_parallel(const PermutedTokens& routed,
           ? routed.m_splits.device()
           : torch::tensor(routed.m_splits.host(), torch::kLong).to(routed.tokens.device());
   // Experts are contiguous per rank, so rows grouped by expert are grouped by destination rank.
-  const ops::ExpertParallelSplits splits = autograd::exchange_split_sizes(rows_per_expert, group);
+  const ops::ExpertParallelSplits splits = ops::exchange_split_sizes(rows_per_expert, group);
   const torch::Tensor rows =
       autograd::all_to_all_rows(routed.tokens, splits.send, splits.recv, group);
   const torch::Tensor probs =
@@ -303,8 +304,8 @@ torch::Tensor MoELayerImpl::run_padded(const torch::Tensor& tokens, const Router
   // group, not every step (a new T during a capture is refused).
   if (tokens.size(0) != capacity_tokens_checked_ ||
       group.group().get() != capacity_group_checked_) {
-    autograd::check_same_across_ranks("MoELayer (pad_to_capacity)", "token count", tokens.size(0),
-                                      tokens.device(), group);
+    distributed::check_same_across_ranks("MoELayer (pad_to_capacity)", "token count",
+                                         tokens.size(0), tokens.device(), group);
     capacity_tokens_checked_ = tokens.size(0);
     capacity_group_checked_ = group.group().get();
   }

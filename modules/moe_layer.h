@@ -37,7 +37,7 @@
 
 #include "torchmoe/modules/grouped_mlp.h"
 #include "torchmoe/modules/router.h"
-#include "torchmoe/ops/process_group.h"
+#include "torchmoe/distributed/process_group.h"
 
 namespace torchmoe {
 

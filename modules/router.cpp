@@ -7,8 +7,8 @@
 #include <utility>
 #include <vector>
 
-#include "torchmoe/autograd/expert_parallel_function.h"
 #include "torchmoe/autograd/router_function.h"
+#include "torchmoe/distributed/collectives.h"
 
 namespace torchmoe {
 namespace {
@@ -211,7 +211,7 @@ RouterOutput TopKRouterImpl::forward(const torch::Tensor& x,
   if (o.process_group()) {
     torch::Tensor counts =
         torch::cat({out.tokens_per_expert, torch::full({1}, tokens, out.indices.options())});
-    autograd::all_reduce_sum_(counts, *o.process_group());
+    distributed::all_reduce_sum_(counts, *o.process_group());
     out.tokens_per_expert = counts.narrow(0, 0, experts);
     group_tokens = counts.narrow(0, experts, 1).squeeze(0).to(compute);
   }

@@ -23,7 +23,7 @@
 #include <optional>
 #include <ostream>
 
-#include "torchmoe/ops/process_group.h"
+#include "torchmoe/distributed/process_group.h"
 
 namespace torchmoe::autograd {
 struct RouterGradLink;  // autograd/router_function.h

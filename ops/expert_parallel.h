@@ -1,9 +1,7 @@
 #pragma once
-// The collectives of expert parallelism (EP) on a c10d process group: the split-size exchange
-// (the one host synchronisation of a dropless EP layer), the variable-split all-to-all of rows,
-// and the sum and max all-reduces (the max for FP8's amaxes, fp8/state.h). Every c10d Work is
-// waited for at most the group's timeout, and a failure on any rank (a peer that exited, a
-// timeout) is rethrown here, naming the op.
+// Expert parallelism's (EP) plans over a c10d process group: the split-size exchange (the one host
+// synchronisation of a dropless EP layer), the received rows' routing map, and capacity mode's
+// fixed layout. The communication itself is distributed/collectives.h's.
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
@@ -11,7 +9,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "torchmoe/ops/process_group.h"
+#include "torchmoe/distributed/process_group.h"
 #include "torchmoe/ops/token_permutation.h"
 
 namespace torchmoe::ops {
@@ -51,26 +49,5 @@ struct CapacityMap {
 // CUDA from the routing map's stable sort by expert, on the CPU from a cumulative sum over a
 // [T·k, E] one-hot map): no host sync, so it can be captured in a CUDA graph.
 CapacityMap make_capacity_map(const at::Tensor& indices, int64_t num_experts, int64_t capacity);
-
-// rows [N, ...] (N = Σ send_splits, contiguous blocks in rank order) -> [Σ recv_splits, ...]: the
-// send_splits[r] rows of block r go to rank r; the blocks received arrive in rank order. The
-// splits must pair with the peers' (recv_splits[r] = what rank r sends here), which only the
-// rank's own entry can be checked for without a collective.
-at::Tensor all_to_all_rows(const at::Tensor& rows, c10::IntArrayRef send_splits,
-                           c10::IntArrayRef recv_splits, const ProcessGroupOptions& group);
-
-// In place: tensor = Σ over the group's ranks.
-void all_reduce_sum_(at::Tensor& tensor, const ProcessGroupOptions& group);
-
-// In place: tensor = its elementwise max over the group's ranks (the FP8 amax reduction).
-void all_reduce_max_(at::Tensor& tensor, const ProcessGroupOptions& group);
-
-// Every rank of the group must pass the same value (e.g. the token count that capacity mode's
-// fixed all-to-all sizes follow from): one all-reduce of [value, -value] on `device` (the data's,
-// so the group's backend for it) with MAX, read on the host, and on a mismatch the same error on
-// every rank, naming `what`, this rank's value and the group's range. A host sync: refused while
-// the current CUDA stream is being captured.
-void check_same_across_ranks(const char* op, const char* what, int64_t value,
-                             const c10::Device& device, const ProcessGroupOptions& group);
 
 }  // namespace torchmoe::ops

@@ -15,8 +15,8 @@
 #include <utility>
 #include <vector>
 
+#include "torchmoe/distributed/collectives.h"
 #include "torchmoe/fp8/state.h"
-#include "torchmoe/ops/expert_parallel.h"
 #include "torchmoe/ops/multi_tensor_adamw.h"
 #include "torchmoe/ops/quantize.h"
 
@@ -263,7 +263,7 @@ torch::Tensor FusedAdamW::clip_grad_norm(double max_norm, const std::vector<torc
     const torch::Tensor& p = param_groups_[0].params()[0];
     sharded_sq = torch::full({1}, NAN, p.options().dtype(torch::kFloat32));
   }
-  ops::all_reduce_sum_(sharded_sq, group);
+  distributed::all_reduce_sum_(sharded_sq, group);
   TORCH_CHECK(refused.empty(), refused);
   const torch::Tensor norm = (replicated_sq + sharded_sq[0]).sqrt();
   // clip_grad_norm_'s coefficient, as ops::grad_norm computes it; measuring only: none.

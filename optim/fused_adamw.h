@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "torchmoe/modules/grouped_linear.h"
-#include "torchmoe/ops/process_group.h"
+#include "torchmoe/distributed/process_group.h"
 
 namespace torchmoe::ops {
 struct AdamWFp8Copy;

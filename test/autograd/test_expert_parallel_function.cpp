@@ -14,6 +14,7 @@
 #include "distributed/ep_test_utils.h"
 #include "test_utils.h"
 #include "torchmoe/autograd/expert_parallel_function.h"
+#include "torchmoe/distributed/collectives.h"
 #include "torchmoe/modules/token_permutation.h"
 #include "torchmoe/ops/expert_parallel.h"
 
@@ -32,7 +33,7 @@ TEST_CASE("exchange_split_sizes: every rank learns what it receives per local ex
   // Rank r sends 10·r + e rows to global expert e.
   const torch::Tensor counts = torch::arange(ep * local, torch::kLong) + 10 * rank;
   const torchmoe::ops::ExpertParallelSplits splits =
-      torchmoe::autograd::exchange_split_sizes(counts, test_group());
+      torchmoe::ops::exchange_split_sizes(counts, test_group());
   REQUIRE(splits.send.size() == static_cast<size_t>(ep));
   for (int64_t r = 0; r < ep; ++r) {
     int64_t sent = 0, received = 0;
@@ -80,12 +81,12 @@ TEST_CASE("all_reduce_max_: the elementwise max over the ranks, in place", "[ep]
   torch::Tensor t = torch::tensor({static_cast<float>(rank), static_cast<float>(-rank),
                                    static_cast<float>((rank + ep - 2) % ep)});
   const void* data = t.const_data_ptr();
-  torchmoe::ops::all_reduce_max_(t, test_group());
+  torchmoe::distributed::all_reduce_max_(t, test_group());
   REQUIRE(t.const_data_ptr() == data);
   REQUIRE(torch::equal(
       t, torch::tensor({static_cast<float>(ep - 1), 0.0f, static_cast<float>(ep - 1)})));
   torch::Tensor strided = torch::zeros({4}).slice(0, 0, 4, 2);
-  REQUIRE_THROWS_WITH(torchmoe::ops::all_reduce_max_(strided, test_group()),
+  REQUIRE_THROWS_WITH(torchmoe::distributed::all_reduce_max_(strided, test_group()),
                       Contains("all_reduce_max_: tensor must be a defined contiguous tensor"));
 }
 
@@ -164,14 +165,15 @@ TEST_CASE("exchange_split_sizes: a negative count on one rank is an error on eve
 TEST_CASE("expert-parallel ops: argument errors", "[ep]") {
   const int64_t ep = test_world();
   const torch::Tensor rows = torch::zeros({4, 2});
-  REQUIRE_THROWS_WITH(torchmoe::ops::all_to_all_rows(rows, std::vector<int64_t>(ep + 1, 0),
-                                                     std::vector<int64_t>(ep, 0), test_group()),
-                      Contains("must have one entry per rank"));
+  REQUIRE_THROWS_WITH(
+      torchmoe::distributed::all_to_all_rows(rows, std::vector<int64_t>(ep + 1, 0),
+                                             std::vector<int64_t>(ep, 0), test_group()),
+      Contains("must have one entry per rank"));
   std::vector<int64_t> wrong_sum(ep, 0);
   wrong_sum[0] = 3;
-  REQUIRE_THROWS_WITH(
-      torchmoe::ops::all_to_all_rows(rows, wrong_sum, std::vector<int64_t>(ep, 0), test_group()),
-      Contains("send_splits must sum to rows.size(0) = 4"));
+  REQUIRE_THROWS_WITH(torchmoe::distributed::all_to_all_rows(
+                          rows, wrong_sum, std::vector<int64_t>(ep, 0), test_group()),
+                      Contains("send_splits must sum to rows.size(0) = 4"));
   REQUIRE_THROWS_WITH(
       torchmoe::ops::exchange_split_sizes(torch::zeros({2 * ep + 1}, torch::kLong), test_group()),
       Contains("num_experts must be divisible by the group size"));
@@ -183,22 +185,22 @@ TEST_CASE("expert-parallel ops: argument errors", "[ep]") {
   keep_send[rank] = 4;
   keep_recv[rank] = 3;
   REQUIRE_THROWS_WITH(
-      torchmoe::ops::all_to_all_rows(rows, keep_send, keep_recv, test_group()),
+      torchmoe::distributed::all_to_all_rows(rows, keep_send, keep_recv, test_group()),
       Contains("this rank's own block must be as long sent as received, got "
                "send_splits[" +
                std::to_string(rank) + "] = 4 and recv_splits[" + std::to_string(rank) + "] = 3"));
   // c10d reads a zero timeout as none: a peer that never comes would hang the others.
   torch::Tensor counts = torch::zeros({2});
-  REQUIRE_THROWS_WITH(
-      torchmoe::ops::all_reduce_sum_(counts, torchmoe::ProcessGroupOptions(test_group().group())
-                                                 .timeout(std::chrono::milliseconds(0))),
-      Contains("all_reduce_sum_: the group's timeout must be positive, got 0 ms"));
+  REQUIRE_THROWS_WITH(torchmoe::distributed::all_reduce_sum_(
+                          counts, torchmoe::ProcessGroupOptions(test_group().group())
+                                      .timeout(std::chrono::milliseconds(0))),
+                      Contains("all_reduce_sum_: the group's timeout must be positive, got 0 ms"));
   // A group without a CPU backend (as a CUDA-only NCCL group would be) refuses CPU data.
   const auto no_backend = c10::make_intrusive<c10d::ProcessGroup>(
       c10::make_intrusive<c10d::HashStore>(), 0, static_cast<int>(ep));
   torch::Tensor data = torch::zeros({2});
   REQUIRE_THROWS_WITH(
-      torchmoe::ops::all_reduce_sum_(data, torchmoe::ProcessGroupOptions(no_backend)),
+      torchmoe::distributed::all_reduce_sum_(data, torchmoe::ProcessGroupOptions(no_backend)),
       Contains("must have a backend for the data's device cpu"));
 }
 
@@ -206,10 +208,10 @@ TEST_CASE("a peer that exits makes the others fail within the timeout", "[ep_pee
   const auto& group = test_group();  // every rank joins the group first
   const int64_t rank = test_rank(), ep = test_world();
   torch::Tensor counts = torch::ones({ep}, torch::kLong);
-  torchmoe::ops::all_reduce_sum_(counts, group);
+  torchmoe::distributed::all_reduce_sum_(counts, group);
   if (rank == ep - 1) std::_Exit(0);  // a crash: no destructor, no goodbye
   const auto start = std::chrono::steady_clock::now();
-  REQUIRE_THROWS_WITH(torchmoe::autograd::exchange_split_sizes(counts, group),
+  REQUIRE_THROWS_WITH(torchmoe::ops::exchange_split_sizes(counts, group),
                       Contains("exchange_split_sizes: the collective failed on rank"));
   REQUIRE(std::chrono::steady_clock::now() - start < group.timeout() + std::chrono::seconds(5));
 }
@@ -224,7 +226,7 @@ TEST_CASE("a peer that never joins makes the others fail after the timeout", "[e
   }
   torch::Tensor counts = torch::ones({ep}, torch::kLong);
   const auto start = std::chrono::steady_clock::now();
-  REQUIRE_THROWS_WITH(torchmoe::ops::all_reduce_sum_(counts, group),
+  REQUIRE_THROWS_WITH(torchmoe::distributed::all_reduce_sum_(counts, group),
                       Contains("all_reduce_sum_: the collective failed on rank"));
   const auto waited = std::chrono::steady_clock::now() - start;
   REQUIRE(waited >= group.timeout() - std::chrono::milliseconds(100));

@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "torchmoe/distributed/collectives.h"
 #include "torchmoe/distributed/process_group.h"
-#include "torchmoe/ops/process_group.h"
 
 namespace torchmoe::test {
 

@@ -40,7 +40,7 @@ struct EpCase {
 torch::Tensor group_sum(const torch::Tensor& t,
                         const torchmoe::ProcessGroupOptions& group = test_group()) {
   torch::Tensor sum = t.detach().clone().contiguous();
-  torchmoe::ops::all_reduce_sum_(sum, group);
+  torchmoe::distributed::all_reduce_sum_(sum, group);
   return sum;
 }
 
