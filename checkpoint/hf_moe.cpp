@@ -255,41 +255,77 @@ MoELayerOptions hf_moe_layer_options(const std::string& config_json) {
                                 ": the experts' activation must be silu (SwiGLU), got ",
                                 act.dump());
   }
+  HfMoeRules rules;
+  switch (arch) {
+    case HfMoeArch::kOlmoe:
+    case HfMoeArch::kQwen3Moe:
+    case HfMoeArch::kQwen2Moe:
+      rules.normalize_topk = bool_or(config, "norm_topk_prob", false);
+      break;
+    case HfMoeArch::kDeepseekV3:
+      rules.normalize_topk = bool_or(config, "norm_topk_prob", true);
+      rules.num_groups = first_int_key(config, {"n_group"});
+      rules.topk_groups = first_int_key(config, {"topk_group"});
+      rules.routed_scaling_factor = number_or(config, "routed_scaling_factor", 1.0);
+      break;
+    case HfMoeArch::kGptOss:
+      rules.swiglu_limit = number_or(config, "swiglu_limit", 7.0);
+      rules.swiglu_alpha = number_or(config, "swiglu_alpha", 1.702);
+      break;
+    case HfMoeArch::kMixtral:
+    case HfMoeArch::kLlama4:
+      break;
+  }
+  if (arch == HfMoeArch::kQwen2Moe) {
+    rules.shared_ffn_hidden = int_key(config, "shared_expert_intermediate_size");
+  } else if (arch == HfMoeArch::kDeepseekV3) {
+    rules.shared_ffn_hidden = ffn * first_int_key(config, {"n_shared_experts"});
+  } else if (arch == HfMoeArch::kLlama4) {
+    rules.shared_ffn_hidden = ffn;
+  }
   MoELayerOptions options(hidden, ffn, experts, topk);
+  options.router().aux_loss_coeff(static_cast<double>(topk) *
+                                  number_or(config, "router_aux_loss_coef", 0.0));
+  apply_hf_moe_rules(arch, rules, options);
+  return options;
+}
+
+void apply_hf_moe_rules(HfMoeArch arch, const HfMoeRules& rules, MoELayerOptions& options) {
   TopKRouterOptions& router = options.router();
-  router.aux_loss_coeff(static_cast<double>(topk) * number_or(config, "router_aux_loss_coef", 0.0));
   GroupedMLPOptions& mlp = options.experts();
+  const auto shared = [&](bool gate) {
+    if (rules.shared_ffn_hidden > 0) {
+      options.shared_expert(SharedExpertOptions(rules.shared_ffn_hidden).gate(gate));
+    }
+  };
   switch (arch) {
     case HfMoeArch::kMixtral:  // always renormalised, also at top-1
       router.normalize_topk(true);
       break;
     case HfMoeArch::kOlmoe:
     case HfMoeArch::kQwen3Moe:
-      router.normalize_topk(bool_or(config, "norm_topk_prob", false));
+      router.normalize_topk(rules.normalize_topk.value_or(false));
       break;
     case HfMoeArch::kQwen2Moe:
-      router.normalize_topk(bool_or(config, "norm_topk_prob", false));
-      options.shared_expert(
-          SharedExpertOptions(int_key(config, "shared_expert_intermediate_size")).gate(true));
+      router.normalize_topk(rules.normalize_topk.value_or(false));
+      shared(/*gate=*/true);
       break;
-    case HfMoeArch::kDeepseekV3: {
+    case HfMoeArch::kDeepseekV3:
       router.score_function(RouterScore::kSigmoid)
           .expert_bias(true)
-          .normalize_topk(bool_or(config, "norm_topk_prob", true))
-          .num_groups(first_int_key(config, {"n_group"}))
-          .topk_groups(first_int_key(config, {"topk_group"}))
-          .routed_scaling_factor(number_or(config, "routed_scaling_factor", 1.0));
-      const int64_t shared = first_int_key(config, {"n_shared_experts"});
-      if (shared > 0) options.shared_expert(SharedExpertOptions(ffn * shared));
+          .normalize_topk(rules.normalize_topk.value_or(true))
+          .num_groups(rules.num_groups)
+          .topk_groups(rules.topk_groups)
+          .routed_scaling_factor(rules.routed_scaling_factor);
+      shared(/*gate=*/false);
       break;
-    }
     case HfMoeArch::kGptOss:
       // Softmax over the k chosen logits = the full softmax's k probabilities renormalised.
       router.normalize_topk(true).bias(true);
       mlp.activation(GluActivation::kClampedSwiGLU)
           .clamped(ClampedSwiGLUOptions()
-                       .limit(number_or(config, "swiglu_limit", 7.0))
-                       .alpha(number_or(config, "swiglu_alpha", 1.702))
+                       .limit(rules.swiglu_limit)
+                       .alpha(rules.swiglu_alpha)
                        .offset(1.0))
           .glu_interleave_size(1)
           .scale_bias(true);
@@ -298,10 +334,9 @@ MoELayerOptions hf_moe_layer_options(const std::string& config_json) {
     case HfMoeArch::kLlama4:
       router.score_function(RouterScore::kSigmoid).normalize_topk(false);
       options.scale_expert_input(true);
-      options.shared_expert(SharedExpertOptions(ffn));
+      shared(/*gate=*/false);
       break;
   }
-  return options;
 }
 
 void load_hf_moe(MoELayer& layer, HfMoeArch arch, const TensorMap& tensors,

@@ -31,6 +31,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -47,6 +49,28 @@ enum class HfMoeArch { kMixtral, kOlmoe, kQwen2Moe, kQwen3Moe, kDeepseekV3, kGpt
 HfMoeArch hf_moe_arch(const std::string& model_type);
 /// The model_type that names `arch` ("llama4_text" for kLlama4).
 const char* hf_model_type(HfMoeArch arch);
+
+/// What an architecture's block takes from its config beyond the sizes (hf_moe_layer_options reads
+/// them from config.json; a model of other sizes, e.g. the example LM, states its own).
+struct HfMoeRules {
+  /// norm_topk_prob where the architecture reads it (olmoe, qwen2/3_moe, deepseek_v3); unset: the
+  /// architecture's default (false, deepseek_v3 true). Mixtral and GPT-OSS always renormalise,
+  /// Llama-4 never.
+  std::optional<bool> normalize_topk;
+  int64_t num_groups = 1;  ///< deepseek_v3's n_group and topk_group
+  int64_t topk_groups = 1;
+  double routed_scaling_factor = 1.0;  ///< deepseek_v3
+  int64_t shared_ffn_hidden =
+      0;                      ///< the shared expert's width (qwen2, deepseek_v3, llama4); 0: none
+  double swiglu_limit = 7.0;  ///< gpt_oss's clamped SwiGLU
+  double swiglu_alpha = 1.702;
+};
+
+/// `arch`'s routing and expert rules (the table above) applied to `options`, whose sizes and
+/// other settings are kept: score function, renormalisation, groups, routed scale, router and
+/// expert biases, activation and interleave, input scaling and the shared expert (gated for
+/// qwen2_moe).
+void apply_hf_moe_rules(HfMoeArch arch, const HfMoeRules& rules, MoELayerOptions& options);
 
 /// The MoELayerOptions of the MoE block a Hugging Face config describes (config.json's text; a
 /// Llama-4 config's text_config is taken when present): sizes, routing, the shared expert, the

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <map>
 #include <utility>
 
 namespace moe_lm {
@@ -87,44 +88,31 @@ const std::vector<std::string>& moe_blocks() {
 }
 
 void apply_moe_block(const std::string& block, torchmoe::MoELayerOptions& options) {
-  torchmoe::TopKRouterOptions& router = options.router();
-  const int64_t experts = options.num_experts(), ffn = options.experts().ffn_hidden();
-  if (block == "mixtral" || block == "qwen3") {
-    router.normalize_topk(true);
-  } else if (block == "olmoe") {
-    router.normalize_topk(false);
-  } else if (block == "qwen2") {
-    router.normalize_topk(true);
-    options.shared_expert(torchmoe::SharedExpertOptions(ffn).gate(true));
-  } else if (block == "deepseek-v3") {
-    // DeepSeek-V3's 8 groups keeping 4 of 256 experts, at the example's sizes: 4 groups keeping 2
-    // where the experts divide into groups of 2 or more and those groups hold k experts.
-    int64_t groups = 4;
-    while (groups > 1 && (experts % groups != 0 || experts / groups < 2 ||
-                          router.topk() > (groups / 2) * (experts / groups))) {
-      groups /= 2;
-    }
-    router.score_function(torchmoe::RouterScore::kSigmoid)
-        .expert_bias(true)
-        .normalize_topk(true)
-        .num_groups(groups)
-        .topk_groups(std::max<int64_t>(1, groups / 2))
-        .routed_scaling_factor(2.5);
-    options.shared_expert(torchmoe::SharedExpertOptions(ffn));
-  } else if (block == "gpt-oss") {
-    router.normalize_topk(true).bias(true);
-    options.experts()
-        .activation(torchmoe::GluActivation::kClampedSwiGLU)
-        .glu_interleave_size(1)
-        .scale_bias(true);
-    options.experts().linear().bias(true);
-  } else if (block == "llama4") {
-    router.score_function(torchmoe::RouterScore::kSigmoid).normalize_topk(false);
-    options.scale_expert_input(true).shared_expert(torchmoe::SharedExpertOptions(ffn));
-  } else {
-    TORCH_CHECK(false, "--moe-block must be one of mixtral, olmoe, qwen3, qwen2, deepseek-v3, ",
-                "gpt-oss, llama4, got '", block, "'");
+  using torchmoe::checkpoint::HfMoeArch;
+  static const std::map<std::string, HfMoeArch> kArchs = {
+      {"mixtral", HfMoeArch::kMixtral},        {"olmoe", HfMoeArch::kOlmoe},
+      {"qwen3", HfMoeArch::kQwen3Moe},         {"qwen2", HfMoeArch::kQwen2Moe},
+      {"deepseek-v3", HfMoeArch::kDeepseekV3}, {"gpt-oss", HfMoeArch::kGptOss},
+      {"llama4", HfMoeArch::kLlama4}};
+  const auto arch = kArchs.find(block);
+  TORCH_CHECK(arch != kArchs.end(), "--moe-block must be one of mixtral, olmoe, qwen3, qwen2, ",
+              "deepseek-v3, gpt-oss, llama4, got '", block, "'");
+  // The rules' values at the example's sizes: renormalised top-k (not OLMoE's), a shared expert of
+  // the experts' width, and DeepSeek-V3's 8 groups keeping 4 of 256 experts as 4 groups keeping 2
+  // where the experts divide into groups of 2 or more and those groups hold k experts.
+  const int64_t experts = options.num_experts(), topk = options.router().topk();
+  torchmoe::checkpoint::HfMoeRules rules;
+  rules.normalize_topk = block != "olmoe";
+  rules.shared_ffn_hidden = options.experts().ffn_hidden();
+  int64_t groups = 4;
+  while (groups > 1 && (experts % groups != 0 || experts / groups < 2 ||
+                        topk > (groups / 2) * (experts / groups))) {
+    groups /= 2;
   }
+  rules.num_groups = groups;
+  rules.topk_groups = std::max<int64_t>(1, groups / 2);
+  rules.routed_scaling_factor = 2.5;
+  torchmoe::checkpoint::apply_hf_moe_rules(arch->second, rules, options);
 }
 
 RMSNormImpl::RMSNormImpl(int64_t hidden_, torch::TensorOptions options_)

@@ -70,10 +70,10 @@ TORCH_MODULE(Attention);
 
 /// The names --moe-block takes.
 const std::vector<std::string>& moe_blocks();
-/// `block`'s routing and expert rules (checkpoint/hf_moe.h's table) on options built from the
-/// example's sizes: its score function and normalisation, groups (deepseek-v3: 4 groups keeping
-/// 2, or fewer for few experts), routed scale, router and expert biases, activation and its
-/// interleave, input-scaled experts, and a shared expert of the experts' width (gated for qwen2).
+/// `block`'s routing and expert rules (checkpoint::apply_hf_moe_rules) on options built from the
+/// example's sizes: renormalised top-k (not olmoe's), deepseek-v3's groups as 4 keeping 2 (or
+/// fewer for few experts) and its routed scale 2.5, and a shared expert of the experts' width
+/// (qwen2, deepseek-v3, llama4).
 void apply_moe_block(const std::string& block, torchmoe::MoELayerOptions& options);
 
 /// What one forward returns: logits and the summed router losses and loads of all MoE layers.
