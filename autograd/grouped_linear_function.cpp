@@ -5,7 +5,6 @@
 #include <variant>
 
 #include "torchmoe/autograd/once_differentiable.h"
-#include "torchmoe/fp8/quantize_options.h"
 #include "torchmoe/ops/grouped_gemm_fp8.h"
 #include "torchmoe/ops/token_permutation.h"
 
@@ -75,21 +74,21 @@ struct BackwardNeeds {
   bool weights = false;  // d weights: wgrad reads the input's columnwise copy
 };
 
-// split_quantize's arguments for `role`'s tensor under the forward's recipe: the recipe's options,
-// the copies asked for, and with delayed scaling the layer's scale and the amax row this call's
-// amax is maxed into (row 0 of the history).
+// split_quantize's arguments for `role`'s tensor: the plan's options for it, the copies asked for,
+// and with delayed scaling the layer's scale and the amax row this call's amax is maxed into (row
+// 0 of the history).
 struct Fp8QuantizeArgs {
   ops::SplitQuantizeOptions options;
   at::Tensor scale, amax;
 };
 
-Fp8QuantizeArgs quantize_args(const fp8::Recipe& recipe, const fp8::Fp8State& state,
+Fp8QuantizeArgs quantize_args(const ops::SplitQuantizeOptions& planned, const fp8::Fp8State& state,
                               fp8::TensorRole role, bool rowwise, bool columnwise) {
   Fp8QuantizeArgs args;
-  args.options = fp8::split_quantize_options(recipe, role);
+  args.options = planned;
   args.options.rowwise = rowwise;
   args.options.columnwise = columnwise;
-  if (std::holds_alternative<fp8::DelayedScaling>(recipe)) {
+  if (planned.scaling == ops::QuantizeScaling::kDelayed) {
     TORCH_INTERNAL_ASSERT(state, "GroupedLinearFunction: delayed scaling without FP8 state");
     const fp8::DelayedScalingTensors& t = state->tensors(role);
     args.scale = t.scale;
@@ -107,7 +106,7 @@ at::Tensor linked_gradient_placeholder(at::IntArrayRef sizes, const at::TensorOp
 ops::SplitQuantized quantize_linked_gradient(const Fp8GradLink& link, const at::Tensor& grad,
                                              const at::Tensor& gather_rows) {
   TORCH_INTERNAL_ASSERT(link.armed, "quantize_linked_gradient: the link is not armed");
-  const Fp8QuantizeArgs args = quantize_args(link.recipe, link.state, fp8::TensorRole::kGradOutput,
+  const Fp8QuantizeArgs args = quantize_args(link.options, link.state, fp8::TensorRole::kGradOutput,
                                              link.rowwise, link.columnwise);
   if (!gather_rows.defined()) {
     return ops::split_quantize(grad, *link.m_splits, args.options, args.scale, args.amax);
@@ -126,7 +125,8 @@ ops::SplitQuantized split_quantize(const at::Tensor& t, const GemmPlan& plan,
 // The weights' FP8 copies for this call: the optimizer's, or quantized now, or made now and cached
 // (is_first_microbatch true), or the cached ones (false). A cache always holds both copies: a
 // later micro-batch's backward reads the columnwise one.
-ops::SplitQuantized fp8_weights(Fp8Config& f, const ops::GroupedTensors& weights, bool columnwise) {
+ops::SplitQuantized fp8_weights(Fp8Config& f, const ops::SplitQuantizeOptions& planned,
+                                const ops::GroupedTensors& weights, bool columnwise) {
   if (f.optimizer_weights) {
     // A later is_first_microbatch=false call reuses what this first micro-batch read.
     if (f.is_first_microbatch.value_or(false))
@@ -135,7 +135,7 @@ ops::SplitQuantized fp8_weights(Fp8Config& f, const ops::GroupedTensors& weights
   }
   auto quantize = [&](bool both) {
     const Fp8QuantizeArgs args =
-        quantize_args(f.recipe, f.state, fp8::TensorRole::kWeight, true, both);
+        quantize_args(planned, f.state, fp8::TensorRole::kWeight, true, both);
     return ops::quantize_weights(weights, args.options, args.scale, args.amax);
   };
   if (!f.is_first_microbatch.has_value()) return quantize(columnwise);
@@ -146,11 +146,10 @@ ops::SplitQuantized fp8_weights(Fp8Config& f, const ops::GroupedTensors& weights
   }
   TORCH_CHECK(cache.weights.data.defined(), "GroupedLinear: is_first_microbatch=false reuses the ",
               "FP8 weights cached by a call with is_first_microbatch=true, and there was none");
-  // The cached copies must be what this recipe would make: the same format and scaling (a block
-  // shape or format change would otherwise meet the other operand in a GEMM it was not made for).
-  const ops::SplitQuantizeOptions wanted =
-      fp8::split_quantize_options(f.recipe, fp8::TensorRole::kWeight);
-  TORCH_CHECK(cache.weights.format == wanted.format && cache.weights.scaling == wanted.scaling,
+  // The cached copies must be what this call's recipe would make: the same format and scaling (a
+  // block shape or format change would otherwise meet the other operand in a GEMM it was not made
+  // for).
+  TORCH_CHECK(cache.weights.format == planned.format && cache.weights.scaling == planned.scaling,
               "GroupedLinear: is_first_microbatch=false under a recipe whose weights differ in ",
               "format or scaling from the cached FP8 weights; pass is_first_microbatch=true when ",
               "the recipe changes");
@@ -167,7 +166,7 @@ at::Tensor fp8_forward_output(const at::Tensor& input, const at::Tensor& scales,
   Fp8Config& f = *config.fp8;
   const GemmPlan& plan = config.plan;
   const Fp8QuantizeArgs args =
-      quantize_args(f.recipe, f.state, fp8::TensorRole::kInput, true, needs.weights);
+      quantize_args(plan.fp8->input, f.state, fp8::TensorRole::kInput, true, needs.weights);
   ops::SplitQuantized quantized;
   if (config.input_activation) {
     quantized = ops::glu_split_quantize(input.contiguous(), scales, *config.input_activation,
@@ -183,10 +182,10 @@ at::Tensor fp8_forward_output(const at::Tensor& input, const at::Tensor& scales,
                 plan.rows, " rows, got ", input.size(0));
     quantized = split_quantize(input.contiguous(), plan, args);
   }
-  ops::SplitQuantized w = fp8_weights(f, grouped(weights, config.grouped_weight), needs.input);
+  ops::SplitQuantized w =
+      fp8_weights(f, plan.fp8->weight, grouped(weights, config.grouped_weight), needs.input);
   at::Tensor output = ops::grouped_linear_forward_fp8(
-      plan, quantized, w, grouped(biases, config.grouped_bias), input.scalar_type(),
-      !fp8::split_accumulator(f.recipe, kernels::GemmKind::kFprop));
+      plan, quantized, w, grouped(biases, config.grouped_bias), input.scalar_type());
   if (needs.weights) {
     quantized.data = at::Tensor();  // backward reads the columnwise copy only
     f.input = std::move(quantized);
@@ -202,8 +201,8 @@ at::Tensor forward_output(const at::Tensor& input, const at::Tensor& scales, at:
   check_layout(biases, config.grouped_bias, 2, "biases");
   TORCH_CHECK(!config.input_activation || !config.input_gather, "GroupedLinearFunction: ",
               "config.input_activation and config.input_gather cannot both be set");
-  TORCH_CHECK(config.fp8.has_value() == config.plan.fp8, "GroupedLinearFunction: config.fp8 ",
-              "must be set exactly when the plan is an FP8 plan");
+  TORCH_CHECK(config.fp8.has_value() == config.plan.fp8.has_value(), "GroupedLinearFunction: ",
+              "config.fp8 must be set exactly when the plan is an FP8 plan");
   TORCH_CHECK(!config.fp8 || !config.output_scatter, "GroupedLinearFunction: ",
               "config.output_scatter is for 16-bit plans; FP8 products write their rows");
   if (config.fp8) return fp8_forward_output(input, scales, weights, biases, config, needs);
@@ -227,19 +226,11 @@ void run_wgrad(const GroupedLinearConfig& cfg, const at::Tensor& input,
                               gather_rows);
     return;
   }
-  ops::grouped_linear_wgrad_fp8(
-      cfg.plan, fp8_input, fp8_grad_output, out, accumulate,
-      !fp8::split_accumulator(cfg.fp8->recipe, kernels::GemmKind::kWgrad));
+  ops::grouped_linear_wgrad_fp8(cfg.plan, fp8_input, fp8_grad_output, out, accumulate);
   if (!bias_grads.empty()) ops::grouped_bias_grad(cfg.plan, grad_output, bias_grads);
 }
 
 }  // namespace
-
-std::vector<GemmPlan> plan_layers(const char* module, const at::Tensor& input,
-                                  c10::ArrayRef<GemmShape> shapes, const SplitSizes& m_splits,
-                                  GemmBackend backend, const at::Tensor& gather_rows, bool fp8) {
-  return ops::plan_grouped_gemms(module, input, shapes, m_splits, backend, gather_rows, fp8);
-}
 
 at::Tensor GroupedLinearFunction::forward(AutogradContext* ctx, const at::Tensor& input,
                                           const std::optional<at::Tensor>& input_scales,
@@ -267,7 +258,7 @@ at::Tensor GroupedLinearFunction::forward(AutogradContext* ctx, const at::Tensor
     for (const at::Tensor& b : biases) biases_need_grad |= b.requires_grad();
     Fp8GradLink& link = *config->grad_output_link;
     link.armed = !biases_need_grad && (needs.input || needs.weights);
-    link.recipe = config->fp8->recipe;
+    link.options = config->plan.fp8->grad_output;
     link.state = config->fp8->state;
     link.rows = config->plan.rows;
     link.m_splits = config->plan.m_splits;
@@ -333,18 +324,17 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
   if (linked_grad) {
     fp8_grad_output = std::move(*linked_grad);
   } else if (cfg.fp8 && (input_needs_grad || weights_need_grad)) {
-    fp8_grad_output =
-        split_quantize(grad_output, cfg.plan,
-                       quantize_args(cfg.fp8->recipe, cfg.fp8->state, fp8::TensorRole::kGradOutput,
-                                     input_needs_grad, weights_need_grad));
+    fp8_grad_output = split_quantize(
+        grad_output, cfg.plan,
+        quantize_args(cfg.plan.fp8->grad_output, cfg.fp8->state, fp8::TensorRole::kGradOutput,
+                      input_needs_grad, weights_need_grad));
   }
 
   if (input_needs_grad) {
     at::Tensor grad_gemm_input;
     if (cfg.fp8) {
-      grad_gemm_input = ops::grouped_linear_dgrad_fp8(
-          cfg.plan, fp8_grad_output, cfg.fp8->weights, grad_output.scalar_type(),
-          !fp8::split_accumulator(cfg.fp8->recipe, kernels::GemmKind::kDgrad));
+      grad_gemm_input = ops::grouped_linear_dgrad_fp8(cfg.plan, fp8_grad_output, cfg.fp8->weights,
+                                                      grad_output.scalar_type());
     } else {
       for (size_t i = 0; i < num_weights; ++i) {
         TORCH_CHECK(weights[i]._version() == cfg.weight_versions[i],
@@ -365,8 +355,9 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
       // The activation's gradient goes to the previous layer (fc1) as its FP8 copies.
       TORCH_INTERNAL_ASSERT(link->rows == cfg.plan.rows, "GroupedLinearFunction: linked layers ",
                             "must share their rows");
-      const Fp8QuantizeArgs args = quantize_args(
-          link->recipe, link->state, fp8::TensorRole::kGradOutput, link->rowwise, link->columnwise);
+      const Fp8QuantizeArgs args =
+          quantize_args(link->options, link->state, fp8::TensorRole::kGradOutput, link->rowwise,
+                        link->columnwise);
       ops::GluGradsQuantized glu = ops::glu_backward_split_quantize(
           grad_gemm_input, input, scales, *cfg.input_activation, scales_need_grad,
           cfg.plan.m_splits, args.options, args.scale, args.amax);

@@ -13,7 +13,6 @@
 #include <optional>
 #include <vector>
 
-#include "torchmoe/fp8/recipe.h"
 #include "torchmoe/fp8/state.h"
 #include "torchmoe/ops/glu.h"
 #include "torchmoe/ops/grouped_gemm.h"
@@ -23,15 +22,6 @@ namespace torchmoe::autograd {
 
 using ops::GemmPlan;
 using ops::GemmShape;
-
-// The plans of one module call: which backend runs each layer and the split sizes every GEMM of
-// its forward and backward reads (ops::plan_grouped_gemms; gather_rows: the first layer's row
-// map, if it reads `input` through one). `module` names the caller in errors.
-// fp8: plan the FP8 products (ops::plan_grouped_gemms' FP8 table).
-std::vector<GemmPlan> plan_layers(const char* module, const at::Tensor& input,
-                                  c10::ArrayRef<GemmShape> shapes, const SplitSizes& m_splits,
-                                  GemmBackend backend, const at::Tensor& gather_rows = {},
-                                  bool fp8 = false);
 
 struct GroupedLinearConfig;
 
@@ -84,12 +74,12 @@ struct Fp8WeightCache {
   std::vector<int64_t> versions;
 };
 
-// What an FP8 forward keeps (docs/fp8.md): the recipe, copied from fp8::current() because
-// backward runs on another thread and after the autocast region; the layer's delayed-scaling
-// state; and the quantized operands that backward reads instead of the 16-bit tensors.
+// What an FP8 forward keeps (docs/fp8.md) besides its plan, which carries what the recipe asks
+// (ops::Fp8GemmOptions, made when the call was planned, so backward, on another thread and after
+// the autocast region, runs what forward planned): the layer's delayed-scaling state, and the
+// quantized operands that backward reads instead of the 16-bit tensors.
 struct Fp8Config {
-  fp8::Recipe recipe;
-  fp8::Fp8State state{nullptr};  // the layer's; required by DelayedScaling
+  fp8::Fp8State state{nullptr};  // the layer's; required by delayed scaling
   // nullopt: quantize the weights every call; true: quantize and cache; false: use the cache.
   std::optional<bool> is_first_microbatch;
   // Read weight_cache->optimizer_weights instead, whatever is_first_microbatch says.
@@ -114,7 +104,7 @@ struct Fp8Config {
 struct Fp8GradLink {
   // Set by the consumer's forward.
   bool armed = false;
-  fp8::Recipe recipe;
+  ops::SplitQuantizeOptions options;  // the consumer plan's, for its output gradient
   fp8::Fp8State state{nullptr};
   int64_t rows = 0;                    // the consumer's
   std::optional<SplitSizes> m_splits;  // the consumer's

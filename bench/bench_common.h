@@ -1,8 +1,11 @@
 #pragma once
-// Shared by the benchmark programs: the MoE shapes they measure and the timing rule.
+// Shared by the benchmark programs: the MoE shapes they measure, the timing rule and the peak
+// memory of what they time.
 
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/cuda.h>
@@ -148,6 +151,25 @@ inline std::vector<double> median_ms_each(const std::vector<std::function<void()
 
 inline double median_ms(const std::function<void()>& fn, int iters, int warmup = 3) {
   return median_ms_each({fn}, iters, warmup)[0];
+}
+
+// Peak GPU memory of one run of `fn`, in GiB: the caching allocator's peak of allocated bytes
+// (c10::cuda::CUDACachingAllocator's statistics, all pools) during the run, above what was
+// allocated when it started: what the run's outputs, temporaries and saved activations take at
+// most on top of what the program holds. Called after `fn` was timed, so that its warm-up runs
+// have made what is made once (gradient buffers, workspaces, FP8 state). Memory that a CUDA
+// graph's replay uses lives in the graph's pool, allocated at capture: a replay shows 0.
+inline double peak_gib(const std::function<void()>& fn) {
+  namespace allocator = c10::cuda::CUDACachingAllocator;
+  constexpr auto kAll = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+  const c10::DeviceIndex device = c10::cuda::current_device();
+  torch::cuda::synchronize();
+  allocator::resetPeakStats(device);
+  const int64_t before = allocator::getDeviceStats(device).allocated_bytes[kAll].current;
+  fn();
+  torch::cuda::synchronize();
+  const int64_t peak = allocator::getDeviceStats(device).allocated_bytes[kAll].peak;
+  return static_cast<double>(peak - before) / (int64_t{1} << 30);
 }
 
 // With TORCHMOE_BENCH_TRACE=PREFIX set, records a Kineto trace (CPU and CUDA) of 5 runs of `step`

@@ -1,7 +1,9 @@
 // ScaledSwiGLU forward and backward bandwidth on the fc1 outputs of the benchmark MoE shapes
 // (M = tokens·topk rows, width 2·ffn, bf16, fp32 probabilities), next to the device-to-device copy
 // bandwidth and the same math composed from ATen ops (autograd for its backward), in one process;
-// the five measurements take turns (bench_common.h).
+// the five measurements take turns (bench_common.h). Then the peak memory of one run of each
+// (GiB columns; JSON <measurement>_peak_gib), the caching allocator's peak above what was
+// allocated before it (bench_common.h's peak_gib).
 //
 //   bench_glu [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
 //
@@ -39,10 +41,13 @@ int main(int argc, char** argv) {
   if (setup.exit_code != 0) return setup.exit_code;
   const torchmoe::bench::Args& args = setup.args;
   std::cout << "device: " << at::cuda::getCurrentDeviceProperties()->name
-            << ", bf16 data, fp32 scales (GB/s; copy = device-to-device copy of x)\n"
+            << ", bf16 data, fp32 scales (GB/s; copy = device-to-device copy of x; peak GiB of "
+               "one run of each)\n"
             << std::left << std::setw(17) << "shape" << std::right << std::setw(9) << "copy"
             << std::setw(10) << "fwd" << std::setw(8) << "%copy" << std::setw(10) << "aten fwd"
             << std::setw(10) << "bwd" << std::setw(8) << "%copy" << std::setw(10) << "aten bwd"
+            << std::setw(10) << "copy GiB" << std::setw(9) << "fwd GiB" << std::setw(9) << "afw GiB"
+            << std::setw(9) << "bwd GiB" << std::setw(9) << "abw GiB"
             << "\n";
   std::ofstream json(args.json_path);
   json << "{\n  \"device\": \"" << at::cuda::getCurrentDeviceProperties()->name
@@ -67,16 +72,18 @@ int main(int argc, char** argv) {
       y = torchmoe::functional::scaled_swiglu(xr, sr);
       yc = composed(xr, sr);
     }
-    const std::vector<double> ms = torchmoe::bench::median_ms_each(
-        {[&] { copy_dst.copy_(x); }, [&] { torchmoe::functional::scaled_swiglu(x, s); },
-         [&] { composed(x, s); },
-         [&] {
-           torch::autograd::grad({y}, {xr, sr}, {dy}, /*retain_graph=*/true);
-         },
-         [&] {
-           torch::autograd::grad({yc}, {xr, sr}, {dy}, /*retain_graph=*/true);
-         }},
-        args.iters, args.warmup);
+    const std::vector<std::function<void()>> fns = {
+        [&] { copy_dst.copy_(x); }, [&] { torchmoe::functional::scaled_swiglu(x, s); },
+        [&] { composed(x, s); },
+        [&] {
+          torch::autograd::grad({y}, {xr, sr}, {dy}, /*retain_graph=*/true);
+        },
+        [&] {
+          torch::autograd::grad({yc}, {xr, sr}, {dy}, /*retain_graph=*/true);
+        }};
+    const std::vector<double> ms = torchmoe::bench::median_ms_each(fns, args.iters, args.warmup);
+    std::vector<double> gib;  // copy, fwd, aten fwd, bwd, aten bwd
+    for (const std::function<void()>& fn : fns) gib.push_back(torchmoe::bench::peak_gib(fn));
     const double copy_gbs = 2.0 * elem * x.numel() / ms[0] * 1e-6;
     const double fwd_ms = ms[1], aten_fwd_ms = ms[2], bwd_ms = ms[3], aten_bwd_ms = ms[4];
     const double fwd = fwd_bytes / fwd_ms * 1e-6, bwd = bwd_bytes / bwd_ms * 1e-6;
@@ -86,12 +93,16 @@ int main(int argc, char** argv) {
               << std::setprecision(0) << std::setw(9) << copy_gbs << std::setw(10) << fwd
               << std::setw(7) << 100 * fwd / copy_gbs << "%" << std::setw(10) << aten_fwd
               << std::setw(10) << bwd << std::setw(7) << 100 * bwd / copy_gbs << "%"
-              << std::setw(10) << aten_bwd << "\n";
+              << std::setw(10) << aten_bwd << std::setprecision(3) << std::setw(10) << gib[0]
+              << std::setw(9) << gib[1] << std::setw(9) << gib[2] << std::setw(9) << gib[3]
+              << std::setw(9) << gib[4] << "\n";
     json << "    {\"shape\": \"" << shape.name << "\", \"rows\": " << m << ", \"width\": " << 2 * f
          << ", \"copy\": " << copy_gbs << ", \"forward\": " << fwd
          << ", \"aten_forward\": " << aten_fwd << ", \"backward\": " << bwd
-         << ", \"aten_backward\": " << aten_bwd << "}" << (i + 1 < shapes.size() ? "," : "")
-         << "\n";
+         << ", \"aten_backward\": " << aten_bwd << ", \"copy_peak_gib\": " << gib[0]
+         << ", \"forward_peak_gib\": " << gib[1] << ", \"aten_forward_peak_gib\": " << gib[2]
+         << ", \"backward_peak_gib\": " << gib[3] << ", \"aten_backward_peak_gib\": " << gib[4]
+         << "}" << (i + 1 < shapes.size() ? "," : "") << "\n";
   }
   json << "  ]\n}\n";
   std::cout << "wrote " << args.json_path << "\n";

@@ -4,7 +4,9 @@
 // device splits; per-group cuBLASLt with host splits), next to at::_grouped_mm and a
 // dense at::mm of the same FLOPs, measured in the same process. Also the host time of one forward
 // with device splits, by layer (plan, op, module with and without autograd). Prints tables, writes
-// JSON.
+// JSON. Each GEMM row also gives the peak memory of one call of each of its five (GiB columns, in
+// the TFLOP/s columns' order; JSON <column>_peak_gib): the caching allocator's peak above what was
+// allocated before it (bench_common.h's peak_gib).
 //
 //   bench_grouped_linear [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
 //
@@ -64,6 +66,9 @@ struct Record {
   int64_t m, n, k, experts;
   double sm90, cublaslt, lt_grouped, grouped_mm, dense;  // TFLOP/s; lt_grouped NaN if absent
   std::vector<int64_t> m_splits;  // so that other programs can run the same cases
+  // Peak GiB of one call, as the TFLOP/s: sm90, cublaslt, lt_grouped (NaN if absent), grouped_mm,
+  // dense.
+  std::vector<double> peak_gib;
 };
 
 namespace ops = torchmoe::ops;
@@ -170,8 +175,10 @@ int main(int argc, char** argv) {
   std::cout << std::left << std::setw(17) << "shape" << std::setw(8) << "splits" << std::setw(7)
             << "gemm" << std::right << std::setw(8) << "sm90" << std::setw(10) << "cublaslt"
             << std::setw(12) << "lt_grouped" << std::setw(12) << "grouped_mm" << std::setw(8)
-            << "ratio" << std::setw(8) << "dense"
-            << "   (TFLOP/s; ratio = best torchmoe / grouped_mm)\n";
+            << "ratio" << std::setw(8) << "dense";
+  for (const char* name : {"sm90", "lt", "ltg", "gmm", "mm"})
+    std::cout << std::setw(9) << std::string(name) + " GiB";
+  std::cout << "   (TFLOP/s; ratio = best torchmoe / grouped_mm; peak GiB of one call of each)\n";
 
   std::vector<Record> records;
   std::vector<HostTimes> host;
@@ -245,6 +252,8 @@ int main(int argc, char** argv) {
         const std::vector<double> ms = median_ms_each(fns, args.iters, args.warmup);
         const double sm90_ms = ms[0], cublaslt_ms = ms[1], peer_ms = ms[2], dense_ms = ms[3];
         const double lt_grouped_ms = lt.grouped ? ms[4] : std::nan("");
+        std::vector<double> gib;  // in the order of `fns`
+        for (const std::function<void()>& fn : fns) gib.push_back(torchmoe::bench::peak_gib(fn));
         Record r{shape.name,
                  split_name,
                  gemm.name,
@@ -257,7 +266,8 @@ int main(int argc, char** argv) {
                  flops / lt_grouped_ms * 1e-9,
                  flops / peer_ms * 1e-9,
                  flops / dense_ms * 1e-9,
-                 splits};
+                 splits,
+                 {gib[0], gib[1], lt.grouped ? gib[4] : std::nan(""), gib[2], gib[3]}};
         records.push_back(r);
         std::cout << std::left << std::setw(17) << r.shape << std::setw(8) << r.splits
                   << std::setw(7) << r.gemm << std::right << std::fixed << std::setprecision(1)
@@ -265,7 +275,9 @@ int main(int argc, char** argv) {
                   << r.lt_grouped << std::setw(12) << r.grouped_mm << std::setprecision(3)
                   << std::setw(8)
                   << std::max({r.sm90, r.cublaslt, lt.grouped ? r.lt_grouped : 0.0}) / r.grouped_mm
-                  << std::setprecision(1) << std::setw(8) << r.dense << "\n";
+                  << std::setprecision(1) << std::setw(8) << r.dense << std::setprecision(3);
+        for (double g : r.peak_gib) std::cout << std::setw(9) << g;
+        std::cout << "\n";
       }
     }
   }
@@ -297,8 +309,18 @@ int main(int argc, char** argv) {
          << ", \"n\": " << r.n << ", \"k\": " << r.k << ", \"sm90\": " << r.sm90
          << ", \"cublaslt\": " << r.cublaslt
          << ", \"cublaslt_grouped\": " << (lt.grouped ? std::to_string(r.lt_grouped) : "null")
-         << ", \"grouped_mm\": " << r.grouped_mm << ", \"dense_mm\": " << r.dense
-         << ", \"m_splits\": [";
+         << ", \"grouped_mm\": " << r.grouped_mm << ", \"dense_mm\": " << r.dense;
+    const char* const peak_names[] = {"sm90", "cublaslt", "cublaslt_grouped", "grouped_mm",
+                                      "dense_mm"};
+    for (size_t c = 0; c < r.peak_gib.size(); ++c) {
+      json << ", \"" << peak_names[c] << "_peak_gib\": ";
+      if (std::isnan(r.peak_gib[c])) {
+        json << "null";
+      } else {
+        json << r.peak_gib[c];
+      }
+    }
+    json << ", \"m_splits\": [";
     for (size_t g = 0; g < r.m_splits.size(); ++g) json << (g ? ", " : "") << r.m_splits[g];
     json << "]}" << (i + 1 < records.size() ? "," : "") << "\n";
   }

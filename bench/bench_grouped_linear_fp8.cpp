@@ -45,6 +45,10 @@
 // accumulated, and the weights are quantized every call (is_first_microbatch unset: one
 // micro-batch per step) except in fp8_cached. Ceilings printed for reference: the H100 SXM's dense
 // spec, 989 TFLOP/s bf16 and 1979 FP8 (the 1979 / 3958 headline numbers are with 2:4 sparsity).
+//
+// Every row of the three tables also gives the peak memory of one run of each of its columns (GiB
+// columns at the end, in the columns' order; JSON <column>_peak_gib, null where not measured): the
+// caching allocator's peak above what was allocated before it (bench_common.h's peak_gib).
 
 #include <ATen/cuda/CUDAContext.h>
 #include <torchmoe/ops/grouped_gemm.h>
@@ -86,11 +90,32 @@ constexpr size_t kPerGroupColumn = 6;
 constexpr size_t kSm90Column = 7;
 constexpr size_t kGroupedColumn = 8;  // last: not measured without a grouped matmul
 
+// The module table's GiB columns: kColumns', short.
+const char* const kColumnsShort[] = {"bf16", "lt",  "dly",  "cur", "blk",
+                                     "cch",  "lt8", "sm90", "grp"};
+
 struct Record {
   std::string shape, pass;
   int64_t experts, m, n, k;
-  std::vector<double> tflops;  // per column
+  std::vector<double> tflops;    // per column
+  std::vector<double> peak_gib;  // per column; NaN where not measured
 };
+
+// The peak GiB of one run of each of `fns` (bench_common.h), in their order.
+std::vector<double> peaks_gib(const std::vector<std::function<void()>>& fns) {
+  std::vector<double> gib;
+  for (const std::function<void()>& fn : fns) gib.push_back(torchmoe::bench::peak_gib(fn));
+  return gib;
+}
+
+// Writes `value`, or null for NaN (not measured).
+void json_number(std::ostream& json, double value) {
+  if (std::isnan(value)) {
+    json << "null";
+  } else {
+    json << value;
+  }
+}
 
 // The products table's columns: ours bf16 and FP8 per product, then the peers' fprop.
 const char* const kProductColumns[] = {"bf16_fprop",       "bf16_dgrad",
@@ -100,9 +125,14 @@ const char* const kProductColumns[] = {"bf16_fprop",       "bf16_dgrad",
                                        "grouped_mm_fprop", "scaled_grouped_mm_fprop"};
 constexpr size_t kNumProductColumns = std::size(kProductColumns);
 
+// The products table's GiB columns: kProductColumns', short.
+const char* const kProductColumnsShort[] = {"bf.fp", "bf.dg",  "bf.wg",  "f8.fp", "f8.dg",
+                                            "f8.wg", "f8.dgf", "f8.wgf", "gmm",   "sgmm"};
+
 struct ProductRecord {
   std::string shape;
   std::vector<double> tflops;         // per product column
+  std::vector<double> peak_gib;       // per product column
   double fp8_over_bf16_geomean;       // split accumulation in dgrad and wgrad (TE's)
   double fp8_fast_over_bf16_geomean;  // fast accumulation in all three
   double fp8_fprop_over_scaled_grouped_mm;
@@ -132,11 +162,19 @@ ProductRecord measure_products(const Shape& shape, const torchmoe::bench::Args& 
   const std::vector<ops::GemmShape> gemm{{n, k, static_cast<size_t>(e), true}};
   const ops::GemmPlan plan =
       ops::plan_grouped_gemms("bench", x, gemm, splits, torchmoe::GemmBackend::kAuto)[0];
+  // Current scaling, e4m3 x and W, e5m2 dy (both copies); TE's accumulation, and fast
+  // accumulation in all three products.
+  ops::Fp8GemmOptions options;
+  options.grad_output.format = ops::Fp8Format::kE5M2;
+  ops::Fp8GemmOptions fast_options = options;
+  fast_options.dgrad_split_accumulator = false;
+  fast_options.wgrad_split_accumulator = false;
   const ops::GemmPlan fp8_plan = ops::plan_grouped_gemms(
-      "bench", x, gemm, splits, torchmoe::GemmBackend::kSm90, {}, /*fp8=*/true)[0];
-  ops::SplitQuantizeOptions forward;  // e4m3, current scaling, both copies
-  ops::SplitQuantizeOptions backward = forward;
-  backward.format = ops::Fp8Format::kE5M2;
+      "bench", x, gemm, splits, torchmoe::GemmBackend::kSm90, {}, options)[0];
+  const ops::GemmPlan fast_plan = ops::plan_grouped_gemms(
+      "bench", x, gemm, splits, torchmoe::GemmBackend::kSm90, {}, fast_options)[0];
+  const ops::SplitQuantizeOptions& forward = options.input;
+  const ops::SplitQuantizeOptions& backward = options.grad_output;
   const ops::SplitQuantized xq = ops::split_quantize(x, splits, forward);
   const ops::SplitQuantized wq = ops::quantize_weights(weights, forward);
   const ops::SplitQuantized dyq = ops::split_quantize(dy, splits, backward);
@@ -154,8 +192,8 @@ ProductRecord measure_products(const Shape& shape, const torchmoe::bench::Args& 
       [&] { ops::grouped_linear_forward_fp8(fp8_plan, xq, wq, {}, torch::kBFloat16); },
       [&] { ops::grouped_linear_dgrad_fp8(fp8_plan, dyq, wq, torch::kBFloat16); },
       [&] { ops::grouped_linear_wgrad_fp8(fp8_plan, xq, dyq, weight_grads, false); },
-      [&] { ops::grouped_linear_dgrad_fp8(fp8_plan, dyq, wq, torch::kBFloat16, true); },
-      [&] { ops::grouped_linear_wgrad_fp8(fp8_plan, xq, dyq, weight_grads, false, true); },
+      [&] { ops::grouped_linear_dgrad_fp8(fast_plan, dyq, wq, torch::kBFloat16); },
+      [&] { ops::grouped_linear_wgrad_fp8(fast_plan, xq, dyq, weight_grads, false); },
       [&] { at::_grouped_mm(x, w_t, offsets); },
       [&] {
         at::_scaled_grouped_mm(xq.data, w8_t, scale_a, scale_b, offsets, {}, {}, torch::kBFloat16,
@@ -163,7 +201,7 @@ ProductRecord measure_products(const Shape& shape, const torchmoe::bench::Args& 
       }};
   const std::vector<double> ms = median_ms_each(fns, args.iters, args.warmup);
   const double flops = 2.0 * static_cast<double>(m) * n * k;
-  ProductRecord r{shape.name, {}, 0.0, 0.0, 0.0};
+  ProductRecord r{shape.name, {}, peaks_gib(fns), 0.0, 0.0, 0.0};
   for (double t : ms) r.tflops.push_back(flops / t * 1e-9);
   const std::vector<double>& t = r.tflops;
   r.fp8_over_bf16_geomean = std::cbrt(t[3] / t[0] * t[4] / t[1] * t[5] / t[2]);
@@ -176,10 +214,13 @@ ProductRecord measure_products(const Shape& shape, const torchmoe::bench::Args& 
 const char* const kStepColumns[] = {"bf16_fwd_bwd", "fp8_fwd_bwd", "fp8_optimizer_weights_fwd_bwd",
                                     "adamw", "adamw_fp8_weights"};
 constexpr size_t kNumStepColumns = std::size(kStepColumns);
+// Its GiB columns, short.
+const char* const kStepColumnsShort[] = {"bf16", "fp8", "fp8 opt", "adamw", "adamw8"};
 
 struct StepRecord {
   std::string shape;
   std::vector<double> ms;               // per step column
+  std::vector<double> peak_gib;         // per step column
   double fwd_bwd_ratio;                 // bf16 over FP8 reading the optimizer's weights
   double step_ratio_cast;               // a training step: bf16 over FP8 casting its weights
   double step_ratio_optimizer_weights;  // bf16 over FP8 with the optimizer's weights
@@ -206,7 +247,7 @@ StepRecord measure_training_steps(const Shape& shape, const torchmoe::bench::Arg
   FusedAdamW plain({master}, adamw_options), writing({master}, adamw_options);
   plain.set_model_copy(master, weight);
   writing.set_model_copy(master, weight);
-  writing.set_fp8_weights(layer, {master});
+  writing.set_fp8_weights(layer->fp8_weight_target(), {master});
   const torch::Tensor x = torch::randn({m, k}, bf16).requires_grad_(true);
   const torch::Tensor dy = torch::randn({m, n}, bf16);
   const fp8::DelayedScaling delayed = fp8::DelayedScaling().amax_history_len(kHistory);
@@ -234,32 +275,24 @@ StepRecord measure_training_steps(const Shape& shape, const torchmoe::bench::Arg
                                                   [&] { writing.step(); }, [&] { fwd_bwd(true); },
                                                   casting};
   const std::vector<double> ms = median_ms_each(fns, args.iters, args.warmup);
-  StepRecord r{shape.name, {ms[1], ms[4], ms[3], ms[0], ms[2]}, 0.0, 0.0, 0.0};
+  // In the order timed: each run finds the weights as its turns did.
+  const std::vector<double> gib = peaks_gib(fns);
+  StepRecord r{shape.name,
+               {ms[1], ms[4], ms[3], ms[0], ms[2]},
+               {gib[1], gib[4], gib[3], gib[0], gib[2]},
+               0.0,
+               0.0,
+               0.0};
   r.fwd_bwd_ratio = ms[1] / ms[3];
   r.step_ratio_cast = (ms[1] + ms[0]) / (ms[4] + ms[0]);
   r.step_ratio_optimizer_weights = (ms[1] + ms[0]) / (ms[3] + ms[2]);
   return r;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  const torchmoe::bench::Setup setup = torchmoe::bench::setup(
-      argc, argv, "bench_grouped_linear_fp8", {"bench_grouped_linear_fp8.json", 20});
-  if (setup.exit_code != 0) return setup.exit_code;
-  const torchmoe::bench::Args& args = setup.args;
-  const std::string device = at::cuda::getCurrentDeviceProperties()->name;
-  std::cout << "device: " << device
-            << ", GroupedLinear module (bf16 params, no bias, uniform splits), TFLOP/s; "
-               "ceilings (H100 SXM spec, dense): bf16 "
-            << kSpecBf16Dense << ", FP8 " << kSpecFp8Dense << "\n"
-            << std::left << std::setw(17) << "shape" << std::setw(9) << "pass" << std::right;
-  for (const char* column : kColumns) std::cout << std::setw(15) << column;
-  std::cout << std::setw(10) << "dly/bf16" << std::setw(10) << "cur/bf16" << std::setw(10)
-            << "blk/bf16" << std::setw(10) << "cch/bf16" << std::setw(10) << "grp/bf16"
-            << std::setw(10) << "sm90/lt8"
-            << "\n";
-
+// The module table's rows of one shape (fwd, then fwd+bwd), printed and appended to `records`;
+// false when an FP8 column's output is not near bf16's.
+bool measure_module(const Shape& shape, const torchmoe::bench::Args& args,
+                    std::vector<Record>& records) {
   const fp8::DelayedScaling delayed = fp8::DelayedScaling().amax_history_len(kHistory);
   const std::optional<fp8::Recipe> recipes[kNumColumns] = {std::nullopt,
                                                            std::nullopt,
@@ -272,8 +305,7 @@ int main(int argc, char** argv) {
                                                            fp8::Recipe(delayed)};
   const bool grouped_loaded = torchmoe::loaded_cublaslt().grouped;
   const auto bf16 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
-  std::vector<Record> records;
-  for (const Shape& shape : torchmoe::bench::selected_shapes(args)) {
+  {
     const int64_t m = shape.tokens * shape.topk, n = 2 * shape.ffn, k = shape.hidden;
     const torchmoe::SplitSizes splits = uniform_splits(m, shape.experts);
     torch::manual_seed(0);
@@ -348,7 +380,7 @@ int main(int argc, char** argv) {
       if (!(rel < 0.1)) {
         std::cerr << "bench_grouped_linear_fp8: " << shape.name << " " << kColumns[column]
                   << " output is off bf16 by " << rel << " (relative Frobenius)\n";
-        return 1;
+        return false;
       }
     }
 
@@ -366,9 +398,13 @@ int main(int argc, char** argv) {
         fns.push_back([&, column, backward] { step(column, backward); });
       }
       std::vector<double> ms = median_ms_each(fns, args.iters, args.warmup);
-      if (!grouped_loaded) ms.push_back(NAN);  // not measured
+      std::vector<double> gib = peaks_gib(fns);
+      if (!grouped_loaded) {  // not measured
+        ms.push_back(NAN);
+        gib.push_back(NAN);
+      }
       const double flops = (backward ? 3.0 : 1.0) * gemm_flops;
-      Record r{shape.name, backward ? "fwd+bwd" : "fwd", shape.experts, m, n, k, {}};
+      Record r{shape.name, backward ? "fwd+bwd" : "fwd", shape.experts, m, n, k, {}, gib};
       for (double t : ms) r.tflops.push_back(flops / t * 1e-9);
       const std::vector<double>& t = r.tflops;
       std::cout << std::left << std::setw(17) << r.shape << std::setw(9) << r.pass << std::right
@@ -376,20 +412,56 @@ int main(int argc, char** argv) {
       for (double v : t) std::cout << std::setw(15) << v;
       std::cout << std::setprecision(3) << std::setw(10) << t[2] / t[0] << std::setw(10)
                 << t[3] / t[0] << std::setw(10) << t[4] / t[0] << std::setw(10) << t[5] / t[0]
-                << std::setw(10) << t[8] / t[0] << std::setw(10) << t[7] / t[6] << "\n";
+                << std::setw(10) << t[8] / t[0] << std::setw(10) << t[7] / t[6]
+                << std::setprecision(2);
+      for (double g : r.peak_gib) std::cout << std::setw(10) << g;
+      std::cout << "\n";
       records.push_back(std::move(r));
     }
+  }
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const torchmoe::bench::Setup setup = torchmoe::bench::setup(
+      argc, argv, "bench_grouped_linear_fp8", {"bench_grouped_linear_fp8.json", 20});
+  if (setup.exit_code != 0) return setup.exit_code;
+  const torchmoe::bench::Args& args = setup.args;
+  const std::string device = at::cuda::getCurrentDeviceProperties()->name;
+  std::cout << "device: " << device
+            << ", GroupedLinear module (bf16 params, no bias, uniform splits), TFLOP/s; "
+               "ceilings (H100 SXM spec, dense): bf16 "
+            << kSpecBf16Dense << ", FP8 " << kSpecFp8Dense
+            << "; then the peak GiB of one step of each column\n"
+            << std::left << std::setw(17) << "shape" << std::setw(9) << "pass" << std::right;
+  for (const char* column : kColumns) std::cout << std::setw(15) << column;
+  std::cout << std::setw(10) << "dly/bf16" << std::setw(10) << "cur/bf16" << std::setw(10)
+            << "blk/bf16" << std::setw(10) << "cch/bf16" << std::setw(10) << "grp/bf16"
+            << std::setw(10) << "sm90/lt8";
+  for (const char* column : kColumnsShort)
+    std::cout << std::setw(10) << std::string(column) + " GiB";
+  std::cout << "\n";
+
+  std::vector<Record> records;
+  for (const Shape& shape : torchmoe::bench::selected_shapes(args)) {
+    if (!measure_module(shape, args, records)) return 1;
   }
 
   // The products table runs our FP8 products on the sm90 kernel: sm_90 devices only.
   const bool sm90 = at::cuda::getCurrentDeviceProperties()->major == 9;
   if (sm90) {
-    std::cout << "\nthe products alone (operands made once; FP8 on the sm90 kernel), TFLOP/s\n"
+    std::cout << "\nthe products alone (operands made once; FP8 on the sm90 kernel), TFLOP/s, then "
+                 "the peak GiB of one call of each\n"
               << std::left << std::setw(17) << "shape" << std::right;
     for (const char* column : kProductColumns) std::cout << " " << std::setw(12) << column;
     std::cout << std::setw(10) << "fp8/bf16" << std::setw(10) << "fast/bf16" << std::setw(11)
-              << "fp8/scaled"
-              << "\n";
+              << "fp8/scaled";
+    for (const char* column : kProductColumnsShort) {
+      std::cout << std::setw(11) << std::string(column) + " GiB";
+    }
+    std::cout << "\n";
   } else {
     std::cout << "\nthe products alone: not measured (they need the sm90 kernel, an sm_90 GPU)\n";
   }
@@ -400,19 +472,25 @@ int main(int argc, char** argv) {
               << std::setprecision(1);
     for (double v : r.tflops) std::cout << " " << std::setw(12) << v;
     std::cout << std::setprecision(3) << std::setw(10) << r.fp8_over_bf16_geomean << std::setw(10)
-              << r.fp8_fast_over_bf16_geomean << std::setw(11) << r.fp8_fprop_over_scaled_grouped_mm
-              << "\n";
+              << r.fp8_fast_over_bf16_geomean << std::setw(11)
+              << r.fp8_fprop_over_scaled_grouped_mm;
+    for (double g : r.peak_gib) std::cout << std::setw(11) << g;
+    std::cout << "\n";
     products.push_back(std::move(r));
   }
 
-  std::cout << "\ntraining steps with FusedAdamW (one layer, single grouped weight, fp32 master), "
-               "ms; bf16 over FP8: fwd+bwd with the optimizer's FP8 weights, a step casting, a "
-               "step with the optimizer's FP8 weights\n"
-            << std::left << std::setw(17) << "shape" << std::right;
+  std::cout
+      << "\ntraining steps with FusedAdamW (one layer, single grouped weight, fp32 master), "
+         "ms; bf16 over FP8: fwd+bwd with the optimizer's FP8 weights, a step casting, a "
+         "step with the optimizer's FP8 weights; then the peak GiB of one run of each column\n"
+      << std::left << std::setw(17) << "shape" << std::right;
   for (const char* column : kStepColumns) std::cout << " " << std::setw(12) << column;
   std::cout << std::setw(10) << "fwdbwd" << std::setw(10) << "step cast" << std::setw(10)
-            << "step opt"
-            << "\n";
+            << "step opt";
+  for (const char* column : kStepColumnsShort) {
+    std::cout << std::setw(12) << std::string(column) + " GiB";
+  }
+  std::cout << "\n";
   std::vector<StepRecord> steps;
   for (const Shape& shape : torchmoe::bench::selected_shapes(args)) {
     StepRecord r = measure_training_steps(shape, args);
@@ -420,7 +498,9 @@ int main(int argc, char** argv) {
               << std::setprecision(3);
     for (double v : r.ms) std::cout << " " << std::setw(12) << v;
     std::cout << std::setw(10) << r.fwd_bwd_ratio << std::setw(10) << r.step_ratio_cast
-              << std::setw(10) << r.step_ratio_optimizer_weights << "\n";
+              << std::setw(10) << r.step_ratio_optimizer_weights;
+    for (double g : r.peak_gib) std::cout << std::setw(12) << g;
+    std::cout << "\n";
     steps.push_back(std::move(r));
   }
 
@@ -438,18 +518,18 @@ int main(int argc, char** argv) {
          << ", \"k\": " << r.k;
     for (size_t c = 0; c < kNumColumns; ++c) {
       json << ", \"" << kColumns[c] << "\": ";
-      if (std::isnan(r.tflops[c])) {
-        json << "null";
-      } else {
-        json << r.tflops[c];
-      }
+      json_number(json, r.tflops[c]);
     }
     json << ", \"fp8_delayed_over_bf16\": " << r.tflops[2] / r.tflops[0]
          << ", \"fp8_current_over_bf16\": " << r.tflops[3] / r.tflops[0]
          << ", \"fp8_block_over_bf16\": " << r.tflops[4] / r.tflops[0]
          << ", \"fp8_cached_over_bf16\": " << r.tflops[5] / r.tflops[0]
-         << ", \"fp8_sm90_over_fp8_cublaslt\": " << r.tflops[7] / r.tflops[6] << "}"
-         << (i + 1 < records.size() ? "," : "") << "\n";
+         << ", \"fp8_sm90_over_fp8_cublaslt\": " << r.tflops[7] / r.tflops[6];
+    for (size_t c = 0; c < kNumColumns; ++c) {
+      json << ", \"" << kColumns[c] << "_peak_gib\": ";
+      json_number(json, r.peak_gib[c]);
+    }
+    json << "}" << (i + 1 < records.size() ? "," : "") << "\n";
   }
   json << "  ],\n  \"products\": [\n";
   for (size_t i = 0; i < products.size(); ++i) {
@@ -460,8 +540,11 @@ int main(int argc, char** argv) {
     }
     json << ", \"fp8_over_bf16_geomean\": " << r.fp8_over_bf16_geomean
          << ", \"fp8_fast_over_bf16_geomean\": " << r.fp8_fast_over_bf16_geomean
-         << ", \"fp8_fprop_over_scaled_grouped_mm\": " << r.fp8_fprop_over_scaled_grouped_mm << "}"
-         << (i + 1 < products.size() ? "," : "") << "\n";
+         << ", \"fp8_fprop_over_scaled_grouped_mm\": " << r.fp8_fprop_over_scaled_grouped_mm;
+    for (size_t c = 0; c < kNumProductColumns; ++c) {
+      json << ", \"" << kProductColumns[c] << "_peak_gib\": " << r.peak_gib[c];
+    }
+    json << "}" << (i + 1 < products.size() ? "," : "") << "\n";
   }
   json << "  ],\n  \"training_steps_ms\": [\n";
   for (size_t i = 0; i < steps.size(); ++i) {
@@ -472,8 +555,11 @@ int main(int argc, char** argv) {
     }
     json << ", \"bf16_over_fp8_optimizer_weights_fwd_bwd\": " << r.fwd_bwd_ratio
          << ", \"bf16_over_fp8_step_cast\": " << r.step_ratio_cast
-         << ", \"bf16_over_fp8_step_optimizer_weights\": " << r.step_ratio_optimizer_weights << "}"
-         << (i + 1 < steps.size() ? "," : "") << "\n";
+         << ", \"bf16_over_fp8_step_optimizer_weights\": " << r.step_ratio_optimizer_weights;
+    for (size_t c = 0; c < kNumStepColumns; ++c) {
+      json << ", \"" << kStepColumns[c] << "_peak_gib\": " << r.peak_gib[c];
+    }
+    json << "}" << (i + 1 < steps.size() ? "," : "") << "\n";
   }
   json << "  ]\n}\n";
   std::cout << "wrote " << args.json_path << "\n";

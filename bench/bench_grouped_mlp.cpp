@@ -5,7 +5,9 @@
 // delayed-scaling update after the step as a training loop runs it), and under fp8::CurrentScaling
 // with TE's accumulation (split in dgrad and wgrad) and with fast accumulation in all three
 // products. The seven take turns (bench_common.h's median_ms_each), so that they compare under the
-// same clocks.
+// same clocks. Then the peak memory of one run of each of the seven (GiB columns, in the same
+// order; JSON <measurement>_peak_gib): the caching allocator's peak above what was allocated before
+// it (bench_common.h's peak_gib).
 //
 //   bench_grouped_mlp [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
 //
@@ -41,12 +43,17 @@ int main(int argc, char** argv) {
   if (setup.exit_code != 0) return setup.exit_code;
   const torchmoe::bench::Args& args = setup.args;
   std::cout << "device: " << at::cuda::getCurrentDeviceProperties()->name
-            << ", bf16, uniform splits, forward+backward per step (ms)\n"
+            << ", bf16, uniform splits, forward+backward per step (ms), then the peak GiB of each "
+               "step\n"
             << std::left << std::setw(17) << "shape" << std::right << std::setw(10) << "mlp"
             << std::setw(10) << "fc1" << std::setw(10) << "act" << std::setw(10) << "fc2"
             << std::setw(10) << "parts" << std::setw(11) << "TFLOP/s" << std::setw(10) << "fp8"
             << std::setw(10) << "bf16/fp8" << std::setw(10) << "current" << std::setw(10)
-            << "bf16/cur" << std::setw(10) << "cur fast" << std::setw(11) << "bf16/fast\n";
+            << "bf16/cur" << std::setw(10) << "cur fast" << std::setw(11) << "bf16/fast"
+            << std::setw(9) << "mlp GiB" << std::setw(9) << "fc1 GiB" << std::setw(9) << "act GiB"
+            << std::setw(9) << "fc2 GiB" << std::setw(9) << "fp8 GiB" << std::setw(9) << "cur GiB"
+            << std::setw(9) << "fast GiB"
+            << "\n";
   std::ofstream json(args.json_path);
   json << "{\n  \"device\": \"" << at::cuda::getCurrentDeviceProperties()->name
        << "\",\n  \"unit\": \"ms\",\n  \"results\": [";
@@ -95,13 +102,17 @@ int main(int argc, char** argv) {
     const fp8::CurrentScaling fast =
         fp8::CurrentScaling().dgrad_split_accumulator(false).wgrad_split_accumulator(false);
     // Taking turns (bench_common.h): the step and its parts under the same clocks.
-    const std::vector<double> ms =
-        median_ms_each({step([&] { return mlp(x, splits, probs); }, dy),
-                        step([&] { return mlp->fc1(x, splits); }, dz),
-                        step([&] { return torchmoe::functional::scaled_swiglu(z, probs); }, da),
-                        step([&] { return mlp->fc2(a, splits); }, dy), delayed_step,
-                        fp8_step(fp8::CurrentScaling()), fp8_step(fast)},
-                       args.iters, args.warmup);
+    const std::vector<std::function<void()>> fns = {
+        step([&] { return mlp(x, splits, probs); }, dy),
+        step([&] { return mlp->fc1(x, splits); }, dz),
+        step([&] { return torchmoe::functional::scaled_swiglu(z, probs); }, da),
+        step([&] { return mlp->fc2(a, splits); }, dy),
+        delayed_step,
+        fp8_step(fp8::CurrentScaling()),
+        fp8_step(fast)};
+    const std::vector<double> ms = median_ms_each(fns, args.iters, args.warmup);
+    std::vector<double> gib;  // per step, in the order of `fns`
+    for (const std::function<void()>& fn : fns) gib.push_back(torchmoe::bench::peak_gib(fn));
     const double mlp_ms = ms[0], fc1_ms = ms[1], act_ms = ms[2], fc2_ms = ms[3], fp8_ms = ms[4];
     const double current_ms = ms[5], fast_ms = ms[6];
     torchmoe::bench::trace_if_asked(shape.name + ".fp8", delayed_step);
@@ -112,12 +123,19 @@ int main(int argc, char** argv) {
               << fc1_ms + act_ms + fc2_ms << std::setprecision(0) << std::setw(11) << tflops
               << std::setprecision(2) << std::setw(10) << fp8_ms << std::setw(10) << mlp_ms / fp8_ms
               << std::setw(10) << current_ms << std::setw(10) << mlp_ms / current_ms
-              << std::setw(10) << fast_ms << std::setw(11) << mlp_ms / fast_ms << "\n";
+              << std::setw(10) << fast_ms << std::setw(11) << mlp_ms / fast_ms;
+    for (double g : gib) std::cout << std::setw(9) << g;
+    std::cout << "\n";
     json << (first ? "\n" : ",\n") << "    {\"shape\": \"" << shape.name
          << "\", \"mlp\": " << mlp_ms << ", \"fc1\": " << fc1_ms << ", \"act\": " << act_ms
          << ", \"fc2\": " << fc2_ms << ", \"tflops\": " << tflops
          << ", \"mlp_fp8_delayed\": " << fp8_ms << ", \"mlp_fp8_current\": " << current_ms
-         << ", \"mlp_fp8_current_fast_accumulation\": " << fast_ms << "}";
+         << ", \"mlp_fp8_current_fast_accumulation\": " << fast_ms
+         << ", \"mlp_peak_gib\": " << gib[0] << ", \"fc1_peak_gib\": " << gib[1]
+         << ", \"act_peak_gib\": " << gib[2] << ", \"fc2_peak_gib\": " << gib[3]
+         << ", \"mlp_fp8_delayed_peak_gib\": " << gib[4]
+         << ", \"mlp_fp8_current_peak_gib\": " << gib[5]
+         << ", \"mlp_fp8_current_fast_accumulation_peak_gib\": " << gib[6] << "}";
     first = false;
   }
   json << "\n  ]\n}\n";

@@ -6,8 +6,10 @@
 //   shared   the shared expert's six GEMMs (fc1, fc2 forward; dgrad and wgrad of each) as dense
 //            at::mm calls on [T, hidden]: the target for the layer with a shared expert is
 //            full <= 1.05 x (router + shared)
-// All four take turns (bench_common.h's median_ms_each). Also the peak memory of each step
-// (the caching allocator's, reset before each).
+// All four take turns (bench_common.h's median_ms_each). Also the peak memory of one run of each
+// of the four (bench_common.h's peak_gib: the caching allocator's peak above what was allocated
+// before it): full's in the GiB column and peak_step_gib, then plain's, router's and shared's
+// (JSON: plain_peak_gib, router_peak_gib, shared_gemms_peak_gib).
 //
 //   bench_moe_arch [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
 //
@@ -19,7 +21,6 @@
 // a gated shared expert of 20480).
 
 #include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDACachingAllocator.h>
 #include <torchmoe/torchmoe.h>
 
 #include "bench_common.h"
@@ -107,11 +108,12 @@ int main(int argc, char** argv) {
   const auto bf16 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
   constexpr int64_t kTokens = 8192, kHistory = 16;
   std::cout << "device: " << at::cuda::getCurrentDeviceProperties()->name
-            << ", 8192 tokens, fwd+bwd ms (peak GiB)\n"
+            << ", 8192 tokens, fwd+bwd ms; peak GiB of a step: full (GiB), plain, router, shared\n"
             << std::left << std::setw(17) << "shape" << std::setw(6) << "mode" << std::right
             << std::setw(9) << "plain" << std::setw(9) << "router" << std::setw(9) << "full"
             << std::setw(9) << "shared" << std::setw(10) << "rtr/pln" << std::setw(14)
-            << "full/(r+sh)" << std::setw(9) << "GiB"
+            << "full/(r+sh)" << std::setw(9) << "GiB" << std::setw(9) << "pln GiB" << std::setw(9)
+            << "rtr GiB" << std::setw(9) << "sh GiB"
             << "\n";
   std::ofstream json(args.json_path);
   json << "{\n  \"device\": \"" << at::cuda::getCurrentDeviceProperties()->name
@@ -169,33 +171,26 @@ int main(int argc, char** argv) {
       if (width > 0) fns.push_back(shared_gemms);
       const std::vector<double> ms = torchmoe::bench::median_ms_each(fns, args.iters, args.warmup);
       const double shared_ms = width > 0 ? ms[3] : 0.0;
-      // Peak memory of one full step, from a reset.
-      torch::cuda::synchronize();
-      c10::cuda::CUDACachingAllocator::resetPeakStats(c10::cuda::current_device());
-      const int64_t before =
-          c10::cuda::CUDACachingAllocator::getDeviceStats(c10::cuda::current_device())
-              .allocated_bytes[0]
-              .current;
-      step(layers[2]);
-      torch::cuda::synchronize();
-      const int64_t peak =
-          c10::cuda::CUDACachingAllocator::getDeviceStats(c10::cuda::current_device())
-              .allocated_bytes[0]
-              .peak;
-      const double peak_gib = static_cast<double>(peak - before) / (1 << 30);
+      // Peak memory of one run of each (bench_common.h), in the order they were timed.
+      std::vector<double> gib;
+      for (const std::function<void()>& fn : fns) gib.push_back(torchmoe::bench::peak_gib(fn));
+      const double shared_gib = width > 0 ? gib[3] : 0.0;
       const double router_ratio = ms[1] / ms[0];
       const double shared_ratio = ms[2] / (ms[1] + shared_ms);
       std::cout << std::left << std::setw(17) << a.name << std::setw(6) << (fp8 ? "fp8" : "bf16")
                 << std::right << std::fixed << std::setprecision(3) << std::setw(9) << ms[0]
                 << std::setw(9) << ms[1] << std::setw(9) << ms[2] << std::setw(9) << shared_ms
                 << std::setw(10) << router_ratio << std::setw(14) << shared_ratio
-                << std::setprecision(2) << std::setw(9) << peak_gib << "\n";
+                << std::setprecision(2) << std::setw(9) << gib[2] << std::setw(9) << gib[0]
+                << std::setw(9) << gib[1] << std::setw(9) << shared_gib << "\n";
       json << (first ? "" : ",\n") << std::setprecision(4) << "    {\"shape\": \"" << a.name
            << "\", \"fp8\": " << (fp8 ? "true" : "false") << ", \"plain_ms\": " << ms[0]
            << ", \"router_ms\": " << ms[1] << ", \"full_ms\": " << ms[2]
            << ", \"shared_gemms_ms\": " << shared_ms << ", \"router_over_plain\": " << router_ratio
            << ", \"full_over_router_plus_shared\": " << shared_ratio
-           << ", \"peak_step_gib\": " << peak_gib << "}";
+           << ", \"peak_step_gib\": " << gib[2] << ", \"plain_peak_gib\": " << gib[0]
+           << ", \"router_peak_gib\": " << gib[1] << ", \"shared_gemms_peak_gib\": " << shared_gib
+           << "}";
       first = false;
     }
   }

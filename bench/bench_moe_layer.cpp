@@ -14,6 +14,14 @@
 // permute/unpermute are reported in GB/s (T token rows + M = T·k permuted rows, each read or
 // written once) next to the device-to-device copy bandwidth of an [M, hidden] tensor; mlp and
 // layer in TFLOP/s of the expert GEMMs (6·M·hidden·3·ffn).
+// Then the peak memory of one run of each of the eleven measurements, in the same order (GiB
+// columns; JSON <measurement>_peak_gib): the caching allocator's peak above what was allocated
+// before it (bench_common.h's peak_gib; the layer steps accumulate their gradients, made by the
+// warm-up, so the peak is the saved activations and the step's temporaries, weight gradients
+// before their accumulation among them). For the four layer steps (bf16, fused, fp8, fp8 fus) also
+// that peak per token of the step (KiB columns; JSON <layer measurement>_peak_bytes_per_token, in
+// bytes): the layer's peak activation memory per token in bf16 and in FP8 with delayed scaling.
+// The captured replays are timed only: they allocate nothing (their memory is the graphs' pools).
 //
 //   bench_moe_layer [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
 //
@@ -35,7 +43,9 @@
 
 #include <torch/torch.h>
 
+#include <cmath>
 #include <fstream>
+#include <functional>
 #include <iomanip>
 #include <iostream>
 #include <optional>
@@ -54,14 +64,22 @@ int main(int argc, char** argv) {
   std::optional<c10::cuda::CUDAStreamGuard> side_stream;
   if (graphs) side_stream.emplace(c10::cuda::getStreamFromPool());
   std::cout << "device: " << at::cuda::getCurrentDeviceProperties()->name
-            << ", bf16, times in ms (GB/s, TFLOP/s)\n"
+            << ", bf16, times in ms (GB/s, TFLOP/s), then the peak GiB of one run of each, then "
+               "the layer steps' peak in KiB per token\n"
             << std::left << std::setw(17) << "shape" << std::right << std::setw(8) << "router"
             << std::setw(8) << "permute" << std::setw(7) << "GB/s" << std::setw(7) << "map"
             << std::setw(7) << "rows" << std::setw(7) << "GB/s" << std::setw(8) << "unperm"
             << std::setw(7) << "GB/s" << std::setw(7) << "copy" << std::setw(8) << "mlp"
             << std::setw(7) << "TF/s" << std::setw(8) << "layer" << std::setw(7) << "TF/s"
-            << std::setw(8) << "fused" << std::setw(8) << "fp8" << std::setw(8) << "fp8 fus"
-            << "\n";
+            << std::setw(8) << "fused" << std::setw(8) << "fp8" << std::setw(8) << "fp8 fus";
+  // The peaks' columns, in the order above: router, permute, map, rows, unperm, copy, mlp, layer,
+  // fused, fp8, fp8 fus; then the layer steps' per token.
+  for (const char* name :
+       {"rtr", "prm", "map", "row", "unp", "cpy", "mlp", "lyr", "fus", "f8", "f8f"})
+    std::cout << std::setw(8) << std::string(name) + " GiB";
+  for (const char* name : {"lyr", "fus", "f8", "f8f"})
+    std::cout << std::setw(9) << std::string(name) + " KiB";
+  std::cout << "\n";
   std::ofstream json(args.json_path);
   json << "{\n  \"device\": \"" << at::cuda::getCurrentDeviceProperties()->name
        << "\",\n  \"results\": [\n";
@@ -87,35 +105,37 @@ int main(int argc, char** argv) {
 
     torch::Tensor copy_src = torch::empty({m, s.hidden}, bf16),
                   copy_dst = torch::empty_like(copy_src);
-    const double copy_ms = median_ms([&] { copy_dst.copy_(copy_src); }, args.iters, args.warmup);
+    // Each measurement's time, then the peak memory of one more run (bench_common.h).
+    struct Measured {
+      double ms, gib;
+    };
+    auto measure = [&](const std::function<void()>& fn) {
+      const double ms = median_ms(fn, args.iters, args.warmup);
+      return Measured{ms, torchmoe::bench::peak_gib(fn)};
+    };
+    const Measured copy = measure([&] { copy_dst.copy_(copy_src); });
 
     torchmoe::RouterOutput routing;
-    const double router_ms = median_ms([&] { routing = moe->router(x); }, args.iters, args.warmup);
+    const Measured router = measure([&] { routing = moe->router(x); });
     torchmoe::PermutedTokens routed;
-    const double permute_ms = median_ms(
-        [&] {
-          routed =
-              torchmoe::functional::permute_tokens(x, routing.indices, s.experts, routing.probs);
-        },
-        args.iters, args.warmup);
+    const Measured permute = measure([&] {
+      routed = torchmoe::functional::permute_tokens(x, routing.indices, s.experts, routing.probs);
+    });
     torchmoe::ops::RoutingMap map;
-    const double map_ms =
-        median_ms([&] { map = torchmoe::ops::make_routing_map(routing.indices, s.experts); },
-                  args.iters, args.warmup);
-    const double rows_ms = median_ms(
-        [&] {
-          torchmoe::ops::permute_rows(x.detach(), map.row_map, map.sorted_slots, torch::Tensor());
-        },
-        args.iters, args.warmup);
+    const Measured map_made =
+        measure([&] { map = torchmoe::ops::make_routing_map(routing.indices, s.experts); });
+    const Measured rows_permuted = measure([&] {
+      torchmoe::ops::permute_rows(x.detach(), map.row_map, map.sorted_slots, torch::Tensor());
+    });
     const torch::Tensor rows = routed.tokens.detach().requires_grad_(true);
     const torch::Tensor probs = routed.probs.detach().requires_grad_(true);
     const torch::Tensor dy = torch::randn({m, s.hidden}, bf16);
-    const double unpermute_ms = median_ms(
-        [&] {
-          torch::NoGradGuard no_grad;
-          torchmoe::functional::unpermute_tokens(routed.tokens, routed);
-        },
-        args.iters, args.warmup);
+    const Measured unpermute = measure([&] {
+      torch::NoGradGuard no_grad;
+      torchmoe::functional::unpermute_tokens(routed.tokens, routed);
+    });
+    const double copy_ms = copy.ms, router_ms = router.ms, permute_ms = permute.ms,
+                 map_ms = map_made.ms, rows_ms = rows_permuted.ms, unpermute_ms = unpermute.ms;
     // Both output gradients made once, as the MLP's dy: a step times the layer, not the seeds.
     const torch::Tensor dout = torch::randn({s.tokens, s.hidden}, bf16);
     const torch::Tensor daux = torch::ones({}, bf16.dtype(torch::kFloat32));
@@ -133,12 +153,21 @@ int main(int argc, char** argv) {
     };
     // The GroupedMLP alone and the layers take turns (bench_common.h), so that their ratios are
     // taken under the same clocks.
-    const std::vector<double> steps_ms = median_ms_each(
-        {[&] { moe->experts(rows, routed.m_splits, probs).backward(dy); }, [&] { layer_step(moe); },
-         [&] { layer_step(moe_fused); }, [&] { fp8_step(moe); }, [&] { fp8_step(moe_fused); }},
-        args.iters, args.warmup);
+    const std::vector<std::function<void()>> steps = {
+        [&] { moe->experts(rows, routed.m_splits, probs).backward(dy); }, [&] { layer_step(moe); },
+        [&] { layer_step(moe_fused); }, [&] { fp8_step(moe); }, [&] { fp8_step(moe_fused); }};
+    const std::vector<double> steps_ms = median_ms_each(steps, args.iters, args.warmup);
     const double mlp_ms = steps_ms[0], layer_ms = steps_ms[1], fused_ms = steps_ms[2],
                  fp8_ms = steps_ms[3], fp8_fused_ms = steps_ms[4];
+    // Peak memory: the ops above, then the steps in their turns' order.
+    std::vector<double> gib = {router.gib,        permute.gib,   map_made.gib,
+                               rows_permuted.gib, unpermute.gib, copy.gib};
+    for (const std::function<void()>& step : steps) gib.push_back(torchmoe::bench::peak_gib(step));
+    // The four layer steps' peak per token, in bytes.
+    std::vector<int64_t> bytes_per_token;
+    for (size_t g = gib.size() - 4; g < gib.size(); ++g) {
+      bytes_per_token.push_back(std::llround(gib[g] * (int64_t{1} << 30) / s.tokens));
+    }
     double mlp_graph_ms = 0.0, layer_graph_ms = 0.0;
     if (graphs) {
       // The MLP on the device sizes alone, as the layer runs it (host sizes may choose per-group
@@ -175,7 +204,11 @@ int main(int argc, char** argv) {
               << std::setprecision(0) << std::setw(7) << flops / mlp_ms * 1e-9
               << std::setprecision(2) << std::setw(8) << layer_ms << std::setprecision(0)
               << std::setw(7) << flops / layer_ms * 1e-9 << std::setprecision(2) << std::setw(8)
-              << fused_ms << std::setw(8) << fp8_ms << std::setw(8) << fp8_fused_ms << "\n";
+              << fused_ms << std::setw(8) << fp8_ms << std::setw(8) << fp8_fused_ms;
+    for (double g : gib) std::cout << std::setw(8) << g;
+    std::cout << std::setprecision(1);
+    for (int64_t b : bytes_per_token) std::cout << std::setw(9) << b / 1024.0;
+    std::cout << "\n";
     json << std::setprecision(4) << "    {\"shape\": \"" << s.name
          << "\", \"router_ms\": " << router_ms << ", \"permute_ms\": " << permute_ms
          << ", \"permute_gbs\": " << permute_gbs << ", \"map_ms\": " << map_ms
@@ -185,6 +218,15 @@ int main(int argc, char** argv) {
          << ", \"layer_ms\": " << layer_ms << ", \"layer_tflops\": " << flops / layer_ms * 1e-9
          << ", \"layer_fused_ms\": " << fused_ms << ", \"layer_fp8_ms\": " << fp8_ms
          << ", \"layer_fp8_fused_ms\": " << fp8_fused_ms;
+    const char* const names[] = {"router",         "permute", "map",   "rows",        "unpermute",
+                                 "copy",           "mlp",     "layer", "layer_fused", "layer_fp8",
+                                 "layer_fp8_fused"};
+    for (size_t g = 0; g < gib.size(); ++g) json << ", \"" << names[g] << "_peak_gib\": " << gib[g];
+    json << ", \"tokens\": " << s.tokens;
+    for (size_t l = 0; l < bytes_per_token.size(); ++l) {
+      json << ", \"" << names[gib.size() - 4 + l]
+           << "_peak_bytes_per_token\": " << bytes_per_token[l];
+    }
     if (layer_graph_ms > 0) {
       json << ", \"mlp_graph_ms\": " << mlp_graph_ms << ", \"layer_graph_ms\": " << layer_graph_ms;
     }

@@ -13,6 +13,10 @@
 //   a2a ms, GB/s  one all-to-all of a dispatch-sized buffer ([tokens·topk, hidden] bf16 per rank,
 //                 equal splits): bytes leaving each GPU, (N-1)/N of the buffer, per second, next
 //                 to NVLink's per-direction bandwidth (H100/H200 SXM: 450 GB/s)
+//   GiB           the peak memory on rank 0 of one layer step (layer GiB) and of one all-to-all
+//                 (a2a GiB): the caching allocator's peak above what was allocated before it
+//                 (bench_common.h's peak_gib, run on every rank: the exchanges need them all);
+//                 JSON layer_peak_gib, alltoall_peak_gib
 // The layer's exchanges of split sizes synchronize the host (dropless routing; docs/moe.md).
 // TORCHMOE_BENCH_TRACE=PREFIX records 5 layer steps per shape and rank (bench_common.h).
 
@@ -59,7 +63,8 @@ int main(int argc, char** argv) {
               << " (expert parallel " << ranks << "), bf16, per rank: the shape's tokens\n"
               << std::left << std::setw(17) << "shape" << std::right << std::setw(10) << "layer ms"
               << std::setw(12) << "tokens/s" << std::setw(9) << "a2a ms" << std::setw(8) << "GB/s"
-              << std::setw(8) << "NVLink"
+              << std::setw(8) << "NVLink" << std::setw(11) << "layer GiB" << std::setw(9)
+              << "a2a GiB"
               << "\n";
   }
   std::ofstream json;
@@ -68,9 +73,9 @@ int main(int argc, char** argv) {
     json << "{\n  \"device\": \"" << at::cuda::getCurrentDeviceProperties()->name
          << "\",\n  \"ranks\": " << ranks << ",\n  \"results\": [\n";
   }
-  const std::vector<torchmoe::bench::Shape> shapes = torchmoe::bench::selected_shapes(args);
-  for (size_t i = 0; i < shapes.size(); ++i) {
-    const torchmoe::bench::Shape& s = shapes[i];
+  bool first =
+      true;  // no comma before the first JSON object (shapes that do not shard are left out)
+  for (const torchmoe::bench::Shape& s : torchmoe::bench::selected_shapes(args)) {
     if (s.experts % ranks != 0) {
       if (report)
         std::cout << s.name << ": " << s.experts << " experts do not shard over " << ranks << "\n";
@@ -93,20 +98,21 @@ int main(int argc, char** argv) {
       torch::autograd::backward({out.output, out.aux_loss}, {dout, torch::ones_like(out.aux_loss)});
     };
     const double layer_ms = median_ms(layer_step, args.iters, args.warmup);
+    const double layer_gib = torchmoe::bench::peak_gib(layer_step);
     torchmoe::bench::trace_if_asked(s.name + ".rank" + std::to_string(group ? group->getRank() : 0),
                                     layer_step);
 
-    double a2a_ms = 0.0, a2a_gbs = 0.0;
+    double a2a_ms = 0.0, a2a_gbs = 0.0, a2a_gib = 0.0;
     if (group) {
       const int64_t rows = s.tokens * s.topk / ranks * ranks;  // equal splits
       torch::Tensor send = torch::randn({rows, s.hidden}, bf16), recv = torch::empty_like(send);
       std::vector<int64_t> splits;
-      a2a_ms = median_ms(
-          [&] {
-            auto work = group->alltoall_base(recv, send, splits, splits);
-            work->wait();
-          },
-          args.iters, args.warmup);
+      const auto alltoall = [&] {
+        auto work = group->alltoall_base(recv, send, splits, splits);
+        work->wait();
+      };
+      a2a_ms = median_ms(alltoall, args.iters, args.warmup);
+      a2a_gib = torchmoe::bench::peak_gib(alltoall);
       const double leaving = 2.0 * rows * s.hidden * (ranks - 1) / ranks;
       a2a_gbs = leaving / a2a_ms * 1e-6;
     }
@@ -116,16 +122,18 @@ int main(int argc, char** argv) {
                 << std::setprecision(3) << std::setw(10) << layer_ms << std::setprecision(0)
                 << std::setw(12) << tokens_per_s << std::setprecision(3) << std::setw(9) << a2a_ms
                 << std::setprecision(0) << std::setw(8) << a2a_gbs << std::setw(8)
-                << kNvlinkPerDirection << "\n";
-      json << std::setprecision(5) << "    {\"shape\": \"" << s.name
+                << kNvlinkPerDirection << std::setprecision(2) << std::setw(11) << layer_gib
+                << std::setprecision(3) << std::setw(9) << a2a_gib << "\n";
+      json << (first ? "" : ",\n") << std::setprecision(5) << "    {\"shape\": \"" << s.name
            << "\", \"layer_ms\": " << layer_ms << ", \"tokens_per_s\": " << tokens_per_s
            << ", \"alltoall_ms\": " << a2a_ms << ", \"alltoall_gbs\": " << a2a_gbs
-           << ", \"nvlink_gbs\": " << kNvlinkPerDirection << "}"
-           << (i + 1 < shapes.size() ? "," : "") << "\n";
+           << ", \"nvlink_gbs\": " << kNvlinkPerDirection << ", \"layer_peak_gib\": " << layer_gib
+           << ", \"alltoall_peak_gib\": " << a2a_gib << "}";
+      first = false;
     }
   }
   if (report) {
-    json << "  ]\n}\n";
+    json << "\n  ]\n}\n";
     std::cout << "wrote " << args.json_path << "\n";
   }
   if (group) group->barrier()->wait();

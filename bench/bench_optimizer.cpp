@@ -2,7 +2,9 @@
 // ffn 1024: 840M parameters in the model's own tensor shapes), fp32 masters with bf16 copies:
 //   fused:  torchmoe::optim::FusedAdamW, clip_grad_norm + step (which writes the bf16 copies)
 //   torch:  torch::nn::utils::clip_grad_norm_ + torch::optim::AdamW + a copy into each bf16 param
-// next to a device-to-device copy, in one process, taking turns (bench_common.h).
+// next to a device-to-device copy, in one process, taking turns (bench_common.h). Each line also
+// gives the peak memory of one run (JSON fused_peak_gib, torch_peak_gib, copy_peak_gib): the
+// caching allocator's peak above what was allocated before it (bench_common.h's peak_gib).
 //
 //   bench_optimizer [--json PATH] [--iters N] [--warmup N]
 //
@@ -17,6 +19,7 @@
 #include "bench_common.h"
 
 #include <fstream>
+#include <functional>
 #include <iomanip>
 #include <iostream>
 #include <vector>
@@ -75,36 +78,40 @@ int main(int argc, char** argv) {
   const double bytes = 34.0 * static_cast<double>(params);
   const torch::Tensor copy_src = torch::empty({params}, fp32),
                       copy_dst = torch::empty_like(copy_src);
-  const std::vector<double> ms =
-      torchmoe::bench::median_ms_each({[&] {
-                                         fused.clip_grad_norm(1.0);
-                                         fused.step();
-                                       },
-                                       [&] {
-                                         torch::nn::utils::clip_grad_norm_(torch_masters, 1.0);
-                                         reference.step();
-                                         const torch::NoGradGuard no_grad;
-                                         for (size_t i = 0; i < torch_masters.size(); ++i)
-                                           torch_copies[i].copy_(torch_masters[i]);
-                                       },
-                                       [&] { copy_dst.copy_(copy_src); }},
-                                      args.iters, args.warmup);
+  const std::vector<std::function<void()>> fns = {
+      [&] {
+        fused.clip_grad_norm(1.0);
+        fused.step();
+      },
+      [&] {
+        torch::nn::utils::clip_grad_norm_(torch_masters, 1.0);
+        reference.step();
+        const torch::NoGradGuard no_grad;
+        for (size_t i = 0; i < torch_masters.size(); ++i) torch_copies[i].copy_(torch_masters[i]);
+      },
+      [&] { copy_dst.copy_(copy_src); }};
+  const std::vector<double> ms = torchmoe::bench::median_ms_each(fns, args.iters, args.warmup);
+  std::vector<double> gib;  // fused, torch, copy
+  for (const std::function<void()>& fn : fns) gib.push_back(torchmoe::bench::peak_gib(fn));
   const double copy_gbs = 2.0 * 4.0 * params / (ms[2] * 1e6);  // read + write
   const double floor_ms = bytes / (copy_gbs * 1e6);
   std::cout << "device: " << at::cuda::getCurrentDeviceProperties()->name << ", " << params / 1e6
             << "M parameters in " << fused_masters.size() << " tensors\n"
             << std::fixed << std::setprecision(2) << "FusedAdamW clip+step      " << ms[0]
             << " ms  (" << bytes / (ms[0] * 1e6) << " GB/s; " << ms[0] / floor_ms
-            << "x one pass at copy bandwidth)\n"
-            << "torch clip + AdamW + copy " << ms[1] << " ms  (" << ms[1] / ms[0]
-            << "x FusedAdamW)\n"
-            << "copy bandwidth            " << copy_gbs << " GB/s; one pass of 34 B/param "
-            << floor_ms << " ms\n";
+            << "x one pass at copy bandwidth), peak " << std::setprecision(3) << gib[0] << " GiB\n"
+            << std::setprecision(2) << "torch clip + AdamW + copy " << ms[1] << " ms  ("
+            << ms[1] / ms[0] << "x FusedAdamW), peak " << std::setprecision(3) << gib[1] << " GiB\n"
+            << std::setprecision(2) << "copy bandwidth            " << copy_gbs
+            << " GB/s; one pass of 34 B/param " << floor_ms << " ms, peak " << std::setprecision(3)
+            << gib[2] << " GiB\n";
   std::ofstream json(args.json_path);
   json << "{\n  \"device\": \"" << at::cuda::getCurrentDeviceProperties()->name
        << "\",\n  \"parameters\": " << params << ",\n  \"tensors\": " << fused_masters.size()
        << ",\n  \"fused_ms\": " << ms[0] << ",\n  \"torch_ms\": " << ms[1]
-       << ",\n  \"copy_gb_per_s\": " << copy_gbs << ",\n  \"one_pass_ms\": " << floor_ms << "\n}\n";
+       << ",\n  \"copy_gb_per_s\": " << copy_gbs << ",\n  \"one_pass_ms\": " << floor_ms
+       << ",\n  \"fused_peak_gib\": " << gib[0] << ",\n  \"torch_peak_gib\": " << gib[1]
+       << ",\n  \"copy_peak_gib\": " << gib[2] << "\n}\n";
   std::cout << "wrote " << args.json_path << "\n";
   return 0;
 }

@@ -26,6 +26,11 @@
 // glu_backward then split_quantize and as one glu_backward_split_quantize (under current scaling
 // the op is those two ops, ops/quantize.h); GB/s counts dy and the pre-activation read and the two
 // FP8 copies written (10·M·ffn bytes), against a copy of [M, 2·ffn] in the same run.
+//
+// Every row also gives the peak memory of one run of each of its measurements (GiB columns, in the
+// order of the times; JSON <measurement>_peak_gib): the caching allocator's peak above what was
+// allocated before it (bench_common.h's peak_gib): the casts' outputs, and in the two ops' case
+// the bf16 intermediate too.
 
 #include <ATen/cuda/CUDAContext.h>
 #include <torchmoe/ops/glu.h>
@@ -50,13 +55,14 @@ using torchmoe::ops::QuantizeScaling;
 
 struct Scaling {
   const char* name;
+  const char* short_name;  // the GiB column's
   QuantizeScaling scaling;
 };
 
-constexpr Scaling kScalings[] = {{"current", QuantizeScaling::kCurrent},
-                                 {"delayed", QuantizeScaling::kDelayed},
-                                 {"block1x128", QuantizeScaling::kBlock1x128},
-                                 {"block128x128", QuantizeScaling::kBlock128x128}};
+constexpr Scaling kScalings[] = {{"current", "cur", QuantizeScaling::kCurrent},
+                                 {"delayed", "dly", QuantizeScaling::kDelayed},
+                                 {"block1x128", "1x128", QuantizeScaling::kBlock1x128},
+                                 {"block128x128", "128x128", QuantizeScaling::kBlock128x128}};
 
 // Scale elements written (both copies) besides the data: per tensor [G] (+ amax [G]); blocks the
 // defined entries of both layouts for uniform splits.
@@ -69,30 +75,48 @@ double scale_bytes(QuantizeScaling s, int64_t m, int64_t k, int64_t groups) {
 }
 
 // The fused-cast tables: a title, then per shape a copy's GB/s, the two ops' and the fused
-// launch's times, and the fused launch's GB/s.
+// launch's times, the fused launch's GB/s, and the peak GiB of one run of each of the three.
 void print_fused_header(const char* title) {
   std::cout << "\n"
             << title << "\n"
             << std::left << std::setw(17) << "shape" << std::right << std::setw(9) << "copy"
             << std::setw(12) << "two ops ms" << std::setw(10) << "fused ms" << std::setw(9)
-            << "speedup" << std::setw(10) << "fused" << std::setw(8) << "%copy\n";
+            << "speedup" << std::setw(10) << "fused" << std::setw(8) << "%copy" << std::setw(10)
+            << "copy GiB" << std::setw(10) << "two GiB" << std::setw(10) << "fused GiB"
+            << "\n";
 }
 
-// One row of a fused-cast table and its JSON object: ms = {copy, two ops, fused}, the bytes each
-// GB/s counts, and the object's leading fields (`sizes`).
+// Times in ms and the peak GiB of one run of each of `fns` (bench_common.h), in their order.
+struct Measured {
+  std::vector<double> ms, gib;
+};
+
+Measured measure(const std::vector<std::function<void()>>& fns, const torchmoe::bench::Args& args) {
+  Measured m{torchmoe::bench::median_ms_each(fns, args.iters, args.warmup), {}};
+  for (const std::function<void()>& fn : fns) m.gib.push_back(torchmoe::bench::peak_gib(fn));
+  return m;
+}
+
+// One row of a fused-cast table and its JSON object: {copy, two ops, fused} measured, the bytes
+// each GB/s counts, and the object's leading fields (`sizes`).
 void report_fused_row(std::ostream& json, const std::string& shape, const std::string& sizes,
-                      const std::vector<double>& ms, double copy_bytes, double fused_bytes,
-                      bool last) {
+                      const Measured& measured, double copy_bytes, double fused_bytes, bool last) {
+  const std::vector<double>& ms = measured.ms;
+  const std::vector<double>& gib = measured.gib;
   const double copy_gbs = copy_bytes / ms[0] * 1e-6;
   const double fused_gbs = fused_bytes / ms[2] * 1e-6;
   std::cout << std::left << std::setw(17) << shape << std::right << std::fixed
             << std::setprecision(0) << std::setw(9) << copy_gbs << std::setprecision(3)
             << std::setw(12) << ms[1] << std::setw(10) << ms[2] << std::setprecision(2)
             << std::setw(9) << ms[1] / ms[2] << std::setprecision(0) << std::setw(10) << fused_gbs
-            << std::setw(7) << 100 * fused_gbs / copy_gbs << "%\n";
+            << std::setw(7) << 100 * fused_gbs / copy_gbs << "%" << std::setprecision(3)
+            << std::setw(10) << gib[0] << std::setw(10) << gib[1] << std::setw(10) << gib[2]
+            << "\n";
   json << "    {\"shape\": \"" << shape << "\", " << sizes << ", \"copy\": " << copy_gbs
        << ", \"two_ops_ms\": " << ms[1] << ", \"fused_ms\": " << ms[2]
-       << ", \"fused\": " << fused_gbs << "}" << (last ? "" : ",") << "\n";
+       << ", \"fused\": " << fused_gbs << ", \"copy_peak_gib\": " << gib[0]
+       << ", \"two_ops_peak_gib\": " << gib[1] << ", \"fused_peak_gib\": " << gib[2] << "}"
+       << (last ? "" : ",") << "\n";
 }
 
 // The fused-cast tables' cast: delayed scaling, a unit scale per split.
@@ -138,6 +162,9 @@ int main(int argc, char** argv) {
             << std::left << std::setw(17) << "shape" << std::right << std::setw(9) << "copy";
   for (const Scaling& s : kScalings)
     std::cout << std::setw(14) << s.name << std::setw(8) << "%copy";
+  std::cout << std::setw(10) << "copy GiB";
+  for (const Scaling& s : kScalings)
+    std::cout << std::setw(12) << std::string(s.short_name) + " GiB";
   std::cout << "\n";
   std::ofstream json(args.json_path);
   json << "{\n  \"device\": \"" << device << "\",\n  \"unit\": \"GB/s\",\n  \"results\": [\n";
@@ -158,7 +185,8 @@ int main(int argc, char** argv) {
       const torch::Tensor sc = s.scaling == QuantizeScaling::kDelayed ? scale : torch::Tensor();
       fns.push_back([&x, &splits, o, sc] { torchmoe::ops::split_quantize(x, splits, o, sc); });
     }
-    const std::vector<double> ms = torchmoe::bench::median_ms_each(fns, args.iters, args.warmup);
+    const Measured measured = measure(fns, args);
+    const std::vector<double>& ms = measured.ms;
     const double data_bytes = 4.0 * static_cast<double>(m) * static_cast<double>(k);
     const double copy_gbs = data_bytes / ms[0] * 1e-6;
     std::cout << std::left << std::setw(17) << shape.name << std::right << std::fixed
@@ -170,6 +198,12 @@ int main(int argc, char** argv) {
           (data_bytes + scale_bytes(kScalings[s].scaling, m, k, groups)) / ms[s + 1] * 1e-6;
       std::cout << std::setw(14) << gbs << std::setw(7) << 100 * gbs / copy_gbs << "%";
       json << ", \"" << kScalings[s].name << "\": " << gbs;
+    }
+    std::cout << std::setprecision(3) << std::setw(10) << measured.gib[0];
+    json << ", \"copy_peak_gib\": " << measured.gib[0];
+    for (size_t s = 0; s < std::size(kScalings); ++s) {
+      std::cout << std::setw(12) << measured.gib[s + 1];
+      json << ", \"" << kScalings[s].name << "_peak_gib\": " << measured.gib[s + 1];
     }
     std::cout << "\n";
     json << "}" << (i + 1 < shapes.size() ? "," : "") << "\n";
@@ -183,7 +217,7 @@ int main(int argc, char** argv) {
     torch::Tensor copy_src = torch::randn({m, f}, bf16), copy_dst = torch::empty_like(copy_src);
     const DelayedCast cast = delayed_cast(shapes[i].experts);
     const torchmoe::ops::GluOptions glu;
-    const std::vector<double> ms = torchmoe::bench::median_ms_each(
+    const Measured measured = measure(
         {[&] { copy_dst.copy_(copy_src); },
          [&] {
            torchmoe::ops::split_quantize(torchmoe::ops::glu_forward(g.z, g.probs, glu), g.splits,
@@ -192,10 +226,10 @@ int main(int argc, char** argv) {
          [&] {
            torchmoe::ops::glu_split_quantize(g.z, g.probs, glu, g.splits, cast.options, cast.scale);
          }},
-        args.iters, args.warmup);
+        args);
     const double elements = static_cast<double>(m) * static_cast<double>(f);
     report_fused_row(json, shapes[i].name,
-                     "\"rows\": " + std::to_string(m) + ", \"ffn\": " + std::to_string(f), ms,
+                     "\"rows\": " + std::to_string(m) + ", \"ffn\": " + std::to_string(f), measured,
                      4.0 * elements, 6.0 * elements, i + 1 == shapes.size());
   }
   json << "  ],\n  \"gather_delayed\": [\n";
@@ -213,23 +247,23 @@ int main(int argc, char** argv) {
     const torchmoe::SplitSizes splits = torchmoe::ops::split_sizes(map);
     torch::Tensor copy_src = torch::randn({m, k}, bf16), copy_dst = torch::empty_like(copy_src);
     const DelayedCast cast = delayed_cast(shape.experts);
-    const std::vector<double> ms = torchmoe::bench::median_ms_each(
-        {[&] { copy_dst.copy_(copy_src); },
-         [&] {
-           torchmoe::ops::split_quantize(
-               torchmoe::ops::permute_rows(tokens, map.row_map, map.sorted_slots, {}), splits,
-               cast.options, cast.scale);
-         },
-         [&] {
-           torchmoe::ops::gather_split_quantize(tokens, source_rows, splits, cast.options,
-                                                cast.scale);
-         }},
-        args.iters, args.warmup);
+    const Measured measured =
+        measure({[&] { copy_dst.copy_(copy_src); },
+                 [&] {
+                   torchmoe::ops::split_quantize(
+                       torchmoe::ops::permute_rows(tokens, map.row_map, map.sorted_slots, {}),
+                       splits, cast.options, cast.scale);
+                 },
+                 [&] {
+                   torchmoe::ops::gather_split_quantize(tokens, source_rows, splits, cast.options,
+                                                        cast.scale);
+                 }},
+                args);
     report_fused_row(json, shape.name,
                      "\"tokens\": " + std::to_string(t) + ", \"rows\": " + std::to_string(m) +
                          ", \"k\": " + std::to_string(k),
-                     ms, 4.0 * static_cast<double>(m) * k, 2.0 * static_cast<double>(t + m) * k,
-                     i + 1 == shapes.size());
+                     measured, 4.0 * static_cast<double>(m) * k,
+                     2.0 * static_cast<double>(t + m) * k, i + 1 == shapes.size());
   }
   json << "  ],\n  \"swiglu_backward_delayed\": [\n";
   print_fused_header(
@@ -242,21 +276,21 @@ int main(int argc, char** argv) {
     torch::Tensor copy_src = torch::randn({m, 2 * f}, bf16), copy_dst = torch::empty_like(copy_src);
     const DelayedCast cast = delayed_cast(shapes[i].experts);
     const torchmoe::ops::GluOptions glu;
-    const std::vector<double> ms = torchmoe::bench::median_ms_each(
-        {[&] { copy_dst.copy_(copy_src); },
-         [&] {
-           torchmoe::ops::split_quantize(
-               torchmoe::ops::glu_backward(dy, g.z, g.probs, glu, true).grad_input, g.splits,
-               cast.options, cast.scale);
-         },
-         [&] {
-           torchmoe::ops::glu_backward_split_quantize(dy, g.z, g.probs, glu, true, g.splits,
-                                                      cast.options, cast.scale);
-         }},
-        args.iters, args.warmup);
+    const Measured measured =
+        measure({[&] { copy_dst.copy_(copy_src); },
+                 [&] {
+                   torchmoe::ops::split_quantize(
+                       torchmoe::ops::glu_backward(dy, g.z, g.probs, glu, true).grad_input,
+                       g.splits, cast.options, cast.scale);
+                 },
+                 [&] {
+                   torchmoe::ops::glu_backward_split_quantize(dy, g.z, g.probs, glu, true, g.splits,
+                                                              cast.options, cast.scale);
+                 }},
+                args);
     const double elements = static_cast<double>(m) * static_cast<double>(f);
     report_fused_row(json, shapes[i].name,
-                     "\"rows\": " + std::to_string(m) + ", \"ffn\": " + std::to_string(f), ms,
+                     "\"rows\": " + std::to_string(m) + ", \"ffn\": " + std::to_string(f), measured,
                      8.0 * elements, 10.0 * elements, i + 1 == shapes.size());
   }
   json << "  ]\n}\n";

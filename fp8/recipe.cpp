@@ -30,11 +30,6 @@ const char* role_name(TensorRole role) {
   TORCH_CHECK(false, "fp8::role_name: unknown TensorRole ", static_cast<int>(role));
 }
 
-kernels::Fp8Format tensor_format(Format format, TensorRole role) {
-  return format == Format::kHybrid && role == TensorRole::kGradOutput ? kernels::Fp8Format::kE5M2
-                                                                      : kernels::Fp8Format::kE4M3;
-}
-
 DelayedScaling& DelayedScaling::margin(int64_t value) {
   // The scale targets fp8_max · 2^-margin, a float, which must stay a normal number (a target of 0
   // would make a zero scale and an infinite scale_inv): 127 keeps it one in both formats, with room
@@ -93,20 +88,6 @@ void validate(const Recipe& recipe) {
 
 Format recipe_format(const Recipe& recipe) {
   return std::visit([](const auto& r) { return r.format(); }, recipe);
-}
-
-bool split_accumulator(const Recipe& recipe, kernels::GemmKind product) {
-  if (const auto* current = std::get_if<CurrentScaling>(&recipe)) {
-    switch (product) {
-      case kernels::GemmKind::kFprop:
-        return current->fprop_split_accumulator();
-      case kernels::GemmKind::kDgrad:
-        return current->dgrad_split_accumulator();
-      case kernels::GemmKind::kWgrad:
-        return current->wgrad_split_accumulator();
-    }
-  }
-  return std::holds_alternative<BlockScaling>(recipe) || product != kernels::GemmKind::kFprop;
 }
 
 const char* recipe_name(const Recipe& recipe) {

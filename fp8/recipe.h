@@ -30,9 +30,6 @@ constexpr int kNumTensorRoles = 3;
 /// "input", "weight" or "grad_output": buffer names and messages.
 const char* role_name(TensorRole role);
 
-/// The FP8 dtype of `role`'s tensors under `format`.
-kernels::Fp8Format tensor_format(Format format, TensorRole role);
-
 /// Per-tensor scales from a history of amaxes (TE's DelayedScaling, its default on Hopper):
 /// scale = fp8_max · 2^-margin / amax, amax the history's max or its newest entry. The quantize
 /// casts with the scale of the previous update and records this step's amax; the scale follows
@@ -47,7 +44,7 @@ class DelayedScaling {
   DelayedScaling& amax_history_len(int64_t value);
   int64_t amax_history_len() const { return amax_history_len_; }
   /// kMax: the history's largest amax sets the scale; kMostRecent: the newest one.
-  TORCH_ARG(kernels::AmaxComputeAlgo, amax_compute_algo) = kernels::AmaxComputeAlgo::kMax;
+  TORCH_ARG(AmaxComputeAlgo, amax_compute_algo) = AmaxComputeAlgo::kMax;
   TORCH_ARG(Format, format) = Format::kHybrid;
   /// Take the max of every rank's amaxes (the group of data-parallel replicas) before the update,
   /// so that all replicas keep the same scales (TE's default). Applied by the updates that are
@@ -124,10 +121,6 @@ using Recipe = std::variant<DelayedScaling, CurrentScaling, BlockScaling>;
 void validate(const Recipe& recipe);
 /// The recipe's format.
 Format recipe_format(const Recipe& recipe);
-/// Whether `product` runs split accumulation under `recipe`: CurrentScaling's fields;
-/// DelayedScaling TE's fixed choice (fprop no, dgrad and wgrad yes); BlockScaling always (its
-/// scales apply per 128-deep block, which is split accumulation).
-bool split_accumulator(const Recipe& recipe, kernels::GemmKind product);
 /// "DelayedScaling", "CurrentScaling" or "BlockScaling".
 const char* recipe_name(const Recipe& recipe);
 

@@ -18,8 +18,8 @@
 #include <string>
 #include <unordered_map>
 
-#include "torchmoe/fp8/recipe.h"
 #include "torchmoe/distributed/process_group.h"
+#include "torchmoe/fp8/recipe.h"
 
 namespace torchmoe::fp8 {
 
@@ -27,7 +27,7 @@ namespace torchmoe::fp8 {
 struct DelayedScalingTensors {
   /// [amax_history_len, num_gemms] float32. Row 0 collects this step's amax (the quantize maxes
   /// into it across micro-batches); an update makes it the newest entry and zeroes row 0
-  /// (ops::update_delayed_scaling has the order).
+  /// (docs/fp8.md has the order).
   torch::Tensor amax_history;
   torch::Tensor scale;      ///< [num_gemms] float32: what the next cast multiplies by (starts at 1)
   torch::Tensor scale_inv;  ///< [num_gemms] float32: 1 / scale, what the GEMMs dequantize with
@@ -62,13 +62,12 @@ class Fp8StateImpl : public torch::nn::Cloneable<Fp8StateImpl> {
   /// The state of `role`'s tensors (the registered buffers, not copies).
   const DelayedScalingTensors& tensors(TensorRole role) const;
 
-  /// Runs the delayed-scaling update of `pass`'s roles in place (ops::update_delayed_scaling, one
-  /// launch per role): row 0 becomes the newest history entry and the scales follow `recipe`.
-  /// With `group` and the recipe's reduce_amax (TE's default), row 0 is first maxed over the
-  /// group's ranks (reduce_amax below), so that replicas keep equal scales; without a group, or
-  /// with reduce_amax false, each rank keeps its own amaxes. CUDA only: on the CPU it is the op's
-  /// NotImplementedError (raised after the reduction). The recipe's amax_history_len must be the
-  /// state's.
+  /// Runs the delayed-scaling update of `pass`'s roles in place (one launch per role): row 0
+  /// becomes the newest history entry and the scales follow `recipe`. With `group` and the recipe's
+  /// reduce_amax (TE's default), row 0 is first maxed over the group's ranks (reduce_amax below),
+  /// so that replicas keep equal scales; without a group, or with reduce_amax false, each rank
+  /// keeps its own amaxes. CUDA only: on the CPU it is the op's NotImplementedError (raised after
+  /// the reduction). The recipe's amax_history_len must be the state's.
   void update(const DelayedScaling& recipe, Pass pass,
               const std::optional<ProcessGroupOptions>& group = std::nullopt);
 

@@ -61,7 +61,7 @@ struct PlanKey {
   cudaDataType_t a_type, b_type, d_type;
   cublasComputeType_t compute;
   int32_t a_scale_mode, b_scale_mode;  // cublasLtMatmulMatrixScale_t or kNoScaleMode
-  bool fast_accumulation;
+  bool fast_accumulation;              // CUBLASLT_MATMUL_DESC_FAST_ACCUM: no split accumulation
   cublasLtEpilogue_t epilogue;
   uint8_t align_a, align_b, align_d, align_bias;
   size_t workspace_bytes;
@@ -499,7 +499,7 @@ Fp8GemmResult run_grouped_gemm_cublaslt_fp8(const Fp8GroupedGemmParams& params,
     key.a_scale_mode = scale_mode(params.b_scaling);
     key.b_scale_mode = scale_mode(params.a_scaling);
     // Block-scaled kernels promote every block anyway and take no fast-accumulation flag.
-    key.fast_accumulation = params.fast_accumulation && !block;
+    key.fast_accumulation = !params.split_accumulator && !block;
     if (g.bias != nullptr && result.bias_applied) {
       set_epilogue(key, CUBLASLT_EPILOGUE_BIAS, g.bias);
       call.pointers.bias = g.bias;

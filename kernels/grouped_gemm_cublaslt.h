@@ -118,9 +118,11 @@ struct Fp8GroupedGemmParams {
   QuantizeScaling a_scaling = QuantizeScaling::kCurrent, b_scaling = QuantizeScaling::kCurrent;
   ScalarType output_type = ScalarType::kBFloat16;
   bool accumulate = false;  // C += product (fp32 C, for main-grad)
-  // cuBLASLt's FP8 fast accumulation (partial sums not promoted to fp32 every few k-steps): what
-  // TE uses for fprop and not for dgrad/wgrad. Per-tensor scalings only.
-  bool fast_accumulation = false;
+  // Split accumulation (TE's use_split_accumulator): partial sums promoted to fp32 every few
+  // k-steps, TE's choice for dgrad/wgrad. false: cuBLASLt's FP8 fast accumulation (partial sums
+  // kept in the tensor cores), TE's choice for fprop. Per-tensor scalings only: block-scaled
+  // products always split.
+  bool split_accumulator = true;
   std::vector<Fp8GemmGroup> groups;
 };
 

@@ -24,6 +24,7 @@
 #include <array>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 #include <unordered_map>
 
 #include "torchmoe/kernels/device_types.cuh"
@@ -75,29 +76,7 @@ const GroupedApi& grouped_api() {
   return api;
 }
 
-// Byte offsets of the arrays in env.arrays (see the file comment).
-struct ArrayLayout {
-  size_t a, b, c, d, ints, starts, scalars, a_scale, b_scale, total;
-};
-
-constexpr size_t align16(size_t bytes) { return (bytes + 15) / 16 * 16; }
-
-ArrayLayout array_layout(int groups) {
-  const auto g = static_cast<size_t>(groups);
-  ArrayLayout l{};
-  l.a = 0;
-  l.b = l.a + align16(g * sizeof(void*));
-  l.c = l.b + align16(g * sizeof(void*));
-  l.d = l.c + align16(g * sizeof(void*));
-  l.ints = l.d + align16(g * sizeof(void*));
-  l.starts = l.ints + align16(6 * g * sizeof(int32_t));
-  l.scalars = l.starts + align16((g + 1) * sizeof(int64_t));
-  l.a_scale = l.scalars + align16(2 * sizeof(float));
-  l.b_scale = l.a_scale + align16(g * sizeof(void*));
-  l.total = l.b_scale + align16(g * sizeof(void*));
-  return l;
-}
-
+// The arrays in env.arrays (see the file comment).
 struct GroupArrays {
   const void** a;
   const void** b;
@@ -110,19 +89,27 @@ struct GroupArrays {
   const float** b_scale;
 };
 
-GroupArrays group_arrays(void* base, int groups) {
-  const ArrayLayout l = array_layout(groups);
-  char* p = static_cast<char*>(base);
+// The arrays placed from `base` on, in the file comment's order, each 16-byte aligned; `bytes`,
+// when given, receives the size they take.
+GroupArrays group_arrays(uintptr_t base, int groups, size_t* bytes = nullptr) {
+  const auto g = static_cast<size_t>(groups);
+  uintptr_t at = base;
+  const auto take = [&](size_t size) {
+    const uintptr_t start = at;
+    at += (size + 15) / 16 * 16;
+    return start;
+  };
   GroupArrays arrays;
-  arrays.a = reinterpret_cast<const void**>(p + l.a);
-  arrays.b = reinterpret_cast<const void**>(p + l.b);
-  arrays.c = reinterpret_cast<const void**>(p + l.c);
-  arrays.d = reinterpret_cast<void**>(p + l.d);
-  arrays.ints = reinterpret_cast<int32_t*>(p + l.ints);
-  arrays.starts = reinterpret_cast<int64_t*>(p + l.starts);
-  arrays.scalars = reinterpret_cast<float*>(p + l.scalars);
-  arrays.a_scale = reinterpret_cast<const float**>(p + l.a_scale);
-  arrays.b_scale = reinterpret_cast<const float**>(p + l.b_scale);
+  arrays.a = reinterpret_cast<const void**>(take(g * sizeof(void*)));
+  arrays.b = reinterpret_cast<const void**>(take(g * sizeof(void*)));
+  arrays.c = reinterpret_cast<const void**>(take(g * sizeof(void*)));
+  arrays.d = reinterpret_cast<void**>(take(g * sizeof(void*)));
+  arrays.ints = reinterpret_cast<int32_t*>(take(6 * g * sizeof(int32_t)));
+  arrays.starts = reinterpret_cast<int64_t*>(take((g + 1) * sizeof(int64_t)));
+  arrays.scalars = reinterpret_cast<float*>(take(2 * sizeof(float)));
+  arrays.a_scale = reinterpret_cast<const float**>(take(g * sizeof(void*)));
+  arrays.b_scale = reinterpret_cast<const float**>(take(g * sizeof(void*)));
+  if (bytes != nullptr) *bytes = at - base;
   return arrays;
 }
 
@@ -133,130 +120,103 @@ __device__ __forceinline__ const char* group_bytes(const GroupAddress& a, int g,
 
 constexpr int kSetupThreads = 1024;
 
-// One block: a running scan of the clamped split sizes over chunks of kSetupThreads groups.
-// in, outs: the element sizes of input_type and output_type.
-__global__ void __launch_bounds__(kSetupThreads)
-    setup_groups_kernel(const CublasLtGroupedParams p, const GroupArrays out, size_t in,
-                        size_t outs) {
-  using Scan = cub::BlockScan<int64_t, kSetupThreads>;
-  __shared__ typename Scan::TempStorage scan_storage;
+// Writes group g's A, B and D (C is D) in cuBLAS's view and their shapes, a_rows, a_cols,
+// b_rows, b_cols, d_rows, d_cols (the file comment's table).
+__device__ __forceinline__ void put_group(const GroupArrays& out, int g, int G, const void* a,
+                                          const void* b, void* d, const int64_t (&shape)[6]) {
+  out.a[g] = a;
+  out.b[g] = b;
+  out.c[g] = d;
+  out.d[g] = d;
+  for (int i = 0; i < 6; ++i) out.ints[i * G + g] = static_cast<int32_t>(shape[i]);
+}
+
+// Group g of a 16-bit call, from its first row `start` and clamped size m. in, outs: the element
+// sizes of input_type and output_type.
+__device__ __forceinline__ void place_group(const CublasLtGroupedParams& p, const GroupArrays& out,
+                                            int g, int64_t start, int64_t m, int64_t /*start16*/,
+                                            size_t in, size_t outs) {
   const int G = p.num_groups;
-  int32_t* a_rows = out.ints;
-  int32_t* a_cols = a_rows + G;
-  int32_t* b_rows = a_cols + G;
-  int32_t* b_cols = b_rows + G;
-  int32_t* d_rows = b_cols + G;
-  int32_t* d_cols = d_rows + G;
-  const auto n = static_cast<int32_t>(p.n), k = static_cast<int32_t>(p.k);
-  int64_t carry = 0;
-  for (int base = 0; base < G; base += kSetupThreads) {
-    const int g = base + static_cast<int>(threadIdx.x);
-    const int64_t split = g < G ? split_at(p.m_splits, p.splits_int32, g, p.rows) : 0;
-    int64_t before = 0, chunk_total = 0;
-    Scan(scan_storage).ExclusiveSum(split, before, chunk_total);
-    __syncthreads();  // scan_storage is reused by the next chunk
-    if (g < G) {
-      const int64_t start = min(carry + before, p.rows);
-      const int64_t m = min(split, p.rows - start);
-      const auto m32 = static_cast<int32_t>(m);
-      out.starts[g] = start;
-      switch (p.kind) {
-        case GemmKind::kFprop:
-          out.a[g] = group_bytes(p.weight, g, in);
-          out.b[g] = static_cast<const char*>(p.input) + start * p.k * in;
-          out.d[g] = static_cast<char*>(p.output) + start * p.n * outs;
-          a_rows[g] = k, a_cols[g] = n, b_rows[g] = k, b_cols[g] = m32, d_rows[g] = n;
-          d_cols[g] = m32;
-          break;
-        case GemmKind::kDgrad:
-          out.a[g] = group_bytes(p.weight, g, in);
-          out.b[g] = static_cast<const char*>(p.grad_output) + start * p.n * in;
-          out.d[g] = static_cast<char*>(p.output) + start * p.k * outs;
-          a_rows[g] = k, a_cols[g] = n, b_rows[g] = n, b_cols[g] = m32, d_rows[g] = k;
-          d_cols[g] = m32;
-          break;
-        case GemmKind::kWgrad:
-          out.a[g] = static_cast<const char*>(p.input) + start * p.k * in;
-          out.b[g] = static_cast<const char*>(p.grad_output) + start * p.n * in;
-          out.d[g] = const_cast<char*>(group_bytes(p.weight_grad, g, outs));
-          a_rows[g] = k, a_cols[g] = m32, b_rows[g] = n, b_cols[g] = m32, d_rows[g] = k;
-          d_cols[g] = n;
-          break;
-      }
-      out.c[g] = out.d[g];
-    }
-    carry += chunk_total;
-  }
-  if (threadIdx.x == 0) {
-    out.starts[G] = min(carry, p.rows);
-    out.scalars[0] = 1.0f;
-    out.scalars[1] = p.accumulate ? 1.0f : 0.0f;
+  const int64_t n = p.n, k = p.k;
+  const auto* x = static_cast<const char*>(p.input);
+  const auto* dy = static_cast<const char*>(p.grad_output);
+  auto* y = static_cast<char*>(p.output);  // y or dx
+  switch (p.kind) {
+    case GemmKind::kFprop:
+      put_group(out, g, G, group_bytes(p.weight, g, in), x + start * k * in, y + start * n * outs,
+                {k, n, k, m, n, m});
+      break;
+    case GemmKind::kDgrad:
+      put_group(out, g, G, group_bytes(p.weight, g, in), dy + start * n * in, y + start * k * outs,
+                {k, n, n, m, k, m});
+      break;
+    case GemmKind::kWgrad:
+      put_group(out, g, G, x + start * k * in, dy + start * n * in,
+                const_cast<char*>(group_bytes(p.weight_grad, g, outs)), {k, m, n, m, k, n});
+      break;
   }
 }
 
-// The FP8 products' arrays (TN for every kind; see the header): like setup_groups_kernel, plus a
-// second running sum, of r16(m_g), which places the columnwise blocks, and the scale pointers.
+// Group g of an FP8 call: TN for every kind (see the header), and its scale pointers. start16: the
+// first row of its columnwise block (wgrad), the running sum of r16(m_h) before it.
+__device__ __forceinline__ void place_group(const CublasLtGroupedFp8Params& p,
+                                            const GroupArrays& out, int g, int64_t start, int64_t m,
+                                            int64_t start16, size_t /*in*/, size_t outs) {
+  const int G = p.num_groups;
+  const int64_t n = p.n, k = p.k, m16 = (m + 15) / 16 * 16;
+  const auto* a = static_cast<const char*>(p.a);
+  const auto* b = static_cast<const char*>(p.b);
+  auto* y = static_cast<char*>(p.output);  // y or dx
+  switch (p.kind) {
+    case GemmKind::kFprop:  // A' = W_g, B' = x rows, D = y rows
+      put_group(out, g, G, b + g * n * k, a + start * k, y + start * n * outs, {k, n, k, m, n, m});
+      break;
+    case GemmKind::kDgrad:  // A' = W_gᵀ (columnwise), B' = dy rows, D = dx rows
+      put_group(out, g, G, b + g * n * k, a + start * n, y + start * k * outs, {n, k, n, m, k, m});
+      break;
+    case GemmKind::kWgrad:  // A' = xᵀ block, B' = dyᵀ block, D = dW_g
+      put_group(out, g, G, b + start16 * k, a + start16 * n,
+                const_cast<char*>(group_bytes(p.weight_grad, g, outs)), {m16, k, m16, n, k, n});
+      break;
+  }
+  // cuBLAS's A is our B and its B our A (the product is computed transposed).
+  out.a_scale[g] = p.b_scale_inv + g;
+  out.b_scale[g] = p.a_scale_inv + g;
+}
+
+// One block: a running scan of the clamped split sizes over chunks of kSetupThreads groups and,
+// FP8, a second running sum, of r16(m_g), which places the columnwise blocks; then each group's
+// entries (place_group).
+template <typename Params>
 __global__ void __launch_bounds__(kSetupThreads)
-    setup_fp8_groups_kernel(const CublasLtGroupedFp8Params p, const GroupArrays out, size_t outs) {
+    setup_groups_kernel(const Params p, const GroupArrays out, size_t in, size_t outs) {
+  constexpr bool kFp8 = std::is_same_v<Params, CublasLtGroupedFp8Params>;
   using Scan = cub::BlockScan<int64_t, kSetupThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   const int G = p.num_groups;
-  int32_t* a_rows = out.ints;
-  int32_t* a_cols = a_rows + G;
-  int32_t* b_rows = a_cols + G;
-  int32_t* b_cols = b_rows + G;
-  int32_t* d_rows = b_cols + G;
-  int32_t* d_cols = d_rows + G;
-  const auto* a = static_cast<const char*>(p.a);
-  const auto* b = static_cast<const char*>(p.b);
   int64_t carry = 0, carry16 = 0;
   for (int base = 0; base < G; base += kSetupThreads) {
     const int g = base + static_cast<int>(threadIdx.x);
     const int64_t split = g < G ? split_at(p.m_splits, p.splits_int32, g, p.rows) : 0;
     int64_t before = 0, chunk_total = 0;
     Scan(scan_storage).ExclusiveSum(split, before, chunk_total);
-    __syncthreads();
-    // r16 of the clamped sizes needs the clamped start first: a second scan over them.
+    __syncthreads();  // scan_storage is reused by the next scan
     const int64_t start = min(carry + before, p.rows);
-    const int64_t m = g < G ? max(int64_t{0}, min(split, p.rows - start)) : 0;
-    const int64_t m16 = (m + 15) / 16 * 16;
-    int64_t before16 = 0, chunk16 = 0;
-    Scan(scan_storage).ExclusiveSum(m16, before16, chunk16);
-    __syncthreads();
+    const int64_t m = min(split, p.rows - start);  // split is 0 past the last group
+    int64_t start16 = 0;
+    if constexpr (kFp8) {
+      // r16 of the clamped sizes needs the clamped start first: a second scan over them.
+      int64_t before16 = 0, chunk16 = 0;
+      Scan(scan_storage).ExclusiveSum((m + 15) / 16 * 16, before16, chunk16);
+      __syncthreads();
+      start16 = carry16 + before16;
+      carry16 += chunk16;
+    }
     if (g < G) {
-      const int64_t start16 = carry16 + before16;
       out.starts[g] = start;
-      int64_t kk = 0, n_out = 0, m_out = 0;
-      switch (p.kind) {
-        case GemmKind::kFprop:  // A' = W_g, B' = x rows, D = y rows
-          out.a[g] = b + static_cast<int64_t>(g) * p.n * p.k;
-          out.b[g] = a + start * p.k;
-          out.d[g] = static_cast<char*>(p.output) + start * p.n * outs;
-          kk = p.k, n_out = p.n, m_out = m;
-          break;
-        case GemmKind::kDgrad:  // A' = W_gᵀ (columnwise), B' = dy rows, D = dx rows
-          out.a[g] = b + static_cast<int64_t>(g) * p.n * p.k;
-          out.b[g] = a + start * p.n;
-          out.d[g] = static_cast<char*>(p.output) + start * p.k * outs;
-          kk = p.n, n_out = p.k, m_out = m;
-          break;
-        case GemmKind::kWgrad:  // A' = xᵀ block, B' = dyᵀ block, D = dW_g
-          out.a[g] = b + start16 * p.k;
-          out.b[g] = a + start16 * p.n;
-          out.d[g] = const_cast<char*>(group_bytes(p.weight_grad, g, outs));
-          kk = m16, n_out = p.k, m_out = p.n;
-          break;
-      }
-      a_rows[g] = static_cast<int32_t>(kk), a_cols[g] = static_cast<int32_t>(n_out);
-      b_rows[g] = static_cast<int32_t>(kk), b_cols[g] = static_cast<int32_t>(m_out);
-      d_rows[g] = static_cast<int32_t>(n_out), d_cols[g] = static_cast<int32_t>(m_out);
-      out.c[g] = out.d[g];
-      // cuBLAS's A is our B and its B our A (the product is computed transposed).
-      out.a_scale[g] = p.b_scale_inv + g;
-      out.b_scale[g] = p.a_scale_inv + g;
+      place_group(p, out, g, start, m, start16, in, outs);
     }
     carry += chunk_total;
-    carry16 += chunk16;
   }
   if (threadIdx.x == 0) {
     out.starts[G] = min(carry, p.rows);
@@ -323,26 +283,6 @@ __global__ void add_bias_kernel(T* y, const float* product, int64_t rows, int64_
   }
 }
 
-// A bias is added to the fp32 product, rounding once as the fused epilogues of the other
-// backends do (adding it to a rounded 16-bit product measured errors of several percent where
-// product and bias cancel): the matmul then writes env.fprop_product, the bias kernel the output.
-template <typename Params>
-bool has_bias(const Params& p) {
-  return p.kind == GemmKind::kFprop && !p.bias.empty();
-}
-
-template <typename Params>
-Params matmul_params(const Params& p, const CublasLtGroupedEnv& env) {
-  Params matmul = p;
-  if (has_bias(p)) {
-    TORCH_INTERNAL_ASSERT(env.fprop_product != nullptr,
-                          "run_grouped_gemm_cublaslt_grouped: a bias needs fprop_product");
-    matmul.output = env.fprop_product;
-    matmul.output_type = ScalarType::kFloat32;
-  }
-  return matmul;
-}
-
 // add_bias_kernel on `type`'s output y.
 void launch_add_bias(void* y, ScalarType type, const float* product, int64_t rows, int64_t n,
                      GroupAddress bias, const int64_t* starts, int groups, cudaStream_t stream) {
@@ -383,14 +323,64 @@ struct Layouts {
   LayoutStorage a, b, c, d;
 };
 
-void init_layouts(Layouts& l, const CublasLtGroupedParams& p, const GroupArrays& arrays) {
+// What the 16-bit and the FP8 grouped matmuls differ in, besides their setup kernels: the
+// operands' types and the descriptor's attributes, the fields of the plan cache's key that stand
+// for them, and where wgrad's reduction lengths are. run_grouped does the rest for both.
+struct MatmulSpec {
+  cudaDataType_t a_type, b_type;  // cuBLAS's A and B (C and D have the call's output type)
+  size_t input_bytes;             // of an A or B element
+  cublasComputeType_t compute;
+  cublasOperation_t trans_a, trans_b;
+  bool scaled = false;      // FP8: per-group scalar scales through the pointer arrays
+  bool fast_accum = false;  // FP8: CUBLASLT_MATMUL_DESC_FAST_ACCUM (no split accumulation)
+  // Key fields: the kind (FP8's negative, so that the two never share a plan; see find_plan),
+  // the operand types and the one option that changes the descriptor (TF32, fast accumulation).
+  int64_t key_kind, key_types, key_option;
+  // Which of arrays.ints' G-entry runs (a_rows, a_cols, ...) holds wgrad's reduction lengths.
+  int reduction_run;
+};
+
+MatmulSpec matmul_spec(const CublasLtGroupedParams& p) {
+  MatmulSpec s;
+  s.a_type = s.b_type = cuda_type(p.input_type);
+  s.input_bytes = element_size(p.input_type);
+  s.compute = p.input_type == ScalarType::kFloat32 && p.allow_tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32
+                                                                   : CUBLAS_COMPUTE_32F;
+  s.trans_a = p.kind == GemmKind::kFprop ? CUBLAS_OP_T : CUBLAS_OP_N;
+  s.trans_b = p.kind == GemmKind::kWgrad ? CUBLAS_OP_T : CUBLAS_OP_N;
+  s.key_kind = static_cast<int64_t>(p.kind);
+  s.key_types = static_cast<int64_t>(p.input_type);
+  s.key_option = p.allow_tf32;
+  s.reduction_run = 1;  // a_cols: wgrad's A is x's rows of the group (k × m_g)
+  return s;
+}
+
+// TN for every kind; cuBLAS's A is our B and its B our A (the product is computed transposed).
+MatmulSpec matmul_spec(const CublasLtGroupedFp8Params& p) {
+  MatmulSpec s;
+  s.a_type = p.b_format == Fp8Format::kE4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2;
+  s.b_type = p.a_format == Fp8Format::kE4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2;
+  s.input_bytes = 1;
+  s.compute = CUBLAS_COMPUTE_32F;
+  s.trans_a = CUBLAS_OP_T;
+  s.trans_b = CUBLAS_OP_N;
+  s.scaled = true;
+  s.fast_accum = !p.split_accumulator;
+  s.key_kind = -1 - static_cast<int64_t>(p.kind);
+  s.key_types = static_cast<int64_t>(p.a_format) * 2 + static_cast<int64_t>(p.b_format);
+  s.key_option = s.fast_accum;
+  s.reduction_run = 0;  // a_rows: wgrad's A is x's columnwise block (r16(m_g) × k)
+  return s;
+}
+
+void init_layouts(Layouts& l, const MatmulSpec& s, ScalarType output_type,
+                  const GroupArrays& arrays, int G) {
   const GroupedLayoutInit init = grouped_api().layout_init;
-  const cudaDataType_t in = cuda_type(p.input_type), out = cuda_type(p.output_type);
-  const int G = p.num_groups;
+  const cudaDataType_t out = cuda_type(output_type);
   const int32_t* ints = arrays.ints;
-  TORCHMOE_CUBLASLT_CHECK(init(l.a.get(), sizeof(l.a.data), in, G, ints, ints + G, ints));
+  TORCHMOE_CUBLASLT_CHECK(init(l.a.get(), sizeof(l.a.data), s.a_type, G, ints, ints + G, ints));
   TORCHMOE_CUBLASLT_CHECK(
-      init(l.b.get(), sizeof(l.b.data), in, G, ints + 2 * G, ints + 3 * G, ints + 2 * G));
+      init(l.b.get(), sizeof(l.b.data), s.b_type, G, ints + 2 * G, ints + 3 * G, ints + 2 * G));
   TORCHMOE_CUBLASLT_CHECK(
       init(l.c.get(), sizeof(l.c.data), out, G, ints + 4 * G, ints + 5 * G, ints + 4 * G));
   TORCHMOE_CUBLASLT_CHECK(
@@ -409,7 +399,8 @@ void set_average(cublasLtMatmulPreference_t pref, cublasLtMatmulPreferenceAttrib
   TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &value, sizeof(value)));
 }
 
-// What the heuristic is told of a call besides its descriptor and layouts.
+// What the heuristic is told of a call besides its descriptor and layouts (and, with the spec's
+// key fields, the plan cache's key).
 struct CallShape {
   GemmKind kind;
   ScalarType output_type;
@@ -454,137 +445,126 @@ void choose_algorithm(Plan& plan, Layouts& layouts, const CallShape& c, size_t w
   plan.algo = result.algo;
 }
 
-std::unique_ptr<Plan> make_plan(const CublasLtGroupedParams& p, Layouts& layouts,
-                                size_t workspace_bytes, cublasLtHandle_t handle) {
-  auto plan = std::make_unique<Plan>();
-  const cublasComputeType_t compute = p.input_type == ScalarType::kFloat32 && p.allow_tf32
-                                          ? CUBLAS_COMPUTE_32F_FAST_TF32
-                                          : CUBLAS_COMPUTE_32F;
-  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulDescCreate(&plan->desc, compute, CUDA_R_32F));
-  const cublasOperation_t trans_a = p.kind == GemmKind::kFprop ? CUBLAS_OP_T : CUBLAS_OP_N;
-  const cublasOperation_t trans_b = p.kind == GemmKind::kWgrad ? CUBLAS_OP_T : CUBLAS_OP_N;
-  const cublasLtPointerMode_t pointer_mode = CUBLASLT_POINTER_MODE_DEVICE;
-  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA,
-                                                         &trans_a, sizeof(trans_a)));
-  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB,
-                                                         &trans_b, sizeof(trans_b)));
-  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(
-      plan->desc, CUBLASLT_MATMUL_DESC_POINTER_MODE, &pointer_mode, sizeof(pointer_mode)));
-
-  choose_algorithm(*plan, layouts, {p.kind, p.output_type, p.n, p.k, p.rows, p.num_groups},
-                   workspace_bytes, handle);
-  return plan;
-}
-
-// The plan for `key`, made by `make` on a miss. Per host thread, so no locking; bounded because
-// MoE row counts may change every step. The 16-bit and FP8 keys share it (their kinds differ in
-// sign). A call uses the returned plan before it looks up another, so a clear cannot free it.
-template <typename Make>
-const Plan& cached_plan(const PlanKey& key, Make&& make) {
-  thread_local std::unordered_map<PlanKey, std::unique_ptr<Plan>, PlanKeyHash> cache;
-  auto it = cache.find(key);
-  if (it == cache.end()) {
-    if (cache.size() >= 4096) cache.clear();
-    it = cache.emplace(key, make()).first;
-  }
-  return *it->second;
-}
-
-const Plan& find_plan(const CublasLtGroupedParams& p, Layouts& layouts, size_t workspace_bytes,
-                      cublasLtHandle_t handle) {
-  int device = 0;
-  TORCHMOE_CUDA_CHECK(cudaGetDevice(&device));
-  const PlanKey key{static_cast<int64_t>(p.kind),
-                    static_cast<int64_t>(p.input_type),
-                    static_cast<int64_t>(p.output_type),
-                    p.n,
-                    p.k,
-                    p.num_groups,
-                    p.rows / p.num_groups,
-                    p.allow_tf32,
-                    static_cast<int64_t>(workspace_bytes),
-                    device,
-                    reinterpret_cast<int64_t>(handle)};
-  return cached_plan(key, [&] { return make_plan(p, layouts, workspace_bytes, handle); });
-}
-
-const char* kind_name(GemmKind kind) {
-  return kind == GemmKind::kFprop ? "fprop" : kind == GemmKind::kDgrad ? "dgrad" : "wgrad";
-}
-
 // cuBLAS >= 13.5's per-group scalar scale mode (absent from older headers).
 constexpr int32_t kScalePerBatchScalar = 6;
-
-cudaDataType_t fp8_type(Fp8Format format) {
-  return format == Fp8Format::kE4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2;
-}
-
-void init_fp8_layouts(Layouts& l, const CublasLtGroupedFp8Params& p, const GroupArrays& arrays) {
-  const GroupedLayoutInit init = grouped_api().layout_init;
-  const cudaDataType_t a = fp8_type(p.b_format), b = fp8_type(p.a_format);
-  const cudaDataType_t out = cuda_type(p.output_type);
-  const int G = p.num_groups;
-  const int32_t* ints = arrays.ints;
-  TORCHMOE_CUBLASLT_CHECK(init(l.a.get(), sizeof(l.a.data), a, G, ints, ints + G, ints));
-  TORCHMOE_CUBLASLT_CHECK(
-      init(l.b.get(), sizeof(l.b.data), b, G, ints + 2 * G, ints + 3 * G, ints + 2 * G));
-  TORCHMOE_CUBLASLT_CHECK(
-      init(l.c.get(), sizeof(l.c.data), out, G, ints + 4 * G, ints + 5 * G, ints + 4 * G));
-  TORCHMOE_CUBLASLT_CHECK(
-      init(l.d.get(), sizeof(l.d.data), out, G, ints + 4 * G, ints + 5 * G, ints + 4 * G));
-}
 
 template <typename T>
 void set_desc(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const T& value) {
   TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(value)));
 }
 
-// The FP8 descriptor: TN, device pointer mode, per-group scalar scales through the pointer arrays.
-std::unique_ptr<Plan> make_fp8_plan(const CublasLtGroupedFp8Params& p, Layouts& layouts,
-                                    const GroupArrays& arrays, size_t workspace_bytes,
-                                    cublasLtHandle_t handle) {
+// The descriptor: device pointer mode, and for FP8 per-group scalar scales through the pointer
+// arrays.
+std::unique_ptr<Plan> make_plan(const MatmulSpec& s, const CallShape& shape, Layouts& layouts,
+                                const GroupArrays& arrays, size_t workspace_bytes,
+                                cublasLtHandle_t handle) {
   auto plan = std::make_unique<Plan>();
-  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
-  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
+  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmulDescCreate(&plan->desc, s.compute, CUDA_R_32F));
+  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, s.trans_a);
+  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, s.trans_b);
   set_desc(plan->desc, CUBLASLT_MATMUL_DESC_POINTER_MODE, CUBLASLT_POINTER_MODE_DEVICE);
-  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, kScalePerBatchScalar);
-  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, kScalePerBatchScalar);
-  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, arrays.a_scale);
-  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, arrays.b_scale);
-  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t{p.fast_accumulation});
-
-  choose_algorithm(*plan, layouts, {p.kind, p.output_type, p.n, p.k, p.rows, p.num_groups},
-                   workspace_bytes, handle);
+  if (s.scaled) {
+    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, kScalePerBatchScalar);
+    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, kScalePerBatchScalar);
+    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, arrays.a_scale);
+    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, arrays.b_scale);
+    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t{s.fast_accum});
+  }
+  choose_algorithm(*plan, layouts, shape, workspace_bytes, handle);
   return plan;
 }
 
-const Plan& find_fp8_plan(const CublasLtGroupedFp8Params& p, Layouts& layouts,
-                          const GroupArrays& arrays, size_t workspace_bytes,
-                          cublasLtHandle_t handle) {
+// The plan for a call, made on a miss. Per host thread, so no locking; bounded because MoE row
+// counts may change every step. The 16-bit and FP8 keys share the cache (their kinds differ in
+// sign). A call uses the returned plan before it looks up another, so a clear cannot free it.
+const Plan& find_plan(const MatmulSpec& s, const CallShape& c, Layouts& layouts,
+                      const GroupArrays& arrays, size_t workspace_bytes, cublasLtHandle_t handle) {
   int device = 0;
   TORCHMOE_CUDA_CHECK(cudaGetDevice(&device));
-  // Negative kinds keep these keys apart from the 16-bit plans' (cached_plan).
-  const PlanKey key{-1 - static_cast<int64_t>(p.kind),
-                    static_cast<int64_t>(p.a_format) * 2 + static_cast<int64_t>(p.b_format),
-                    static_cast<int64_t>(p.output_type),
-                    p.n,
-                    p.k,
-                    p.num_groups,
-                    p.rows / p.num_groups,
-                    p.fast_accumulation,
+  const PlanKey key{s.key_kind,
+                    s.key_types,
+                    static_cast<int64_t>(c.output_type),
+                    c.n,
+                    c.k,
+                    c.groups,
+                    c.rows / c.groups,
+                    s.key_option,
                     static_cast<int64_t>(workspace_bytes),
                     device,
                     reinterpret_cast<int64_t>(handle)};
-  return cached_plan(key,
-                     [&] { return make_fp8_plan(p, layouts, arrays, workspace_bytes, handle); });
+  thread_local std::unordered_map<PlanKey, std::unique_ptr<Plan>, PlanKeyHash> cache;
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    if (cache.size() >= 4096) cache.clear();
+    it = cache.emplace(key, make_plan(s, c, layouts, arrays, workspace_bytes, handle)).first;
+  }
+  return *it->second;
+}
+
+const char* kind_name(GemmKind kind) {
+  return kind == GemmKind::kFprop ? "fprop" : kind == GemmKind::kDgrad ? "dgrad" : "wgrad";
+}
+
+// Both entry points' body, for their checked params.
+template <typename Params>
+void run_grouped(const Params& p, const CublasLtGroupedEnv& env) {
+  const GroupArrays arrays = group_arrays(reinterpret_cast<uintptr_t>(env.arrays), p.num_groups);
+  // A bias is added to the fp32 product, rounding once as the fused epilogues of the other
+  // backends do (adding it to a rounded 16-bit product measured errors of several percent where
+  // product and bias cancel): the matmul then writes env.fprop_product, the bias kernel the output.
+  const bool with_bias = p.kind == GemmKind::kFprop && !p.bias.empty();
+  Params matmul = p;
+  if (with_bias) {
+    TORCH_INTERNAL_ASSERT(env.fprop_product != nullptr,
+                          "run_grouped_gemm_cublaslt_grouped: a bias needs fprop_product");
+    matmul.output = env.fprop_product;
+    matmul.output_type = ScalarType::kFloat32;
+  }
+  const MatmulSpec spec = matmul_spec(matmul);
+  const CallShape shape{matmul.kind, matmul.output_type, matmul.n,
+                        matmul.k,    matmul.rows,        matmul.num_groups};
+  // The plan first: a call refused for want of an algorithm launches nothing (the layouts and the
+  // heuristic read only the arrays' addresses, which the setup kernel fills in stream order).
+  Layouts layouts;
+  init_layouts(layouts, spec, matmul.output_type, arrays, matmul.num_groups);
+  const Plan& plan = find_plan(spec, shape, layouts, arrays, env.workspace_bytes, env.handle);
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      plan.found, "torchmoe: cuBLASLt ", grouped_api().info.version,
+      spec.scaled ? " has no grouped FP8 algorithm for " : " has no grouped-matmul algorithm for ",
+      kind_name(p.kind), " with ", p.num_groups, " groups, n=", p.n, ", k=", p.k,
+      spec.scaled ? "" : " and this dtype");
+  setup_groups_kernel<<<1, kSetupThreads, 0, env.stream>>>(matmul, arrays, spec.input_bytes,
+                                                           element_size(matmul.output_type));
+  TORCHMOE_CUDA_CHECK(cudaGetLastError());
+  if (p.kind == GemmKind::kWgrad && !p.accumulate) {
+    zero_empty_groups(arrays.ints + spec.reduction_run * p.num_groups, p.weight_grad, p.output_type,
+                      p.n, p.k, p.num_groups, env.stream);
+  }
+  if (spec.scaled) {
+    // The pointer arrays are this call's (the plan may come from another call).
+    set_desc(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, arrays.a_scale);
+    set_desc(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, arrays.b_scale);
+  }
+  const float* alpha = arrays.scalars;
+  const float* beta = arrays.scalars + 1;
+  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmul(env.handle, plan.desc, alpha, arrays.a, layouts.a.get(),
+                                         arrays.b, layouts.b.get(), beta, arrays.d, layouts.d.get(),
+                                         arrays.d, layouts.d.get(), &plan.algo, env.workspace,
+                                         env.workspace_bytes, env.stream));
+  if (with_bias)
+    launch_add_bias(p.output, p.output_type, env.fprop_product, p.rows, p.n, p.bias, arrays.starts,
+                    p.num_groups, env.stream);
 }
 
 }  // namespace
 
 const LoadedCublasLt& loaded_cublaslt() { return grouped_api().info; }
 
-size_t cublaslt_grouped_array_bytes(int num_groups) { return array_layout(num_groups).total; }
+size_t cublaslt_grouped_array_bytes(int num_groups) {
+  size_t bytes = 0;
+  group_arrays(0, num_groups, &bytes);
+  return bytes;
+}
 
 void run_grouped_gemm_cublaslt_grouped(const CublasLtGroupedParams& p,
                                        const CublasLtGroupedEnv& env) {
@@ -596,34 +576,7 @@ void run_grouped_gemm_cublaslt_grouped(const CublasLtGroupedParams& p,
   TORCH_INTERNAL_ASSERT(aligned16(env.arrays), "run_grouped_gemm_cublaslt_grouped: arrays");
   TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(env.workspace) % 256 == 0,
                         "run_grouped_gemm_cublaslt_grouped: workspace");
-  const GroupArrays arrays = group_arrays(env.arrays, p.num_groups);
-  const bool with_bias = has_bias(p);
-  const CublasLtGroupedParams matmul = matmul_params(p, env);
-  // The plan first: a call refused for want of an algorithm launches nothing (the layouts and the
-  // heuristic read only the arrays' addresses, which the setup kernel fills in stream order).
-  Layouts layouts;
-  init_layouts(layouts, matmul, arrays);
-  const Plan& plan = find_plan(matmul, layouts, env.workspace_bytes, env.handle);
-  TORCH_CHECK_NOT_IMPLEMENTED(plan.found, "torchmoe: cuBLASLt ", grouped_api().info.version,
-                              " has no grouped-matmul algorithm for ", kind_name(p.kind), " with ",
-                              p.num_groups, " groups, n=", p.n, ", k=", p.k, " and this dtype");
-  setup_groups_kernel<<<1, kSetupThreads, 0, env.stream>>>(
-      matmul, arrays, element_size(matmul.input_type), element_size(matmul.output_type));
-  TORCHMOE_CUDA_CHECK(cudaGetLastError());
-  if (p.kind == GemmKind::kWgrad && !p.accumulate) {
-    zero_empty_groups(arrays.ints + p.num_groups /* a_cols */, p.weight_grad, p.output_type, p.n,
-                      p.k, p.num_groups, env.stream);
-  }
-  const float* alpha = arrays.scalars;
-  const float* beta = arrays.scalars + 1;
-  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmul(env.handle, plan.desc, alpha, arrays.a, layouts.a.get(),
-                                         arrays.b, layouts.b.get(), beta, arrays.d, layouts.d.get(),
-                                         arrays.d, layouts.d.get(), &plan.algo, env.workspace,
-                                         env.workspace_bytes, env.stream));
-
-  if (with_bias)
-    launch_add_bias(p.output, p.output_type, env.fprop_product, p.rows, p.n, p.bias, arrays.starts,
-                    p.num_groups, env.stream);
+  run_grouped(p, env);
 }
 
 void run_grouped_gemm_cublaslt_grouped_fp8(const CublasLtGroupedFp8Params& p,
@@ -638,35 +591,7 @@ void run_grouped_gemm_cublaslt_grouped_fp8(const CublasLtGroupedFp8Params& p,
   TORCH_INTERNAL_ASSERT(
       aligned16(env.arrays) && reinterpret_cast<uintptr_t>(env.workspace) % 256 == 0,
       "run_grouped_gemm_cublaslt_grouped_fp8: arrays or workspace misaligned");
-  const GroupArrays arrays = group_arrays(env.arrays, p.num_groups);
-  const bool with_bias = has_bias(p);
-  const CublasLtGroupedFp8Params matmul = matmul_params(p, env);
-  // The plan first, as in run_grouped_gemm_cublaslt_grouped.
-  Layouts layouts;
-  init_fp8_layouts(layouts, matmul, arrays);
-  const Plan& plan = find_fp8_plan(matmul, layouts, arrays, env.workspace_bytes, env.handle);
-  TORCH_CHECK_NOT_IMPLEMENTED(plan.found, "torchmoe: cuBLASLt ", grouped_api().info.version,
-                              " has no grouped FP8 algorithm for ", kind_name(p.kind), " with ",
-                              p.num_groups, " groups, n=", p.n, ", k=", p.k);
-  setup_fp8_groups_kernel<<<1, kSetupThreads, 0, env.stream>>>(matmul, arrays,
-                                                               element_size(matmul.output_type));
-  TORCHMOE_CUDA_CHECK(cudaGetLastError());
-  if (p.kind == GemmKind::kWgrad && !p.accumulate) {
-    zero_empty_groups(arrays.ints /* a_rows: r16(m_g) */, p.weight_grad, p.output_type, p.n, p.k,
-                      p.num_groups, env.stream);
-  }
-  // The pointer arrays are this call's (the plan may come from another call).
-  set_desc(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, arrays.a_scale);
-  set_desc(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, arrays.b_scale);
-  const float* alpha = arrays.scalars;
-  const float* beta = arrays.scalars + 1;
-  TORCHMOE_CUBLASLT_CHECK(cublasLtMatmul(env.handle, plan.desc, alpha, arrays.a, layouts.a.get(),
-                                         arrays.b, layouts.b.get(), beta, arrays.d, layouts.d.get(),
-                                         arrays.d, layouts.d.get(), &plan.algo, env.workspace,
-                                         env.workspace_bytes, env.stream));
-  if (with_bias)
-    launch_add_bias(p.output, p.output_type, env.fprop_product, p.rows, p.n, p.bias, arrays.starts,
-                    p.num_groups, env.stream);
+  run_grouped(p, env);
 }
 
 }  // namespace torchmoe::kernels

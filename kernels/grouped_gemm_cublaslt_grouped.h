@@ -27,22 +27,15 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <string>
 
 #include "torchmoe/kernels/types.h"
 
 namespace torchmoe::kernels {
 
-// The cuBLASLt this process loaded, and whether it has a usable grouped matmul.
-struct LoadedCublasLt {
-  size_t version = 0;    // cublasLtGetVersion(): major·10000 + minor·100 + patch
-  std::string library;   // the shared object's path
-  bool grouped = false;  // version >= kCublasLtGroupedMinVersion and the entry point was found
-};
-
+// LoadedCublasLt::grouped needs this version (13.8.0) or newer and the grouped entry point.
 inline constexpr size_t kCublasLtGroupedMinVersion = 130800;
 
-// Looked up once per process.
+// The cuBLASLt this process loaded (kernels/types.h), looked up once per process.
 const LoadedCublasLt& loaded_cublaslt();
 
 // Every matrix starts on a 16-byte boundary and n, k are multiples of 8 (ops checks both).
@@ -115,7 +108,8 @@ struct CublasLtGroupedFp8Params {
   GroupAddress bias;                   // b_g [n] of output_type (kFprop; empty = no bias)
   GroupAddress weight_grad;            // dW_g [n, k] (kWgrad)
   bool accumulate = false;             // kWgrad: dW_g += product (fp32); empty groups untouched
-  bool fast_accumulation = false;
+  // Split accumulation (TE's use_split_accumulator); false: cuBLASLt's fast accumulation.
+  bool split_accumulator = true;
 };
 
 void run_grouped_gemm_cublaslt_grouped_fp8(const CublasLtGroupedFp8Params& params,

@@ -2,7 +2,8 @@
 // This file is the host side: tensor maps (encoded through the driver, reached at run time), the
 // per-device shared-memory opt-in, the availability check and the launch. The device code is in
 // grouped_gemm_sm90_kernel.cuh and the headers it includes (_layout: block shape and shared
-// memory; _schedule: tile order; _ptx: instruction wrappers), compiled in this file only.
+// memory; _schedule: tile order; _epilogue: scaling, bias and stores; _ptx: instruction
+// wrappers), compiled in this file only.
 
 #include "torchmoe/kernels/grouped_gemm_sm90.h"
 
@@ -459,7 +460,7 @@ void launch_grouped_gemm_sm90_fp8(const Sm90Fp8GemmParams& p, cudaStream_t strea
     auto with_kind = [&](auto kind_tag) {
       constexpr GemmKind kKind = decltype(kind_tag)::value;
       if (block) return launch_fp8<kKind, TA, E4M3, OutT, Accumulation::kBlockScaled>(p, stream);
-      if (p.fast_accumulation) {
+      if (!p.split_accumulator) {
         return launch_fp8<kKind, TA, E4M3, OutT, Accumulation::kWhole>(p, stream);
       }
       return launch_fp8<kKind, TA, E4M3, OutT, Accumulation::kSplit>(p, stream);

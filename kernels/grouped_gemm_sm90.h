@@ -139,11 +139,11 @@ struct Sm90Fp8GemmParams {
   GroupAddress bias;         // kFprop: b_g [n] of output_type (empty: no bias)
   GroupAddress weight_grad;  // kWgrad: dW_g [n, k]
   bool accumulate = false;   // kWgrad: dW_g += product (fp32 only)
-  // The tensor cores' accumulation across the whole reduction (cuBLASLt's fast accumulation,
-  // TE's choice for fprop), or split accumulation: each 128-deep block's sum added to fp32
-  // accumulators (TE's choice for dgrad and wgrad; measured 1.1-1.2x the time). Block scales
-  // always split.
-  bool fast_accumulation = false;
+  // Split accumulation (TE's use_split_accumulator): each 128-deep block's sum added to fp32
+  // accumulators (TE's choice for dgrad and wgrad; measured 1.1-1.2x the time). false: the tensor
+  // cores' accumulation across the whole reduction (cuBLASLt's fast accumulation, TE's choice for
+  // fprop). Block scales always split.
+  bool split_accumulator = true;
   int* tile_counter = nullptr;  // kWgrad: device workspace for one int
   void* group_maps = nullptr;   // kWgrad: device workspace of kSm90Fp8MapBytes per group
 };

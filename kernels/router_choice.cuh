@@ -1,7 +1,8 @@
 #pragma once
-// The router kernel's choice (router.cu, its only includer): each expert's choice score as an
-// order-preserving integer key for redux.sync, and the group-limited choice over those keys
-// (router.h). Device functions of a warp that holds one token's row: lane l the experts l, l + 32,
+// The router kernels' choice (router.cu; router_backward.cu takes its warp mask): each expert's
+// choice score as an order-preserving integer key for redux.sync, and the group-limited choice
+// over those keys (router.h). Device functions of a warp that holds one token's row: lane l the
+// experts l, l + 32,
 // ...
 
 #include <cuda_runtime.h>

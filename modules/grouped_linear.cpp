@@ -11,6 +11,8 @@
 
 #include "torchmoe/autograd/grouped_linear_function.h"
 #include "torchmoe/fp8/autocast.h"
+#include "torchmoe/fp8/quantize_options.h"
+#include "torchmoe/modules/grouped_linear_calls.h"
 
 namespace torchmoe {
 namespace {
@@ -92,8 +94,7 @@ void GroupedLinearImpl::reset() {
       main_grads_ = torch::zeros({groups, out, in}, fp32).unbind(0);
     }
   }
-  wgrad_queue_ = std::make_shared<autograd::WgradQueue>();
-  fp8_weight_cache_ = std::make_shared<autograd::Fp8WeightCache>();
+  calls_state_ = std::make_shared<detail::GroupedLinearState>();
   fp8_state_ = nullptr;
   if (o.fp8_amax_history_len() > 0) {
     fp8_state_ = register_module(
@@ -124,11 +125,12 @@ void GroupedLinearImpl::pretty_print(std::ostream& stream) const {
 torch::Tensor GroupedLinearImpl::forward(const torch::Tensor& input, const SplitSizes& m_splits,
                                          std::optional<bool> is_first_microbatch) {
   const torch::Tensor rows = input_rows(input, in_features_per_partition);
-  const ops::GemmShape shape = gemm_shape();
-  const std::vector<ops::GemmPlan> plans = autograd::plan_layers(
-      kModule, rows, {shape}, m_splits, options.gemm_backend(), torch::Tensor(), fp8::enabled());
+  const ops::GemmShape shape = detail::GroupedLinearCalls::gemm_shape(*this);
+  const std::vector<ops::GemmPlan> plans =
+      ops::plan_grouped_gemms(kModule, rows, {shape}, m_splits, options.gemm_backend(),
+                              torch::Tensor(), fp8::current_gemm_options());
   const torch::Tensor output =
-      run(rows, plans.front(), is_first_microbatch, torch::Tensor(), nullptr);
+      detail::GroupedLinearCalls::run(*this, rows, plans.front(), is_first_microbatch);
   if (input.dim() == 2) return output;  // a view would be one more autograd node per call
   std::vector<int64_t> shape_out = input.sizes().vec();
   shape_out.back() = out_features_per_partition;
@@ -154,7 +156,9 @@ torch::Tensor GroupedLinearImpl::input_rows(const torch::Tensor& input, int64_t 
   return (input.dim() == 2 ? input : input.reshape({-1, width})).contiguous();
 }
 
-ops::GemmShape GroupedLinearImpl::gemm_shape() const {
+namespace detail {
+
+ops::GemmShape GroupedLinearCalls::gemm_shape(const GroupedLinearImpl& layer) {
   auto aligned = [](const std::vector<torch::Tensor>& tensors) {
     for (const torch::Tensor& t : tensors) {
       if (reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 != 0) return false;
@@ -162,70 +166,101 @@ ops::GemmShape GroupedLinearImpl::gemm_shape() const {
     return true;
   };
   ops::GemmShape shape;
-  shape.n = out_features_per_partition;
-  shape.k = in_features_per_partition;
-  shape.groups = static_cast<size_t>(options.num_gemms());
-  shape.aligned = aligned(weight_params_) && aligned(bias_params_) && aligned(main_grads_);
+  shape.n = layer.out_features_per_partition;
+  shape.k = layer.in_features_per_partition;
+  shape.groups = static_cast<size_t>(layer.options.num_gemms());
+  shape.aligned =
+      aligned(layer.weight_params_) && aligned(layer.bias_params_) && aligned(layer.main_grads_);
   return shape;
 }
 
-torch::Tensor GroupedLinearImpl::run(const torch::Tensor& rows, const ops::GemmPlan& plan,
-                                     std::optional<bool> is_first_microbatch,
-                                     const torch::Tensor& scales, const ops::GluOptions* activation,
-                                     const autograd::RowGather* gather,
-                                     std::shared_ptr<autograd::Fp8GradLink> grad_output_link,
-                                     std::shared_ptr<autograd::Fp8GradLink> grad_input_link,
-                                     const autograd::OutputScatter* scatter) {
+torch::Tensor GroupedLinearCalls::run(GroupedLinearImpl& layer, const torch::Tensor& rows,
+                                      const ops::GemmPlan& plan,
+                                      std::optional<bool> is_first_microbatch,
+                                      const torch::Tensor& scales,
+                                      const ops::GluOptions* activation,
+                                      const autograd::RowGather* gather,
+                                      std::shared_ptr<autograd::Fp8GradLink> grad_output_link,
+                                      std::shared_ptr<autograd::Fp8GradLink> grad_input_link,
+                                      const autograd::OutputScatter* scatter) {
+  const GroupedLinearOptions& options = layer.options;
   auto config = c10::make_intrusive<autograd::GroupedLinearConfig>();
   config->plan = plan;
   config->grouped_weight = options.single_grouped_weight();
   config->grouped_bias = options.bias() && options.single_grouped_bias();
-  config->main_grads = main_grads_;
+  config->main_grads = layer.main_grads_;
   config->overwrite_main_grad = is_first_microbatch.value_or(false);
-  if (options.delay_wgrad_compute()) config->wgrad_queue = wgrad_queue_;
+  if (options.delay_wgrad_compute()) config->wgrad_queue = layer.calls_state_->wgrad_queue;
   if (activation != nullptr) config->input_activation = *activation;
   if (gather != nullptr) config->input_gather = *gather;
   if (scatter != nullptr) config->output_scatter = *scatter;
-  if (plan.fp8) config->fp8 = fp8_config(is_first_microbatch);
+  if (plan.fp8) config->fp8 = fp8_config(layer, *plan.fp8, is_first_microbatch);
   config->grad_output_link = std::move(grad_output_link);
   config->grad_input_link = std::move(grad_input_link);
   const std::optional<torch::Tensor> row_scales =
       activation != nullptr ? std::optional<torch::Tensor>(scales.reshape({-1})) : std::nullopt;
-  return autograd::grouped_linear(rows, row_scales, at::TensorList(weight_params_),
-                                  at::TensorList(bias_params_), config);
+  return autograd::grouped_linear(rows, row_scales, at::TensorList(layer.weight_params_),
+                                  at::TensorList(layer.bias_params_), config);
 }
 
-autograd::Fp8Config GroupedLinearImpl::fp8_config(std::optional<bool> is_first_microbatch) const {
+autograd::Fp8Config GroupedLinearCalls::fp8_config(const GroupedLinearImpl& layer,
+                                                   const ops::Fp8GemmOptions& planned,
+                                                   std::optional<bool> is_first_microbatch) {
+  const fp8::Fp8State& state = layer.fp8_state_;
   const std::optional<fp8::Recipe> recipe = fp8::current();
   TORCH_INTERNAL_ASSERT(recipe.has_value(), "GroupedLinear: an FP8 plan outside fp8::Autocast");
   if (const auto* delayed = std::get_if<fp8::DelayedScaling>(&*recipe)) {
-    TORCH_CHECK(fp8_state_, kModule, ": the DelayedScaling recipe keeps amax histories in the ",
+    TORCH_CHECK(state, kModule, ": the DelayedScaling recipe keeps amax histories in the ",
                 "layer; build it with fp8_amax_history_len(", delayed->amax_history_len(),
                 ") (the recipe's amax_history_len)");
-    TORCH_CHECK(fp8_state_->options.amax_history_len() == delayed->amax_history_len(), kModule,
+    TORCH_CHECK(state->options.amax_history_len() == delayed->amax_history_len(), kModule,
                 ": the DelayedScaling recipe's amax_history_len (", delayed->amax_history_len(),
-                ") must be the layer's fp8_amax_history_len (",
-                fp8_state_->options.amax_history_len(), ")");
+                ") must be the layer's fp8_amax_history_len (", state->options.amax_history_len(),
+                ")");
   }
   autograd::Fp8Config config;
-  config.recipe = *recipe;
-  config.state = fp8_state_;
+  config.state = state;
   config.is_first_microbatch = is_first_microbatch;
-  config.weight_cache = fp8_weight_cache_;
-  const std::vector<int64_t>& versions = fp8_weight_cache_->versions;
-  bool current = std::holds_alternative<fp8::DelayedScaling>(*recipe) &&
-                 versions.size() == weight_params_.size();
+  config.weight_cache = layer.calls_state_->fp8_weight_cache;
+  // The optimizer's copies stand in for delayed-scaling weights while they are current.
+  const std::vector<int64_t>& versions = config.weight_cache->versions;
+  bool current = planned.weight.scaling == ops::QuantizeScaling::kDelayed &&
+                 versions.size() == layer.weight_params_.size();
   for (size_t i = 0; current && i < versions.size(); ++i) {
-    current = weight_params_[i]._version() == versions[i];
+    current = layer.weight_params_[i]._version() == versions[i];
   }
   config.optimizer_weights = current;
   return config;
 }
 
-ops::SplitQuantized& GroupedLinearImpl::optimizer_fp8_weights() {
-  TORCH_CHECK(fp8_state_, kModule, ": FP8 weights written by an optimizer use the layer's ",
-              "delayed-scaling state; build the layer with fp8_amax_history_len > 0");
-  ops::SplitQuantized& q = fp8_weight_cache_->optimizer_weights;
+}  // namespace detail
+
+optim::Fp8WeightTarget GroupedLinearImpl::fp8_weight_target() {
+  constexpr const char* kWhere = "GroupedLinear::fp8_weight_target";
+  TORCH_CHECK(fp8_state_, kWhere, ": the copies are scaled with the layer's delayed-scaling ",
+              "state, so the layer must be built with fp8_amax_history_len > 0, got ",
+              options.fp8_amax_history_len());
+  TORCH_CHECK(in_features_per_partition % 16 == 0 && out_features_per_partition % 16 == 0, kWhere,
+              ": the layer's in and out features must be multiples of 16 (FP8 GEMM operands), got ",
+              in_features_per_partition, " and ", out_features_per_partition);
+  const std::shared_ptr<GroupedLinearImpl> self =
+      std::dynamic_pointer_cast<GroupedLinearImpl>(weak_from_this().lock());
+  TORCH_CHECK(self, kWhere, ": the layer must be held by a GroupedLinear (a shared pointer), ",
+              "which the target keeps alive");
+  optim::Fp8WeightTarget target;
+  target.layer = this;
+  target.weights = weight_params_;
+  target.copies = [self] { return self->optimizer_fp8_weights(); };
+  target.written = [self] {
+    std::vector<int64_t>& versions = self->calls_state_->fp8_weight_cache->versions;
+    versions.clear();
+    for (const torch::Tensor& w : self->weight_params_) versions.push_back(w._version());
+  };
+  return target;
+}
+
+optim::Fp8WeightCopies GroupedLinearImpl::optimizer_fp8_weights() {
+  ops::SplitQuantized& q = calls_state_->fp8_weight_cache->optimizer_weights;
   if (!q.data.defined()) {
     const int64_t groups = options.num_gemms(), n = out_features_per_partition,
                   k = in_features_per_partition;
@@ -233,28 +268,23 @@ ops::SplitQuantized& GroupedLinearImpl::optimizer_fp8_weights() {
     q.data = torch::empty({groups * n, k}, like.dtype(torch::kFloat8_e4m3fn));
     q.columnwise_data = torch::empty({groups * n * k}, like.dtype(torch::kFloat8_e4m3fn));
     q.scale_inv = torch::empty({groups}, like.dtype(torch::kFloat32));
-    q.format = kernels::Fp8Format::kE4M3;
-    q.scaling = kernels::QuantizeScaling::kDelayed;
+    // What DelayedScaling makes of a weight, whose copies the optimizer writes in its place.
+    const ops::SplitQuantizeOptions weight = fp8::gemm_options(fp8::DelayedScaling()).weight;
+    q.format = weight.format;
+    q.scaling = weight.scaling;
   }
-  return q;
-}
-
-void GroupedLinearImpl::fp8_weights_written() {
-  TORCH_CHECK(fp8_weight_cache_->optimizer_weights.data.defined(), kModule,
-              "::fp8_weights_written: no FP8 weights were handed out (optimizer_fp8_weights)");
-  std::vector<int64_t>& versions = fp8_weight_cache_->versions;
-  versions.clear();
-  for (const torch::Tensor& w : weight_params_) versions.push_back(w._version());
+  const fp8::DelayedScalingTensors& state = fp8_state_->tensors(fp8::TensorRole::kWeight);
+  return {q.data, q.columnwise_data, state.scale, q.scale_inv, state.amax_history.select(0, 0)};
 }
 
 void GroupedLinearImpl::backward_dw() {
   TORCH_CHECK(options.delay_wgrad_compute(), kModule,
               "::backward_dw: delay_wgrad_compute is off, so backward already computed the weight "
               "gradients");
-  TORCH_CHECK(!wgrad_queue_->empty(), kModule,
+  TORCH_CHECK(!calls_state_->wgrad_queue->empty(), kModule,
               "::backward_dw: no weight-gradient computation is queued (run backward first)");
-  const autograd::DelayedWgrad work = std::move(wgrad_queue_->front());
-  wgrad_queue_->pop_front();
+  const autograd::DelayedWgrad work = std::move(calls_state_->wgrad_queue->front());
+  calls_state_->wgrad_queue->pop_front();
   const std::vector<torch::Tensor> grads = autograd::run_delayed_wgrad(work);
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < grads.size(); ++i) {
@@ -269,7 +299,7 @@ void GroupedLinearImpl::backward_dw() {
 }
 
 int64_t GroupedLinearImpl::pending_wgrad_count() const {
-  return static_cast<int64_t>(wgrad_queue_->size());
+  return static_cast<int64_t>(calls_state_->wgrad_queue->size());
 }
 
 std::vector<torch::Tensor> GroupedLinearImpl::main_grads() const { return main_grads_; }
@@ -294,7 +324,7 @@ void GroupedLinearImpl::set_main_grads(std::vector<torch::Tensor> buffers) {
 }
 
 void GroupedLinearImpl::check_no_queued_wgrad(const char* where) const {
-  TORCH_CHECK(wgrad_queue_->empty(), where, ": ", wgrad_queue_->size(),
+  TORCH_CHECK(calls_state_->wgrad_queue->empty(), where, ": ", calls_state_->wgrad_queue->size(),
               " delayed weight-gradient computation(s) are queued; run backward_dw() first");
 }
 
@@ -333,9 +363,10 @@ std::shared_ptr<torch::nn::Module> GroupedLinearImpl::clone(
 // version counters, so they would pass as current) and the is_first_microbatch cache (a later
 // micro-batch would meet them on the old device or in the old dtype's scaling).
 void GroupedLinearImpl::drop_fp8_weight_copies() {
-  fp8_weight_cache_->optimizer_weights = ops::SplitQuantized();
-  fp8_weight_cache_->versions.clear();
-  fp8_weight_cache_->weights = ops::SplitQuantized();
+  autograd::Fp8WeightCache& cache = *calls_state_->fp8_weight_cache;
+  cache.optimizer_weights = ops::SplitQuantized();
+  cache.versions.clear();
+  cache.weights = ops::SplitQuantized();
 }
 
 // Main grads stay float32 whatever the parameters' dtype; views of one buffer stay views of one

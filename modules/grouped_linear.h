@@ -20,22 +20,13 @@
 
 #include "torchmoe/fp8/state.h"
 #include "torchmoe/ops/types.h"
+#include "torchmoe/optim/fp8_weight_target.h"
 
 namespace torchmoe {
-namespace autograd {
-class WgradQueue;
-struct RowGather;
-struct OutputScatter;
-struct Fp8Config;
-struct Fp8WeightCache;
-struct Fp8GradLink;
-}  // namespace autograd
-namespace ops {
-struct SplitQuantized;
-struct GemmPlan;
-struct GemmShape;
-struct GluOptions;
-}  // namespace ops
+namespace detail {
+struct GroupedLinearState;  // modules/grouped_linear_calls.h (internal)
+struct GroupedLinearCalls;
+}  // namespace detail
 
 class GroupedMLPImpl;
 
@@ -158,15 +149,16 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
 
   /// For an optimizer that writes the layer's FP8 weights with each update
   /// (optim::FusedAdamW::set_fp8_weights): the delayed-scaling copies to write, allocated on the
-  /// first call (rowwise and columnwise e4m3 and scale_inv; the amax goes to the FP8 state), and
-  /// the call that says they have been written from the current weights. From then on forwards
-  /// under DelayedScaling read them instead of quantizing the weights, until a weight parameter's
-  /// version counter moves (an in-place ATen op such as load_state_dict's copies, or a
-  /// FusedAdamW's write of the parameter as a model copy; writes that bypass both, such as a raw
-  /// kernel's or variable_data()'s, are not seen) or `to()` moves or converts the layer.
-  /// Needs the FP8 state (fp8_amax_history_len > 0).
-  ops::SplitQuantized& optimizer_fp8_weights();
-  void fp8_weights_written();
+  /// first call of its `copies` (rowwise and columnwise e4m3 and scale_inv, with the weight scales
+  /// and current amax row of the layer's FP8 state), and the call that says they have been written
+  /// from the current weights. From then on forwards under DelayedScaling read them instead of
+  /// quantizing the weights, until a weight parameter's version counter moves (an in-place ATen op
+  /// such as load_state_dict's copies, or a FusedAdamW's write of the parameter as a model copy;
+  /// writes that bypass both, such as a raw kernel's or variable_data()'s, are not seen) or `to()`
+  /// moves or converts the layer. Needs the FP8 state (fp8_amax_history_len > 0), in and out
+  /// features that are multiples of 16, and the layer held by a GroupedLinear (the target keeps it
+  /// alive).
+  optim::Fp8WeightTarget fp8_weight_target();
 
   /// Per-expert [out, in] weights and [out] biases (views into the grouped parameters when used).
   std::vector<torch::Tensor> expert_weights() const;
@@ -193,40 +185,23 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
   int64_t out_features_per_partition = 0;
 
  private:
-  // GroupedMLP plans fc1 and fc2 together and runs fc2 with its activation fused in front.
+  // GroupedMLP plans fc1 and fc2 together and runs fc2 with its activation fused in front, through
+  // detail::GroupedLinearCalls (modules/grouped_linear_calls.h).
   friend class GroupedMLPImpl;
+  friend struct detail::GroupedLinearCalls;
 
-  // The layer's GEMM shape for planning: sizes, groups and the alignment of its own tensors.
-  ops::GemmShape gemm_shape() const;
-  // The body of every forward: `input` [..., width] with width = in_features, or 2·in_features
-  // with an `activation` (then input is its pre-activation and `scales` its per-row scales: the
-  // layer saves those and recomputes the activation in backward), or read through `gather`'s row
-  // map (then input has any row count; the plan's rows are the map's). FP8 GroupedMLP links its
-  // two layers' backward (autograd::Fp8GradLink): fc1 takes its output gradient from
-  // `grad_output_link`, fc2 gives its input gradient to `grad_input_link` (and in an FP8 MoE
-  // layer takes its own output gradient from the unpermute through `grad_output_link`). With
-  // `scatter` the output rows are summed per token inside the GEMM (MoE's unpermute in fc2).
-  torch::Tensor run(const torch::Tensor& input, const ops::GemmPlan& plan,
-                    std::optional<bool> is_first_microbatch, const torch::Tensor& scales,
-                    const ops::GluOptions* activation, const autograd::RowGather* gather = nullptr,
-                    std::shared_ptr<autograd::Fp8GradLink> grad_output_link = nullptr,
-                    std::shared_ptr<autograd::Fp8GradLink> grad_input_link = nullptr,
-                    const autograd::OutputScatter* scatter = nullptr);
   // Checks an input of `width` features against the parameters; returns it as [rows, width].
   torch::Tensor input_rows(const torch::Tensor& input, int64_t width) const;
   void move_main_grads(torch::Device device);
   void drop_fp8_weight_copies();
-  // The FP8 part of a call's config: fp8::current()'s recipe (checked against the layer's FP8
-  // state) and the layer's state and weight cache.
-  autograd::Fp8Config fp8_config(std::optional<bool> is_first_microbatch) const;
-
+  // The copies an optimizer writes (fp8_weight_target), allocated on the first call.
+  optim::Fp8WeightCopies optimizer_fp8_weights();
   std::vector<torch::Tensor> weight_params_;  // as registered: G tensors, or one grouped tensor
   std::vector<torch::Tensor> bias_params_;
   std::vector<torch::Tensor> main_grads_;
-  std::shared_ptr<autograd::WgradQueue> wgrad_queue_;
   fp8::Fp8State fp8_state_{nullptr};
-  // The FP8 weights of the last is_first_microbatch=true call, for the calls with false.
-  std::shared_ptr<autograd::Fp8WeightCache> fp8_weight_cache_;
+  // The delayed-wgrad queue and the FP8 weight cache, shared with the calls' configs.
+  std::shared_ptr<detail::GroupedLinearState> calls_state_;
 };
 
 /// A `ModuleHolder` subclass for `GroupedLinearImpl`; see `GroupedLinearImpl` and

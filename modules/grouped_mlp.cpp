@@ -6,7 +6,10 @@
 #include "torchmoe/autograd/grouped_linear_function.h"
 #include "torchmoe/autograd/token_permutation_function.h"
 #include "torchmoe/fp8/autocast.h"
+#include "torchmoe/fp8/quantize_options.h"
 #include "torchmoe/modules/glu_options.h"
+#include "torchmoe/modules/grouped_linear_calls.h"
+#include "torchmoe/modules/grouped_mlp_calls.h"
 #include "torchmoe/modules/module_load.h"
 
 namespace torchmoe {
@@ -95,56 +98,64 @@ torch::Tensor GroupedMLPImpl::forward(const torch::Tensor& x, const SplitSizes& 
   const torch::Tensor rows = checked_input(x);
   // One decision for both layers: their backends, and split sizes that cross between host and
   // device at most once.
-  const std::vector<ops::GemmPlan> plans =
-      autograd::plan_layers(kModule, rows, {fc1->gemm_shape(), fc2->gemm_shape()}, m_splits,
-                            options.linear().gemm_backend(), torch::Tensor(), fp8::enabled());
-  return run_layers(rows, nullptr, plans, probs, is_first_microbatch);
+  const std::vector<ops::GemmPlan> plans = ops::plan_grouped_gemms(
+      kModule, rows,
+      {detail::GroupedLinearCalls::gemm_shape(*fc1), detail::GroupedLinearCalls::gemm_shape(*fc2)},
+      m_splits, options.linear().gemm_backend(), torch::Tensor(), fp8::current_gemm_options());
+  return detail::GroupedMLPCalls::run_layers(*this, rows, nullptr, plans, probs,
+                                             is_first_microbatch);
 }
 
 torch::Tensor GroupedMLPImpl::forward_routed(const torch::Tensor& tokens,
                                              const PermutedTokens& routed,
                                              std::optional<bool> is_first_microbatch) {
-  return forward_routed(tokens, routed, is_first_microbatch, nullptr);
+  return detail::GroupedMLPCalls::forward_routed(*this, tokens, routed, is_first_microbatch,
+                                                 nullptr);
 }
 
-torch::Tensor GroupedMLPImpl::forward_routed(
-    const torch::Tensor& tokens, const PermutedTokens& routed,
+namespace detail {
+
+torch::Tensor GroupedMLPCalls::forward_routed(
+    GroupedMLPImpl& mlp, const torch::Tensor& tokens, const PermutedTokens& routed,
     std::optional<bool> is_first_microbatch,
     std::shared_ptr<autograd::Fp8GradLink> output_grad_link) {
-  const torch::Tensor x = checked_input(tokens);
-  const auto [source_rows, plans] = plan_routed(x, routed);
-  // The sm90 kernel reads the rows through the map; in FP8 fc1's input quantize does, on any
-  // backend (FP8 products read no row map).
-  if (plans[0].backend == ops::Backend::kSm90 || plans[0].fp8) {
+  const torch::Tensor x = mlp.checked_input(tokens);
+  const auto [source_rows, plans] = plan_routed(mlp, x, routed);
+  // fc1 reads the tokens through the map where its plan does so without a copy (the sm90 kernel's
+  // loads; in FP8 the input's quantize), else from one permuted copy.
+  if (plans[0].gathers_rows) {
     const autograd::RowGather gather{source_rows, routed.row_map, torch::Tensor()};
-    return run_layers(x, &gather, plans, routed.probs, is_first_microbatch,
+    return run_layers(mlp, x, &gather, plans, routed.probs, is_first_microbatch,
                       std::move(output_grad_link));
   }
   const torch::Tensor rows =
       routed.tokens.defined()
           ? routed.tokens.contiguous()
           : autograd::PermuteFunction::apply(x, routed.row_map, routed.sorted_slots, std::nullopt);
-  return run_layers(rows, nullptr, plans, routed.probs, is_first_microbatch,
+  return run_layers(mlp, rows, nullptr, plans, routed.probs, is_first_microbatch,
                     std::move(output_grad_link));
 }
+
+}  // namespace detail
 
 torch::Tensor GroupedMLPImpl::forward_combined(const torch::Tensor& tokens,
                                                const PermutedTokens& routed,
                                                std::optional<bool> is_first_microbatch) {
   const torch::Tensor x = checked_input(tokens);
-  const auto [source_rows, plans] = plan_routed(x, routed);
+  const auto [source_rows, plans] = detail::GroupedMLPCalls::plan_routed(*this, x, routed);
   const int64_t topk = routed.row_map.size(1);
-  // The sums inside the GEMMs: the sm90 kernel's L2 adds, at most two rows per token (their sum
-  // then does not depend on the order they land in), and fc2's output left as it is (scale_bias
-  // changes it after fc2).
-  const bool combine = !plans[0].fp8 && topk <= 2 && plans[1].backend == ops::Backend::kSm90 &&
-                       plans[0].dgrad_backend == ops::Backend::kSm90 &&
+  // The sums inside the GEMMs where the plans add rows there (the sm90 kernel's L2 adds), at most
+  // two rows per token (their sum then does not depend on the order they land in), and fc2's
+  // output left as it is (scale_bias changes it after fc2).
+  const bool combine = topk <= 2 && plans[1].forward_scatters && plans[0].dgrad_scatters &&
                        !(fc2->options.bias() && options.scale_bias());
   if (!combine) {
     const torch::Tensor rows =
         autograd::PermuteFunction::apply(x, routed.row_map, routed.sorted_slots, std::nullopt);
     return autograd::unpermute_tokens(
-        run_layers(rows, nullptr, plans, routed.probs, is_first_microbatch), routed, std::nullopt);
+        detail::GroupedMLPCalls::run_layers(*this, rows, nullptr, plans, routed.probs,
+                                            is_first_microbatch),
+        routed, std::nullopt);
   }
   // fc1 reads a copy in expert order (a TMA load per 128-row tile, faster than reading the tokens
   // through the map: docs/experiments.md) and adds its input gradient's rows per token into the
@@ -153,11 +164,15 @@ torch::Tensor GroupedMLPImpl::forward_combined(const torch::Tensor& tokens,
       source_rows, routed.row_map,
       ops::permute_rows(x, routed.row_map, routed.sorted_slots, torch::Tensor())};
   const autograd::OutputScatter scatter{source_rows, routed.row_map, routed.sorted_slots};
-  return run_layers(x, &gather, plans, routed.probs, is_first_microbatch, nullptr, &scatter);
+  return detail::GroupedMLPCalls::run_layers(*this, x, &gather, plans, routed.probs,
+                                             is_first_microbatch, nullptr, &scatter);
 }
 
-GroupedMLPImpl::RoutedPlans GroupedMLPImpl::plan_routed(const torch::Tensor& x,
-                                                        const PermutedTokens& routed) const {
+namespace detail {
+
+GroupedMLPCalls::RoutedPlans GroupedMLPCalls::plan_routed(const GroupedMLPImpl& mlp,
+                                                          const torch::Tensor& x,
+                                                          const PermutedTokens& routed) {
   TORCH_CHECK(routed.row_map.defined() && routed.row_map.dim() == 2 &&
                   routed.row_map.size(0) == x.size(0) && routed.sorted_slots.defined() &&
                   routed.sorted_slots.dim() == 1,
@@ -178,19 +193,24 @@ GroupedMLPImpl::RoutedPlans GroupedMLPImpl::plan_routed(const torch::Tensor& x,
   out.source_rows = row_tokens.defined()
                         ? row_tokens
                         : ops::tokens_of_rows(routed.sorted_slots, routed.row_map.size(1));
-  out.plans =
-      autograd::plan_layers(kModule, x, {fc1->gemm_shape(), fc2->gemm_shape()}, routed.m_splits,
-                            options.linear().gemm_backend(), out.source_rows, fp8::enabled());
+  out.plans = ops::plan_grouped_gemms(
+      kModule, x,
+      {GroupedLinearCalls::gemm_shape(*mlp.fc1), GroupedLinearCalls::gemm_shape(*mlp.fc2)},
+      routed.m_splits, mlp.options.linear().gemm_backend(), out.source_rows,
+      fp8::current_gemm_options());
   return out;
 }
 
-torch::Tensor GroupedMLPImpl::run_layers(const torch::Tensor& input,
-                                         const autograd::RowGather* gather,
-                                         const std::vector<ops::GemmPlan>& plans,
-                                         const torch::Tensor& probs,
-                                         std::optional<bool> is_first_microbatch,
-                                         std::shared_ptr<autograd::Fp8GradLink> output_grad_link,
-                                         const autograd::OutputScatter* scatter) {
+torch::Tensor GroupedMLPCalls::run_layers(GroupedMLPImpl& mlp, const torch::Tensor& input,
+                                          const autograd::RowGather* gather,
+                                          const std::vector<ops::GemmPlan>& plans,
+                                          const torch::Tensor& probs,
+                                          std::optional<bool> is_first_microbatch,
+                                          std::shared_ptr<autograd::Fp8GradLink> output_grad_link,
+                                          const autograd::OutputScatter* scatter) {
+  const GroupedMLPOptions& options = mlp.options;
+  GroupedLinear& fc1 = mlp.fc1;
+  GroupedLinear& fc2 = mlp.fc2;
   TORCH_INTERNAL_ASSERT(
       scatter == nullptr || !(fc2->options.bias() && options.scale_bias()),
       "GroupedMLP: scale_bias would change fc2's rows after a scatter summed them");
@@ -205,24 +225,24 @@ torch::Tensor GroupedMLPImpl::run_layers(const torch::Tensor& input,
   // nothing: fc2's wgrad reads the FP8 copy, and the activation's backward the pre-activation,
   // which it reads either way; that backward quantizes its result for fc1 in the same pass (the
   // link), so the 16-bit gradient of fc1's output is not written either.
-  const bool fp8 = plans[1].fp8;
+  const bool fp8 = plans[1].fp8.has_value();
   const auto link = fp8 ? std::make_shared<autograd::Fp8GradLink>() : nullptr;
   // Before fc1 runs (in FP8 it records amaxes and fills the weight cache): the options are public.
   const ops::GluOptions activation = activation_of(options);
   ops::check_glu_options(kModule, activation, options.ffn_hidden());
-  const torch::Tensor z =
-      fc1->run(input, plans[0], is_first_microbatch, torch::Tensor(), nullptr, gather, link);
+  const torch::Tensor z = GroupedLinearCalls::run(*fc1, input, plans[0], is_first_microbatch,
+                                                  torch::Tensor(), nullptr, gather, link);
   torch::Tensor y;
   if (options.recompute_activation() || fp8) {
     // fc2's output gradient from the link only when fc2's output is this module's: scale_bias
     // below differentiates through it.
     if (!fp8 || fc2->options.bias()) output_grad_link = nullptr;
-    y = fc2->run(z, plans[1], is_first_microbatch, probs, &activation, nullptr,
-                 std::move(output_grad_link), link, scatter);
+    y = GroupedLinearCalls::run(*fc2, z, plans[1], is_first_microbatch, probs, &activation, nullptr,
+                                std::move(output_grad_link), link, scatter);
   } else {
     const torch::Tensor h = autograd::GluFunction::apply(z, probs, activation);
-    y = fc2->run(h, plans[1], is_first_microbatch, torch::Tensor(), nullptr, nullptr, nullptr,
-                 nullptr, scatter);
+    y = GroupedLinearCalls::run(*fc2, h, plans[1], is_first_microbatch, torch::Tensor(), nullptr,
+                                nullptr, nullptr, nullptr, scatter);
   }
   // fc2 as built decides whether it added a bias (options.linear() is only what it was built
   // from).
@@ -250,6 +270,8 @@ torch::Tensor GroupedMLPImpl::run_layers(const torch::Tensor& input,
   }
   return y;
 }
+
+}  // namespace detail
 
 void GroupedMLPImpl::check_no_queued_wgrad(const char* where) const {
   fc1->check_no_queued_wgrad(where);

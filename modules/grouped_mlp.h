@@ -17,6 +17,9 @@
 #include "torchmoe/modules/grouped_linear.h"
 
 namespace torchmoe {
+namespace detail {
+struct GroupedMLPCalls;  // modules/grouped_mlp_calls.h (internal)
+}  // namespace detail
 
 /// Options for `GroupedMLP`: its sizes, the activation, and the settings its two GroupedLinear
 /// layers share (`linear`).
@@ -74,23 +77,17 @@ class GroupedMLPImpl : public torch::nn::Cloneable<GroupedMLPImpl> {
                         std::optional<bool> is_first_microbatch = std::nullopt);
 
   /// The experts on tokens [T, hidden] in token order, routed by `routed` (from
-  /// autograd::route_tokens or permute_tokens: the routing map, split sizes and the rows'
-  /// probabilities). Returns [N, hidden] in the routed (expert-grouped) order, as forward on the
-  /// permuted tokens would. On the sm90 backend fc1 reads the tokens through the routing map, and
-  /// in FP8 (any backend) the quantize of fc1's input does, so that the permuted copy is neither
-  /// written nor kept for backward; otherwise the copy is made (routed.tokens when given).
+  /// functional::permute_tokens, or an MoELayer's routing: the routing map, split sizes and the
+  /// rows' probabilities). Returns [N, hidden] in the routed (expert-grouped) order, as forward on
+  /// the permuted tokens would. On the sm90 backend fc1 reads the tokens through the routing map,
+  /// and in FP8 (any backend) the quantize of fc1's input does, so that the permuted copy is
+  /// neither written nor kept for backward; otherwise the copy is made (routed.tokens when given).
   torch::Tensor forward_routed(const torch::Tensor& tokens, const PermutedTokens& routed,
                                std::optional<bool> is_first_microbatch = std::nullopt);
-  /// forward_routed whose FP8 fc2 takes its output gradient from `output_grad_link`
-  /// (autograd::Fp8GradLink) when its output goes straight into the unpermute that produces
-  /// that gradient: MoELayer's FP8 path.
-  torch::Tensor forward_routed(const torch::Tensor& tokens, const PermutedTokens& routed,
-                               std::optional<bool> is_first_microbatch,
-                               std::shared_ptr<autograd::Fp8GradLink> output_grad_link);
 
   /// The experts from tokens [T, hidden] to their output [T, hidden], routed by `routed` (the
-  /// routing of these tokens, from autograd::route_tokens, functional::permute_tokens or, for
-  /// rows an expert-parallel exchange delivered, autograd::route_received; a permuted copy in it
+  /// routing of these tokens, from functional::permute_tokens or an MoELayer's routing, also of
+  /// the rows an expert-parallel exchange delivered; a permuted copy in it
   /// is not read: the copy is made here, its gradient the tokens'): what
   /// unpermute_tokens(forward(permuted tokens, ...), routed) returns, bit for bit. With top-1 or
   /// top-2 routing and 16-bit products on the sm90 kernel (and no scale_bias on a biased fc2),
@@ -121,22 +118,12 @@ class GroupedMLPImpl : public torch::nn::Cloneable<GroupedMLPImpl> {
   GroupedLinear fc2{nullptr};
 
  private:
+  // The planning and the body of the forwards, and MoELayer's FP8 forward_routed
+  // (modules/grouped_mlp_calls.h, internal).
+  friend struct detail::GroupedMLPCalls;
+
   // Checks x [rows, hidden] against the parameters; returns it contiguous.
   torch::Tensor checked_input(const torch::Tensor& x) const;
-  // What both routed forwards start from, once `routed` is checked to route the T rows of x: the
-  // token row of each GEMM row and the two layers' plans over those rows.
-  struct RoutedPlans {
-    torch::Tensor source_rows;
-    std::vector<ops::GemmPlan> plans;
-  };
-  RoutedPlans plan_routed(const torch::Tensor& x, const PermutedTokens& routed) const;
-  // fc1 -> activation -> fc2 on fc1's input (read through `gather` when given), planned as `plans`;
-  // output_grad_link: fc2's (FP8, without bias); scatter: fc2's output rows summed per token.
-  torch::Tensor run_layers(const torch::Tensor& input, const autograd::RowGather* gather,
-                           const std::vector<ops::GemmPlan>& plans, const torch::Tensor& probs,
-                           std::optional<bool> is_first_microbatch,
-                           std::shared_ptr<autograd::Fp8GradLink> output_grad_link = nullptr,
-                           const autograd::OutputScatter* scatter = nullptr);
 };
 
 TORCH_MODULE(GroupedMLP);

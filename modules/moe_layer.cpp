@@ -10,7 +10,9 @@
 #include "torchmoe/autograd/token_permutation_function.h"
 #include "torchmoe/distributed/collectives.h"
 #include "torchmoe/fp8/autocast.h"
+#include "torchmoe/modules/grouped_mlp_calls.h"
 #include "torchmoe/modules/module_load.h"
+#include "torchmoe/modules/router_calls.h"
 #include "torchmoe/modules/token_permutation.h"
 
 namespace torchmoe {
@@ -188,10 +190,10 @@ MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_f
     if (link && flat.requires_grad()) {
       link->other_branch_exclusive = true;  // forked[1] goes to the permutation alone
       const torch::autograd::variable_list forked = autograd::ForkFunction::apply(flat, link);
-      routing = router->forward(forked[0], link);
+      routing = detail::TopKRouterCalls::forward(*router, forked[0], link);
       tokens = forked[1];
     } else {
-      routing = router->forward(flat, link);
+      routing = detail::TopKRouterCalls::forward(*router, flat, link);
     }
     // Without a capacity the router's top-k has no dropped slot, so the permuted row count is T·k
     // and the split sizes can stay on the device: no host sync in the layer when the experts'
@@ -237,8 +239,8 @@ MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_f
       // layer's, so the permuted 16-bit gradient is not written either.
       std::shared_ptr<autograd::Fp8GradLink> grad_link;
       if (fp8::enabled()) grad_link = std::make_shared<autograd::Fp8GradLink>();
-      const torch::Tensor y =
-          experts->forward_routed(tokens, routed, is_first_microbatch, grad_link);
+      const torch::Tensor y = detail::GroupedMLPCalls::forward_routed(
+          *experts, tokens, routed, is_first_microbatch, grad_link);
       out.output = autograd::unpermute_tokens(y, routed, std::nullopt, grad_link);
     } else {
       // Top-1 and top-2 routing on the sm90 kernel: the unpermute inside fc2's GEMM and the

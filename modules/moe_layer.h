@@ -99,7 +99,7 @@ struct MoELayerOptions {
   /// Without expert_parallel, on the sm90 grouped GEMM backend or in FP8: fc1 reads the tokens
   /// through the routing map instead of a permuted copy (GroupedMLP::forward_routed), which is
   /// neither written nor kept for backward: T·k·hidden elements less activation memory per layer.
-  /// In FP8 the quantize of fc1's input gathers the rows (ops::gather_split_quantize), and the
+  /// In FP8 the quantize of fc1's input gathers the rows (one launch for both), and the
   /// unpermute's backward quantizes fc2's output gradient likewise. Unset: on in FP8
   /// (fp8::Autocast), where it saves time on the H100 except on host-bound layers, and off in
   /// bf16, where the layer's fwd+bwd measured 1.1-1.5x the copying path's (docs/experiments.md).

@@ -9,6 +9,7 @@
 
 #include "torchmoe/autograd/router_function.h"
 #include "torchmoe/distributed/collectives.h"
+#include "torchmoe/modules/router_calls.h"
 
 namespace torchmoe {
 namespace {
@@ -142,9 +143,18 @@ void TopKRouterImpl::pretty_print(std::ostream& stream) const {
   stream << ")";
 }
 
-RouterOutput TopKRouterImpl::forward(const torch::Tensor& x,
-                                     const std::shared_ptr<autograd::RouterGradLink>& grad_link) {
-  const TopKRouterOptions& o = options;
+RouterOutput TopKRouterImpl::forward(const torch::Tensor& x) {
+  return detail::TopKRouterCalls::forward(*this, x, nullptr);
+}
+
+namespace detail {
+
+RouterOutput TopKRouterCalls::forward(TopKRouterImpl& router, const torch::Tensor& x,
+                                      const std::shared_ptr<autograd::RouterGradLink>& grad_link) {
+  const TopKRouterOptions& o = router.options;
+  const torch::Tensor& weight = router.weight;
+  const torch::Tensor& bias = router.bias;
+  const torch::Tensor& expert_bias = router.expert_bias;
   // Sizes and the expert bias are what the tensors were built with: changed later they would
   // scale the losses and the capacity for another expert count, or be ignored.
   TORCH_CHECK(weight.size(0) == o.num_experts() && weight.size(1) == o.hidden(), kModule,
@@ -241,12 +251,14 @@ RouterOutput TopKRouterImpl::forward(const torch::Tensor& x,
     out.indices = torch::where(kept, out.indices, -1);
     out.probs = out.probs * kept;
   }
-  if (expert_bias.defined() && is_training()) {
+  if (expert_bias.defined() && router.is_training()) {
     const torch::NoGradGuard no_grad;
-    expert_load += out.tokens_per_expert.to(torch::kFloat32);
+    router.expert_load += out.tokens_per_expert.to(torch::kFloat32);
   }
   return out;
 }
+
+}  // namespace detail
 
 void TopKRouterImpl::load(torch::serialize::InputArchive& archive) {
   // Module::load would take any shape and dtype (set_data): each entry is checked against the

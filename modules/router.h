@@ -25,10 +25,6 @@
 
 #include "torchmoe/distributed/process_group.h"
 
-namespace torchmoe::autograd {
-struct RouterGradLink;  // autograd/router_function.h
-}  // namespace torchmoe::autograd
-
 namespace torchmoe {
 
 enum class RouterScore { kSoftmax, kSigmoid };
@@ -116,13 +112,8 @@ class TopKRouterImpl : public torch::nn::Cloneable<TopKRouterImpl> {
   void reset_parameters();
   void pretty_print(std::ostream& stream) const override;
 
-  /// x [..., hidden] (T = x.numel() / hidden tokens). grad_link: for MoELayer, which forks x
-  /// between the router and the permutation (autograd::ForkFunction) and takes the router's
-  /// gradient of x through it, and may hand the probabilities' gradient to the router through
-  /// it (autograd::route_tokens); the router's two Functions also pass the logits' gradient
-  /// split in bf16 halves through it.
-  RouterOutput forward(const torch::Tensor& x,
-                       const std::shared_ptr<autograd::RouterGradLink>& grad_link = nullptr);
+  /// x [..., hidden] (T = x.numel() / hidden tokens).
+  RouterOutput forward(const torch::Tensor& x);
 
   /// expert_bias += rate · sign(mean load - load) from the tokens counted (in training mode)
   /// since the last call, then clears the count. No-op without expert_bias.

@@ -39,20 +39,13 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
+#include "torchmoe/ops/fp8_options.h"
 #include "torchmoe/ops/types.h"
 
 namespace torchmoe::ops {
-
-// Where a plan runs its grouped GEMMs.
-enum class Backend {
-  kReference,  // CPU: per-group ATen matmuls, any floating dtype (reference quality)
-  kCublasLt,   // CUDA fp32/fp16/bf16: per-group cuBLASLt calls spread over a small pool of streams
-  kSm90,       // CUDA bf16/fp16 on sm_90: torchmoe's one-launch grouped kernel, device splits
-  kCublasLtGrouped,  // CUDA, cuBLASLt >= 13.8 loaded, sm_90+: one cuBLASLt grouped matmul per
-                     // product, device splits
-};
 
 // G per-group tensors of one shape: one stacked [G, ...] tensor (a single grouped weight, or
 // gradient buffers allocated in one piece) or G separate tensors; none (size 0) for "no bias".
@@ -89,19 +82,31 @@ struct GemmShape {
 
 // The decision of one layer call, carried to every GEMM of its forward and backward.
 struct GemmPlan {
-  // Per product: kAuto may pick a different backend for each (see plan_grouped_gemms).
-  Backend backend = Backend::kReference;  // fprop
-  Backend dgrad_backend = Backend::kReference;
-  Backend wgrad_backend = Backend::kReference;
+  // Per product; never kAuto (see plan_grouped_gemms).
+  GemmBackend backend = GemmBackend::kReference;  // fprop
+  GemmBackend dgrad_backend = GemmBackend::kReference;
+  GemmBackend wgrad_backend = GemmBackend::kReference;
   GemmShape shape;
-  // The products run in FP8 (ops/grouped_gemm_fp8.h) on `backend`: operands quantized.
-  bool fp8 = false;
+  // Set: the products run in FP8 (ops/grouped_gemm_fp8.h), their operands quantized with these
+  // options and accumulated as they say. Unset: 16-bit (or fp32, fp64 on the CPU) products.
+  std::optional<Fp8GemmOptions> fp8;
+  // How the layer meets a routing map, decided with the backends (an MoE layer's data path:
+  // "Gathered input" and "Scattered output" above). Every backend takes gather_rows and a
+  // RowScatter; these say where doing so costs no copy of the rows:
+  //   gathers_rows: forward (and wgrad) read the input through gather_rows as they load it (the
+  //     16-bit sm90 kernel; in FP8 the input's quantize gathers, on every backend);
+  //   forward_scatters, dgrad_scatters: forward's output, dgrad's input gradient rows are added
+  //     through a RowScatter inside the GEMM (the 16-bit sm90 kernel).
+  bool gathers_rows = false;
+  bool forward_scatters = false;
+  bool dgrad_scatters = false;
   int64_t rows = 0;  // rows of every row-grouped operand (input, output, grad_output)
   at::ScalarType dtype = at::kFloat;  // of every operand but fp32 gradient buffers
   c10::Device device{c10::kCPU};
-  // Host sizes (checked against rows) for kReference and kCublasLt; device sizes for kSm90 and
-  // kCublasLtGrouped (uploaded once when only host sizes were given). Both when both are needed
-  // or at hand.
+  // Host sizes (checked against rows) when a product runs on kReference or kCublasLt (copied from
+  // the device once, when planning, if only device sizes were given); device sizes when one runs
+  // on kSm90 or kCublasLtGrouped (uploaded once when only host sizes were given). Both when both
+  // are needed or at hand.
   SplitSizes m_splits{std::vector<int64_t>{}};
 };
 
@@ -121,27 +126,28 @@ struct GemmPlan {
 // tensors; kCublasLtGrouped needs a loaded cuBLASLt >= 13.8 on sm_90+, n and k multiples of 8.
 // `op` names the caller in error messages (e.g. "GroupedLinear"). When the first layer reads
 // `input` through gather_rows (defined), the plans' rows are gather_rows' length, not input's.
-// fp8: plans for the FP8 products (all three on one backend), whose table is
+// fp8: plans the FP8 products (ops/grouped_gemm_fp8.h) of operands quantized with these options
+// (fp8::gemm_options makes them from a recipe). The layer's backend, whose table is
 //   CUDA fp32/fp16/bf16, sm_89+, n and k multiples of 16:
 //     kAuto, host sizes and experts of >= 2^24 weight elements
 //                                            -> kCublasLt (measured faster there)
 //     kSm90, or kAuto where the sm90 kernel can run the call (as above, any floating dtype)
-//                                            -> kSm90 (one launch per product with per-tensor
-//                                               scales or BlockScaling's default blocks, device
-//                                               sizes; other block scales run per group), or
-//                                               the forced backend's refusal
+//                                            -> kSm90, or the forced backend's refusal
 //     kCublasLtGrouped, or kAuto where the grouped matmul can run the call
-//                                            -> kCublasLtGrouped (one grouped FP8 matmul per
-//                                               product with per-tensor scales, device sizes;
-//                                               block scales run per group), or the forced
-//                                               backend's refusal
+//                                            -> kCublasLtGrouped, or the forced backend's refusal
 //     kCublasLt, or kAuto otherwise          -> kCublasLt (per-group FP8 matmuls, host sizes)
 //   (TORCHMOE_GROUPED_GEMM_BACKEND overrides kAuto here too)
 //   anything else                            -> NotImplementedError
+// then runs each product where it takes the product's operands, else per group (kCublasLt): the
+// sm90 kernel takes per-tensor scales and BlockScaling's default blocks (1x128 activations and
+// gradients with 128x128 weights) with e4m3 weights, the grouped matmul per-tensor scales. A
+// product that runs per group reads host sizes, copied from the device here, once, when only
+// device sizes were given: the plan says what it runs, and its ops never decide again.
 std::vector<GemmPlan> plan_grouped_gemms(const char* op, const at::Tensor& input,
                                          c10::ArrayRef<GemmShape> shapes,
                                          const SplitSizes& m_splits, GemmBackend choice,
-                                         const at::Tensor& gather_rows = {}, bool fp8 = false);
+                                         const at::Tensor& gather_rows = {},
+                                         const std::optional<Fp8GemmOptions>& fp8 = std::nullopt);
 
 // Where forward and dgrad put their rows (see "Scattered output" above); undefined rows: row i of
 // the product is row i of the output.

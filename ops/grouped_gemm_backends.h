@@ -1,7 +1,8 @@
 #pragma once
-// The backends behind ops/grouped_gemm.h (internal, not installed). grouped_gemm.cpp validates,
-// allocates and switches on the plan; each function here runs one product on arguments that are
-// already checked, for one backend:
+// The backends behind ops/grouped_gemm.h (internal, not installed). grouped_gemm_plan.cpp makes
+// the plan, grouped_tensors.cpp holds the shared checks, grouped_gemm.cpp validates, allocates and
+// switches on the plan; each function here runs one product on arguments that are already checked,
+// for one backend:
 //   grouped_gemm_reference.cpp  CPU, per-group ATen (the reference)
 //   grouped_gemm_cublaslt.cpp   per-group cuBLASLt over a pool of streams (host splits)
 //   grouped_gemm_sm90.cpp       torchmoe's one-launch sm90 kernel (device splits)
@@ -45,6 +46,21 @@ struct CheckedGroups {
 CheckedGroups check_groups(const char* op, const char* what, const GroupedTensors& tensors,
                            size_t groups, const at::Tensor& like, c10::IntArrayRef shape,
                            at::ScalarType dtype, const char* dtype_rule);
+
+// "sm90", "cublaslt", ...: the names TORCHMOE_GROUPED_GEMM_BACKEND takes, for messages.
+const char* backend_name(GemmBackend backend);
+
+// The backends that read the device sizes (the others loop over host sizes).
+inline bool reads_device_splits(GemmBackend backend) {
+  return backend == GemmBackend::kSm90 || backend == GemmBackend::kCublasLtGrouped;
+}
+
+// A row map's entries (gather_rows, scatter.rows; its shape checked by the caller): int32/int64,
+// contiguous, on `device`, as the kernels read them.
+void check_row_index(const char* op, const char* name, const at::Tensor& map,
+                     const c10::Device& device);
+// The row map of a gathered input: [rows] int32/int64, contiguous, on the input's device.
+void check_gather_rows(const char* op, const at::Tensor& gather_rows, const at::Tensor& input);
 
 // Σ m_splits after checking that each is non-negative, or -1 once the running sum passes `bound`
 // (sizes near 2^62 would wrap an int64 sum around to a small one).

@@ -165,9 +165,6 @@ void cublaslt_grouped_fp8(const at::Tensor& like, const kernels::CublasLtGrouped
 
 namespace torchmoe {
 
-LoadedCublasLt loaded_cublaslt() {
-  const kernels::LoadedCublasLt& lt = kernels::loaded_cublaslt();
-  return {lt.version, lt.library, lt.grouped};
-}
+LoadedCublasLt loaded_cublaslt() { return kernels::loaded_cublaslt(); }
 
 }  // namespace torchmoe

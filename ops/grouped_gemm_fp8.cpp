@@ -21,32 +21,30 @@
 namespace torchmoe::ops {
 namespace {
 
+using detail::backend_name;
 using kernels::is_block_scaling;
 
 constexpr const char* kForwardOp = "torchmoe::ops::grouped_linear_forward_fp8";
 constexpr const char* kDgradOp = "torchmoe::ops::grouped_linear_dgrad_fp8";
 constexpr const char* kWgradOp = "torchmoe::ops::grouped_linear_wgrad_fp8";
 
-void check_plan(const char* op, const GemmPlan& plan) {
-  const bool per_group = plan.backend == Backend::kCublasLt && plan.m_splits.has_host();
-  const bool device_splits =
-      (plan.backend == Backend::kCublasLtGrouped || plan.backend == Backend::kSm90) &&
-      plan.m_splits.has_device();
-  TORCH_CHECK(plan.fp8 && (per_group || device_splits), op,
-              ": needs an FP8 plan (plan_grouped_gemms with fp8 = true)");
+// An FP8 plan, with the sizes its product's backend reads (plan_grouped_gemms gives them).
+void check_plan(const char* op, const GemmPlan& plan, GemmBackend backend) {
+  TORCH_CHECK(plan.fp8, op, ": needs an FP8 plan (plan_grouped_gemms with Fp8GemmOptions)");
+  TORCH_CHECK(
+      detail::reads_device_splits(backend) ? plan.m_splits.has_device() : plan.m_splits.has_host(),
+      op, ": the plan runs this product on ", backend_name(backend), ", whose split sizes ",
+      "it does not hold (plans come from plan_grouped_gemms)");
 }
 
-// The plan's host sizes, copied from the device when it has none (a device-size plan whose
-// engine does not take the operands: see engine_of) and then checked as planning checks host
-// sizes: the per-group matmuls cannot clamp sizes nor leave capacity padding as the device-split
-// engines do.
-std::vector<int64_t> host_sizes(const char* op, const GemmPlan& plan) {
-  if (plan.m_splits.has_host()) return plan.m_splits.host().vec();
-  const at::Tensor copy = plan.m_splits.device().to(at::kCPU, at::kLong);
-  std::vector<int64_t> sizes(copy.const_data_ptr<int64_t>(),
-                             copy.const_data_ptr<int64_t>() + copy.numel());
-  detail::check_host_splits(op, sizes, plan.rows);
-  return sizes;
+// An operand quantized as the plan's options for its tensor say: the plan chose the product's
+// backend for those (a B operand of another scaling could reach a kernel that does not take it).
+void check_quantized_as(const char* op, const char* name, const SplitQuantized& q,
+                        const SplitQuantizeOptions& planned) {
+  TORCH_CHECK(q.format == planned.format && q.scaling == planned.scaling, op, ": ", name,
+              " must be quantized as the plan's FP8 options say (", format_name(planned.format),
+              ", ", scaling_name(planned.scaling), "), got ", format_name(q.format), ", ",
+              scaling_name(q.scaling));
 }
 
 // The sizes a check can see without a device-to-host copy: the host sizes, or none.
@@ -224,37 +222,6 @@ at::Tensor unpad_rows(const at::Tensor& padded, const OutputRows& layout, c10::I
   return padded.index_select(0, device_index);
 }
 
-// Who runs one product: the plan's device-split backend where it takes the operands, else one
-// cuBLASLt FP8 matmul per group (host sizes). The sm90 kernel takes an e4m3 B operand (every
-// recipe's weights and wgrad input), a bias, and per-tensor scales or the block scales of
-// BlockScaling's default blocks: a 1x128 A (activations, gradients) with 128x128 weights in fprop
-// and dgrad, or with a 1x128 B (the input) in wgrad. The grouped matmul takes per-tensor scales
-// and a bias (added to its fp32 product by a second kernel). Other block scales run per group.
-enum class Engine { kPerGroup, kGrouped, kSm90 };
-
-// kind: which product (kDgrad reads the weights' columnwise copy, kWgrad both columnwise copies).
-Engine engine_of(const GemmPlan& plan, kernels::GemmKind kind, const SplitQuantized& a,
-                 const SplitQuantized& b) {
-  const bool per_tensor = !is_block_scaling(a.scaling) && !is_block_scaling(b.scaling);
-  const bool wgrad = kind == kernels::GemmKind::kWgrad;
-  // The kernel copies block scales in 16-byte chunks at 32-bit offsets.
-  auto sm90_scales = [](const SplitQuantized& q, bool rowwise) {
-    const at::Tensor& scales = rowwise ? q.scale_inv : q.columnwise_scale_inv;
-    return scales.numel() <= std::numeric_limits<int32_t>::max() &&
-           reinterpret_cast<uintptr_t>(scales.const_data_ptr()) % 16 == 0;
-  };
-  const bool sm90_blocks =
-      a.scaling == QuantizeScaling::kBlock1x128 &&
-      b.scaling == (wgrad ? QuantizeScaling::kBlock1x128 : QuantizeScaling::kBlock128x128) &&
-      sm90_scales(a, !wgrad) && sm90_scales(b, kind == kernels::GemmKind::kFprop);
-  if (plan.backend == Backend::kSm90 && (per_tensor || sm90_blocks) &&
-      b.format == Fp8Format::kE4M3) {
-    return Engine::kSm90;
-  }
-  if (plan.backend == Backend::kCublasLtGrouped && per_tensor) return Engine::kGrouped;
-  return Engine::kPerGroup;
-}
-
 // The fields of a device-split FP8 product (kernels::Sm90Fp8GemmParams,
 // kernels::CublasLtGroupedFp8Params): kind, formats, shape, sizes, operands and their scales.
 template <typename Params>
@@ -305,7 +272,7 @@ kernels::Fp8GemmResult run(const at::Tensor& like, const kernels::Fp8GroupedGemm
 at::Tensor per_group_rows_product(const SplitQuantized& a, const SplitQuantized& weights,
                                   bool weights_rowwise, c10::IntArrayRef sizes, int64_t width,
                                   int64_t reduction, at::ScalarType output_dtype,
-                                  bool fast_accumulation, const detail::CheckedGroups& biases) {
+                                  bool split_accumulator, const detail::CheckedGroups& biases) {
   const std::vector<int64_t> weight_sizes(sizes.size(), weights_rowwise ? width : reduction);
   const OutputRows layout = output_rows(a, sizes);
   at::Tensor output = at::empty({layout.total, width}, a.data.options().dtype(output_dtype));
@@ -313,7 +280,7 @@ at::Tensor per_group_rows_product(const SplitQuantized& a, const SplitQuantized&
   const OperandGroups bg =
       operand_groups(weights, weights_rowwise, weight_sizes, weights_rowwise ? reduction : width);
   kernels::Fp8GroupedGemmParams p = product_params(a, weights, width, output_dtype);
-  p.fast_accumulation = fast_accumulation;
+  p.split_accumulator = split_accumulator;
   const size_t out_size = output.element_size();
   for (size_t g = 0; g < sizes.size(); ++g) {
     kernels::Fp8GemmGroup group;
@@ -337,6 +304,31 @@ at::Tensor per_group_rows_product(const SplitQuantized& a, const SplitQuantized&
   return output;
 }
 
+// wgrad as one cuBLASLt FP8 matmul per split, with host sizes: dW_g [n, k] = dy_gᵀ · x_g from the
+// columnwise copies, the reduction over each split's rows rounded up to the columnwise blocks
+// (split_quantize pads them with zeros).
+void per_group_wgrad(c10::IntArrayRef sizes, const SplitQuantized& input,
+                     const SplitQuantized& grad_output, const detail::CheckedGroups& out, int64_t n,
+                     int64_t k, at::ScalarType out_dtype, bool accumulate, bool split_accumulator) {
+  const OperandGroups a = operand_groups(grad_output, false, sizes, n);
+  const OperandGroups b = operand_groups(input, false, sizes, k);
+  kernels::Fp8GroupedGemmParams p = product_params(grad_output, input, k, out_dtype);
+  p.accumulate = accumulate;
+  p.split_accumulator = split_accumulator;
+  detail::for_each_group(sizes, [&](size_t g, int64_t, int64_t rows) {
+    kernels::Fp8GemmGroup group;
+    group.m = n;
+    group.kk = kernels::round_up_columnwise(rows);
+    group.a = a.data[g];
+    group.b = b.data[g];
+    group.a_scale_inv = a.scale_inv[g];
+    group.b_scale_inv = b.scale_inv[g];
+    group.output = out.mutable_data(g);
+    p.groups.push_back(group);
+  });
+  run(out.tensors[0], p);
+}
+
 void check_output_dtype(const char* op, at::ScalarType dtype) {
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op,
               ": the output dtype must be float32, float16 or bfloat16, got ", dtype);
@@ -346,8 +338,8 @@ void check_output_dtype(const char* op, at::ScalarType dtype) {
 
 at::Tensor grouped_linear_forward_fp8(const GemmPlan& plan, const SplitQuantized& input,
                                       const SplitQuantized& weights, const GroupedTensors& biases,
-                                      at::ScalarType output_dtype, bool fast_accumulation) {
-  check_plan(kForwardOp, plan);
+                                      at::ScalarType output_dtype) {
+  check_plan(kForwardOp, plan, plan.backend);
   check_output_dtype(kForwardOp, output_dtype);
   const int64_t n = plan.shape.n, k = plan.shape.k, groups = plan.shape.groups;
   const std::vector<int64_t> weight_sizes(static_cast<size_t>(groups), n);
@@ -356,42 +348,46 @@ at::Tensor grouped_linear_forward_fp8(const GemmPlan& plan, const SplitQuantized
   check_operand(kForwardOp, "weights", weights, true, groups * n, k, groups, weight_sizes,
                 plan.device);
   check_pair(kForwardOp, "input", input, "weights", weights);
-  // None, or one per group in the output dtype: checked once here for every engine.
+  check_quantized_as(kForwardOp, "input", input, plan.fp8->input);
+  check_quantized_as(kForwardOp, "weights", weights, plan.fp8->weight);
+  // None, or one per group in the output dtype: checked once here for every backend.
   const detail::CheckedGroups checked_biases =
       biases.empty() ? detail::CheckedGroups{}
                      : detail::check_groups(kForwardOp, "biases", biases, groups, input.data, {n},
                                             output_dtype, "the output dtype");
+  const bool split = plan.fp8->fprop_split_accumulator;
   const c10::cuda::CUDAGuard guard(plan.device);
-  const Engine engine = engine_of(plan, kernels::GemmKind::kFprop, input, weights);
-  if (engine == Engine::kSm90) {
-    at::Tensor output = at::empty({plan.rows, n}, input.data.options().dtype(output_dtype));
-    if (plan.rows == 0) return output;
-    auto p =
-        sm90_fp8_params(kernels::GemmKind::kFprop, plan, input, true, weights, true, output_dtype);
-    p.output = output.data_ptr();
-    p.fast_accumulation = fast_accumulation;
-    if (!biases.empty()) p.bias = detail::group_address(checked_biases);
-    detail::sm90_fp8(output, p);
-    return output;
+  switch (plan.backend) {
+    case GemmBackend::kSm90: {
+      at::Tensor output = at::empty({plan.rows, n}, input.data.options().dtype(output_dtype));
+      if (plan.rows == 0) return output;
+      auto p = sm90_fp8_params(kernels::GemmKind::kFprop, plan, input, true, weights, true,
+                               output_dtype);
+      p.output = output.data_ptr();
+      p.split_accumulator = split;
+      if (!biases.empty()) p.bias = detail::group_address(checked_biases);
+      detail::sm90_fp8(output, p);
+      return output;
+    }
+    case GemmBackend::kCublasLtGrouped: {
+      at::Tensor output = at::empty({plan.rows, n}, input.data.options().dtype(output_dtype));
+      auto p = device_fp8_params<kernels::CublasLtGroupedFp8Params>(
+          kernels::GemmKind::kFprop, plan, input, true, weights, true, output_dtype);
+      p.output = output.data_ptr();
+      p.split_accumulator = split;
+      if (!biases.empty()) p.bias = detail::group_address(checked_biases);
+      if (plan.rows > 0) detail::cublaslt_grouped_fp8(output, p);
+      return output;
+    }
+    default:
+      return per_group_rows_product(input, weights, true, plan.m_splits.host(), n, k, output_dtype,
+                                    split, checked_biases);
   }
-  if (engine == Engine::kGrouped) {
-    at::Tensor output = at::empty({plan.rows, n}, input.data.options().dtype(output_dtype));
-    auto p = device_fp8_params<kernels::CublasLtGroupedFp8Params>(
-        kernels::GemmKind::kFprop, plan, input, true, weights, true, output_dtype);
-    p.output = output.data_ptr();
-    p.fast_accumulation = fast_accumulation;
-    if (!biases.empty()) p.bias = detail::group_address(checked_biases);
-    if (plan.rows > 0) detail::cublaslt_grouped_fp8(output, p);
-    return output;
-  }
-  return per_group_rows_product(input, weights, true, host_sizes(kForwardOp, plan), n, k,
-                                output_dtype, fast_accumulation, checked_biases);
 }
 
 at::Tensor grouped_linear_dgrad_fp8(const GemmPlan& plan, const SplitQuantized& grad_output,
-                                    const SplitQuantized& weights, at::ScalarType output_dtype,
-                                    bool fast_accumulation) {
-  check_plan(kDgradOp, plan);
+                                    const SplitQuantized& weights, at::ScalarType output_dtype) {
+  check_plan(kDgradOp, plan, plan.dgrad_backend);
   check_output_dtype(kDgradOp, output_dtype);
   const int64_t n = plan.shape.n, k = plan.shape.k, groups = plan.shape.groups;
   const std::vector<int64_t> weight_sizes(static_cast<size_t>(groups), n);
@@ -400,45 +396,47 @@ at::Tensor grouped_linear_dgrad_fp8(const GemmPlan& plan, const SplitQuantized& 
   check_operand(kDgradOp, "weights", weights, false, groups * n, k, groups, weight_sizes,
                 plan.device);
   check_pair(kDgradOp, "grad_output", grad_output, "weights", weights);
+  check_quantized_as(kDgradOp, "grad_output", grad_output, plan.fp8->grad_output);
+  check_quantized_as(kDgradOp, "weights", weights, plan.fp8->weight);
+  const bool split = plan.fp8->dgrad_split_accumulator;
   const c10::cuda::CUDAGuard guard(plan.device);
-  const Engine engine = engine_of(plan, kernels::GemmKind::kDgrad, grad_output, weights);
-  if (engine != Engine::kPerGroup) {
-    at::Tensor grad_input =
-        at::empty({plan.rows, k}, grad_output.data.options().dtype(output_dtype));
-    if (plan.rows == 0) return grad_input;
-    if (engine == Engine::kSm90) {
-      // dgrad is the fprop product over the weights' columnwise copy, [G, k, n]: k output
-      // columns, a reduction over n.
-      auto p = sm90_fp8_params(kernels::GemmKind::kFprop, plan, grad_output, true, weights, false,
-                               output_dtype);
-      std::swap(p.n, p.k);
-      p.output = grad_input.data_ptr();
-      p.fast_accumulation = fast_accumulation;
-      detail::sm90_fp8(grad_input, p);
-    } else {
-      auto p = device_fp8_params<kernels::CublasLtGroupedFp8Params>(
-          kernels::GemmKind::kDgrad, plan, grad_output, true, weights, false, output_dtype);
-      p.output = grad_input.data_ptr();
-      p.fast_accumulation = fast_accumulation;
-      detail::cublaslt_grouped_fp8(grad_input, p);
-    }
-    return grad_input;
+  if (!detail::reads_device_splits(plan.dgrad_backend)) {
+    return per_group_rows_product(grad_output, weights, false, plan.m_splits.host(), k, n,
+                                  output_dtype, split, {});
   }
-  return per_group_rows_product(grad_output, weights, false, host_sizes(kDgradOp, plan), k, n,
-                                output_dtype, fast_accumulation, {});
+  at::Tensor grad_input = at::empty({plan.rows, k}, grad_output.data.options().dtype(output_dtype));
+  if (plan.rows == 0) return grad_input;
+  if (plan.dgrad_backend == GemmBackend::kSm90) {
+    // dgrad is the fprop product over the weights' columnwise copy, [G, k, n]: k output
+    // columns, a reduction over n.
+    auto p = sm90_fp8_params(kernels::GemmKind::kFprop, plan, grad_output, true, weights, false,
+                             output_dtype);
+    std::swap(p.n, p.k);
+    p.output = grad_input.data_ptr();
+    p.split_accumulator = split;
+    detail::sm90_fp8(grad_input, p);
+  } else {
+    auto p = device_fp8_params<kernels::CublasLtGroupedFp8Params>(
+        kernels::GemmKind::kDgrad, plan, grad_output, true, weights, false, output_dtype);
+    p.output = grad_input.data_ptr();
+    p.split_accumulator = split;
+    detail::cublaslt_grouped_fp8(grad_input, p);
+  }
+  return grad_input;
 }
 
 void grouped_linear_wgrad_fp8(const GemmPlan& plan, const SplitQuantized& input,
                               const SplitQuantized& grad_output,
-                              const GroupedTensors& weight_grads_out, bool accumulate,
-                              bool fast_accumulation) {
-  check_plan(kWgradOp, plan);
+                              const GroupedTensors& weight_grads_out, bool accumulate) {
+  check_plan(kWgradOp, plan, plan.wgrad_backend);
   const int64_t n = plan.shape.n, k = plan.shape.k, groups = plan.shape.groups;
   check_operand(kWgradOp, "grad_output", grad_output, false, plan.rows, n, groups,
                 known_sizes(plan), plan.device);
   check_operand(kWgradOp, "input", input, false, plan.rows, k, groups, known_sizes(plan),
                 plan.device);
   check_pair(kWgradOp, "grad_output", grad_output, "input", input);
+  check_quantized_as(kWgradOp, "grad_output", grad_output, plan.fp8->grad_output);
+  check_quantized_as(kWgradOp, "input", input, plan.fp8->input);
   TORCH_CHECK(weight_grads_out.size() == static_cast<size_t>(groups), kWgradOp,
               ": weight_grads_out must hold one tensor per group (", groups, "), got ",
               weight_grads_out.size());
@@ -449,51 +447,35 @@ void grouped_linear_wgrad_fp8(const GemmPlan& plan, const SplitQuantized& input,
   const detail::CheckedGroups checked = detail::check_groups(
       kWgradOp, "weight_grads_out", weight_grads_out, static_cast<size_t>(groups),
       input.columnwise_data, {n, k}, out_dtype, "weight_grads_out[0]'s dtype");
+  const bool split = plan.fp8->wgrad_split_accumulator;
   const c10::cuda::CUDAGuard guard(plan.device);
-  const Engine engine = engine_of(plan, kernels::GemmKind::kWgrad, grad_output, input);
-  if (engine != Engine::kPerGroup) {
-    if (plan.rows == 0) {  // nothing to read: every group is empty
-      if (!accumulate) {
-        for (int64_t g = 0; g < groups; ++g) weight_grads_out[static_cast<size_t>(g)].zero_();
-      }
-      return;
-    }
-    TORCH_CHECK(checked.aligned, kWgradOp, ": weight_grads_out must start on 16-byte boundaries");
-    if (engine == Engine::kSm90) {
-      auto p = sm90_fp8_params(kernels::GemmKind::kWgrad, plan, grad_output, false, input, false,
-                               out_dtype);
-      p.weight_grad = detail::group_address(checked);
-      p.accumulate = accumulate;
-      p.fast_accumulation = fast_accumulation;
-      detail::sm90_fp8(weight_grads_out[0], p);
-    } else {
-      auto p = device_fp8_params<kernels::CublasLtGroupedFp8Params>(
-          kernels::GemmKind::kWgrad, plan, grad_output, false, input, false, out_dtype);
-      p.weight_grad = detail::group_address(checked);
-      p.accumulate = accumulate;
-      p.fast_accumulation = fast_accumulation;
-      detail::cublaslt_grouped_fp8(weight_grads_out[0], p);
+  if (!detail::reads_device_splits(plan.wgrad_backend)) {
+    per_group_wgrad(plan.m_splits.host(), input, grad_output, checked, n, k, out_dtype, accumulate,
+                    split);
+    return;
+  }
+  if (plan.rows == 0) {  // nothing to read: every group is empty
+    if (!accumulate) {
+      for (int64_t g = 0; g < groups; ++g) weight_grads_out[static_cast<size_t>(g)].zero_();
     }
     return;
   }
-  const std::vector<int64_t> sizes = host_sizes(kWgradOp, plan);
-  const OperandGroups a = operand_groups(grad_output, false, sizes, n);
-  const OperandGroups b = operand_groups(input, false, sizes, k);
-  kernels::Fp8GroupedGemmParams p = product_params(grad_output, input, k, out_dtype);
-  p.accumulate = accumulate;
-  p.fast_accumulation = fast_accumulation;
-  detail::for_each_group(sizes, [&](size_t g, int64_t, int64_t rows) {
-    kernels::Fp8GemmGroup group;
-    group.m = n;
-    group.kk = kernels::round_up_columnwise(rows);
-    group.a = a.data[g];
-    group.b = b.data[g];
-    group.a_scale_inv = a.scale_inv[g];
-    group.b_scale_inv = b.scale_inv[g];
-    group.output = checked.mutable_data(g);
-    p.groups.push_back(group);
-  });
-  run(weight_grads_out[0], p);
+  TORCH_CHECK(checked.aligned, kWgradOp, ": weight_grads_out must start on 16-byte boundaries");
+  if (plan.wgrad_backend == GemmBackend::kSm90) {
+    auto p = sm90_fp8_params(kernels::GemmKind::kWgrad, plan, grad_output, false, input, false,
+                             out_dtype);
+    p.weight_grad = detail::group_address(checked);
+    p.accumulate = accumulate;
+    p.split_accumulator = split;
+    detail::sm90_fp8(weight_grads_out[0], p);
+  } else {
+    auto p = device_fp8_params<kernels::CublasLtGroupedFp8Params>(
+        kernels::GemmKind::kWgrad, plan, grad_output, false, input, false, out_dtype);
+    p.weight_grad = detail::group_address(checked);
+    p.accumulate = accumulate;
+    p.split_accumulator = split;
+    detail::cublaslt_grouped_fp8(weight_grads_out[0], p);
+  }
 }
 
 }  // namespace torchmoe::ops

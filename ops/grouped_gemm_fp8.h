@@ -1,21 +1,20 @@
 #pragma once
 // FP8 grouped linear products: the three GEMMs of a grouped linear layer over operands that
-// split_quantize made (ops/quantize.h), on the plan's backend: the sm90 kernel
-// (kernels/grouped_gemm_sm90.h) or the cuBLASLt grouped matmul with device sizes where they take
-// the operands (per-tensor scales on both; on the sm90 kernel also 1x128 activations and
-// gradients with 128x128 weights in fprop and dgrad and 1x128 inputs in wgrad), else per-group
-// cuBLASLt FP8 matmuls with host sizes. Validation, allocation and the kernel call; the TN layout
-// of every product and which copy each reads are in kernels/grouped_gemm_cublaslt.h and
+// split_quantize made (ops/quantize.h), each on the backend its plan chose for it
+// (plan_grouped_gemms with Fp8GemmOptions): the sm90 kernel (kernels/grouped_gemm_sm90.h) or the
+// cuBLASLt grouped matmul with device sizes, or per-group cuBLASLt FP8 matmuls with host sizes,
+// accumulated as the plan's options say. Validation, allocation and the kernel call; the TN
+// layout of every product and which copy each reads are in kernels/grouped_gemm_cublaslt.h and
 // kernels/grouped_gemm_sm90.h, the numerics in docs/fp8.md.
 //
-// The plan must be an FP8 plan (plan_grouped_gemms(..., fp8=true)): CUDA, in_features and
-// out_features multiples of 16. Split sizes are any non-negative values: wgrad reduces over each
-// split's columnwise block, which split_quantize pads with zeros to a multiple of 16 rows. Device
-// sizes are clamped to the rows as the grouped GEMM ops clamp them where the device reads them;
-// a product that runs per group copies them to the host and requires them non-negative and
-// summing to the rows (no capacity padding), as planning requires of host sizes. An operand's
-// scaling is any of split_quantize's; two block-scaled operands of one product must not both be
-// 128×128 (cuBLASLt has no such kernel), and e5m2 × e5m2 is refused.
+// The plan must be an FP8 plan: CUDA, in_features and out_features multiples of 16. Every operand
+// must be quantized as the plan's options say for its tensor (format and scaling): the plan chose
+// each product's backend for those. Split sizes are any non-negative values: wgrad reduces over
+// each split's columnwise block, which split_quantize pads with zeros to a multiple of 16 rows.
+// Device sizes are clamped to the rows as the grouped GEMM ops clamp them where the device reads
+// them; a product that runs per group reads the plan's host sizes, which planning checked. Two
+// block-scaled operands of one product must not both be 128×128 (cuBLASLt has no such kernel),
+// and e5m2 × e5m2 is refused.
 
 #include <ATen/core/Tensor.h>
 
@@ -26,26 +25,21 @@ namespace torchmoe::ops {
 
 // y[rows of g] = x_g · W_gᵀ (+ b_g), dequantized, in output_dtype. input: the rowwise copy of the
 // [rows, k] input split by the plan's sizes; weights: quantize_weights' rowwise copy
-// (ops/quantize.h); biases: none or G × [n] of output_dtype. fast_accumulation: cuBLASLt's FP8 fast
-// accumulation (TE's choice for fprop; ignored by block scalings).
+// (ops/quantize.h); biases: none or G × [n] of output_dtype.
 at::Tensor grouped_linear_forward_fp8(const GemmPlan& plan, const SplitQuantized& input,
                                       const SplitQuantized& weights, const GroupedTensors& biases,
-                                      at::ScalarType output_dtype, bool fast_accumulation = true);
+                                      at::ScalarType output_dtype);
 
 // dx[rows of g] = dy_g · W_g in output_dtype. grad_output: the rowwise copy of dy [rows, n];
-// weights: quantize_weights' columnwise copy. fast_accumulation: as in fprop (TE's choice for
-// dgrad is split accumulation).
+// weights: quantize_weights' columnwise copy.
 at::Tensor grouped_linear_dgrad_fp8(const GemmPlan& plan, const SplitQuantized& grad_output,
-                                    const SplitQuantized& weights, at::ScalarType output_dtype,
-                                    bool fast_accumulation = false);
+                                    const SplitQuantized& weights, at::ScalarType output_dtype);
 
 // dW_g = dy_gᵀ · x_g from the columnwise copies of dy [rows, n] and x [rows, k], into
 // weight_grads_out (G × [n, k], any of float32/float16/bfloat16): overwritten, or added to when
 // `accumulate` (float32 only; an empty split then leaves its buffer as it is, else zeroes it).
-// fast_accumulation: as in fprop (TE's choice for wgrad is split accumulation).
 void grouped_linear_wgrad_fp8(const GemmPlan& plan, const SplitQuantized& input,
                               const SplitQuantized& grad_output,
-                              const GroupedTensors& weight_grads_out, bool accumulate,
-                              bool fast_accumulation = false);
+                              const GroupedTensors& weight_grads_out, bool accumulate);
 
 }  // namespace torchmoe::ops

@@ -27,4 +27,22 @@ inline c10::ScalarType fp8_dtype(kernels::Fp8Format format) {
   return format == kernels::Fp8Format::kE4M3 ? c10::kFloat8_e4m3fn : c10::kFloat8_e5m2;
 }
 
+// Names for error messages.
+inline const char* format_name(kernels::Fp8Format format) {
+  return format == kernels::Fp8Format::kE4M3 ? "e4m3" : "e5m2";
+}
+inline const char* scaling_name(kernels::QuantizeScaling scaling) {
+  switch (scaling) {
+    case kernels::QuantizeScaling::kCurrent:
+      return "current scaling";
+    case kernels::QuantizeScaling::kDelayed:
+      return "delayed scaling";
+    case kernels::QuantizeScaling::kBlock1x128:
+      return "1x128 block scaling";
+    case kernels::QuantizeScaling::kBlock128x128:
+      return "128x128 block scaling";
+  }
+  return "?";
+}
+
 }  // namespace torchmoe::ops

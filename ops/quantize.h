@@ -6,26 +6,12 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "torchmoe/ops/fp8_options.h"
 #include "torchmoe/ops/glu.h"
 #include "torchmoe/ops/grouped_gemm.h"
 #include "torchmoe/ops/types.h"
 
 namespace torchmoe::ops {
-
-using kernels::AmaxComputeAlgo;
-using kernels::Fp8Format;
-using kernels::QuantizeScaling;
-
-struct SplitQuantizeOptions {
-  Fp8Format format = Fp8Format::kE4M3;
-  QuantizeScaling scaling = QuantizeScaling::kCurrent;
-  bool rowwise = true;     // the [M, K] copy (fprop's operand)
-  bool columnwise = true;  // the per-split transposed copies (dgrad's and wgrad's operands)
-  // kCurrent and the block scalings: scales rounded down to powers of two, and the amax floor
-  // (TE's force_pow_2_scales and amax_epsilon).
-  bool power_of_2_scales = false;
-  double amax_epsilon = 0.0;
-};
 
 struct SplitQuantized {
   at::Tensor data;  // [M, K] float8 (e4m3fn or e5m2); undefined without rowwise

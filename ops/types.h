@@ -66,25 +66,25 @@ struct PermutedTokens {
   SplitSizes m_splits{std::vector<int64_t>{}};
 };
 
-/// Which grouped GEMM runs a layer. kAuto takes, per product (fprop, dgrad, wgrad), the fastest
-/// backend that can run the call, from a table measured on the H100 (docs/performance.md): the
-/// sm90 kernel on H100/H200 bf16/fp16, then the cuBLASLt grouped matmul when the process loaded
-/// cuBLASLt >= 13.8, else per-group cuBLASLt; the CPU runs ATen. TORCHMOE_GROUPED_GEMM_BACKEND=
-/// auto|cublaslt|sm90|cublaslt_grouped overrides kAuto for CUDA tensors; the others force one
-/// backend for all three products and fail with NotImplementedError where it cannot run.
-/// docs/architecture.md has the decision table.
-enum class GemmBackend { kAuto, kCublasLt, kSm90, kCublasLtGrouped };
-
-/// The cuBLASLt this process loaded and whether GemmBackend::kCublasLtGrouped can use it (it needs
-/// 13.8 or newer): what to print when that backend is refused.
-struct LoadedCublasLt {
-  size_t version = 0;    ///< cublasLtGetVersion(): major·10000 + minor·100 + patch
-  std::string library;   ///< the shared object's path
-  bool grouped = false;  ///< the grouped matmul is usable
+/// What runs a grouped GEMM: the one enum of the choice a user makes (GroupedLinearOptions::
+/// gemm_backend) and of what a call's plan decided per product. kAuto takes, per product
+/// (fprop, dgrad, wgrad), the fastest backend that can run the call, from a table measured on the
+/// H100 (docs/performance.md): the sm90 kernel on H100/H200 bf16/fp16, then the cuBLASLt grouped
+/// matmul when the process loaded cuBLASLt >= 13.8, else per-group cuBLASLt; the CPU runs
+/// kReference (per-group ATen matmuls).
+/// TORCHMOE_GROUPED_GEMM_BACKEND=auto|cublaslt|sm90|cublaslt_grouped overrides kAuto for CUDA
+/// tensors; the others force one backend for all three products and fail with NotImplementedError
+/// where it cannot run. docs/architecture.md has the decision table.
+enum class GemmBackend {
+  kAuto,             ///< a choice only: planning picks one of the others per product
+  kReference,        ///< CPU: per-group ATen matmuls, any floating dtype (reference quality)
+  kCublasLt,         ///< CUDA: per-group cuBLASLt matmuls over a small pool of streams, host sizes
+  kSm90,             ///< CUDA sm_90: torchmoe's one-launch grouped kernel, device sizes
+  kCublasLtGrouped,  ///< CUDA sm_90+, cuBLASLt >= 13.8 loaded: one grouped matmul, device sizes
 };
-LoadedCublasLt loaded_cublaslt();
 
-/// The nonlinearity of a gated activation: SwiGLU or ClampedSwiGLU (GPT-OSS).
-using GluActivation = kernels::GluActivation;
+/// The cuBLASLt this process loaded (LoadedCublasLt, in kernels/types.h) and whether
+/// GemmBackend::kCublasLtGrouped can use it.
+LoadedCublasLt loaded_cublaslt();
 
 }  // namespace torchmoe

@@ -16,9 +16,7 @@
 #include <vector>
 
 #include "torchmoe/distributed/collectives.h"
-#include "torchmoe/fp8/state.h"
 #include "torchmoe/ops/multi_tensor_adamw.h"
-#include "torchmoe/ops/quantize.h"
 
 namespace torchmoe::optim {
 namespace {
@@ -74,6 +72,23 @@ void check_not_inference(const torch::Tensor& t, const char* where, const char* 
               " must not be an inference tensor (made under InferenceMode), got one");
 }
 
+// The FP8 copy of `param` for this step: its rows of its layer's copies, master i being expert i
+// when the layer has separate weights.
+ops::AdamWFp8Copy fp8_copy(const Fp8WeightCopies& c, const torch::Tensor& param, size_t i,
+                           size_t masters) {
+  ops::AdamWFp8Copy copy{c.rowwise, c.columnwise, c.scale, c.scale_inv, c.amax};
+  if (masters > 1) {
+    const int64_t rows = param.size(0), elements = param.numel();
+    const auto index = static_cast<int64_t>(i);
+    copy.rowwise = copy.rowwise.narrow(0, index * rows, rows);
+    copy.columnwise = copy.columnwise.narrow(0, index * elements, elements);
+    copy.scale = copy.scale.narrow(0, index, 1);
+    copy.scale_inv = copy.scale_inv.narrow(0, index, 1);
+    copy.amax = copy.amax.narrow(0, index, 1);
+  }
+  return copy;
+}
+
 }  // namespace
 
 FusedAdamW::FusedAdamW(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
@@ -122,21 +137,16 @@ void FusedAdamW::set_model_copy(const torch::Tensor& param, const torch::Tensor&
   model_copies_[param.unsafeGetTensorImpl()] = model;
 }
 
-void FusedAdamW::set_fp8_weights(GroupedLinear layer, const std::vector<torch::Tensor>& masters) {
+void FusedAdamW::set_fp8_weights(const Fp8WeightTarget& target,
+                                 const std::vector<torch::Tensor>& masters) {
   constexpr const char* kWhere = "FusedAdamW::set_fp8_weights";
-  TORCH_CHECK(!layer.is_empty(), kWhere, ": layer must be a built GroupedLinear, got an empty one");
-  TORCH_CHECK(layer->fp8_state(), kWhere, ": the copies are scaled with the layer's ",
-              "delayed-scaling state, so the layer must be built with fp8_amax_history_len > 0, ",
-              "got ", layer->options.fp8_amax_history_len());
-  TORCH_CHECK(
-      layer->in_features_per_partition % 16 == 0 && layer->out_features_per_partition % 16 == 0,
-      kWhere, ": the layer's in and out features must be multiples of 16 (FP8 GEMM ",
-      "operands), got ", layer->in_features_per_partition, " and ",
-      layer->out_features_per_partition);
+  TORCH_CHECK(target.layer != nullptr && target.copies && target.written, kWhere,
+              ": target must be a layer's (e.g. GroupedLinearImpl::fp8_weight_target()), got one "
+              "without its layer or calls");
   for (const Fp8Weights& f : fp8_weights_) {
-    TORCH_CHECK(f.layer.ptr() != layer.ptr(), kWhere, ": the layer already has its masters");
+    TORCH_CHECK(f.target.layer != target.layer, kWhere, ": the layer already has its masters");
   }
-  const std::vector<torch::Tensor>& weights = layer->weight_parameters();
+  const std::vector<torch::Tensor>& weights = target.weights;
   TORCH_CHECK(masters.size() == weights.size(), kWhere, ": needs one master per weight parameter ",
               "of the layer (", weights.size(), "), got ", masters.size());
   for (size_t i = 0; i < masters.size(); ++i) {
@@ -152,11 +162,11 @@ void FusedAdamW::set_fp8_weights(GroupedLinear layer, const std::vector<torch::T
                 "weight parameter ", i, " or the master whose model copy it is (set_model_copy ",
                 "first), got a tensor that is neither");
   }
-  layer->optimizer_fp8_weights();  // allocated now, on the layer's device
+  target.copies();  // allocated now, on the layer's device
   for (size_t i = 0; i < masters.size(); ++i) {
     fp8_masters_[masters[i].unsafeGetTensorImpl()] = {fp8_weights_.size(), i};
   }
-  fp8_weights_.push_back({layer, masters, std::vector<bool>(masters.size(), false)});
+  fp8_weights_.push_back({target, masters, std::vector<bool>(masters.size(), false)});
 }
 
 bool FusedAdamW::is_parameter(const torch::Tensor& t) const {
@@ -181,30 +191,9 @@ void FusedAdamW::check_step(const torch::Tensor& param) const {
   const auto [layer_index, i] = found->second;
   // A model copy re-pointed since (set_model_copy) would leave the copies following a master
   // that no longer holds the layer's weights.
-  TORCH_CHECK(writes_weight(param, fp8_weights_[layer_index].layer->weight_parameters()[i]), kName,
+  TORCH_CHECK(writes_weight(param, fp8_weights_[layer_index].target.weights[i]), kName,
               "::step: the master of the layer's weight parameter ", i, " (set_fp8_weights) no ",
               "longer writes that parameter (its model copy was replaced)");
-}
-
-ops::AdamWFp8Copy FusedAdamW::fp8_copy_of(const torch::Tensor& param) {
-  const auto found = fp8_masters_.find(param.unsafeGetTensorImpl());
-  if (found == fp8_masters_.end()) return {};
-  const auto [layer_index, i] = found->second;
-  Fp8Weights& f = fp8_weights_[layer_index];
-  ops::SplitQuantized& q = f.layer->optimizer_fp8_weights();
-  const fp8::DelayedScalingTensors& state = f.layer->fp8_state()->tensors(fp8::TensorRole::kWeight);
-  ops::AdamWFp8Copy copy{q.data, q.columnwise_data, state.scale, q.scale_inv,
-                         state.amax_history.select(0, 0)};
-  if (f.masters.size() > 1) {  // separate weights: master i is expert i
-    const int64_t rows = param.size(0), elements = param.numel();
-    const auto index = static_cast<int64_t>(i);
-    copy.rowwise = copy.rowwise.narrow(0, index * rows, rows);
-    copy.columnwise = copy.columnwise.narrow(0, index * elements, elements);
-    copy.scale = copy.scale.narrow(0, index, 1);
-    copy.scale_inv = copy.scale_inv.narrow(0, index, 1);
-    copy.amax = copy.amax.narrow(0, index, 1);
-  }
-  return copy;
 }
 
 torch::Tensor FusedAdamW::clip_grad_norm(double max_norm) {
@@ -340,7 +329,14 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
       if (model != model_copies_.end() && !same_memory(model->second, p)) {
         check_disjoint(model->second);
       }
-      t.fp8_copies.push_back(fp8_copy_of(p));
+      const auto fp8_master = fp8_masters_.find(key);
+      if (fp8_master == fp8_masters_.end()) {
+        t.fp8_copies.emplace_back();
+      } else {
+        const Fp8Weights& f = fp8_weights_[fp8_master->second.first];
+        t.fp8_copies.push_back(
+            fp8_copy(f.target.copies(), p, fp8_master->second.second, f.masters.size()));
+      }
       stepped.push_back(p);
     }
     for (auto& [step, tensors] : by_step) {
@@ -395,7 +391,7 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
   // skipped a master (no gradient), its version counters no longer match.
   for (Fp8Weights& f : fp8_weights_) {
     if (std::all_of(f.written.begin(), f.written.end(), [](bool w) { return w; })) {
-      f.layer->fp8_weights_written();
+      f.target.written();
     }
   }
   return loss;

@@ -14,12 +14,8 @@
 #include <utility>
 #include <vector>
 
-#include "torchmoe/modules/grouped_linear.h"
 #include "torchmoe/distributed/process_group.h"
-
-namespace torchmoe::ops {
-struct AdamWFp8Copy;
-}  // namespace torchmoe::ops
+#include "torchmoe/optim/fp8_weight_target.h"
 
 namespace torchmoe::optim {
 
@@ -55,16 +51,16 @@ class FusedAdamW : public torch::optim::Optimizer {
   /// being `param`'s own memory (an fp32 model without a separate master).
   void set_model_copy(const torch::Tensor& param, const torch::Tensor& model);
 
-  /// FP8 training under DelayedScaling without the forward's weight cast: every step writes
-  /// `layer`'s FP8 weights (the rowwise copy fprop reads and the transposed one dgrad reads, e4m3
+  /// FP8 training under DelayedScaling without the forward's weight cast: every step writes a
+  /// layer's FP8 weights (the rowwise copy fprop reads and the transposed one dgrad reads, e4m3
   /// with the weight scales of the layer's FP8 state) from `masters`' new values in the same pass
   /// as their update, and maxes their amax into the state's current history row, as the forward's
   /// cast would. Once every master has been stepped, the layer's forwards under DelayedScaling
-  /// read these copies (GroupedLinearImpl::optimizer_fp8_weights says until when). masters: the
-  /// optimizer's parameters holding the layer's weights, in weight_parameters()' order, each
-  /// float32 and either the weight itself or the master whose model copy (set_model_copy) it is.
-  /// The layer needs fp8_amax_history_len > 0 and in/out features that are multiples of 16.
-  void set_fp8_weights(GroupedLinear layer, const std::vector<torch::Tensor>& masters);
+  /// read these copies (GroupedLinearImpl::fp8_weight_target says until when). target: the
+  /// layer's, e.g. `adamw.set_fp8_weights(layer->fp8_weight_target(), masters)`. masters: the
+  /// optimizer's parameters holding the layer's weights, in target.weights' order, each float32
+  /// and either the weight itself or the master whose model copy (set_model_copy) it is.
+  void set_fp8_weights(const Fp8WeightTarget& target, const std::vector<torch::Tensor>& masters);
 
   /// The L2 norm of all parameters' gradients together, and the next step() multiplies every
   /// gradient by min(1, max_norm / (norm + 1e-6)) as it reads them: the effect of
@@ -94,14 +90,12 @@ class FusedAdamW : public torch::optim::Optimizer {
  private:
   // A layer whose FP8 weights the steps write, and which of its masters have been written.
   struct Fp8Weights {
-    GroupedLinear layer;
+    Fp8WeightTarget target;
     std::vector<torch::Tensor> masters;
     std::vector<bool> written;
   };
   // The checks step() makes on `param` (which has a gradient) before it changes anything.
   void check_step(const torch::Tensor& param) const;
-  // The FP8 copy of `param` for this step, if it is one of an Fp8Weights' masters.
-  ops::AdamWFp8Copy fp8_copy_of(const torch::Tensor& param);
   // Whether `t` is one of the parameter groups' tensors.
   bool is_parameter(const torch::Tensor& t) const;
   // Whether `master` is `weight` or the master whose model copy it is.

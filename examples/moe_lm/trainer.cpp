@@ -111,7 +111,7 @@ Trainer::Trainer(MoETransformer& model, const Flags& f) : model_(model), flags_(
     for (const std::string& name : names) {
       layer_masters.push_back(slots_.at(by_name.at(name)).master);
     }
-    optimizer_->set_fp8_weights(layer, layer_masters);
+    optimizer_->set_fp8_weights(layer->fp8_weight_target(), layer_masters);
   }
 }
 

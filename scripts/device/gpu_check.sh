@@ -15,6 +15,9 @@
 #   compare   scripts/compare_python.sh: the example next to the same model in PyTorch Python
 #   bench     the benchmark programs; BENCHES narrows them (e.g. "grouped_linear glu"),
 #             BENCH_SHAPES the shapes (e.g. "qwen3-30b-a3b,olmoe")
+#   baseline  BASELINE=<tar of another tree, e.g. git archive of the previous commit>: builds it
+#             into build-base (its library and BENCHES' programs), then runs each of BENCHES on
+#             both builds taking turns, BASELINE_ROUNDS times (default 2); the tables go to stdout
 # CUBLAS13=1: after the build, every step runs with cuBLAS 13.10 preloaded (carried to the machine
 # as ../shared/device/cublas13/README.md says), so the cuBLASLt grouped backend is available.
 # Logs and JSON go to $OUT (the device tool returns at most 8 files); tables go to stdout.
@@ -110,5 +113,29 @@ if [[ " $steps " == *" bench "* ]]; then
     build-gpu/bench/bench_$bench --json "$out/bench_$bench.json" \
       ${BENCH_SHAPES:+--shapes $BENCH_SHAPES}
     echo "bench_$bench rc=$?"
+  done
+fi
+
+if [[ " $steps " == *" baseline "* ]]; then
+  # Extracted once: a second extraction would date every file anew and rebuild build-base whole.
+  base_src=/tmp/torchmoe-base
+  [ -d "$base_src" ] || { mkdir -p "$base_src" && tar -xf "$BASELINE" -C "$base_src"; }
+  base_targets=()
+  for bench in ${BENCHES:-split_quantize glu}; do base_targets+=("bench_$bench"); done
+  start=$SECONDS
+  {
+    cmake -S "$base_src" -B build-base -G Ninja -DCMAKE_BUILD_TYPE=Release \
+      -DCMAKE_PREFIX_PATH="$torch_cmake;$PWD/.device/catch2;$PWD/.device/fmt;$PWD/.device/gloo;$PWD/.device/nlohmann" &&
+      cmake --build build-base -j 16 --target "${base_targets[@]}"
+  } > "$out/build_base.log" 2>&1 || { grep -B2 -A8 -E "error|FAILED" "$out/build_base.log" | head -40; exit 1; }
+  echo "baseline build ok ($((SECONDS - start)) s)"
+  for round in $(seq "${BASELINE_ROUNDS:-2}"); do
+    for bench in ${BENCHES:-split_quantize glu}; do
+      for build in build-gpu build-base; do
+        echo "== round $round: $build bench_$bench"
+        "$build/bench/bench_$bench" --json "/tmp/${bench}_${build}_$round.json" \
+          ${BENCH_SHAPES:+--shapes $BENCH_SHAPES} 2>&1 | tail -n "${BASELINE_TAIL:-12}"
+      done
+    done
   done
 fi

@@ -20,10 +20,9 @@ TEST_CASE("GroupedLinearFunction computes only the gradients that are needed", "
   const torch::Tensor x = torch::randn({7, 5}, f64).requires_grad_(input_grad);
   const std::vector<int64_t> splits = {3, 0, 4};
   auto config = c10::make_intrusive<GroupedLinearConfig>();
-  config->plan =
-      torchmoe::autograd::plan_layers("test", x, {torchmoe::autograd::GemmShape{2, 5, 3}}, splits,
-                                      torchmoe::GemmBackend::kAuto)
-          .front();
+  config->plan = torchmoe::ops::plan_grouped_gemms("test", x, {torchmoe::ops::GemmShape{2, 5, 3}},
+                                                   splits, torchmoe::GemmBackend::kAuto)
+                     .front();
   std::vector<torch::Tensor> w, b;
   for (int g = 0; g < 3; ++g) {
     w.push_back(torch::randn({2, 5}, f64).requires_grad_(weight_grad));
@@ -49,8 +48,8 @@ TEST_CASE("GroupedLinearFunction validates its layout arguments", "[autograd][er
   const torch::Tensor x = torch::randn({2, 3});
   auto config = c10::make_intrusive<GroupedLinearConfig>();
   config->plan =
-      torchmoe::autograd::plan_layers("test", x, {torchmoe::autograd::GemmShape{2, 3, 2}},
-                                      std::vector<int64_t>{1, 1}, torchmoe::GemmBackend::kAuto)
+      torchmoe::ops::plan_grouped_gemms("test", x, {torchmoe::ops::GemmShape{2, 3, 2}},
+                                        std::vector<int64_t>{1, 1}, torchmoe::GemmBackend::kAuto)
           .front();
   config->grouped_weight = true;
   std::vector<torch::Tensor> w = {torch::randn({2, 3}), torch::randn({2, 3})};

@@ -1,5 +1,6 @@
 // FP8 recipes: TransformerEngine's defaults, the checks with their messages, and what each recipe
-// asks of split-quantize and of the delayed-scaling update per tensor role.
+// asks of a layer call's FP8 products (fp8::gemm_options: each tensor's split-quantize, each
+// product's accumulation) and of the delayed-scaling update per tensor role.
 
 #include <torchmoe/fp8/quantize_options.h>
 #include <torchmoe/fp8/recipe.h>
@@ -11,9 +12,21 @@
 
 using namespace torchmoe::fp8;
 using Catch::Matchers::Contains;
-using torchmoe::kernels::AmaxComputeAlgo;
-using torchmoe::kernels::Fp8Format;
-using torchmoe::kernels::QuantizeScaling;
+using torchmoe::AmaxComputeAlgo;
+using torchmoe::ops::Fp8Format;
+using torchmoe::ops::QuantizeScaling;
+
+namespace {
+
+// gemm_options' quantize options for `role`'s tensor.
+torchmoe::ops::SplitQuantizeOptions options_for(const Recipe& recipe, TensorRole role) {
+  const torchmoe::ops::Fp8GemmOptions o = gemm_options(recipe);
+  return role == TensorRole::kInput    ? o.input
+         : role == TensorRole::kWeight ? o.weight
+                                       : o.grad_output;
+}
+
+}  // namespace
 
 TEST_CASE("FP8 recipes default to TransformerEngine's values", "[fp8][recipe]") {
   const DelayedScaling delayed;
@@ -63,28 +76,30 @@ TEST_CASE("FP8 recipe setters chain and keep their values", "[fp8][recipe]") {
 
 TEST_CASE("FP8 recipes choose each product's accumulation as TransformerEngine's",
           "[fp8][recipe]") {
-  using torchmoe::kernels::GemmKind;
   // TE's fixed _2X_ACC_FPROP/DGRAD/WGRAD for delayed scaling, Float8CurrentScaling's MMParams
   // defaults, and block scales (applied per 128-deep block) always split.
   for (const Recipe& recipe : {Recipe(DelayedScaling()), Recipe(CurrentScaling())}) {
     INFO(recipe_name(recipe));
-    CHECK_FALSE(split_accumulator(recipe, GemmKind::kFprop));
-    CHECK(split_accumulator(recipe, GemmKind::kDgrad));
-    CHECK(split_accumulator(recipe, GemmKind::kWgrad));
+    const torchmoe::ops::Fp8GemmOptions o = gemm_options(recipe);
+    CHECK_FALSE(o.fprop_split_accumulator);
+    CHECK(o.dgrad_split_accumulator);
+    CHECK(o.wgrad_split_accumulator);
   }
-  for (const GemmKind product : {GemmKind::kFprop, GemmKind::kDgrad, GemmKind::kWgrad}) {
-    CHECK(split_accumulator(BlockScaling(), product));
-  }
-  const Recipe flipped = CurrentScaling()
-                             .fprop_split_accumulator(true)
-                             .dgrad_split_accumulator(false)
-                             .wgrad_split_accumulator(false);
-  CHECK(split_accumulator(flipped, GemmKind::kFprop));
-  CHECK_FALSE(split_accumulator(flipped, GemmKind::kDgrad));
-  CHECK_FALSE(split_accumulator(flipped, GemmKind::kWgrad));
-  const Recipe dgrad_only = CurrentScaling().wgrad_split_accumulator(false);
-  CHECK(split_accumulator(dgrad_only, GemmKind::kDgrad));
-  CHECK_FALSE(split_accumulator(dgrad_only, GemmKind::kWgrad));
+  const torchmoe::ops::Fp8GemmOptions block = gemm_options(BlockScaling());
+  CHECK(block.fprop_split_accumulator);
+  CHECK(block.dgrad_split_accumulator);
+  CHECK(block.wgrad_split_accumulator);
+  const torchmoe::ops::Fp8GemmOptions flipped = gemm_options(CurrentScaling()
+                                                                 .fprop_split_accumulator(true)
+                                                                 .dgrad_split_accumulator(false)
+                                                                 .wgrad_split_accumulator(false));
+  CHECK(flipped.fprop_split_accumulator);
+  CHECK_FALSE(flipped.dgrad_split_accumulator);
+  CHECK_FALSE(flipped.wgrad_split_accumulator);
+  const torchmoe::ops::Fp8GemmOptions dgrad_only =
+      gemm_options(CurrentScaling().wgrad_split_accumulator(false));
+  CHECK(dgrad_only.dgrad_split_accumulator);
+  CHECK_FALSE(dgrad_only.wgrad_split_accumulator);
 }
 
 TEST_CASE("FP8 recipes reject bad values with clear errors", "[fp8][recipe][errors]") {
@@ -115,7 +130,7 @@ TEST_CASE("FP8 recipes reject bad values with clear errors", "[fp8][recipe][erro
                              "grad_block may be 128x128"));
   CHECK_THROWS_WITH(validate(two_tiles), Contains("got input_block=128x128, weight_block=128x128, "
                                                   "grad_block=1x128"));
-  CHECK_THROWS(split_quantize_options(two_tiles, TensorRole::kInput));
+  CHECK_THROWS(gemm_options(two_tiles));
   CHECK_THROWS(BlockScaling()
                    .weight_block(BlockShape::k1x128)
                    .input_block(BlockShape::k128x128)
@@ -129,8 +144,8 @@ TEST_CASE("FP8 recipes reject bad values with clear errors", "[fp8][recipe][erro
 TEST_CASE("FP8 formats per tensor role", "[fp8][recipe]") {
   for (TensorRole role : {TensorRole::kInput, TensorRole::kWeight, TensorRole::kGradOutput}) {
     INFO(role_name(role));
-    CHECK(tensor_format(Format::kE4M3, role) == Fp8Format::kE4M3);
-    CHECK(tensor_format(Format::kHybrid, role) ==
+    CHECK(options_for(CurrentScaling().format(Format::kE4M3), role).format == Fp8Format::kE4M3);
+    CHECK(options_for(CurrentScaling().format(Format::kHybrid), role).format ==
           (role == TensorRole::kGradOutput ? Fp8Format::kE5M2 : Fp8Format::kE4M3));
   }
   CHECK(std::string(role_name(TensorRole::kGradOutput)) == "grad_output");
@@ -139,30 +154,30 @@ TEST_CASE("FP8 formats per tensor role", "[fp8][recipe]") {
 TEST_CASE("FP8 recipes map to split-quantize options", "[fp8][recipe]") {
   SECTION("delayed") {
     const Recipe recipe = DelayedScaling();
-    const auto input = split_quantize_options(recipe, TensorRole::kInput);
+    const auto input = options_for(recipe, TensorRole::kInput);
     CHECK(input.scaling == QuantizeScaling::kDelayed);
     CHECK(input.format == Fp8Format::kE4M3);
     CHECK(input.rowwise);
     CHECK(input.columnwise);
     CHECK_FALSE(input.power_of_2_scales);
-    CHECK(split_quantize_options(recipe, TensorRole::kGradOutput).format == Fp8Format::kE5M2);
+    CHECK(options_for(recipe, TensorRole::kGradOutput).format == Fp8Format::kE5M2);
   }
   SECTION("current") {
     const Recipe recipe = CurrentScaling().power_of_2_scales(true).amax_epsilon(0.5);
     for (TensorRole role : {TensorRole::kInput, TensorRole::kWeight, TensorRole::kGradOutput}) {
       INFO(role_name(role));
-      const auto o = split_quantize_options(recipe, role);
+      const auto o = options_for(recipe, role);
       CHECK(o.scaling == QuantizeScaling::kCurrent);
       CHECK(o.power_of_2_scales);
       CHECK(o.amax_epsilon == 0.5);
-      CHECK(o.format == tensor_format(Format::kHybrid, role));
+      CHECK(o.format == (role == TensorRole::kGradOutput ? Fp8Format::kE5M2 : Fp8Format::kE4M3));
     }
   }
   SECTION("block") {
     const Recipe recipe = BlockScaling().amax_epsilon(0.25);
-    const auto input = split_quantize_options(recipe, TensorRole::kInput);
-    const auto weight = split_quantize_options(recipe, TensorRole::kWeight);
-    const auto grad = split_quantize_options(recipe, TensorRole::kGradOutput);
+    const auto input = options_for(recipe, TensorRole::kInput);
+    const auto weight = options_for(recipe, TensorRole::kWeight);
+    const auto grad = options_for(recipe, TensorRole::kGradOutput);
     CHECK(input.scaling == QuantizeScaling::kBlock1x128);
     CHECK(weight.scaling == QuantizeScaling::kBlock128x128);
     CHECK(grad.scaling == QuantizeScaling::kBlock1x128);
@@ -170,7 +185,7 @@ TEST_CASE("FP8 recipes map to split-quantize options", "[fp8][recipe]") {
     CHECK(weight.power_of_2_scales);
     CHECK(weight.amax_epsilon == 0.25);
     const Recipe hybrid = BlockScaling().format(Format::kHybrid).grad_block(BlockShape::k1x128);
-    CHECK(split_quantize_options(hybrid, TensorRole::kGradOutput).format == Fp8Format::kE5M2);
+    CHECK(options_for(hybrid, TensorRole::kGradOutput).format == Fp8Format::kE5M2);
   }
   SECTION("delayed-scaling update") {
     const auto recipe = DelayedScaling().margin(3).amax_compute_algo(AmaxComputeAlgo::kMostRecent);

@@ -217,16 +217,35 @@ inline SplitQuantized quantize_w(const torch::Tensor& w, QuantizeScaling s, Fp8F
   return ops::quantize_weights(GroupedTensors::stacked(w), o, scale);
 }
 
+// The FP8 options of a plan for operands quantized with these scalings (input and weights e4m3,
+// grad_output in grad_format); every product's accumulation as Fp8GemmOptions' defaults (TE's:
+// fprop fast, dgrad and wgrad split), which a case may change.
+inline ops::Fp8GemmOptions fp8_options(QuantizeScaling input, QuantizeScaling weight,
+                                       QuantizeScaling grad, Fp8Format grad_format = kE5M2) {
+  ops::Fp8GemmOptions o;
+  o.input.scaling = input;
+  o.weight.scaling = weight;
+  o.grad_output.scaling = grad;
+  o.grad_output.format = grad_format;
+  return o;
+}
+inline ops::Fp8GemmOptions fp8_options(const ScalingCase& sc, Fp8Format grad_format = kE5M2) {
+  return fp8_options(sc.input, sc.weight, sc.grad, grad_format);
+}
+
 // backend: kCublasLt (per-group matmuls), kCublasLtGrouped (one grouped matmul per product for
 // per-tensor scales; block scales run per group) or kSm90 (our kernel, for per-tensor scales and
 // for 1x128 activations and gradients with 128x128 weights in fprop and dgrad and 1x128 inputs in
-// wgrad; the all-1x128 case runs fprop and dgrad per group).
+// wgrad; the all-1x128 case runs fprop and dgrad per group), as the plan decides per product from
+// `options` (by default current scaling, e5m2 gradients).
 inline ops::GemmPlan fp8_plan(const torch::Tensor& x, int64_t n, int64_t k,
                               const std::vector<int64_t>& sizes,
-                              GemmBackend backend = GemmBackend::kCublasLt) {
+                              GemmBackend backend = GemmBackend::kCublasLt,
+                              const ops::Fp8GemmOptions& options =
+                                  fp8_options(QuantizeScaling::kCurrent, QuantizeScaling::kCurrent,
+                                              QuantizeScaling::kCurrent)) {
   return ops::plan_grouped_gemms("test", x, {ops::GemmShape{n, k, sizes.size()}}, SplitSizes(sizes),
-                                 backend, torch::Tensor(),
-                                 /*fp8=*/true)
+                                 backend, torch::Tensor(), options)
       .front();
 }
 

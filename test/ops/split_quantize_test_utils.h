@@ -20,7 +20,7 @@
 
 namespace torchmoe::test {
 
-using torchmoe::ops::AmaxComputeAlgo;
+using torchmoe::AmaxComputeAlgo;
 using torchmoe::ops::SplitQuantized;
 
 // FP8 values equal, both NaN, or an exact tie of round-to-nearest (the unrounded value halfway

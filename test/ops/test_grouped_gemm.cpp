@@ -59,8 +59,8 @@ void check_wgrad(const torch::TensorOptions& options, torch::Dtype grad_dtype, b
 }  // namespace
 
 // The backend a plan picks for a layer of this shape on `input`.
-ops::Backend backend_for(const torch::Tensor& input, const ops::GemmShape& shape,
-                         torchmoe::GemmBackend choice = torchmoe::GemmBackend::kAuto) {
+torchmoe::GemmBackend backend_for(const torch::Tensor& input, const ops::GemmShape& shape,
+                                  torchmoe::GemmBackend choice = torchmoe::GemmBackend::kAuto) {
   const std::vector<int64_t> splits(shape.groups, 0);
   return ops::plan_grouped_gemms("test", input.narrow(0, 0, 0), {shape}, splits, choice)
       .front()
@@ -69,8 +69,10 @@ ops::Backend backend_for(const torch::Tensor& input, const ops::GemmShape& shape
 
 TEST_CASE("grouped GEMM dispatch table", "[ops]") {
   const ops::GemmShape shape{64, 64, 4};
-  CHECK(backend_for(torch::empty({1, 64}, torch::kFloat32), shape) == ops::Backend::kReference);
-  CHECK(backend_for(torch::empty({1, 64}, torch::kBFloat16), shape) == ops::Backend::kReference);
+  CHECK(backend_for(torch::empty({1, 64}, torch::kFloat32), shape) ==
+        torchmoe::GemmBackend::kReference);
+  CHECK(backend_for(torch::empty({1, 64}, torch::kBFloat16), shape) ==
+        torchmoe::GemmBackend::kReference);
   REQUIRE_THROWS_AS(backend_for(torch::empty({1, 64}, torch::kInt32), shape),
                     c10::NotImplementedError);
   REQUIRE_THROWS_WITH(backend_for(torch::empty({1, 64}, torch::kMeta), shape),
@@ -93,29 +95,29 @@ TEST_CASE("grouped GEMM dispatch table on CUDA", "[ops][cuda]") {
   constexpr auto kSm90 = torchmoe::GemmBackend::kSm90;
   constexpr auto kGrouped = torchmoe::GemmBackend::kCublasLtGrouped;
   // kAuto's order for bf16/fp16: sm90, cuBLASLt grouped, per-group cuBLASLt.
-  const ops::Backend best = sm90      ? ops::Backend::kSm90
-                            : grouped ? ops::Backend::kCublasLtGrouped
-                                      : ops::Backend::kCublasLt;
+  const torchmoe::GemmBackend best = sm90      ? torchmoe::GemmBackend::kSm90
+                                     : grouped ? torchmoe::GemmBackend::kCublasLtGrouped
+                                               : torchmoe::GemmBackend::kCublasLt;
   CHECK(backend_for(bf16, good) == best);
-  CHECK(backend_for(bf16, good, kCublasLt) == ops::Backend::kCublasLt);
-  CHECK(backend_for(fp32, good) == ops::Backend::kCublasLt);
-  CHECK(backend_for(bf16, odd_k) == ops::Backend::kCublasLt);
+  CHECK(backend_for(bf16, good, kCublasLt) == torchmoe::GemmBackend::kCublasLt);
+  CHECK(backend_for(fp32, good) == torchmoe::GemmBackend::kCublasLt);
+  CHECK(backend_for(bf16, odd_k) == torchmoe::GemmBackend::kCublasLt);
   CHECK(backend_for(bf16, many) ==
-        (grouped ? ops::Backend::kCublasLtGrouped : ops::Backend::kCublasLt));
+        (grouped ? torchmoe::GemmBackend::kCublasLtGrouped : torchmoe::GemmBackend::kCublasLt));
   if (grouped) {
-    CHECK(backend_for(bf16, good, kGrouped) == ops::Backend::kCublasLtGrouped);
-    CHECK(backend_for(fp32, good, kGrouped) == ops::Backend::kCublasLtGrouped);
+    CHECK(backend_for(bf16, good, kGrouped) == torchmoe::GemmBackend::kCublasLtGrouped);
+    CHECK(backend_for(fp32, good, kGrouped) == torchmoe::GemmBackend::kCublasLtGrouped);
     REQUIRE_THROWS_WITH(backend_for(bf16, odd_k, kGrouped), Contains("positive multiples of 8"));
   }
   REQUIRE_THROWS_WITH(backend_for(fp32, good, kSm90),
                       Contains("bfloat16 and float16 operands only"));
   if (sm90) {
-    CHECK(backend_for(bf16, good, kSm90) == ops::Backend::kSm90);
+    CHECK(backend_for(bf16, good, kSm90) == torchmoe::GemmBackend::kSm90);
     REQUIRE_THROWS_WITH(backend_for(bf16, odd_k, kSm90), Contains("positive multiples of 8"));
     REQUIRE_THROWS_WITH(backend_for(bf16, many, kSm90), Contains("1 to 1024 groups"));
     const ops::GemmShape unaligned{64, 64, 4, /*aligned=*/false};
     REQUIRE_THROWS_WITH(backend_for(bf16, unaligned, kSm90), Contains("16-byte boundaries"));
-    CHECK(backend_for(bf16, unaligned) == ops::Backend::kCublasLt);
+    CHECK(backend_for(bf16, unaligned) == torchmoe::GemmBackend::kCublasLt);
   }
 }
 
@@ -145,7 +147,7 @@ TEST_CASE("planning checks split sizes once and copies them at most once", "[ops
                               torchmoe::GemmBackend::kAuto),
       Contains("test: m_splits must have num_gemms=3 entries, got 2"));
   const ops::GemmPlan plan = plan_for(x, 4, 6, std::vector<int64_t>{2, 3});
-  CHECK(plan.backend == ops::Backend::kReference);
+  CHECK(plan.backend == torchmoe::GemmBackend::kReference);
   CHECK(plan.rows == 5);
   CHECK(plan.m_splits.host().vec() == std::vector<int64_t>{2, 3});
   CHECK_FALSE(plan.m_splits.has_device());
@@ -184,8 +186,8 @@ TEST_CASE("planning on CUDA: device splits stay, host splits go up once", "[ops]
   const std::vector<ops::GemmPlan> mixed =
       ops::plan_grouped_gemms("test", x, {ops::GemmShape{64, 64, 2}, ops::GemmShape{60, 64, 2}},
                               torchmoe::SplitSizes(sizes), torchmoe::GemmBackend::kAuto);
-  CHECK(mixed[0].backend == ops::Backend::kSm90);
-  CHECK(mixed[1].backend == ops::Backend::kCublasLt);
+  CHECK(mixed[0].backend == torchmoe::GemmBackend::kSm90);
+  CHECK(mixed[1].backend == torchmoe::GemmBackend::kCublasLt);
   CHECK(mixed[0].m_splits.device().data_ptr() == sizes.data_ptr());  // not copied
   CHECK(mixed[1].m_splits.host().vec() == std::vector<int64_t>{2, 3});
   // Device sizes alone for an sm90 layer: nothing crosses to the host (no sum check either).

@@ -16,7 +16,7 @@
 //   outputs    bfloat16, float32
 //   formats    forward e4m3 × e4m3; dgrad grad_output e4m3 or e5m2 × weight e4m3; wgrad
 //              grad_output e4m3 or e5m2 × input e4m3
-//   forward    fast accumulation on and off
+//   accumulation  split on and off (the plan's options), per product
 // Plus: wgrad accumulation into fp32 buffers and its empty-split rule, biases, and quantize_weights
 // on separate vs stacked weights. The refusals: test_grouped_gemm_fp8_errors.cpp.
 
@@ -40,8 +40,10 @@ TEST_CASE("FP8 grouped forward matches the dequantized float64 reference", "[ops
   const Problem p = make_problem(shape, 11);
   const SplitQuantized xq = quantize(p.x, p.sizes, sc.input, kE4M3);
   const SplitQuantized wq = quantize_w(p.w, sc.weight);
-  const ops::GemmPlan plan = fp8_plan(p.x, p.n, p.k, p.sizes, backend);
-  const torch::Tensor y = ops::grouped_linear_forward_fp8(plan, xq, wq, {}, out_dtype, fast);
+  ops::Fp8GemmOptions options = fp8_options(sc);
+  options.fprop_split_accumulator = !fast;
+  const ops::GemmPlan plan = fp8_plan(p.x, p.n, p.k, p.sizes, backend, options);
+  const torch::Tensor y = ops::grouped_linear_forward_fp8(plan, xq, wq, {}, out_dtype);
   const std::vector<int64_t> weight_sizes(p.groups, p.n);
   const Product ref = per_split_abt(dequantize(xq, true, p.sizes, p.k),
                                     dequantize(wq, true, weight_sizes, p.k), p.sizes, p.n);
@@ -64,8 +66,10 @@ TEST_CASE("FP8 grouped dgrad matches the dequantized float64 reference", "[ops][
   const Problem p = make_problem(shape, 12);
   const SplitQuantized dyq = quantize(p.dy, p.sizes, sc.grad, grad_format);
   const SplitQuantized wq = quantize_w(p.w, sc.weight);
-  const ops::GemmPlan plan = fp8_plan(p.x, p.n, p.k, p.sizes, backend);
-  const torch::Tensor dx = ops::grouped_linear_dgrad_fp8(plan, dyq, wq, out_dtype, fast);
+  ops::Fp8GemmOptions options = fp8_options(sc, grad_format);
+  options.dgrad_split_accumulator = !fast;
+  const ops::GemmPlan plan = fp8_plan(p.x, p.n, p.k, p.sizes, backend, options);
+  const torch::Tensor dx = ops::grouped_linear_dgrad_fp8(plan, dyq, wq, out_dtype);
   REQUIRE(dx.sizes() == torch::IntArrayRef({total(p.sizes), p.k}));
   // dx_g = dy_g · W_g = dy_g · (W_gᵀ)ᵀ with W_gᵀ [k, n] the weights' columnwise copy.
   const torch::Tensor w_hat =
@@ -95,14 +99,16 @@ TEST_CASE("FP8 grouped wgrad matches the dequantized float64 reference", "[ops][
   const Problem p = make_problem(shape, 13);
   const SplitQuantized xq = quantize(p.x, p.sizes, sc.input, kE4M3);
   const SplitQuantized dyq = quantize(p.dy, p.sizes, sc.grad, grad_format);
-  const ops::GemmPlan plan = fp8_plan(p.x, p.n, p.k, p.sizes, backend);
+  ops::Fp8GemmOptions options = fp8_options(sc, grad_format);
+  options.wgrad_split_accumulator = !fast;
+  const ops::GemmPlan plan = fp8_plan(p.x, p.n, p.k, p.sizes, backend, options);
   // NaN-filled: every group must be written (the empty split's with zeros).
   const torch::Tensor dw = torch::full(
       {p.groups, p.n, p.k}, NAN, torch::TensorOptions().dtype(out_dtype).device(torch::kCUDA));
   const std::vector<torch::Tensor> views = dw.unbind(0);
   ops::grouped_linear_wgrad_fp8(plan, xq, dyq,
                                 stacked ? GroupedTensors::stacked(dw) : GroupedTensors(views),
-                                /*accumulate=*/false, fast);
+                                /*accumulate=*/false);
   const Product ref = per_split_atb(dequantize(dyq, false, p.sizes, p.n),
                                     dequantize(xq, false, p.sizes, p.k), p.sizes);
   check_product(dw, ref, out_dtype, accumulation_tol(fast, sc), "dW");
@@ -125,7 +131,7 @@ TEST_CASE("FP8 products over long reductions stay within the accumulation bounds
   const SplitQuantized xq = quantize(p.x, p.sizes, sc.input, kE4M3);
   const SplitQuantized wq = quantize_w(p.w, sc.weight);
   const SplitQuantized dyq = quantize(p.dy, p.sizes, sc.grad, kE5M2);
-  const ops::GemmPlan plan = fp8_plan(p.x, p.n, p.k, p.sizes, backend);
+  const ops::GemmPlan plan = fp8_plan(p.x, p.n, p.k, p.sizes, backend, fp8_options(sc));
   const std::vector<int64_t> weight_sizes(p.groups, p.n);
   const torch::Tensor x_hat = dequantize(xq, true, p.sizes, p.k);
   const torch::Tensor dy_hat = dequantize(dyq, true, p.sizes, p.n);
@@ -134,7 +140,7 @@ TEST_CASE("FP8 products over long reductions stay within the accumulation bounds
     const torch::Tensor a = actual.to(torch::kCPU, torch::kFloat64);
     return ((a - ref.value).abs() / ref.abs_sum.clamp_min(1e-30)).max().item<double>();
   };
-  const torch::Tensor y = ops::grouped_linear_forward_fp8(plan, xq, wq, {}, torch::kFloat, true);
+  const torch::Tensor y = ops::grouped_linear_forward_fp8(plan, xq, wq, {}, torch::kFloat);
   const Product y_ref = per_split_abt(x_hat, w_hat, p.sizes, p.n);
   const torch::Tensor dx = ops::grouped_linear_dgrad_fp8(plan, dyq, wq, torch::kFloat);
   const Product dx_ref = per_split_abt(
@@ -169,7 +175,7 @@ TEST_CASE("FP8 grouped wgrad accumulates into fp32 buffers; empty splits", "[ops
   const Problem p = make_problem(shape, 14);
   const SplitQuantized xq = quantize(p.x, p.sizes, sc.input, kE4M3);
   const SplitQuantized dyq = quantize(p.dy, p.sizes, sc.grad, kE5M2);
-  const ops::GemmPlan plan = fp8_plan(p.x, p.n, p.k, p.sizes, backend);
+  const ops::GemmPlan plan = fp8_plan(p.x, p.n, p.k, p.sizes, backend, fp8_options(sc));
   const Product ref = per_split_atb(dequantize(dyq, false, p.sizes, p.n),
                                     dequantize(xq, false, p.sizes, p.k), p.sizes);
   const auto fp32 = torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA);
@@ -219,7 +225,7 @@ TEST_CASE("FP8 grouped forward adds the biases", "[ops][fp8][cuda]") {
   const Problem p = make_problem(shape, 15);
   const SplitQuantized xq = quantize(p.x, p.sizes, sc.input, kE4M3);
   const SplitQuantized wq = quantize_w(p.w, sc.weight);
-  const ops::GemmPlan plan = fp8_plan(p.x, p.n, p.k, p.sizes, backend);
+  const ops::GemmPlan plan = fp8_plan(p.x, p.n, p.k, p.sizes, backend, fp8_options(sc));
   std::vector<torch::Tensor> biases;
   for (int64_t g = 0; g < p.groups; ++g) {
     biases.push_back(
@@ -245,12 +251,12 @@ TEST_CASE("FP8 grouped forward adds the biases", "[ops][fp8][cuda]") {
       "y + b");
 }
 
-// Operands that no device-split engine takes (all-1x128 block scales in fprop and dgrad: the sm90
+// Operands that no device-split backend takes (all-1x128 block scales in fprop and dgrad: the sm90
 // kernel takes 128x128 weights there, the grouped matmul per-tensor scales; wgrad's 1x128 pair
-// runs on the sm90 kernel) run one matmul per group, which needs the sizes on the host: a
-// device-size plan's are copied and checked as planning checks host sizes, since per-group
-// matmuls can neither clamp a size nor leave capacity-padding rows.
-TEST_CASE("FP8 per-group products check the device sizes they copy", "[ops][fp8][cuda]") {
+// runs on the sm90 kernel) run one matmul per group, which needs the sizes on the host: planning
+// says so per product, and copies a device-size plan's sizes once and checks them as it checks
+// host sizes, since per-group matmuls can neither clamp a size nor leave capacity-padding rows.
+TEST_CASE("FP8 plans run per group what the device kernels do not take", "[ops][fp8][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
   TORCHMOE_REQUIRE_GEMM_BACKEND(GemmBackend::kSm90);
   const ScalingCase& sc = kScalingCases[3];
@@ -259,37 +265,47 @@ TEST_CASE("FP8 per-group products check the device sizes they copy", "[ops][fp8]
   const int64_t rows = total(p.sizes);
   const SplitQuantized xq = quantize(p.x, p.sizes, sc.input, kE4M3);
   const SplitQuantized wq = quantize_w(p.w, sc.weight);
-  const SplitQuantized dyq = quantize(p.dy, p.sizes, sc.grad, kE5M2);
   auto plan_with = [&](std::vector<int64_t> device_sizes) {
     return ops::plan_grouped_gemms(
                "test", p.x, {ops::GemmShape{p.n, p.k, p.sizes.size()}},
                SplitSizes(torch::tensor(device_sizes, torch::kLong).to(torch::kCUDA)),
-               GemmBackend::kSm90, torch::Tensor(), /*fp8=*/true)
+               GemmBackend::kSm90, torch::Tensor(), fp8_options(sc))
         .front();
   };
-  SECTION("sizes summing to the rows: the per-group results") {
+  SECTION("sizes summing to the rows: per-group fprop and dgrad, sm90 wgrad") {
     const ops::GemmPlan plan = plan_with(p.sizes);
-    const ops::GemmPlan host = fp8_plan(p.x, p.n, p.k, p.sizes, GemmBackend::kSm90);
+    CHECK(plan.backend == GemmBackend::kCublasLt);
+    CHECK(plan.dgrad_backend == GemmBackend::kCublasLt);
+    CHECK(plan.wgrad_backend == GemmBackend::kSm90);
+    REQUIRE(plan.m_splits.has_host());
+    CHECK(plan.m_splits.host().vec() == p.sizes);
+    CHECK(plan.m_splits.has_device());
+    const ops::GemmPlan host =
+        fp8_plan(p.x, p.n, p.k, p.sizes, GemmBackend::kSm90, fp8_options(sc));
     CHECK(torch::equal(ops::grouped_linear_forward_fp8(plan, xq, wq, {}, torch::kBFloat16),
                        ops::grouped_linear_forward_fp8(host, xq, wq, {}, torch::kBFloat16)));
   }
-  SECTION("capacity padding (a smaller sum) is refused") {
+  SECTION("capacity padding (a smaller sum) is refused when planning") {
     std::vector<int64_t> short_sizes = p.sizes;
     short_sizes.back() -= 3;
-    const ops::GemmPlan plan = plan_with(short_sizes);
-    const std::string message = "must sum to the number of rows (" + std::to_string(rows) + ")";
-    REQUIRE_THROWS_WITH(ops::grouped_linear_forward_fp8(plan, xq, wq, {}, torch::kBFloat16),
-                        Contains("grouped_linear_forward_fp8") && Contains(message));
-    REQUIRE_THROWS_WITH(ops::grouped_linear_dgrad_fp8(plan, dyq, wq, torch::kBFloat16),
-                        Contains("grouped_linear_dgrad_fp8") && Contains(message));
+    REQUIRE_THROWS_WITH(
+        plan_with(short_sizes),
+        Contains("test: m_splits must sum to the number of rows (" + std::to_string(rows) + ")"));
   }
-  SECTION("a negative size is refused") {
+  SECTION("a negative size is refused when planning") {
     std::vector<int64_t> negative = p.sizes;
     negative[0] = -1;
     negative[1] += 1 + p.sizes[0];
-    const ops::GemmPlan plan = plan_with(negative);
-    REQUIRE_THROWS_WITH(ops::grouped_linear_forward_fp8(plan, xq, wq, {}, torch::kBFloat16),
-                        Contains("m_splits[0] must be non-negative, got -1"));
+    REQUIRE_THROWS_WITH(plan_with(negative), Contains("m_splits[0] must be non-negative, got -1"));
+  }
+  SECTION("operands quantized otherwise than the plan says are refused") {
+    const ops::GemmPlan plan = plan_with(p.sizes);
+    const SplitQuantized x_current = quantize(p.x, p.sizes, QuantizeScaling::kCurrent, kE4M3);
+    const SplitQuantized w_current = quantize_w(p.w, QuantizeScaling::kCurrent);
+    REQUIRE_THROWS_WITH(
+        ops::grouped_linear_forward_fp8(plan, x_current, w_current, {}, torch::kBFloat16),
+        Contains("input must be quantized as the plan's FP8 options say (e4m3, "
+                 "1x128 block scaling), got e4m3, current scaling"));
   }
 }
 

@@ -24,7 +24,10 @@ TEST_CASE("FP8 grouped GEMM ops refuse bad operands", "[ops][fp8][cuda][errors]"
     // Splits not multiples of 4 rows: each per-group product reads up to 3 rows past its split.
     const ShapeCase odd{"odd", {37, 27}, 32, 128};
     const Problem q = make_problem(odd, 18);
-    const ops::GemmPlan per_group = fp8_plan(q.x, q.n, q.k, q.sizes, GemmBackend::kCublasLt);
+    const ops::GemmPlan per_group =
+        fp8_plan(q.x, q.n, q.k, q.sizes, GemmBackend::kCublasLt,
+                 fp8_options(QuantizeScaling::kBlock1x128, QuantizeScaling::kBlock128x128,
+                             QuantizeScaling::kBlock1x128));
     SplitQuantized xb = quantize(q.x, q.sizes, QuantizeScaling::kBlock1x128, kE4M3);
     const SplitQuantized wb = quantize_w(q.w, QuantizeScaling::kBlock128x128);
     CHECK_NOTHROW(ops::grouped_linear_forward_fp8(per_group, xb, wb, {}, bf16));
@@ -176,7 +179,7 @@ TEST_CASE("plan_grouped_gemms: FP8 plans and their refusals", "[ops][fp8][cuda][
   auto plan = [&](int64_t n, int64_t k, GemmBackend backend) {
     return ops::plan_grouped_gemms("test", x.narrow(1, 0, k).contiguous(),
                                    {ops::GemmShape{n, k, groups}}, SplitSizes(sizes), backend,
-                                   torch::Tensor(), /*fp8=*/true)
+                                   torch::Tensor(), ops::Fp8GemmOptions())
         .front();
   };
   SECTION("kCublasLt plans per-group cuBLASLt FP8 products; kAuto sm90 where it runs") {
@@ -184,10 +187,10 @@ TEST_CASE("plan_grouped_gemms: FP8 plans and their refusals", "[ops][fp8][cuda][
     const ops::GemmPlan p = plan(32, 64, backend);
     CHECK(p.fp8);
     const bool automatic = backend == GemmBackend::kAuto;
-    const ops::Backend expected =
-        automatic && torchmoe::test::sm90_available()      ? ops::Backend::kSm90
-        : automatic && torchmoe::loaded_cublaslt().grouped ? ops::Backend::kCublasLtGrouped
-                                                           : ops::Backend::kCublasLt;
+    const torchmoe::GemmBackend expected =
+        automatic && torchmoe::test::sm90_available()      ? torchmoe::GemmBackend::kSm90
+        : automatic && torchmoe::loaded_cublaslt().grouped ? torchmoe::GemmBackend::kCublasLtGrouped
+                                                           : torchmoe::GemmBackend::kCublasLt;
     CHECK(p.backend == expected);
     CHECK(p.dgrad_backend == expected);
     CHECK(p.wgrad_backend == expected);
@@ -202,14 +205,14 @@ TEST_CASE("plan_grouped_gemms: FP8 plans and their refusals", "[ops][fp8][cuda][
     }
     // n·k = 2^24 weight elements: kAuto's threshold (its measurement: docs/performance.md).
     const ops::GemmPlan p = plan(int64_t{1} << 18, 64, GemmBackend::kAuto);
-    CHECK(p.backend == ops::Backend::kCublasLt);
-    CHECK(p.wgrad_backend == ops::Backend::kCublasLt);
+    CHECK(p.backend == torchmoe::GemmBackend::kCublasLt);
+    CHECK(p.wgrad_backend == torchmoe::GemmBackend::kCublasLt);
   }
   SECTION("forced sm90: planned on sm_90 with device sizes, else refused with the reason") {
     if (torchmoe::test::sm90_available()) {
       const ops::GemmPlan p = plan(32, 64, GemmBackend::kSm90);
-      CHECK(p.backend == ops::Backend::kSm90);
-      CHECK(p.wgrad_backend == ops::Backend::kSm90);
+      CHECK(p.backend == torchmoe::GemmBackend::kSm90);
+      CHECK(p.wgrad_backend == torchmoe::GemmBackend::kSm90);
       CHECK(p.m_splits.has_device());
     } else {
       REQUIRE_THROWS_AS(plan(32, 64, GemmBackend::kSm90), c10::NotImplementedError);
@@ -220,8 +223,8 @@ TEST_CASE("plan_grouped_gemms: FP8 plans and their refusals", "[ops][fp8][cuda][
   SECTION("forced cuBLASLt grouped: planned where loaded, else refused with the reason") {
     if (torchmoe::loaded_cublaslt().grouped) {
       const ops::GemmPlan p = plan(32, 64, GemmBackend::kCublasLtGrouped);
-      CHECK(p.backend == ops::Backend::kCublasLtGrouped);
-      CHECK(p.wgrad_backend == ops::Backend::kCublasLtGrouped);
+      CHECK(p.backend == torchmoe::GemmBackend::kCublasLtGrouped);
+      CHECK(p.wgrad_backend == torchmoe::GemmBackend::kCublasLtGrouped);
       CHECK(p.m_splits.has_device());
     } else {
       REQUIRE_THROWS_AS(plan(32, 64, GemmBackend::kCublasLtGrouped), c10::NotImplementedError);
@@ -242,11 +245,11 @@ TEST_CASE("plan_grouped_gemms refuses FP8 on the CPU", "[ops][fp8][errors]") {
   auto plan = [&] {
     return ops::plan_grouped_gemms("test", x, {ops::GemmShape{16, 32, sizes.size()}},
                                    SplitSizes(sizes), GemmBackend::kAuto, torch::Tensor(),
-                                   /*fp8=*/true);
+                                   ops::Fp8GemmOptions());
   };
   REQUIRE_THROWS_AS(plan(), c10::NotImplementedError);
   REQUIRE_THROWS_WITH(plan(), Contains("FP8 runs on CUDA"));
-  // Without fp8 the same call plans the CPU reference.
+  // Without FP8 options the same call plans the CPU reference.
   CHECK_NOTHROW(ops::plan_grouped_gemms("test", x, {ops::GemmShape{16, 32, sizes.size()}},
                                         SplitSizes(sizes), GemmBackend::kAuto));
 }

@@ -209,7 +209,7 @@ void run_gather_case(const GatherCase& c, torch::Dtype dtype, bool device_splits
       ops::plan_grouped_gemms("test", x, {ops::GemmShape{c.n, c.k, splits.size()}}, splits, kSm90,
                               map)
           .front();
-  REQUIRE(plan.backend == ops::Backend::kSm90);
+  REQUIRE(plan.backend == torchmoe::GemmBackend::kSm90);
   REQUIRE(plan.rows == rows);
   const ops::GemmPlan copy_plan = forced_plan(x_rows, c.n, c.k, splits);
 
@@ -474,7 +474,7 @@ TEST_CASE("sm90 grouped GEMM copies an unaligned activation instead of refusing 
   REQUIRE(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0);
   const torch::Tensor w = torch::randn({2, 64, 64}, cuda);
   const ops::GemmPlan plan = forced_plan(x, 64, 64, std::vector<int64_t>{5, 3});
-  REQUIRE(plan.backend == ops::Backend::kSm90);
+  REQUIRE(plan.backend == torchmoe::GemmBackend::kSm90);
   const torch::Tensor y = ops::grouped_linear_forward(plan, x, ops::GroupedTensors::stacked(w), {});
   const torch::Tensor expected =
       torch::cat({x.narrow(0, 0, 5).mm(w[0].t()), x.narrow(0, 5, 3).mm(w[1].t())});

@@ -101,7 +101,7 @@ Setup make_layer(const torch::Device& device, bool single, int64_t in = kIn,
   return s;
 }
 
-FusedAdamW make_optimizer(const Setup& s, double lr = 1e-2,
+FusedAdamW make_optimizer(Setup& s, double lr = 1e-2,
                           const std::vector<torch::Tensor>& extra = {}) {
   std::vector<torch::Tensor> params = s.masters;
   params.insert(params.end(), extra.begin(), extra.end());
@@ -109,7 +109,7 @@ FusedAdamW make_optimizer(const Setup& s, double lr = 1e-2,
   for (size_t i = 0; i < s.masters.size(); ++i) {
     adamw.set_model_copy(s.masters[i], s.layer->weight_parameters()[i]);
   }
-  adamw.set_fp8_weights(s.layer, s.masters);
+  adamw.set_fp8_weights(s.layer->fp8_weight_target(), s.masters);
   return adamw;
 }
 
@@ -129,10 +129,9 @@ torch::Tensor stacked_masters(const std::vector<torch::Tensor>& masters) {
 int64_t definition_mismatches(Setup& s, const std::vector<float>& scales) {
   const torch::Tensor p = stacked_masters(s.masters);
   const int64_t groups = p.size(0), out = p.size(1), in = p.size(2);
-  const torchmoe::ops::SplitQuantized& q = s.layer->optimizer_fp8_weights();
-  const torch::Tensor rowwise = q.data.view(torch::kUInt8).cpu().view({groups, out, in});
-  const torch::Tensor columnwise =
-      q.columnwise_data.view(torch::kUInt8).cpu().view({groups, in, out});
+  const torchmoe::optim::Fp8WeightCopies q = s.layer->fp8_weight_target().copies();
+  const torch::Tensor rowwise = q.rowwise.view(torch::kUInt8).cpu().view({groups, out, in});
+  const torch::Tensor columnwise = q.columnwise.view(torch::kUInt8).cpu().view({groups, in, out});
   int64_t mismatches = 0;
   for (int64_t g = 0; g < groups; ++g) {
     const torch::Tensor pg = p[g], rg = rowwise[g], cg = columnwise[g];
@@ -173,7 +172,7 @@ TEST_CASE("FusedAdamW writes a GroupedLinear's FP8 weights as the e4m3 definitio
         std::get<0>(stacked_masters(s.masters).abs().view({kGroups, -1}).max(1));
     CHECK(torch::equal(state.amax_history[0], torch::maximum(amax, previous_amax)));
     previous_amax = torch::maximum(amax, previous_amax);
-    CHECK(torch::equal(s.layer->optimizer_fp8_weights().scale_inv, 1.0f / state.scale));
+    CHECK(torch::equal(s.layer->fp8_weight_target().copies().scale_inv, 1.0f / state.scale));
     // The model copies are the masters rounded, as without FP8 copies.
     for (size_t i = 0; i < s.masters.size(); ++i) {
       CHECK(torch::equal(s.layer->weight_parameters()[i],
@@ -186,40 +185,47 @@ TEST_CASE("FusedAdamW::set_fp8_weights refuses layers and masters it cannot writ
           "[optim][fp8][errors]") {
   Setup s = make_layer(torch::kCPU, /*single=*/false);
   FusedAdamW adamw(s.masters, FusedAdamWOptions(1e-2));
-  REQUIRE_THROWS_WITH(adamw.set_fp8_weights(s.layer, s.masters),
+  REQUIRE_THROWS_WITH(adamw.set_fp8_weights(torchmoe::optim::Fp8WeightTarget(), s.masters),
+                      Contains("target must be a layer's (e.g. "
+                               "GroupedLinearImpl::fp8_weight_target()), got one without its layer "
+                               "or calls"));
+  REQUIRE_THROWS_WITH(adamw.set_fp8_weights(s.layer->fp8_weight_target(), s.masters),
                       Contains("masters[0] must be the layer's weight parameter 0 or the master "
                                "whose model copy it is (set_model_copy first)"));
   for (size_t i = 0; i < s.masters.size(); ++i) {
     adamw.set_model_copy(s.masters[i], s.layer->weight_parameters()[i]);
   }
-  REQUIRE_THROWS_WITH(adamw.set_fp8_weights(s.layer, {s.masters[0]}),
+  REQUIRE_THROWS_WITH(adamw.set_fp8_weights(s.layer->fp8_weight_target(), {s.masters[0]}),
                       Contains("needs one master per weight parameter of the layer (3), got 1"));
   REQUIRE_THROWS_WITH(
-      adamw.set_fp8_weights(s.layer, {s.masters[0], s.masters[1], torch::zeros({kOut, kIn})}),
+      adamw.set_fp8_weights(s.layer->fp8_weight_target(),
+                            {s.masters[0], s.masters[1], torch::zeros({kOut, kIn})}),
       Contains("masters[2] is not one of the optimizer's parameters"));
-  REQUIRE_THROWS_WITH(adamw.set_fp8_weights(s.layer, {s.masters[1], s.masters[0], s.masters[2]}),
+  REQUIRE_THROWS_WITH(adamw.set_fp8_weights(s.layer->fp8_weight_target(),
+                                            {s.masters[1], s.masters[0], s.masters[2]}),
                       Contains("masters[0] must be the layer's weight parameter 0"));
-  adamw.set_fp8_weights(s.layer, s.masters);
-  REQUIRE_THROWS_WITH(adamw.set_fp8_weights(s.layer, s.masters),
+  adamw.set_fp8_weights(s.layer->fp8_weight_target(), s.masters);
+  REQUIRE_THROWS_WITH(adamw.set_fp8_weights(s.layer->fp8_weight_target(), s.masters),
                       Contains("the layer already has its masters"));
   Setup other = make_layer(torch::kCPU, /*single=*/false);
-  REQUIRE_THROWS_WITH(adamw.set_fp8_weights(other.layer, s.masters),
+  REQUIRE_THROWS_WITH(adamw.set_fp8_weights(other.layer->fp8_weight_target(), s.masters),
                       Contains("masters[0] already writes another layer's FP8 weights"));
 
   GroupedLinear no_state(GroupedLinearOptions(kGroups, kIn, kOut).bias(false));
-  REQUIRE_THROWS_WITH(adamw.set_fp8_weights(no_state, no_state->weight_parameters()),
-                      Contains("must be built with fp8_amax_history_len > 0, got 0"));
+  REQUIRE_THROWS_WITH(no_state->fp8_weight_target(),
+                      Contains("GroupedLinear::fp8_weight_target: the copies are scaled with the "
+                               "layer's delayed-scaling state, so the layer must be built with "
+                               "fp8_amax_history_len > 0, got 0"));
   Setup narrow = make_layer(torch::kCPU, /*single=*/true, /*in=*/72);
-  FusedAdamW narrow_adamw(narrow.masters);
   REQUIRE_THROWS_WITH(
-      narrow_adamw.set_fp8_weights(narrow.layer, narrow.masters),
+      narrow.layer->fp8_weight_target(),
       Contains("the layer's in and out features must be multiples of 16 (FP8 GEMM operands), "
                "got 72 and 112"));
   // A float64 master is refused.
   Setup grouped = make_layer(torch::kCPU, /*single=*/true);
   const torch::Tensor wide = grouped.masters[0].detach().to(torch::kFloat64).requires_grad_(true);
   FusedAdamW wide_adamw({wide});
-  REQUIRE_THROWS_WITH(wide_adamw.set_fp8_weights(grouped.layer, {wide}),
+  REQUIRE_THROWS_WITH(wide_adamw.set_fp8_weights(grouped.layer->fp8_weight_target(), {wide}),
                       Contains("masters[0] must be float32 of shape [3, 112, 80], got Double"));
 
   // A master whose model copy is no longer the layer's weight.
@@ -326,10 +332,9 @@ TEST_CASE("FusedAdamW on CUDA writes FP8 weights that the layer's forwards read"
     const torchmoe::ops::SplitQuantized want = torchmoe::ops::quantize_weights(
         torchmoe::ops::GroupedTensors(std::vector<torch::Tensor>(p.unbind(0))), options,
         state.scale);
-    const torchmoe::ops::SplitQuantized& q = s.layer->optimizer_fp8_weights();
-    CHECK(torch::equal(q.data.view(torch::kUInt8), want.data.view(torch::kUInt8)));
-    CHECK(torch::equal(q.columnwise_data.view(torch::kUInt8),
-                       want.columnwise_data.view(torch::kUInt8)));
+    const torchmoe::optim::Fp8WeightCopies q = s.layer->fp8_weight_target().copies();
+    CHECK(torch::equal(q.rowwise.view(torch::kUInt8), want.data.view(torch::kUInt8)));
+    CHECK(torch::equal(q.columnwise.view(torch::kUInt8), want.columnwise_data.view(torch::kUInt8)));
     CHECK(torch::equal(q.scale_inv, want.scale_inv));
     CHECK(torch::equal(state.amax_history[0], torch::maximum(amax_before, want.amax)));
   }
@@ -413,7 +418,7 @@ TEST_CASE("FP8 weights written for an fp32 layer's own weights go stale under an
                           .fp8_amax_history_len(kHistory));
   const std::vector<torch::Tensor> weights = layer->weight_parameters();
   FusedAdamW writer(weights, FusedAdamWOptions(1e-2));
-  writer.set_fp8_weights(layer, weights);
+  writer.set_fp8_weights(layer->fp8_weight_target(), weights);
   const std::vector<int64_t> splits = {40, 0, 37};
   const torch::Tensor x = torch::randn({77, kIn}, torch::TensorOptions(torch::kCUDA));
   const auto forward = [&] {
@@ -432,8 +437,8 @@ TEST_CASE("FP8 weights written for an fp32 layer's own weights go stale under an
   // the second step, each moved by ~0.5 where they were ~0.1) is not.
   const torch::Tensor w = weights[0].detach().to(torch::kFloat64);
   const torch::Tensor x64 = x.to(torch::kFloat64);
-  const torch::Tensor y_ref = torch::cat({torch::linear(x64.narrow(0, 0, 40), w[0]),
-                                          torch::linear(x64.narrow(0, 40, 37), w[2])});
+  const torch::Tensor y_ref = torch::cat(
+      {torch::linear(x64.narrow(0, 0, 40), w[0]), torch::linear(x64.narrow(0, 40, 37), w[2])});
   const auto relative = [&](const torch::Tensor& y) {
     return ((y.to(torch::kFloat64) - y_ref).norm() / y_ref.norm()).item<double>();
   };
