@@ -235,7 +235,7 @@ autograd::Fp8Config GroupedLinearCalls::fp8_config(const GroupedLinearImpl& laye
 
 }  // namespace detail
 
-optim::Fp8WeightTarget GroupedLinearImpl::fp8_weight_target() {
+optim::Fp8WeightTarget GroupedLinearImpl::fp8_weight_target() const {
   constexpr const char* kWhere = "GroupedLinear::fp8_weight_target";
   TORCH_CHECK(fp8_state_, kWhere, ": the copies are scaled with the layer's delayed-scaling ",
               "state, so the layer must be built with fp8_amax_history_len > 0, got ",
@@ -243,8 +243,10 @@ optim::Fp8WeightTarget GroupedLinearImpl::fp8_weight_target() {
   TORCH_CHECK(in_features_per_partition % 16 == 0 && out_features_per_partition % 16 == 0, kWhere,
               ": the layer's in and out features must be multiples of 16 (FP8 GEMM operands), got ",
               in_features_per_partition, " and ", out_features_per_partition);
-  const std::shared_ptr<GroupedLinearImpl> self =
-      std::dynamic_pointer_cast<GroupedLinearImpl>(weak_from_this().lock());
+  // The target writes the layer's copies and state (shared with its calls), not its options or
+  // parameters: a const layer hands it out too.
+  const std::shared_ptr<GroupedLinearImpl> self = std::const_pointer_cast<GroupedLinearImpl>(
+      std::dynamic_pointer_cast<const GroupedLinearImpl>(weak_from_this().lock()));
   TORCH_CHECK(self, kWhere, ": the layer must be held by a GroupedLinear (a shared pointer), ",
               "which the target keeps alive");
   optim::Fp8WeightTarget target;
@@ -252,6 +254,8 @@ optim::Fp8WeightTarget GroupedLinearImpl::fp8_weight_target() {
   target.weights = weight_params_;
   target.copies = [self] { return self->optimizer_fp8_weights(); };
   target.written = [self] {
+    TORCH_CHECK(self->calls_state_->fp8_weight_cache->optimizer_weights.data.defined(), kModule,
+                "::fp8_weight_target: written() before the copies were handed out (copies())");
     std::vector<int64_t>& versions = self->calls_state_->fp8_weight_cache->versions;
     versions.clear();
     for (const torch::Tensor& w : self->weight_params_) versions.push_back(w._version());
@@ -259,7 +263,7 @@ optim::Fp8WeightTarget GroupedLinearImpl::fp8_weight_target() {
   return target;
 }
 
-optim::Fp8WeightCopies GroupedLinearImpl::optimizer_fp8_weights() {
+optim::Fp8WeightCopies GroupedLinearImpl::optimizer_fp8_weights() const {
   ops::SplitQuantized& q = calls_state_->fp8_weight_cache->optimizer_weights;
   if (!q.data.defined()) {
     const int64_t groups = options.num_gemms(), n = out_features_per_partition,

@@ -158,7 +158,7 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
   /// moves or converts the layer. Needs the FP8 state (fp8_amax_history_len > 0), in and out
   /// features that are multiples of 16, and the layer held by a GroupedLinear (the target keeps it
   /// alive).
-  optim::Fp8WeightTarget fp8_weight_target();
+  optim::Fp8WeightTarget fp8_weight_target() const;
 
   /// Per-expert [out, in] weights and [out] biases (views into the grouped parameters when used).
   std::vector<torch::Tensor> expert_weights() const;
@@ -195,7 +195,7 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
   void move_main_grads(torch::Device device);
   void drop_fp8_weight_copies();
   // The copies an optimizer writes (fp8_weight_target), allocated on the first call.
-  optim::Fp8WeightCopies optimizer_fp8_weights();
+  optim::Fp8WeightCopies optimizer_fp8_weights() const;
   std::vector<torch::Tensor> weight_params_;  // as registered: G tensors, or one grouped tensor
   std::vector<torch::Tensor> bias_params_;
   std::vector<torch::Tensor> main_grads_;

@@ -77,10 +77,11 @@ struct PermutedTokens {
 /// where it cannot run. docs/architecture.md has the decision table.
 enum class GemmBackend {
   kAuto,             ///< a choice only: planning picks one of the others per product
-  kReference,        ///< CPU: per-group ATen matmuls, any floating dtype (reference quality)
   kCublasLt,         ///< CUDA: per-group cuBLASLt matmuls over a small pool of streams, host sizes
   kSm90,             ///< CUDA sm_90: torchmoe's one-launch grouped kernel, device sizes
   kCublasLtGrouped,  ///< CUDA sm_90+, cuBLASLt >= 13.8 loaded: one grouped matmul, device sizes
+  kReference,        ///< CPU: per-group ATen matmuls, any floating dtype (reference quality); last,
+                     ///< so that the values before it keep their numbers
 };
 
 /// The cuBLASLt this process loaded (LoadedCublasLt, in kernels/types.h) and whether

@@ -216,6 +216,11 @@ TEST_CASE("FusedAdamW::set_fp8_weights refuses layers and masters it cannot writ
                       Contains("GroupedLinear::fp8_weight_target: the copies are scaled with the "
                                "layer's delayed-scaling state, so the layer must be built with "
                                "fp8_amax_history_len > 0, got 0"));
+  // A const layer hands out its target; a target says it was written only after its copies were.
+  Setup fresh = make_layer(torch::kCPU, /*single=*/false);
+  const GroupedLinear& as_const = fresh.layer;
+  REQUIRE_THROWS_WITH(as_const->fp8_weight_target().written(),
+                      Contains("written() before the copies were handed out"));
   Setup narrow = make_layer(torch::kCPU, /*single=*/true, /*in=*/72);
   REQUIRE_THROWS_WITH(
       narrow.layer->fp8_weight_target(),
