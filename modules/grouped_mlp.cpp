@@ -96,12 +96,8 @@ torch::Tensor GroupedMLPImpl::forward(const torch::Tensor& x, const SplitSizes& 
                                       const torch::Tensor& probs,
                                       std::optional<bool> is_first_microbatch) {
   const torch::Tensor rows = checked_input(x);
-  // One decision for both layers: their backends, and split sizes that cross between host and
-  // device at most once.
-  const std::vector<ops::GemmPlan> plans = ops::plan_grouped_gemms(
-      kModule, rows,
-      {detail::GroupedLinearCalls::gemm_shape(*fc1), detail::GroupedLinearCalls::gemm_shape(*fc2)},
-      m_splits, options.linear().gemm_backend(), torch::Tensor(), fp8::current_gemm_options());
+  const std::vector<ops::GemmPlan> plans =
+      detail::GroupedMLPCalls::plan(*this, rows, m_splits, torch::Tensor());
   return detail::GroupedMLPCalls::run_layers(*this, rows, nullptr, plans, probs,
                                              is_first_microbatch);
 }
@@ -170,6 +166,15 @@ torch::Tensor GroupedMLPImpl::forward_combined(const torch::Tensor& tokens,
 
 namespace detail {
 
+std::vector<ops::GemmPlan> GroupedMLPCalls::plan(const GroupedMLPImpl& mlp, const torch::Tensor& x,
+                                                 const SplitSizes& m_splits,
+                                                 const at::Tensor& gather_rows) {
+  return ops::plan_grouped_gemms(
+      kModule, x,
+      {GroupedLinearCalls::gemm_shape(*mlp.fc1), GroupedLinearCalls::gemm_shape(*mlp.fc2)},
+      m_splits, mlp.options.linear().gemm_backend(), gather_rows, fp8::current_gemm_options());
+}
+
 GroupedMLPCalls::RoutedPlans GroupedMLPCalls::plan_routed(const GroupedMLPImpl& mlp,
                                                           const torch::Tensor& x,
                                                           const PermutedTokens& routed) {
@@ -193,11 +198,7 @@ GroupedMLPCalls::RoutedPlans GroupedMLPCalls::plan_routed(const GroupedMLPImpl& 
   out.source_rows = row_tokens.defined()
                         ? row_tokens
                         : ops::tokens_of_rows(routed.sorted_slots, routed.row_map.size(1));
-  out.plans = ops::plan_grouped_gemms(
-      kModule, x,
-      {GroupedLinearCalls::gemm_shape(*mlp.fc1), GroupedLinearCalls::gemm_shape(*mlp.fc2)},
-      routed.m_splits, mlp.options.linear().gemm_backend(), out.source_rows,
-      fp8::current_gemm_options());
+  out.plans = plan(mlp, x, routed.m_splits, out.source_rows);
   return out;
 }
 

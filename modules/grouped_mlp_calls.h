@@ -23,6 +23,10 @@ struct GroupedMLPCalls {
                                       const PermutedTokens& routed,
                                       std::optional<bool> is_first_microbatch,
                                       std::shared_ptr<autograd::Fp8GradLink> output_grad_link);
+  // The plans of fc1 and fc2 together over x's rows (or gather_rows' when defined): their backends,
+  // and split sizes that cross between host and device at most once.
+  static std::vector<ops::GemmPlan> plan(const GroupedMLPImpl& mlp, const torch::Tensor& x,
+                                         const SplitSizes& m_splits, const at::Tensor& gather_rows);
   // What both routed forwards start from, once `routed` is checked to route the T rows of x: the
   // token row of each GEMM row and the two layers' plans over those rows.
   struct RoutedPlans {

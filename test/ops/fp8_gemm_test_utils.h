@@ -188,14 +188,21 @@ inline torch::Tensor delayed_scale(const torch::Tensor& t, const std::vector<int
   return torch::tensor(scale, torch::kFloat).to(torch::kCUDA);
 }
 
-inline SplitQuantized quantize(const torch::Tensor& t, const std::vector<int64_t>& sizes,
-                               QuantizeScaling s, Fp8Format f, bool rowwise = true,
-                               bool columnwise = true) {
+// The split-quantize options of one operand.
+inline SplitQuantizeOptions quantize_options(QuantizeScaling s, Fp8Format f, bool rowwise,
+                                             bool columnwise) {
   SplitQuantizeOptions o;
   o.format = f;
   o.scaling = s;
   o.rowwise = rowwise;
   o.columnwise = columnwise;
+  return o;
+}
+
+inline SplitQuantized quantize(const torch::Tensor& t, const std::vector<int64_t>& sizes,
+                               QuantizeScaling s, Fp8Format f, bool rowwise = true,
+                               bool columnwise = true) {
+  const SplitQuantizeOptions o = quantize_options(s, f, rowwise, columnwise);
   const torch::Tensor scale =
       s == QuantizeScaling::kDelayed ? delayed_scale(t, sizes, f) : torch::Tensor();
   return ops::split_quantize(t, sizes, o, scale);
@@ -205,11 +212,7 @@ inline SplitQuantized quantize(const torch::Tensor& t, const std::vector<int64_t
 inline SplitQuantized quantize_w(const torch::Tensor& w, QuantizeScaling s, Fp8Format f = kE4M3,
                                  bool rowwise = true, bool columnwise = true) {
   const int64_t groups = w.size(0), n = w.size(1), k = w.size(2);
-  SplitQuantizeOptions o;
-  o.format = f;
-  o.scaling = s;
-  o.rowwise = rowwise;
-  o.columnwise = columnwise;
+  const SplitQuantizeOptions o = quantize_options(s, f, rowwise, columnwise);
   const torch::Tensor scale =
       s == QuantizeScaling::kDelayed
           ? delayed_scale(w.view({groups * n, k}), std::vector<int64_t>(groups, n), f)
