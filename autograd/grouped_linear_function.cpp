@@ -2,6 +2,11 @@
 
 #include <ATen/ATen.h>
 
+#include <torch/csrc/autograd/forward_grad.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
+#include <torch/csrc/autograd/variable.h>
+
 #include <variant>
 
 #include "torchmoe/autograd/once_differentiable.h"
@@ -11,7 +16,6 @@
 namespace torchmoe::autograd {
 namespace {
 
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 // Parameters (or their gradient buffers) as the ops take them: one stacked tensor or G tensors.
@@ -230,60 +234,33 @@ void run_wgrad(const GroupedLinearConfig& cfg, const at::Tensor& input,
   if (!bias_grads.empty()) ops::grouped_bias_grad(cfg.plan, grad_output, bias_grads);
 }
 
-}  // namespace
-
-at::Tensor GroupedLinearFunction::forward(AutogradContext* ctx, const at::Tensor& input,
-                                          const std::optional<at::Tensor>& input_scales,
-                                          at::TensorList weights, at::TensorList biases,
-                                          const c10::intrusive_ptr<GroupedLinearConfig>& config) {
-  TORCH_CHECK(config, "GroupedLinearFunction: config must not be null");
-  TORCH_CHECK(!input_scales.has_value() || config->input_activation, "GroupedLinearFunction: ",
-              "input_scales are the input activation's scales; config.input_activation is unset");
-  const at::Tensor scales = input_scales.value_or(at::Tensor());
-  BackwardNeeds needs;
-  needs.input = input.requires_grad() || (scales.defined() && scales.requires_grad());
-  for (const at::Tensor& w : weights) needs.weights |= w.requires_grad();
-  at::Tensor output = forward_output(input, scales, weights, biases, *config, needs);
-  // Backward reads the input only to differentiate a fused activation (its pre-activation) or as
-  // the GEMMs' 16-bit input read through a row map. FP8 reads the quantized copies kept in the
-  // config, and a gathered copy (input_gather) serves wgrad in its place; a gathered input's
-  // gradient has input_gather's token_rows rows. (Not holding the input matters where nothing
-  // else does: the rows an expert-parallel exchange received.)
-  const bool gathered_copy = config->input_gather && config->input_gather->gathered.defined();
-  const bool keeps_input =
-      config->input_activation || (!gathered_copy && (!config->fp8 || config->input_gather));
-  ctx->save_for_backward({keeps_input ? input : at::Tensor(), scales});
-  if (config->grad_output_link && config->fp8) {
-    bool biases_need_grad = false;
-    for (const at::Tensor& b : biases) biases_need_grad |= b.requires_grad();
-    Fp8GradLink& link = *config->grad_output_link;
-    link.armed = !biases_need_grad && (needs.input || needs.weights);
-    link.options = config->plan.fp8->grad_output;
-    link.state = config->fp8->state;
-    link.rows = config->plan.rows;
-    link.m_splits = config->plan.m_splits;
-    link.rowwise = needs.input;
-    link.columnwise = needs.weights;
+// The layer's autograd node. Its edges: the input, the input scales (when given), the weights'
+// stacked edge, the biases' stacked edge (when there are biases); backward returns a gradient for
+// each (undefined where none is needed) and the weights' and biases' stacked, [G, ...].
+class GroupedLinearFunction final : public torch::autograd::Node {
+ public:
+  variable_list apply(variable_list&& grad_outputs) override;
+  std::string name() const override { return "torchmoe::autograd::GroupedLinearFunction"; }
+  void release_variables() override {
+    input_.reset_data();
+    scales_.reset_data();
+    config_.reset();
   }
-  config->weights = weights.vec();
-  config->weight_versions.clear();
-  for (const at::Tensor& w : weights) config->weight_versions.push_back(w._version());
-  ctx->saved_data["num_biases"] = static_cast<int64_t>(biases.size());
-  ctx->saved_data["config"] = c10::IValue::make_capsule(config);
-  return output;
-}
 
-variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_list grad_outputs) {
+  torch::autograd::SavedVariable input_, scales_;
+  c10::intrusive_ptr<GroupedLinearConfig> config_;
+  bool has_scales_ = false, has_biases_ = false;
+};
+
+variable_list GroupedLinearFunction::apply(variable_list&& grad_outputs) {
   const OnceDifferentiable once;
-  const variable_list saved = ctx->get_saved_variables();
-  const at::Tensor& input = saved[0];
-  const at::Tensor& scales = saved[1];
-  const auto num_biases = static_cast<size_t>(ctx->saved_data["num_biases"].toInt());
-  const auto config = c10::static_intrusive_pointer_cast<GroupedLinearConfig>(
-      ctx->saved_data["config"].toCapsule());
-  const GroupedLinearConfig& cfg = *config;
-  const at::TensorList weights = cfg.weights;
-  const auto num_weights = weights.size();
+  TORCH_CHECK(config_, "GroupedLinear backward: trying to backward through the graph a second ",
+              "time; its saved tensors were freed by the first backward (pass retain_graph=true ",
+              "to the first)");
+  const at::Tensor input = input_.unpack();
+  const at::Tensor scales = scales_.unpack();
+  const GroupedLinearConfig& cfg = *config_;
+  const at::TensorList weights = *cfg.weights;
   const size_t groups = cfg.plan.shape.groups;
   // Linked (Fp8GradLink): grad_outputs[0] is a placeholder, and the FP8 copies wait in the link.
   std::optional<ops::SplitQuantized> linked_grad;
@@ -305,20 +282,12 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
                               cfg.output_scatter->sorted_slots, at::Tensor())
           : grad_outputs[0].contiguous();
 
-  // Gradient slots: input, input_scales, weights..., biases..., config (one per forward
-  // argument). Autograd edges exist only for tensors given: input_scales has none when absent.
-  constexpr size_t kFirstWeightSlot = 2;
-  const size_t first_weight = scales.defined() ? 2 : 1;  // edge index
-  variable_list grads(kFirstWeightSlot + num_weights + num_biases + 1);
-  const bool scales_need_grad = scales.defined() && ctx->needs_input_grad(1);
-  const bool input_needs_grad = ctx->needs_input_grad(0) || scales_need_grad;
-  bool weights_need_grad = false, biases_need_grad = false;
-  for (size_t i = 0; i < num_weights; ++i) {
-    weights_need_grad |= ctx->needs_input_grad(first_weight + i);
-  }
-  for (size_t i = 0; i < num_biases; ++i) {
-    biases_need_grad |= ctx->needs_input_grad(first_weight + num_weights + i);
-  }
+  const size_t weight_edge = has_scales_ ? 2 : 1, bias_edge = weight_edge + 1;
+  variable_list grads(num_outputs());
+  const bool scales_need_grad = has_scales_ && should_compute_output(1);
+  const bool input_needs_grad = should_compute_output(0) || scales_need_grad;
+  const bool weights_need_grad = should_compute_output(weight_edge);
+  const bool biases_need_grad = has_biases_ && should_compute_output(bias_edge);
   // FP8: the output gradient's rowwise copy for dgrad, its columnwise one for wgrad.
   ops::SplitQuantized fp8_grad_output;
   if (linked_grad) {
@@ -336,7 +305,7 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
       grad_gemm_input = ops::grouped_linear_dgrad_fp8(cfg.plan, fp8_grad_output, cfg.fp8->weights,
                                                       grad_output.scalar_type());
     } else {
-      for (size_t i = 0; i < num_weights; ++i) {
+      for (size_t i = 0; i < weights.size(); ++i) {
         TORCH_CHECK(weights[i]._version() == cfg.weight_versions[i],
                     "GroupedLinear backward: weight ", i,
                     " was modified in place after the forward (version ", cfg.weight_versions[i],
@@ -351,7 +320,7 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
                                                   grouped(weights, cfg.grouped_weight), scatter);
     }
     Fp8GradLink* link = cfg.grad_input_link.get();
-    if (cfg.input_activation && link != nullptr && link->armed && ctx->needs_input_grad(0)) {
+    if (cfg.input_activation && link != nullptr && link->armed && should_compute_output(0)) {
       // The activation's gradient goes to the previous layer (fc1) as its FP8 copies.
       TORCH_INTERNAL_ASSERT(link->rows == cfg.plan.rows, "GroupedLinearFunction: linked layers ",
                             "must share their rows");
@@ -376,7 +345,7 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
     }
   }
 
-  // Bias gradients in one [G, out] buffer, handed to autograd in the parameters' layout.
+  // Bias gradients in one [G, out] buffer, the layout of their edge.
   const at::Tensor bias_grad =
       biases_need_grad ? new_group_buffer({cfg.plan.shape.n}, groups, grad_output.options())
                        : at::Tensor();
@@ -393,7 +362,7 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
     // Delayed: dbias now (it is cheap and autograd wants it), the wgrad GEMM in backward_dw().
     cfg.wgrad_queue->push_back(DelayedWgrad{cfg.fp8 ? at::Tensor() : gemm_input,
                                             gather_rows_of(cfg), grad_output, fp8_input,
-                                            fp8_grad_output, config});
+                                            fp8_grad_output, config_});
     if (biases_need_grad) ops::grouped_bias_grad(cfg.plan, grad_output, bias_grads);
   } else if (weights_need_grad && !cfg.main_grads.empty()) {
     run_wgrad(cfg, gemm_input, gather_rows_of(cfg), grad_output, fp8_input, fp8_grad_output,
@@ -403,29 +372,97 @@ variable_list GroupedLinearFunction::backward(AutogradContext* ctx, variable_lis
         new_group_buffer({cfg.plan.shape.n, cfg.plan.shape.k}, groups, grad_output.options());
     run_wgrad(cfg, gemm_input, gather_rows_of(cfg), grad_output, fp8_input, fp8_grad_output,
               ops::GroupedTensors::stacked(weight_grad), /*accumulate=*/false, bias_grads);
-    const std::vector<at::Tensor> weight_grads = in_layout(weight_grad, cfg.grouped_weight);
-    std::copy(weight_grads.begin(), weight_grads.end(), grads.begin() + kFirstWeightSlot);
+    grads[weight_edge] = weight_grad;
   } else if (biases_need_grad) {
     ops::grouped_bias_grad(cfg.plan, grad_output, bias_grads);
   }
-  if (biases_need_grad) {
-    const std::vector<at::Tensor> per_layout = in_layout(bias_grad, cfg.grouped_bias);
-    std::copy(per_layout.begin(), per_layout.end(), grads.begin() + kFirstWeightSlot + num_weights);
-  }
+  if (biases_need_grad) grads[bias_edge] = bias_grad;
   return once_differentiable("GroupedLinearFunction", once, std::move(grads));
 }
 
+// Refuses forward-mode AD, which the layer does not implement, rather than dropping tangents.
+// Looked at only while a dual level exists, so that a call does not lock G tensors' metadata.
+void check_no_tangents(const at::Tensor& input, const at::Tensor& scales, at::TensorList weights,
+                       at::TensorList biases) {
+  if (!torch::autograd::ForwardADLevel::try_get_by_idx(0)) return;
+  bool tangent = input._fw_grad(0).defined() || (scales.defined() && scales._fw_grad(0).defined());
+  for (const at::Tensor& t : weights) tangent |= t._fw_grad(0).defined();
+  for (const at::Tensor& t : biases) tangent |= t._fw_grad(0).defined();
+  TORCH_CHECK_NOT_IMPLEMENTED(!tangent,
+                              "GroupedLinear: forward-mode AD (a dual tensor argument) is not "
+                              "supported");
+}
+
+}  // namespace
+
 at::Tensor grouped_linear(const at::Tensor& input, const std::optional<at::Tensor>& input_scales,
                           at::TensorList weights, at::TensorList biases,
-                          const c10::intrusive_ptr<GroupedLinearConfig>& config) {
-  bool needs_grad = input.requires_grad() || (input_scales && input_scales->requires_grad());
-  for (const at::Tensor& t : weights) needs_grad |= t.requires_grad();
-  for (const at::Tensor& t : biases) needs_grad |= t.requires_grad();
-  if (at::GradMode::is_enabled() && needs_grad) {
-    return GroupedLinearFunction::apply(input, input_scales, weights, biases, config);
+                          const c10::intrusive_ptr<GroupedLinearConfig>& config,
+                          GroupedLinearEdges* kept) {
+  TORCH_CHECK(config, "GroupedLinearFunction: config must not be null");
+  TORCH_CHECK(!input_scales.has_value() || config->input_activation, "GroupedLinearFunction: ",
+              "input_scales are the input activation's scales; config.input_activation is unset");
+  const at::Tensor scales = input_scales.value_or(at::Tensor());
+  if (!at::GradMode::is_enabled()) {
+    return forward_output(input, scales, weights, biases, *config, BackwardNeeds{});
   }
-  return forward_output(input, input_scales.value_or(at::Tensor()), weights, biases, *config,
-                        BackwardNeeds{});
+  check_layout(weights, config->grouped_weight, 3, "weights");
+  check_layout(biases, config->grouped_bias, 2, "biases");
+  GroupedLinearEdges local;
+  GroupedLinearEdges& edges = kept != nullptr ? *kept : local;
+  StackedGradEdge::Resolved w = edges.weights.resolve(weights, config->grouped_weight);
+  StackedGradEdge::Resolved b = edges.biases.resolve(biases, config->grouped_bias);
+  BackwardNeeds needs;
+  needs.input = input.requires_grad() || (scales.defined() && scales.requires_grad());
+  needs.weights = w.requires_grad;
+  if (!needs.input && !needs.weights && !b.requires_grad) {
+    return forward_output(input, scales, weights, biases, *config, BackwardNeeds{});
+  }
+  check_no_tangents(input, scales, weights, biases);
+  at::Tensor output;
+  {
+    const at::AutoGradMode no_grad(false);
+    output = forward_output(input, scales, weights, biases, *config, needs);
+  }
+  // Backward reads the input only to differentiate a fused activation (its pre-activation) or as
+  // the GEMMs' 16-bit input read through a row map. FP8 reads the quantized copies kept in the
+  // config, and a gathered copy (input_gather) serves wgrad in its place; a gathered input's
+  // gradient has input_gather's token_rows rows. (Not holding the input matters where nothing
+  // else does: the rows an expert-parallel exchange received.)
+  const bool gathered_copy = config->input_gather && config->input_gather->gathered.defined();
+  const bool keeps_input =
+      config->input_activation || (!gathered_copy && (!config->fp8 || config->input_gather));
+  if (config->grad_output_link && config->fp8) {
+    Fp8GradLink& link = *config->grad_output_link;
+    link.armed = !b.requires_grad;
+    link.options = config->plan.fp8->grad_output;
+    link.state = config->fp8->state;
+    link.rows = config->plan.rows;
+    link.m_splits = config->plan.m_splits;
+    link.rowwise = needs.input;
+    link.columnwise = needs.weights;
+  }
+  config->weights = std::move(w.tensors);
+  config->weight_versions.clear();
+  config->weight_versions.reserve(weights.size());
+  for (const at::Tensor& t : weights) config->weight_versions.push_back(t._version());
+
+  auto node = std::shared_ptr<GroupedLinearFunction>(new GroupedLinearFunction(),
+                                                     torch::autograd::deleteNode);
+  torch::autograd::edge_list next;
+  next.reserve(4);
+  next.push_back(torch::autograd::impl::gradient_edge(input));
+  if (scales.defined()) next.push_back(torch::autograd::impl::gradient_edge(scales));
+  next.push_back(std::move(w.edge));
+  if (!biases.empty()) next.push_back(std::move(b.edge));
+  node->set_next_edges(std::move(next));
+  node->input_ = torch::autograd::SavedVariable(keeps_input ? input : at::Tensor(), false);
+  node->scales_ = torch::autograd::SavedVariable(scales, false);
+  node->config_ = config;
+  node->has_scales_ = scales.defined();
+  node->has_biases_ = !biases.empty();
+  torch::autograd::set_history(output, node);
+  return output;
 }
 
 std::vector<at::Tensor> run_delayed_wgrad(const DelayedWgrad& work) {

@@ -1,11 +1,12 @@
 #pragma once
-// Autograd for the grouped linear layer: one torch::autograd::Function whose forward and backward
-// call the grouped GEMM ops, the planning step a module runs once per call, and the deferred
+// Autograd for the grouped linear layer: one autograd node whose forward and backward call the
+// grouped GEMM ops, the planning step a module runs once per call, and the deferred
 // weight-gradient step of delay_wgrad_compute.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
-#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/edge.h>
+#include <torch/csrc/autograd/function.h>
 
 #include <cstdint>
 #include <deque>
@@ -13,6 +14,7 @@
 #include <optional>
 #include <vector>
 
+#include "torchmoe/autograd/stacked_grad_edge.h"
 #include "torchmoe/fp8/state.h"
 #include "torchmoe/ops/glu.h"
 #include "torchmoe/ops/grouped_gemm.h"
@@ -133,7 +135,7 @@ struct GroupedLinearConfig : torch::CustomClassHolder {
   // The weights dgrad multiplies by, and their versions at forward. Kept here rather than as saved
   // variables, which cost ~0.15 us each per call (128 experts: 20 us of host time); backward still
   // refuses weights modified in place since forward, as saved variables would. Set by forward.
-  std::vector<at::Tensor> weights;
+  std::shared_ptr<const std::vector<at::Tensor>> weights;
   std::vector<uint32_t> weight_versions;
   // The weights (biases) were passed as one [G, out, in] ([G, out]) tensor instead of G tensors.
   bool grouped_weight = false;
@@ -164,29 +166,23 @@ struct GroupedLinearConfig : torch::CustomClassHolder {
   std::shared_ptr<Fp8GradLink> grad_input_link;
 };
 
-class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunction> {
- public:
-  // input [rows, in] (contiguous), or [rows, 2·in] with config.input_activation, whose per-row
-  // scales are input_scales (else nullopt), or [input rows, in] with config.input_gather; weights G
-  // × [out, in] or one [G, out, in]; biases empty, G × [out] or one [G, out] (matching
-  // config.grouped_weight / grouped_bias). Returns [rows, out], or [output rows, out] with
-  // config.output_scatter.
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input,
-                            const std::optional<at::Tensor>& input_scales, at::TensorList weights,
-                            at::TensorList biases,
-                            const c10::intrusive_ptr<GroupedLinearConfig>& config);
-  // One gradient per input: d input, d input_scales (when given), d weights..., d biases..., and
-  // none for the config.
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grad_outputs);
+// What a layer keeps across its calls for their autograd nodes.
+struct GroupedLinearEdges {
+  StackedGradEdge weights, biases;
 };
 
-// What modules call: GroupedLinearFunction::apply when a gradient can be asked for (grad mode on
-// and a tensor argument requiring one), else the forward alone, without an autograd node (whose
-// per-input bookkeeping costs ~0.3 us per separate weight per call).
+// The layer's output: input [rows, in] (contiguous), or [rows, 2·in] with config.input_activation,
+// whose per-row scales are input_scales (else nullopt), or [input rows, in] with
+// config.input_gather; weights G × [out, in] or one [G, out, in]; biases empty, G × [out] or one
+// [G, out] (matching config.grouped_weight / grouped_bias). Returns [rows, out], or [output rows,
+// out] with config.output_scatter. When grad mode is on and a tensor argument requires a
+// gradient, the output's autograd node is a torchmoe::autograd::GroupedLinearFunction, whose
+// backward computes the gradients of those that do (kept: the layer's edges, or null for
+// edges made for this call alone).
 at::Tensor grouped_linear(const at::Tensor& input, const std::optional<at::Tensor>& input_scales,
                           at::TensorList weights, at::TensorList biases,
-                          const c10::intrusive_ptr<GroupedLinearConfig>& config);
+                          const c10::intrusive_ptr<GroupedLinearConfig>& config,
+                          GroupedLinearEdges* kept = nullptr);
 
 // Runs one deferred weight-gradient GEMM. Returns the weight gradients in the parameter layout
 // (G × [out, in], or one [G, out, in]); returns nothing when they went into config.main_grads.

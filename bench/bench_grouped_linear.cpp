@@ -120,10 +120,10 @@ std::vector<double> host_us(const std::vector<std::function<torch::Tensor()>>& f
 // Host time per forward with device splits, by phase: the output's allocation, planning, the op
 // (checks, tensor maps, launch) on stacked weights and on G separately allocated ones, and the
 // GroupedLinear module (G separate weights, its default) without and with autograd, and with a
-// single grouped weight.
+// single grouped weight; and the GroupedMLP forward (fc1, the scaled SwiGLU, fc2) with autograd.
 struct HostTimes {
   std::string shape;
-  double alloc, plan, op_stacked, op_separate, module_no_grad, module, module_single;  // us
+  double alloc, plan, op_stacked, op_separate, module_no_grad, module, module_single, mlp;  // us
 };
 
 HostTimes host_times(const torchmoe::bench::Shape& shape, const torch::Tensor& x,
@@ -139,6 +139,11 @@ HostTimes host_times(const torchmoe::bench::Shape& shape, const torch::Tensor& x
   torchmoe::GroupedLinear layer(options);
   const std::vector<torch::Tensor> weights = layer->expert_weights();
   torchmoe::GroupedLinear single(options.single_grouped_weight(true));
+  torchmoe::GroupedMLPOptions mlp_options(shape.experts, k, shape.ffn);
+  mlp_options.linear().bias(false).params_dtype(torch::kBFloat16).device(torch::kCUDA);
+  torchmoe::GroupedMLP mlp(mlp_options);
+  const torch::Tensor probs =
+      torch::rand({x.size(0)}, x.options().dtype(torch::kFloat32)).requires_grad_(true);
   const std::vector<double> us = host_us({
       [&] {
         return torch::empty({x.size(0), n}, x.options());
@@ -155,8 +160,9 @@ HostTimes host_times(const torchmoe::bench::Shape& shape, const torch::Tensor& x
       },
       [&] { return layer(input, splits); },
       [&] { return single(input, splits); },
+      [&] { return mlp(input, splits, probs); },
   });
-  return {shape.name, us[0], us[1], us[2], us[3], us[4], us[5], us[6]};
+  return {shape.name, us[0], us[1], us[2], us[3], us[4], us[5], us[6], us[7]};
 }
 
 }  // namespace
@@ -287,14 +293,14 @@ int main(int argc, char** argv) {
             << std::left << std::setw(17) << "shape" << std::right << std::setw(7) << "alloc"
             << std::setw(7) << "plan" << std::setw(11) << "op stacked" << std::setw(13)
             << "op separate" << std::setw(16) << "module no-grad" << std::setw(9) << "module"
-            << std::setw(15) << "module single"
+            << std::setw(15) << "module single" << std::setw(11) << "GroupedMLP"
             << "\n";
   for (const HostTimes& t : host) {
     std::cout << std::left << std::setw(17) << t.shape << std::right << std::fixed
               << std::setprecision(1) << std::setw(7) << t.alloc << std::setw(7) << t.plan
               << std::setw(11) << t.op_stacked << std::setw(13) << t.op_separate << std::setw(16)
               << t.module_no_grad << std::setw(9) << t.module << std::setw(15) << t.module_single
-              << "\n";
+              << std::setw(11) << t.mlp << "\n";
   }
 
   std::ofstream json(args.json_path);
@@ -330,8 +336,8 @@ int main(int argc, char** argv) {
     json << "    {\"shape\": \"" << t.shape << "\", \"alloc\": " << t.alloc
          << ", \"plan\": " << t.plan << ", \"op_stacked\": " << t.op_stacked
          << ", \"op_separate\": " << t.op_separate << ", \"module_no_grad\": " << t.module_no_grad
-         << ", \"module\": " << t.module << ", \"module_single_weight\": " << t.module_single << "}"
-         << (i + 1 < host.size() ? "," : "") << "\n";
+         << ", \"module\": " << t.module << ", \"module_single_weight\": " << t.module_single
+         << ", \"grouped_mlp\": " << t.mlp << "}" << (i + 1 < host.size() ? "," : "") << "\n";
   }
   json << "  ]\n}\n";
   std::cout << "wrote " << args.json_path << "\n";

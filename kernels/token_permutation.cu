@@ -5,9 +5,10 @@
 // after the earlier experts' and earlier chunks' slots (routing_scatter_kernel). Only the counts
 // go back to the host (the caller needs them as m_splits), so there is no other synchronisation.
 //
-// Row kernels: one warp per token or per output row (grid-stride), its lanes striding over the
-// hidden dimension in 16-byte vectors when H and the pointers allow, else one element at a time.
-// Each output row is written by one warp, so nothing needs atomics, and a warp per row keeps the
+// Row kernels: warps take work items (grid-stride), a few chunks of one token's row (permute), a
+// token (unpermute) or an output row (unpermute's backward), their lanes striding over the hidden
+// dimension in 16-byte vectors when H and the pointers allow, else one element at a time. Each
+// output element is written by one warp, so nothing needs atomics, and a warp per row keeps the
 // probability gradient's dot product a shuffle reduction. Rows start at different chunks
 // (chunk_start; docs/experiments.md has the measurements without it).
 
@@ -224,47 +225,52 @@ __device__ __forceinline__ void store_streaming(T* p, const Vec<T, V>& x) {
   }
 }
 
-// One warp per token: the token's row is read once and written to each permuted row its slots
-// name. (A warp per permuted row read each token row k times, and the written rows pushed the
-// sources out of L2: qwen3-30b-a3b's gather read 174 MB from DRAM for a 34 MB source.) kBatch
-// chunks are loaded before any is stored, so that each lane has that many loads in flight. Then
-// the rows no slot names (padding: sorted_slots -1) get zeros, a warp checking 32 rows at a time.
+// A warp's work item is kBatch chunks of one token's row: loaded once (all kBatch before any
+// store, so that each lane has that many loads in flight) and written to each permuted row its
+// slots name. (A warp per permuted row read each token row k times, and the written rows pushed
+// the sources out of L2: qwen3-30b-a3b's gather read 174 MB from DRAM for a 34 MB source.) A
+// token's items are consecutive, so its row is read once from DRAM either way; items smaller than
+// a token's row balance the one-wave grid: with a warp per token, 8192 tokens were 2.6 per warp,
+// the time of 3. Then the rows no slot names (padding: sorted_slots -1) get zeros, a warp checking
+// 32 rows at a time.
+constexpr int kPermuteBatch = 2;
+
 template <typename T, typename S, int V>
 __global__ void permute_kernel(const T* __restrict__ input, const int64_t* __restrict__ row_map,
                                const int64_t* __restrict__ sorted_slots,
                                const S* __restrict__ probs, T* __restrict__ output, int64_t tokens,
                                int64_t rows, int64_t topk, int64_t hidden) {
-  constexpr int kBatch = 4;
   wait_for_prior_grid();
   const int64_t chunks = chunk_count<V>(hidden);
+  const int64_t batches = (chunks + kPermuteBatch - 1) / kPermuteBatch;
   const int lane = threadIdx.x % kWarpSize;
   const int64_t first_warp =
       static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
-  for (int64_t t = first_warp; t < tokens; t += warps) {
+  for (int64_t item = first_warp; item < tokens * batches; item += warps) {
+    const int64_t t = item / batches;
+    const int64_t chunk0 = (item - t * batches) * kPermuteBatch;
     const T* src = input + t * hidden;
-    for (int64_t chunk0 = 0; chunk0 < chunks; chunk0 += kBatch) {
-      Vec<T, V> x[kBatch];
-      int64_t c[kBatch];
+    Vec<T, V> x[kPermuteBatch];
+    int64_t c[kPermuteBatch];
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        c[b] = chunk0 + b < chunks ? chunk_start<V>(chunk0 + b, t, chunks) + lane * V : hidden;
-        if (c[b] < hidden) x[b] = load<T, V>(src + c[b]);
-      }
-      for (int64_t j = 0; j < topk; ++j) {
-        const int64_t row = row_map[t * topk + j];
-        if (row < 0 || row >= rows) continue;  // a dropped slot (or a map out of contract)
-        const float p = prob_at(probs, t * topk + j);
+    for (int b = 0; b < kPermuteBatch; ++b) {
+      c[b] = chunk0 + b < chunks ? chunk_start<V>(chunk0 + b, t, chunks) + lane * V : hidden;
+      if (c[b] < hidden) x[b] = load<T, V>(src + c[b]);
+    }
+    for (int64_t j = 0; j < topk; ++j) {
+      const int64_t row = row_map[t * topk + j];
+      if (row < 0 || row >= rows) continue;  // a dropped slot (or a map out of contract)
+      const float p = prob_at(probs, t * topk + j);
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b) {
-          if (c[b] >= hidden) continue;
-          Vec<T, V> y = x[b];
-          if (probs) {
+      for (int b = 0; b < kPermuteBatch; ++b) {
+        if (c[b] >= hidden) continue;
+        Vec<T, V> y = x[b];
+        if (probs) {
 #pragma unroll
-            for (int i = 0; i < V; ++i) y.v[i] = from_float<T>(p * to_float(y.v[i]));
-          }
-          store<T, V>(output + row * hidden + c[b], y);
+          for (int i = 0; i < V; ++i) y.v[i] = from_float<T>(p * to_float(y.v[i]));
         }
+        store<T, V>(output + row * hidden + c[b], y);
       }
     }
   }
@@ -482,8 +488,11 @@ void launch_permute(const PermuteParams& params, cudaStream_t stream) {
              }
              // May start while the routing map's scatter finishes (wait_for_prior_grid).
              auto* kernel = permute_kernel<T, S, decltype(vec)::value>;
-             launch_dependent(kernel,
-                              row_grid(kernel, std::max(params.tokens, params.rows / kWarpSize)),
+             const int64_t items =
+                 params.tokens *
+                 ((chunk_count<decltype(vec)::value>(params.hidden) + kPermuteBatch - 1) /
+                  kPermuteBatch);
+             launch_dependent(kernel, row_grid(kernel, std::max(items, params.rows / kWarpSize)),
                               kThreads, 0, stream, static_cast<const T*>(params.input),
                               params.row_map, params.sorted_slots,
                               static_cast<const S*>(params.probs), static_cast<T*>(params.output),

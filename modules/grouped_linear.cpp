@@ -200,7 +200,8 @@ torch::Tensor GroupedLinearCalls::run(GroupedLinearImpl& layer, const torch::Ten
   const std::optional<torch::Tensor> row_scales =
       activation != nullptr ? std::optional<torch::Tensor>(scales.reshape({-1})) : std::nullopt;
   return autograd::grouped_linear(rows, row_scales, at::TensorList(layer.weight_params_),
-                                  at::TensorList(layer.bias_params_), config);
+                                  at::TensorList(layer.bias_params_), config,
+                                  &layer.calls_state_->edges);
 }
 
 autograd::Fp8Config GroupedLinearCalls::fp8_config(const GroupedLinearImpl& layer,

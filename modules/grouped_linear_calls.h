@@ -24,6 +24,8 @@ struct GroupedLinearState {
   // copies an optimizer writes.
   std::shared_ptr<autograd::Fp8WeightCache> fp8_weight_cache =
       std::make_shared<autograd::Fp8WeightCache>();
+  // Its calls' autograd edges to the weights and biases, kept across calls.
+  autograd::GroupedLinearEdges edges;
 };
 
 struct GroupedLinearCalls {

@@ -1,4 +1,4 @@
-// GroupedLinearFunction used directly: one gradient per input, only for inputs that require one.
+// autograd::grouped_linear used directly: one gradient per input, only for inputs that require one.
 
 #include <torchmoe/autograd/grouped_linear_function.h>
 
@@ -6,10 +6,10 @@
 
 using namespace torchmoe::test;
 using Catch::Matchers::Contains;
+using torchmoe::autograd::grouped_linear;
 using torchmoe::autograd::GroupedLinearConfig;
-using torchmoe::autograd::GroupedLinearFunction;
 
-TEST_CASE("GroupedLinearFunction computes only the gradients that are needed", "[autograd]") {
+TEST_CASE("grouped_linear computes only the gradients that are needed", "[autograd]") {
   torch::manual_seed(9);
   const bool input_grad = GENERATE(false, true);
   const bool weight_grad = GENERATE(false, true);
@@ -29,7 +29,7 @@ TEST_CASE("GroupedLinearFunction computes only the gradients that are needed", "
     b.push_back(torch::randn({2}, f64).requires_grad_(bias_grad));
   }
   const torch::Tensor y =
-      GroupedLinearFunction::apply(x, std::nullopt, at::TensorList(w), at::TensorList(b), config);
+      grouped_linear(x, std::nullopt, at::TensorList(w), at::TensorList(b), config);
   const torch::Tensor dy = torch::randn({7, 2}, f64);
   y.backward(dy);
   const Reference ref = reference_grouped_linear(x, splits, w, b, dy);
@@ -44,7 +44,7 @@ TEST_CASE("GroupedLinearFunction computes only the gradients that are needed", "
   }
 }
 
-TEST_CASE("GroupedLinearFunction validates its layout arguments", "[autograd][errors]") {
+TEST_CASE("grouped_linear validates its layout arguments", "[autograd][errors]") {
   const torch::Tensor x = torch::randn({2, 3});
   auto config = c10::make_intrusive<GroupedLinearConfig>();
   config->plan =
@@ -53,7 +53,27 @@ TEST_CASE("GroupedLinearFunction validates its layout arguments", "[autograd][er
           .front();
   config->grouped_weight = true;
   std::vector<torch::Tensor> w = {torch::randn({2, 3}), torch::randn({2, 3})};
-  REQUIRE_THROWS_WITH(
-      GroupedLinearFunction::apply(x, std::nullopt, at::TensorList(w), at::TensorList(), config),
-      Contains("weights must be one 3-D tensor when grouped, got 2 tensor(s)"));
+  REQUIRE_THROWS_WITH(grouped_linear(x, std::nullopt, at::TensorList(w), at::TensorList(), config),
+                      Contains("weights must be one 3-D tensor when grouped, got 2 tensor(s)"));
+}
+
+TEST_CASE("grouped_linear differentiates weights that have history", "[autograd]") {
+  torch::manual_seed(10);
+  const auto f64 = torch::kFloat64;
+  const torch::Tensor x = torch::randn({5, 4}, f64);
+  const std::vector<int64_t> splits = {2, 3};
+  auto config = c10::make_intrusive<GroupedLinearConfig>();
+  config->plan = torchmoe::ops::plan_grouped_gemms("test", x, {torchmoe::ops::GemmShape{3, 4, 2}},
+                                                   splits, torchmoe::GemmBackend::kAuto)
+                     .front();
+  // Each weight is an expression of one leaf, as under a reparametrisation: its edge is its
+  // history, made for this call.
+  const torch::Tensor base = torch::randn({2, 3, 4}, f64).requires_grad_(true);
+  const torch::Tensor scaled = base * 3;
+  const std::vector<torch::Tensor> w = scaled.unbind(0);
+  torchmoe::autograd::GroupedLinearEdges kept;
+  const torch::Tensor dy = torch::randn({5, 3}, f64);
+  grouped_linear(x, std::nullopt, at::TensorList(w), at::TensorList(), config, &kept).backward(dy);
+  const Reference ref = reference_grouped_linear(x, splits, w, {}, dy);
+  check_close(base.grad(), 3 * torch::stack(ref.grad_weights), tolerance_for(f64), "d base");
 }

@@ -482,3 +482,72 @@ TEST_CASE("GroupedLinear without a gradient to compute runs no autograd node",
   CHECK_FALSE(without.requires_grad());
   CHECK(torch::equal(without, with_graph.detach()));
 }
+
+// The layer keeps its calls' autograd edges to its G weights and biases (one fan-out node each)
+// across calls; each case changes what those edges must follow and checks the gradients.
+TEST_CASE("GroupedLinear's kept autograd edges follow its parameters",
+          "[modules][grouped_linear]") {
+  torch::manual_seed(11);
+  const auto f64 = torch::kFloat64;
+  GroupedLinear m(GroupedLinearOptions(3, 4, 2).params_dtype(f64));
+  const std::vector<int64_t> splits = {2, 0, 3};
+  const torch::Tensor x = torch::randn({5, 4}, f64);
+  const torch::Tensor dy = torch::randn({5, 2}, f64);
+  const auto reference = [&] {
+    return reference_grouped_linear(x, splits, m->expert_weights(), m->expert_biases(), dy);
+  };
+  const auto zero_grads = [&] {
+    for (torch::Tensor p : m->parameters()) p.mutable_grad() = torch::Tensor();
+  };
+  const auto tol = tolerance_for(f64);
+
+  SECTION("calls in turn and in one graph accumulate") {
+    m(x, splits).backward(dy);
+    m(x, splits).backward(dy);
+    (m(x, splits) + m(x, splits)).backward(dy);
+    const Reference ref = reference();
+    for (size_t g = 0; g < 3; ++g) {
+      check_close(m->expert_weights()[g].grad(), 4 * ref.grad_weights[g], tol, "dW");
+      check_close(m->expert_biases()[g].grad(), 4 * ref.grad_biases[g], tol, "db");
+    }
+  }
+  SECTION("a frozen weight gets no gradient, and one again when unfrozen") {
+    m(x, splits).backward(dy);  // edges kept with every weight requiring a gradient
+    zero_grads();
+    m->expert_weights()[1].requires_grad_(false);
+    m(x, splits).backward(dy);
+    const Reference ref = reference();
+    CHECK_FALSE(m->expert_weights()[1].grad().defined());
+    check_close(m->expert_weights()[0].grad(), ref.grad_weights[0], tol, "dW0");
+    check_close(m->expert_weights()[2].grad(), ref.grad_weights[2], tol, "dW2");
+    m->expert_weights()[1].requires_grad_(true);
+    m(x, splits).backward(dy);
+    check_close(m->expert_weights()[1].grad(), ref.grad_weights[1], tol, "dW1");
+  }
+  SECTION("->to(dtype) gives the parameters new accumulators") {
+    m->to(torch::kFloat32);
+    m(x.to(torch::kFloat32), splits).backward(dy.to(torch::kFloat32));
+    m->to(f64);
+    zero_grads();
+    m(x, splits).backward(dy);
+    const Reference ref = reference();
+    for (size_t g = 0; g < 3; ++g) {
+      REQUIRE(m->expert_weights()[g].grad().scalar_type() == f64);
+      check_close(m->expert_weights()[g].grad(), ref.grad_weights[g], tol, "dW");
+    }
+  }
+  SECTION("autograd::grad takes one weight's gradient through the fan-out") {
+    m(x, splits).backward(dy);
+    zero_grads();
+    const torch::Tensor y = m(x, splits);
+    const torch::Tensor w2 = m->expert_weights()[2];
+    const std::vector<torch::Tensor> grads = torch::autograd::grad({y}, {w2}, {dy});
+    check_close(grads[0], reference().grad_weights[2], tol, "dW2");
+    CHECK_FALSE(w2.grad().defined());
+  }
+  SECTION("a second backward through a freed graph is refused") {
+    const torch::Tensor loss = (m(x, splits) * dy).sum();
+    loss.backward();
+    REQUIRE_THROWS_WITH(loss.backward(), Contains("backward through the graph a second time"));
+  }
+}

@@ -1,0 +1,123 @@
+#include "torchmoe/autograd/stacked_grad_edge.h"
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <cstdint>
+
+namespace torchmoe::autograd {
+namespace {
+
+using torch::autograd::variable_list;
+
+// Hands slice g of a stacked [G, ...] gradient to edge g: the fan-out of StackedGradEdge.
+class StackedGradFanOut final : public torch::autograd::Node {
+ public:
+  StackedGradFanOut(torch::autograd::edge_list&& edges, const at::Tensor& like)
+      // The sequence number of an accumulator: the engine runs it as soon as its gradient is
+      // ready, however old the node is (a layer keeps it across calls).
+      : Node(UINT64_MAX, std::move(edges)) {
+    std::vector<int64_t> sizes{static_cast<int64_t>(num_outputs())};
+    sizes.insert(sizes.end(), like.sizes().begin(), like.sizes().end());
+    add_input_metadata(like.options(), c10::fromIntArrayRefSlow(sizes),
+                       /*is_tensor_subclass=*/false, /*is_nested=*/false, std::nullopt);
+  }
+  variable_list apply(variable_list&& grads) override {
+    if (!grads[0].defined()) return variable_list(num_outputs());
+    return grads[0].unbind(0);
+  }
+  std::string name() const override { return "torchmoe::autograd::StackedGradFanOut"; }
+};
+
+c10::Stream current_stream(const at::Device& device) {
+  return c10::impl::getDeviceGuardImpl(device.type())->getStream(device);
+}
+
+// A tensor's autograd state as StackedGradEdge reads it, from its metadata: no call through
+// VariableHooks per tensor (which cost more than the rest of the check with 128 experts). A view
+// goes the slow way: its history is made lazily.
+struct GradState {
+  const torch::autograd::AutogradMeta* meta = nullptr;
+  bool requires_grad = false;
+  bool leaf = true;
+};
+
+GradState grad_state(const at::Tensor& t) {
+  GradState s;
+  s.meta = torch::autograd::impl::get_autograd_meta(t);
+  if (s.meta == nullptr) return s;
+  if (s.meta->is_view_) {
+    s.leaf = t.grad_fn() == nullptr;
+    s.requires_grad = t.requires_grad();
+  } else {
+    s.leaf = s.meta->grad_fn_ == nullptr;
+    s.requires_grad = s.meta->requires_grad_ || !s.leaf;
+  }
+  return s;
+}
+
+// Whether `edge` is still what autograd would make for a tensor in state `s`: a leaf's
+// accumulator while it requires a gradient, else no edge. False for a tensor with history or a
+// view (their edges are made per call).
+bool edge_is_current(const GradState& s, const torch::autograd::Edge& edge) {
+  if (s.meta == nullptr) return !edge.is_valid();
+  if (!s.leaf || s.meta->is_view_) return false;
+  if (!s.requires_grad) return !edge.is_valid();
+  // Compared without locking the weak pointer: the edge holds the accumulator, so a match cannot
+  // be a freed one's address reused.
+  return edge.is_valid() && !s.meta->grad_accumulator_.owner_before(edge.function) &&
+         !edge.function.owner_before(s.meta->grad_accumulator_);
+}
+
+}  // namespace
+
+StackedGradEdge::Resolved StackedGradEdge::resolve(at::TensorList tensors, bool stacked) {
+  Resolved r;
+  if (tensors.empty()) return r;
+  if (stacked) {
+    r.requires_grad = tensors[0].requires_grad();
+    if (r.requires_grad) r.edge = torch::autograd::impl::gradient_edge(tensors[0]);
+    r.tensors = std::make_shared<const std::vector<at::Tensor>>(tensors.vec());
+    return r;
+  }
+  const size_t groups = tensors.size();
+  const std::lock_guard<std::mutex> lock(mutex_);
+  bool reuse = tensors_ != nullptr && tensors_->size() == groups &&
+               tensors[0].sizes() == (*tensors_)[0].sizes() &&
+               (node_ == nullptr ||
+                node_->input_metadata(0).stream() == current_stream(tensors[0].device()));
+  bool leaves = true;
+  for (size_t g = 0; g < groups; ++g) {
+    const at::Tensor& t = tensors[g];
+    const GradState state = grad_state(t);
+    r.requires_grad |= state.requires_grad;
+    leaves &= state.leaf;
+    if (reuse) {
+      reuse = t.unsafeGetTensorImpl() == (*tensors_)[g].unsafeGetTensorImpl() &&
+              edge_is_current(state, node_ ? node_->next_edge(g) : torch::autograd::Edge());
+    }
+  }
+  if (!reuse) {
+    auto kept = std::make_shared<const std::vector<at::Tensor>>(tensors.vec());
+    std::shared_ptr<torch::autograd::Node> node;
+    if (r.requires_grad) {
+      torch::autograd::edge_list edges;
+      edges.reserve(groups);
+      for (const at::Tensor& t : tensors) edges.push_back(torch::autograd::impl::gradient_edge(t));
+      node = std::shared_ptr<StackedGradFanOut>(new StackedGradFanOut(std::move(edges), tensors[0]),
+                                                torch::autograd::deleteNode);
+    }
+    if (!leaves) {  // a tensor's edge is its history: this call's alone
+      r.tensors = std::move(kept);
+      if (node) r.edge = torch::autograd::Edge(std::move(node), 0);
+      return r;
+    }
+    tensors_ = std::move(kept);
+    node_ = std::move(node);
+  }
+  r.tensors = tensors_;
+  if (node_) r.edge = torch::autograd::Edge(node_, 0);
+  return r;
+}
+
+}  // namespace torchmoe::autograd
