@@ -257,8 +257,10 @@ variable_list GroupedLinearFunction::apply(variable_list&& grad_outputs) {
   TORCH_CHECK(config_, "GroupedLinear backward: trying to backward through the graph a second ",
               "time; its saved tensors were freed by the first backward (pass retain_graph=true ",
               "to the first)");
-  const at::Tensor input = input_.unpack();
-  const at::Tensor scales = scales_.unpack();
+  const at::Tensor input = input_.unpack(shared_from_this());
+  const at::Tensor scales = scales_.unpack(shared_from_this());
+  // Autograd hands an undefined gradient when whatever consumed the output returned none for it.
+  if (!grad_outputs[0].defined()) grad_outputs[0] = input_metadata(0).zeros_like();
   const GroupedLinearConfig& cfg = *config_;
   const at::TensorList weights = *cfg.weights;
   const size_t groups = cfg.plan.shape.groups;
@@ -284,10 +286,10 @@ variable_list GroupedLinearFunction::apply(variable_list&& grad_outputs) {
 
   const size_t weight_edge = has_scales_ ? 2 : 1, bias_edge = weight_edge + 1;
   variable_list grads(num_outputs());
-  const bool scales_need_grad = has_scales_ && should_compute_output(1);
-  const bool input_needs_grad = should_compute_output(0) || scales_need_grad;
-  const bool weights_need_grad = should_compute_output(weight_edge);
-  const bool biases_need_grad = has_biases_ && should_compute_output(bias_edge);
+  const bool scales_need_grad = has_scales_ && task_should_compute_output(1);
+  const bool input_needs_grad = task_should_compute_output(0) || scales_need_grad;
+  const bool weights_need_grad = task_should_compute_output(weight_edge);
+  const bool biases_need_grad = has_biases_ && task_should_compute_output(bias_edge);
   // FP8: the output gradient's rowwise copy for dgrad, its columnwise one for wgrad.
   ops::SplitQuantized fp8_grad_output;
   if (linked_grad) {
@@ -320,7 +322,7 @@ variable_list GroupedLinearFunction::apply(variable_list&& grad_outputs) {
                                                   grouped(weights, cfg.grouped_weight), scatter);
     }
     Fp8GradLink* link = cfg.grad_input_link.get();
-    if (cfg.input_activation && link != nullptr && link->armed && should_compute_output(0)) {
+    if (cfg.input_activation && link != nullptr && link->armed && task_should_compute_output(0)) {
       // The activation's gradient goes to the previous layer (fc1) as its FP8 copies.
       TORCH_INTERNAL_ASSERT(link->rows == cfg.plan.rows, "GroupedLinearFunction: linked layers ",
                             "must share their rows");

@@ -82,13 +82,17 @@ StackedGradEdge::Resolved StackedGradEdge::resolve(at::TensorList tensors, bool 
   }
   const size_t groups = tensors.size();
   const std::lock_guard<std::mutex> lock(mutex_);
+  // The kept node's input is [G, sizes] with tensor 0's sizes when it was made: the same tensors
+  // now of another shape (set_data keeps their accumulators) need a new one.
   bool reuse = tensors_ != nullptr && tensors_->size() == groups &&
-               tensors[0].sizes() == (*tensors_)[0].sizes() &&
                (node_ == nullptr ||
-                node_->input_metadata(0).stream() == current_stream(tensors[0].device()));
+                (tensors[0].sizes() == sizes_ &&
+                 node_->input_metadata(0).stream() == current_stream(tensors[0].device())));
   bool leaves = true;
   for (size_t g = 0; g < groups; ++g) {
     const at::Tensor& t = tensors[g];
+    // No edge for a list with an undefined tensor: the op refuses it, naming it.
+    if (!t.defined()) return Resolved{{}, false, std::make_shared<const std::vector<at::Tensor>>()};
     const GradState state = grad_state(t);
     r.requires_grad |= state.requires_grad;
     leaves &= state.leaf;
@@ -98,6 +102,10 @@ StackedGradEdge::Resolved StackedGradEdge::resolve(at::TensorList tensors, bool 
     }
   }
   if (!reuse) {
+    // Let go of the kept accumulators first: those only this held are then made anew, on the
+    // current stream, as autograd makes them for a call.
+    node_.reset();
+    tensors_.reset();
     auto kept = std::make_shared<const std::vector<at::Tensor>>(tensors.vec());
     std::shared_ptr<torch::autograd::Node> node;
     if (r.requires_grad) {
@@ -114,6 +122,7 @@ StackedGradEdge::Resolved StackedGradEdge::resolve(at::TensorList tensors, bool 
     }
     tensors_ = std::move(kept);
     node_ = std::move(node);
+    sizes_ = tensors[0].sizes().vec();
   }
   r.tensors = tensors_;
   if (node_) r.edge = torch::autograd::Edge(node_, 0);

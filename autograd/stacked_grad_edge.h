@@ -34,6 +34,7 @@ class StackedGradEdge {
   std::mutex mutex_;                             // a layer called from two threads at once
   std::shared_ptr<torch::autograd::Node> node_;  // the separate tensors' fan-out
   std::shared_ptr<const std::vector<at::Tensor>> tensors_;
+  std::vector<int64_t> sizes_;  // tensor 0's, when node_ was made
 };
 
 }  // namespace torchmoe::autograd

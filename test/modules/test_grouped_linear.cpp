@@ -545,9 +545,73 @@ TEST_CASE("GroupedLinear's kept autograd edges follow its parameters",
     check_close(grads[0], reference().grad_weights[2], tol, "dW2");
     CHECK_FALSE(w2.grad().defined());
   }
-  SECTION("a second backward through a freed graph is refused") {
-    const torch::Tensor loss = (m(x, splits) * dy).sum();
-    loss.backward();
-    REQUIRE_THROWS_WITH(loss.backward(), Contains("backward through the graph a second time"));
+  SECTION("a retained graph runs twice; a freed one is refused") {
+    const torch::Tensor retained = m(x, splits);
+    retained.backward(dy, /*retain_graph=*/true);
+    retained.backward(dy);
+    for (size_t g = 0; g < 3; ++g) {
+      check_close(m->expert_weights()[g].grad(), 2 * reference().grad_weights[g], tol, "dW");
+    }
+    const torch::Tensor y = m(x, splits);
+    y.backward(dy);
+    REQUIRE_THROWS_WITH(y.backward(dy),
+                        Contains("GroupedLinear backward: trying to backward through the graph a "
+                                 "second time"));
+  }
+}
+
+// Only what the backward asks for is computed: autograd::grad of the input runs no weight-gradient
+// GEMM, which with fused main-grad buffers would add into them and with delayed wgrad would queue.
+TEST_CASE("GroupedLinear computes only the gradients autograd::grad asks for",
+          "[modules][grouped_linear]") {
+  torch::manual_seed(12);
+  const auto f64 = torch::kFloat64;
+  const bool fuse = GENERATE(false, true);
+  INFO("fuse_wgrad_accumulation=" << fuse << " (else delay_wgrad_compute)");
+  GroupedLinear m(GroupedLinearOptions(3, 4, 2)
+                      .params_dtype(f64)
+                      .fuse_wgrad_accumulation(fuse)
+                      .delay_wgrad_compute(!fuse));
+  const std::vector<int64_t> splits = {2, 0, 3};
+  const torch::Tensor x = torch::randn({5, 4}, f64).requires_grad_(true);
+  const torch::Tensor dy = torch::randn({5, 2}, f64);
+  const torch::Tensor y = m(x, splits);
+  const std::vector<torch::Tensor> dx = torch::autograd::grad({y}, {x}, {dy});
+  const Reference ref =
+      reference_grouped_linear(x, splits, m->expert_weights(), m->expert_biases(), dy);
+  check_close(dx[0], ref.grad_input, tolerance_for(f64), "dx");
+  if (fuse) {
+    for (const torch::Tensor& main : m->main_grads()) CHECK(torch::all(main == 0).item<bool>());
+  } else {
+    CHECK(m->pending_wgrad_count() == 0);
+  }
+  for (const torch::Tensor& w : m->expert_weights()) CHECK_FALSE(w.grad().defined());
+}
+
+namespace {
+
+// Hands its input no gradient: the function before it then receives an undefined one.
+struct NoInputGradient : torch::autograd::Function<NoInputGradient> {
+  static torch::Tensor forward(torch::autograd::AutogradContext*, const torch::Tensor& x) {
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list) {
+    return {torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+TEST_CASE("GroupedLinear backward takes an undefined output gradient as zeros",
+          "[modules][grouped_linear]") {
+  GroupedLinear m(GroupedLinearOptions(2, 4, 3).params_dtype(torch::kFloat64));
+  const torch::Tensor x = torch::randn({5, 4}, torch::kFloat64).requires_grad_(true);
+  const torch::Tensor y = NoInputGradient::apply(m(x, std::vector<int64_t>{2, 3}));
+  (y.sum() + (x * 0).sum()).backward();  // x's second use makes its gradient defined either way
+  CHECK(torch::all(x.grad() == 0).item<bool>());
+  for (const torch::Tensor& w : m->expert_weights()) {
+    REQUIRE(w.grad().defined());  // the layer's backward ran
+    CHECK(torch::all(w.grad() == 0).item<bool>());
   }
 }
