@@ -408,8 +408,6 @@ at::Tensor grouped_linear(const at::Tensor& input, const std::optional<at::Tenso
   if (!at::GradMode::is_enabled()) {
     return forward_output(input, scales, weights, biases, *config, BackwardNeeds{});
   }
-  check_layout(weights, config->grouped_weight, 3, "weights");
-  check_layout(biases, config->grouped_bias, 2, "biases");
   GroupedLinearEdges local;
   GroupedLinearEdges& edges = kept != nullptr ? *kept : local;
   StackedGradEdge::Resolved w = edges.weights.resolve(weights, config->grouped_weight);

@@ -73,11 +73,20 @@ const void* CheckedGroups::data(size_t g) const {
 
 void* CheckedGroups::mutable_data(size_t g) const { return const_cast<void*>(data(g)); }
 
-// Tensor g of a per-group list named `what`. The messages name it `what[g]` and are only
-// formatted on failure: building names for 128 experts on every call cost microseconds.
+// Tensor g of a per-group list named `what`. The common case is read straight from the tensor
+// (the checks' calls, and comparing shapes through memcmp, were most of a 128-expert call's
+// checks); the messages name it `what[g]` and are only formatted on failure.
 void check_group_tensor(const char* op, const char* what, size_t g, const at::Tensor& t,
                         const at::Tensor& like, c10::IntArrayRef shape, at::ScalarType dtype,
                         const char* dtype_rule) {
+  if (t.defined() && t.scalar_type() == dtype) {
+    const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    const c10::IntArrayRef sizes = impl->sizes();
+    bool expected =
+        impl->device() == like.device() && impl->is_contiguous() && sizes.size() == shape.size();
+    for (size_t d = 0; expected && d < shape.size(); ++d) expected = sizes[d] == shape[d];
+    if (expected) return;
+  }
   TORCH_CHECK(t.defined(), op, ": ", what, "[", g, "] must be a defined tensor");
   TORCH_CHECK(t.device() == like.device(), op, ": ", what, "[", g, "] must be on ", like.device(),
               " like the input, got ", t.device());
@@ -112,28 +121,10 @@ CheckedGroups check_groups(const char* op, const char* what, const GroupedTensor
     return checked;
   }
   const at::TensorList list = tensors.separate();
-  const c10::Device device = like.device();
-  // What check_group_tensor checks, read straight from the tensor (its calls, and comparing shapes
-  // through memcmp, were most of a 128-expert call's checks); it runs, to name what is wrong, on a
-  // tensor that fails this.
-  const auto as_expected = [&](const at::Tensor& t) {
-    if (!t.defined() || t.scalar_type() != dtype) return false;
-    const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-    const c10::IntArrayRef sizes = impl->sizes();
-    if (impl->device() != device || !impl->is_contiguous() || sizes.size() != shape.size()) {
-      return false;
-    }
-    for (size_t d = 0; d < shape.size(); ++d) {
-      if (sizes[d] != shape[d]) return false;
-    }
-    return true;
-  };
   intptr_t base = 0, step = 0;
   bool spaced = true;
   for (size_t g = 0; g < list.size(); ++g) {
-    if (!as_expected(list[g])) {
-      check_group_tensor(op, what, g, list[g], like, shape, dtype, dtype_rule);
-    }
+    check_group_tensor(op, what, g, list[g], like, shape, dtype, dtype_rule);
     const auto address = reinterpret_cast<intptr_t>(list[g].const_data_ptr());
     checked.aligned &= address % 16 == 0;
     if (g == 0) {
