@@ -15,6 +15,9 @@
 #   compare   scripts/compare_python.sh: the example next to the same model in PyTorch Python
 #   bench     the benchmark programs; BENCHES narrows them (e.g. "grouped_linear glu"),
 #             BENCH_SHAPES the shapes (e.g. "qwen3-30b-a3b,olmoe")
+#   te        bench/bench_te_grouped_linear.py: the GroupedLinear module next to TransformerEngine
+#             2.20.2's, in one process taking turns (TE's wheels carried in .te/wheels-sm90, from
+#             ../shared/device/te; installed into /tmp/te-site once per machine)
 #   baseline  BASELINE=<tar of another tree, e.g. git archive of the previous commit>: builds it
 #             into build-base (its library and BENCHES' programs), then runs each of BENCHES on
 #             both builds taking turns, BASELINE_ROUNDS times (default 2); the tables go to stdout
@@ -114,6 +117,16 @@ if [[ " $steps " == *" bench "* ]]; then
       ${BENCH_SHAPES:+--shapes $BENCH_SHAPES}
     echo "bench_$bench rc=$?"
   done
+fi
+
+if [[ " $steps " == *" te "* ]]; then
+  site=/tmp/te-site
+  [ -d "$site/transformer_engine" ] || python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --target "$site" .te/wheels-sm90/*.whl > "$out/te_install.log" 2>&1
+  PYTHONPATH=$site NVTE_FRAMEWORK=pytorch python3 bench/bench_te_grouped_linear.py \
+    --library build-gpu/bench/libtorchmoe_bench_classes.so --json "$out/bench_te_grouped_linear.json" \
+    ${BENCH_SHAPES:+--shapes $BENCH_SHAPES} 2>&1 | grep -v -i "warn"
+  echo "bench_te_grouped_linear rc=${PIPESTATUS[0]}"
 fi
 
 if [[ " $steps " == *" baseline "* ]]; then
