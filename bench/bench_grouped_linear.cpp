@@ -3,10 +3,11 @@
 // kernel and, when the process loaded cuBLASLt >= 13.8, the cuBLASLt grouped matmul, both with
 // device splits; per-group cuBLASLt with host splits), next to at::_grouped_mm and a
 // dense at::mm of the same FLOPs, measured in the same process. Also the host time of one forward
-// with device splits, by layer (plan, op, module with and without autograd). Prints tables, writes
-// JSON. Each GEMM row also gives the peak memory of one call of each of its five (GiB columns, in
-// the TFLOP/s columns' order; JSON <column>_peak_gib): the caching allocator's peak above what was
-// allocated before it (bench_common.h's peak_gib).
+// with device splits, by layer (plan, op, module with and without autograd), and of a training
+// step's forward + backward. Prints tables, writes JSON. Each GEMM row also gives the peak memory
+// of one call of each of its five (GiB columns, in the TFLOP/s columns' order; JSON
+// <column>_peak_gib): the caching allocator's peak above what was allocated before it
+// (bench_common.h's peak_gib).
 //
 //   bench_grouped_linear [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
 //
@@ -92,7 +93,8 @@ ops::GemmPlan plan_for(const torch::Tensor& x, int64_t n, int64_t k,
 // forward's output lives on into backward.
 std::vector<double> host_us(const std::vector<std::function<torch::Tensor()>>& fns) {
   constexpr int kCalls = 200;
-  constexpr int64_t kSpinCycles = 400000;  // ~0.2 ms at the H100's clock: outlasts any call
+  // ~2 ms at the H100's clock: outlasts any call, a backward of 128 weights included.
+  constexpr int64_t kSpinCycles = 4000000;
   for (int i = 0; i < 10; ++i) {
     for (const auto& fn : fns) fn();
   }
@@ -121,9 +123,12 @@ std::vector<double> host_us(const std::vector<std::function<torch::Tensor()>>& f
 // (checks, tensor maps, launch) on stacked weights and on G separately allocated ones, and the
 // GroupedLinear module (G separate weights, its default) without and with autograd, and with a
 // single grouped weight; and the GroupedMLP forward (fc1, the scaled SwiGLU, fc2) with autograd.
+// Then a training step's host time: the module's forward + backward (gradients set to none
+// first), with G weights and with the single grouped weight.
 struct HostTimes {
   std::string shape;
   double alloc, plan, op_stacked, op_separate, module_no_grad, module, module_single, mlp;  // us
+  double step, step_single;                                                                 // us
 };
 
 HostTimes host_times(const torchmoe::bench::Shape& shape, const torch::Tensor& x,
@@ -144,6 +149,13 @@ HostTimes host_times(const torchmoe::bench::Shape& shape, const torch::Tensor& x
   torchmoe::GroupedMLP mlp(mlp_options);
   const torch::Tensor probs =
       torch::rand({x.size(0)}, x.options().dtype(torch::kFloat32)).requires_grad_(true);
+  const torch::Tensor grad_output = torch::randn({x.size(0), n}, x.options());
+  const auto step = [&](torchmoe::GroupedLinear& module) {
+    input.mutable_grad() = torch::Tensor();
+    for (const torch::Tensor& p : module->parameters()) p.mutable_grad() = torch::Tensor();
+    module(input, splits).backward(grad_output);
+    return torch::Tensor();
+  };
   const std::vector<double> us = host_us({
       [&] {
         return torch::empty({x.size(0), n}, x.options());
@@ -161,8 +173,10 @@ HostTimes host_times(const torchmoe::bench::Shape& shape, const torch::Tensor& x
       [&] { return layer(input, splits); },
       [&] { return single(input, splits); },
       [&] { return mlp(input, splits, probs); },
+      [&] { return step(layer); },
+      [&] { return step(single); },
   });
-  return {shape.name, us[0], us[1], us[2], us[3], us[4], us[5], us[6], us[7]};
+  return {shape.name, us[0], us[1], us[2], us[3], us[4], us[5], us[6], us[7], us[8], us[9]};
 }
 
 }  // namespace
@@ -289,18 +303,21 @@ int main(int argc, char** argv) {
   }
 
   std::cout << "\nhost time per forward with device splits (us, median of 200 calls; separate = G "
-               "separately allocated weights, GroupedLinear's default; module with autograd):\n"
+               "separately allocated weights, GroupedLinear's default; module with autograd; then "
+               "the module's forward + backward):\n"
             << std::left << std::setw(17) << "shape" << std::right << std::setw(7) << "alloc"
             << std::setw(7) << "plan" << std::setw(11) << "op stacked" << std::setw(13)
             << "op separate" << std::setw(16) << "module no-grad" << std::setw(9) << "module"
-            << std::setw(15) << "module single" << std::setw(11) << "GroupedMLP"
+            << std::setw(15) << "module single" << std::setw(11) << "GroupedMLP" << std::setw(10)
+            << "fwd+bwd" << std::setw(17) << "single fwd+bwd"
             << "\n";
   for (const HostTimes& t : host) {
     std::cout << std::left << std::setw(17) << t.shape << std::right << std::fixed
               << std::setprecision(1) << std::setw(7) << t.alloc << std::setw(7) << t.plan
               << std::setw(11) << t.op_stacked << std::setw(13) << t.op_separate << std::setw(16)
               << t.module_no_grad << std::setw(9) << t.module << std::setw(15) << t.module_single
-              << std::setw(11) << t.mlp << "\n";
+              << std::setw(11) << t.mlp << std::setw(10) << t.step << std::setw(17) << t.step_single
+              << "\n";
   }
 
   std::ofstream json(args.json_path);
@@ -337,7 +354,9 @@ int main(int argc, char** argv) {
          << ", \"plan\": " << t.plan << ", \"op_stacked\": " << t.op_stacked
          << ", \"op_separate\": " << t.op_separate << ", \"module_no_grad\": " << t.module_no_grad
          << ", \"module\": " << t.module << ", \"module_single_weight\": " << t.module_single
-         << ", \"grouped_mlp\": " << t.mlp << "}" << (i + 1 < host.size() ? "," : "") << "\n";
+         << ", \"grouped_mlp\": " << t.mlp << ", \"module_fwd_bwd\": " << t.step
+         << ", \"module_single_weight_fwd_bwd\": " << t.step_single << "}"
+         << (i + 1 < host.size() ? "," : "") << "\n";
   }
   json << "  ]\n}\n";
   std::cout << "wrote " << args.json_path << "\n";
