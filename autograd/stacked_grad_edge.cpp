@@ -1,5 +1,7 @@
 #include "torchmoe/autograd/stacked_grad_edge.h"
 
+#include <ATen/core/grad_mode.h>
+#include <c10/core/TensorImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -24,7 +26,24 @@ class StackedGradFanOut final : public torch::autograd::Node {
   }
   variable_list apply(variable_list&& grads) override {
     if (!grads[0].defined()) return variable_list(num_outputs());
-    return grads[0].unbind(0);
+    // create_graph: slices with history. Otherwise plain aliases, made without the dispatcher
+    // and its view tracking (a select through it cost about as much as the accumulator that
+    // takes the slice); each becomes its weight's .grad or is added into it, and the stacked
+    // tensor is not used again.
+    if (at::GradMode::is_enabled()) return grads[0].unbind(0);
+    const at::Tensor& stacked = grads[0];
+    const c10::IntArrayRef sizes = stacked.sizes().slice(1), strides = stacked.strides().slice(1);
+    variable_list slices(num_outputs());
+    for (size_t g = 0; g < slices.size(); ++g) {
+      slices[g] = at::detail::make_tensor<c10::TensorImpl>(
+          c10::TensorImpl::VIEW, c10::Storage(stacked.storage()), stacked.key_set(),
+          stacked.dtype());
+      c10::TensorImpl* impl = slices[g].unsafeGetTensorImpl();
+      impl->set_sizes_and_strides(sizes, strides,
+                                  stacked.storage_offset() +
+                                      static_cast<int64_t>(g) * stacked.stride(0));
+    }
+    return slices;
   }
   std::string name() const override { return "torchmoe::autograd::StackedGradFanOut"; }
 };
