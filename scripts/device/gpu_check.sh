@@ -2,7 +2,7 @@
 # The GPU machine's script: builds with the machine's own torch, then runs the steps asked for, in
 # order. Run from the repository root with .device carried (Catch2, fmt and gloo's headers: the
 # machine has no package registry; docs/build.md says how to fill it):
-#   device run: bash scripts/device/gpu_check.sh [tests] [sanitize] [example] [bench]
+#   device run: bash scripts/device/gpu_check.sh [tests] [sanitize] [example] [bench] [te] ...
 # With no arguments it does tests, example and bench.
 #   tests     ctest, every case (CUDA included); CTEST_ARGS narrows it (e.g. "-R sm90")
 #   sanitize  compute-sanitizer memcheck on the sm90 GEMM, token-permutation, optimizer, router and
