@@ -5,7 +5,7 @@
 //   torch.ops.load_library("build/bench/libtorchmoe_bench_classes.so")
 //   step = torch.classes.torchmoe_bench.GroupedLinearStep(experts, in_features, out_features,
 //                                                         "current")
-//   step.forward_backward(x, device_splits, host_splits, grad_output)   # host_splits may be []
+//   y = step.forward_backward(x, device_splits, host_splits, grad_output)  # host_splits may be []
 //
 // The layer: bf16 parameters, no bias, the library's defaults otherwise (kAuto). Each
 // forward_backward is one training step of the layer as a C++ loop runs it: the gradients set to
@@ -53,9 +53,10 @@ class GroupedLinearStep : public torch::CustomClassHolder {
   // Copies `weight` ([experts, out_features, in_features]) into the layer's weights.
   void load_weights(const at::Tensor& weight) {
     const std::vector<at::Tensor>& weights = layer_->weight_parameters();
-    TORCH_CHECK(weight.dim() == 3 && weight.size(0) == static_cast<int64_t>(weights.size()),
-                "GroupedLinearStep.load_weights: weight must be [", weights.size(),
-                ", out_features, in_features], got ", weight.sizes());
+    TORCH_CHECK(weight.dim() == 3 && weight.size(0) == static_cast<int64_t>(weights.size()) &&
+                    weight[0].sizes() == weights[0].sizes(),
+                "GroupedLinearStep.load_weights: weight must be [", weights.size(), ", ",
+                weights[0].size(0), ", ", weights[0].size(1), "], got ", weight.sizes());
     at::NoGradGuard no_grad;
     for (size_t g = 0; g < weights.size(); ++g) weights[g].copy_(weight[g]);
   }
@@ -68,21 +69,32 @@ class GroupedLinearStep : public torch::CustomClassHolder {
     return layer_(input, splits(device_splits, std::move(host_splits)));
   }
 
+  // Weight g's gradient (after forward_backward).
+  at::Tensor weight_grad(int64_t g) const {
+    const std::vector<at::Tensor>& weights = layer_->weight_parameters();
+    TORCH_CHECK(g >= 0 && g < static_cast<int64_t>(weights.size()),
+                "GroupedLinearStep.weight_grad: g must be in [0, ", weights.size(), "), got ", g);
+    return weights[g].grad();
+  }
+
   // Sets the weights' gradients to none.
   void zero_grad() {
     for (const at::Tensor& weight : layer_->weight_parameters())
       weight.mutable_grad() = at::Tensor();
   }
 
-  void forward_backward(const at::Tensor& input, const at::Tensor& device_splits,
-                        std::vector<int64_t> host_splits, const at::Tensor& grad_output) {
+  // One training step; returns the forward's output.
+  at::Tensor forward_backward(const at::Tensor& input, const at::Tensor& device_splits,
+                              std::vector<int64_t> host_splits, const at::Tensor& grad_output) {
     input.mutable_grad() = at::Tensor();
     zero_grad();
-    forward(input, device_splits, std::move(host_splits)).backward(grad_output);
+    at::Tensor output = forward(input, device_splits, std::move(host_splits));
+    output.backward(grad_output);
     if (const auto* delayed = recipe_ ? std::get_if<fp8::DelayedScaling>(&*recipe_) : nullptr) {
       fp8::update_delayed_scaling(*layer_, *delayed, fp8::Pass::kForward);
       fp8::update_delayed_scaling(*layer_, *delayed, fp8::Pass::kBackward);
     }
+    return output;
   }
 
  private:
@@ -99,6 +111,7 @@ TORCH_LIBRARY(torchmoe_bench, m) {
   m.class_<GroupedLinearStep>("GroupedLinearStep")
       .def(torch::init<int64_t, int64_t, int64_t, std::string>())
       .def("load_weights", &GroupedLinearStep::load_weights)
+      .def("weight_grad", &GroupedLinearStep::weight_grad)
       .def("zero_grad", &GroupedLinearStep::zero_grad)
       .def("forward", &GroupedLinearStep::forward)
       .def("forward_backward", &GroupedLinearStep::forward_backward);
