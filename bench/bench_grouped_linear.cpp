@@ -123,8 +123,8 @@ std::vector<double> host_us(const std::vector<std::function<torch::Tensor()>>& f
 // (checks, tensor maps, launch) on stacked weights and on G separately allocated ones, and the
 // GroupedLinear module (G separate weights, its default) without and with autograd, and with a
 // single grouped weight; and the GroupedMLP forward (fc1, the scaled SwiGLU, fc2) with autograd.
-// Then a training step's host time: the module's forward + backward (gradients set to none
-// first), with G weights and with the single grouped weight.
+// Then a training step's host time: the module's forward + backward, with G weights and with the
+// single grouped weight; setting the gradients to none first is inside the timed call.
 struct HostTimes {
   std::string shape;
   double alloc, plan, op_stacked, op_separate, module_no_grad, module, module_single, mlp;  // us
