@@ -27,12 +27,9 @@ namespace {
 
 namespace fp8 = torchmoe::fp8;
 
-// TE's DelayedScaling default history.
-constexpr int64_t kHistory = 1024;
-
 std::optional<fp8::Recipe> recipe_named(const std::string& name) {
   if (name == "bf16") return std::nullopt;
-  if (name == "delayed") return fp8::Recipe(fp8::DelayedScaling().amax_history_len(kHistory));
+  if (name == "delayed") return fp8::Recipe(fp8::DelayedScaling());  // TE's default history
   if (name == "current") return fp8::Recipe(fp8::CurrentScaling());
   if (name == "block") return fp8::Recipe(fp8::BlockScaling());
   TORCH_CHECK(false, "GroupedLinearStep: recipe must be bf16, delayed, current or block, got '",
@@ -48,7 +45,7 @@ class GroupedLinearStep : public torch::CustomClassHolder {
                    .bias(false)
                    .params_dtype(at::kBFloat16)
                    .device(at::kCUDA)
-                   .fp8_amax_history_len(kHistory)) {}
+                   .fp8_amax_history_len(fp8::DelayedScaling().amax_history_len())) {}
 
   // Copies `weight` ([experts, out_features, in_features]) into the layer's weights.
   void load_weights(const at::Tensor& weight) {
