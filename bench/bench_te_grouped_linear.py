@@ -137,6 +137,9 @@ def measure_shape(name, args, te, te_recipe, tex):
         host_arg = host if column == "torchmoe" else []
         return lambda: step.forward_backward(x, dev_splits, host_arg, dy)
 
+    def column_step(column, recipe):
+        return te_step(column, recipe) if column.startswith("te") else ours_step(column, recipe)
+
     def weight0_grad(column, recipe):
         if column.startswith("te"):
             return layers[column].weight0.grad
@@ -157,9 +160,8 @@ def measure_shape(name, args, te, te_recipe, tex):
     errors, refused = {}, {}
     for recipe in RECIPES:
         for column in COLUMNS:
-            run = te_step(column, recipe) if column.startswith("te") else ours_step(column, recipe)
             try:
-                y = run()
+                y = column_step(column, recipe)()
             except Exception as error:  # e.g. more experts than TE's grouped GEMM takes
                 refused[(column, recipe)] = str(error).strip().splitlines()[-1][-160:]
                 continue
@@ -189,8 +191,7 @@ def measure_shape(name, args, te, te_recipe, tex):
         for column in COLUMNS:
             if (column, recipe) in refused:
                 continue
-            fns.append(te_step(column, recipe) if column.startswith("te")
-                       else ours_step(column, recipe))
+            fns.append(column_step(column, recipe))
             labels.append((column, recipe))
     fns += dense
     labels += [("dense", "bf16"), ("dense", "fp8")]
