@@ -5,9 +5,12 @@
 // rows) so that the scale gradient, a sum over the row, is a shuffle reduction in the same pass:
 // no second kernel and no block barrier. (A block per row with a block reduction was measured at
 // 73-81% of copy bandwidth in backward on the H100; see docs/experiments.md.) The forward has no
-// row sum, so its work items are row segments of at most kSegmentChunks chunks: whole rows of
-// mixtral's width (56 chunks, 84 KB of traffic each) left 2.6 rows per warp, i.e. the time of 3.
-// Grids are one wave (one_wave_grid): every warp gets the same share of items.
+// row sum, so its work item is one chunk (32·V elements of a row), consecutive warps on
+// consecutive chunks: two loads per lane, the math, a store. Measured on the H100, taking turns
+// (% of copy on the five benchmark shapes): one chunk 92-98; two or four chunks per item, all
+// loaded before the math (more bytes in flight per warp, fewer warps resident) 74-93 and 31-37;
+// segments of eight chunks per warp, one chunk at a time, 60-69. Grids are one wave
+// (one_wave_grid): every warp gets the same share of items.
 
 #include <cstdint>
 #include <initializer_list>
@@ -23,7 +26,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarp = kWarpSize;
 constexpr int kWarpsPerBlock = kThreads / kWarp;
-constexpr int64_t kSegmentChunks = 8;  // forward work item: up to 8 chunks of 32·V elements
 
 template <typename T, typename S, GluActivation K, int V>
 __global__ void glu_forward_kernel(const T* __restrict__ input, const S* __restrict__ scales,
@@ -31,28 +33,21 @@ __global__ void glu_forward_kernel(const T* __restrict__ input, const S* __restr
                                    int64_t interleave, ActParams p) {
   const int64_t gate_offset = interleave ? interleave : hidden;
   const int64_t chunks = chunk_count<V>(hidden);
-  const int64_t segments = (chunks + kSegmentChunks - 1) / kSegmentChunks;
   const int lane = threadIdx.x % kWarp;
   for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
-       item < rows * segments; item += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
-    const int64_t row = item / segments;
-    const int64_t first = (item - row * segments) * kSegmentChunks;
-    const int64_t count = min(kSegmentChunks, chunks - first);
-    const T* in = input + row * 2 * hidden;
-    T* out = output + row * hidden;
+       item < rows * chunks; item += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
+    const int64_t row = item / chunks;
+    const int64_t j = chunk_start<V>(item - row * chunks, row, chunks) + lane * V;
+    if (j >= hidden) continue;
+    const T* in = input + row * 2 * hidden + a_index(j, interleave);
+    const Vec<T, V> a = load<T, V>(in), b = load<T, V>(in + gate_offset);
     const float scale = scales ? to_float(scales[row]) : 1.0f;
-    for (int64_t c = 0; c < count; ++c) {
-      const int64_t j = first * kWarp * V + chunk_start<V>(c, row, count) + lane * V;
-      if (j >= hidden) continue;
-      const int64_t ai = a_index(j, interleave);
-      const Vec<T, V> a = load<T, V>(in + ai), b = load<T, V>(in + ai + gate_offset);
-      Vec<T, V> y;
+    Vec<T, V> y;
 #pragma unroll
-      for (int i = 0; i < V; ++i) {
-        y.v[i] = glu_output<T, K>(to_float(a.v[i]), to_float(b.v[i]), scale, p);
-      }
-      store<T, V>(out + j, y);
+    for (int i = 0; i < V; ++i) {
+      y.v[i] = glu_output<T, K>(to_float(a.v[i]), to_float(b.v[i]), scale, p);
     }
+    store<T, V>(output + row * hidden + j, y);
   }
 }
 
@@ -146,9 +141,7 @@ void launch_glu_forward(const GluParams& params, cudaStream_t stream) {
              using S = decltype(scale_tag);
              constexpr int kVec = decltype(vec)::value;
              auto* kernel = glu_forward_kernel<T, S, decltype(kind)::value, kVec>;
-             const int64_t items =
-                 params.rows *
-                 ((chunk_count<kVec>(params.hidden) + kSegmentChunks - 1) / kSegmentChunks);
+             const int64_t items = params.rows * chunk_count<kVec>(params.hidden);
              const unsigned grid =
                  one_wave_grid(kernel, kThreads, 0, (items + kWarpsPerBlock - 1) / kWarpsPerBlock);
              kernel<<<grid, kThreads, 0, stream>>>(static_cast<const T*>(params.input),

@@ -12,8 +12,8 @@ using Catch::Matchers::Contains;
 
 // Token rows in expert order: each token picked 0 to 3 times, two indices out of range (-1, a
 // padding row's, and one past the end: their rows read as zeros, as a zero row of the gathered
-// copy does); host and device splits with an empty, odd and multi-tile split; K not a multiple
-// of 128.
+// copy does); host and device splits with empty, odd and multi-tile splits, summing to all the
+// gathered rows or to fewer; K not a multiple of 128.
 TEST_CASE("gather_split_quantize equals index_select then split_quantize",
           "[ops][quantize][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
@@ -22,9 +22,10 @@ TEST_CASE("gather_split_quantize equals index_select then split_quantize",
                QuantizeScaling::kBlock128x128);
   const torch::Dtype dtype = GENERATE(torch::kBFloat16, torch::kHalf, torch::kFloat);
   const bool device_splits = GENERATE(false, true);
+  const std::vector<int64_t> sizes = GENERATE(std::vector<int64_t>{131, 0, 256, 17, 300},
+                                              std::vector<int64_t>{300, 5, 129, 0, 0, 256, 1});
   INFO("scaling " << scaling_name(scaling) << ", dtype " << dtype << ", device splits "
-                  << device_splits);
-  const std::vector<int64_t> sizes = {131, 0, 256, 17, 300};
+                  << device_splits << ", " << sizes.size() << " splits");
   const int64_t tokens = 301, rows = 704, k = 160;
   const torch::Tensor x = make_input(tokens, k, dtype, 43);
   const auto gen = at::make_generator<at::CPUGeneratorImpl>(47);
