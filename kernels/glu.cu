@@ -7,10 +7,10 @@
 // 73-81% of copy bandwidth in backward on the H100; see docs/experiments.md.) The forward has no
 // row sum, so its work item is one chunk (32·V elements of a row), consecutive warps on
 // consecutive chunks: two loads per lane, the math, a store. Measured on the H100, taking turns
-// (% of copy on the five benchmark shapes): one chunk 92-98; two or four chunks per item, all
-// loaded before the math (more bytes in flight per warp, fewer warps resident) 74-93 and 31-37;
-// segments of eight chunks per warp, one chunk at a time, 60-69. Grids are one wave
-// (one_wave_grid): every warp gets the same share of items.
+// (% of copy on the five benchmark shapes): one chunk 92-98; two, three or four chunks per item,
+// all loaded before the math (more bytes in flight per warp, fewer warps resident), 74-80, 59-63
+// and 31-37; segments of two chunks per warp 78-93. Grids are one wave (one_wave_grid): every
+// warp gets the same share of items.
 
 #include <cstdint>
 #include <initializer_list>

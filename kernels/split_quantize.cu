@@ -46,13 +46,15 @@ namespace torchmoe::kernels {
 namespace split_quantize {
 namespace {
 
-// Blocks per SM, by source. Three (at most 80 registers; unbounded, ptxas took ~128, two blocks):
-// up to 96 KB of 16-bit input loads in flight per SM. A GLU forward source four (64 registers):
-// its pieces' math runs between loads, and a fourth block overlaps it with another block's loads
-// (H100, taking turns: 59-81% of copy against 56-77% with three, 51-64% with two).
-template <Source kSource>
+// Blocks per SM. Three (at most 80 registers; unbounded, ptxas took ~128, two blocks): up to 96 KB
+// of 16-bit input loads in flight per SM. Four for a 16-bit GLU forward source under delayed
+// scaling (64 registers, 16 bytes of spills): its pieces' math runs between their loads, and a
+// fourth block overlaps that with another block's loads (H100, taking turns: 59-81% of copy
+// against 56-77% with three, 51-64% with two). Not measured under the other scalings, where the
+// cap spills more (current: 114 bytes) or fp32 pieces alone would fill the 64 registers.
+template <typename T, QuantizeScaling S, Source kSource>
 constexpr int blocks_per_sm() {
-  return kSource == Source::kGluForward ? 4 : 3;
+  return kSource == Source::kGluForward && S == QuantizeScaling::kDelayed && sizeof(T) == 2 ? 4 : 3;
 }
 
 // Whether a launch has a stash (kStashBytes): 16-bit pieces, and a GLU gradient source (the b
@@ -82,7 +84,7 @@ __device__ __forceinline__ void write_split_scale_invs(const SplitQuantizeParams
 }
 
 template <typename T, __nv_fp8_interpretation_t F, QuantizeScaling S, Source kSource>
-__global__ void __launch_bounds__(kThreads, blocks_per_sm<kSource>())
+__global__ void __launch_bounds__(kThreads, blocks_per_sm<T, S, kSource>())
     split_quantize_kernel(const SplitQuantizeParams p, float max_fp8) {
   constexpr int V = PieceShape<T>::kVector;  // elements per 16-byte load
   constexpr int P = PieceShape<T>::kRows;    // rows per thread: 8 or 16

@@ -66,7 +66,8 @@ __host__ __device__ inline size_t layout_bytes(int groups) {
 
 // The stash of a paired GLU gradient source, or kCurrent's (split_quantize_scheduler.cuh), follows
 // the layout in dynamic shared memory: one 16-byte piece per row of each thread, P = 8 rows for
-// 16-bit types. With it, the block's 57 KB of shared memory still let three blocks share an SM.
+// 16-bit types. With it, the block's 57 KB of shared memory still let three blocks share an SM
+// (four for a delayed-scaling GLU forward source with few splits).
 constexpr size_t kStashBytes = size_t{8} * kThreads * 16;
 __host__ __device__ inline size_t stash_offset(int groups) {
   return (layout_bytes(groups) + 15) / 16 * 16;

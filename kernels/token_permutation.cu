@@ -5,12 +5,12 @@
 // after the earlier experts' and earlier chunks' slots (routing_scatter_kernel). Only the counts
 // go back to the host (the caller needs them as m_splits), so there is no other synchronisation.
 //
-// Row kernels: warps take work items (grid-stride), a few chunks of one token's row (permute), a
-// token (unpermute) or an output row (unpermute's backward), their lanes striding over the hidden
-// dimension in 16-byte vectors when H and the pointers allow, else one element at a time. Each
-// output element is written by one warp, so nothing needs atomics, and a warp per row keeps the
-// probability gradient's dot product a shuffle reduction. Rows start at different chunks
-// (chunk_start; docs/experiments.md has the measurements without it).
+// Row kernels: warps take work items (grid-stride), a few chunks of one token's row (permute), one
+// chunk of a token's output row (unpermute) or an output row (unpermute's backward), their lanes
+// striding over the hidden dimension in 16-byte vectors when H and the pointers allow, else one
+// element at a time. Each output element is written by one warp, so nothing needs atomics, and a
+// warp per row keeps the probability gradient's dot product a shuffle reduction. Rows start at
+// different chunks (chunk_start; docs/experiments.md has the measurements without it).
 
 #include <cmath>
 #include <initializer_list>
@@ -225,8 +225,8 @@ __device__ __forceinline__ void store_streaming(T* p, const Vec<T, V>& x) {
   }
 }
 
-// A warp's work item is kBatch chunks of one token's row: loaded once (all kBatch before any
-// store, so that each lane has that many loads in flight) and written to each permuted row its
+// A warp's work item is kPermuteBatch chunks of one token's row: loaded once (all of them before
+// any store, so that each lane has that many loads in flight) and written to each permuted row its
 // slots name. (A warp per permuted row read each token row k times, and the written rows pushed
 // the sources out of L2: qwen3-30b-a3b's gather read 174 MB from DRAM for a 34 MB source.) A
 // token's items are consecutive, so its row is read once from DRAM either way; items smaller than

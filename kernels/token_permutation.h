@@ -14,7 +14,7 @@
 //   unpermute   out[t] = Σ_j probs[t, j] · permuted[row_map[t, j]]
 //
 // Rows are ordered by expert and, within an expert, by slot (a stable sort), so the result is
-// deterministic and matches the CPU reference exactly. One warp writes each output row, so no
+// deterministic and matches the CPU reference exactly. One warp writes each output element, so no
 // kernel needs atomics: permute reads each token row once and writes its permuted rows (through
 // row_map), unpermute sums per token (through row_map), unpermute_backward per permuted row
 // (through sorted_slots).

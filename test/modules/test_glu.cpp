@@ -135,8 +135,8 @@ const std::vector<std::vector<int64_t>> kShapes = {
     {17, 64}, {13, 100}, {71, 192}, {5, 7, 128}, {0, 64}};
 // CUDA only (the CPU path is the reference's own arithmetic): a grid of many blocks.
 const std::vector<int64_t> kWideRows = {1024, 2048};
-// CUDA only: H = 4224 spans 17 chunks of 16-byte vectors per warp in bf16, so the forward splits
-// each row into three segments of at most 8 chunks, the last one a half chunk.
+// CUDA only: H = 4224 spans 17 chunks of 16-byte vectors in bf16 (the forward's work items), the
+// last one a half chunk.
 const std::vector<int64_t> kLongRows = {37, 8448};
 
 }  // namespace
@@ -178,8 +178,8 @@ TEST_CASE("SwiGLU family fused CUDA kernels vs float64 reference", "[modules][gl
 
 TEST_CASE("SwiGLU CUDA kernel takes the scalar path for unaligned rows", "[modules][glu][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
-  // H = 50 and 4225 are not multiples of the 8-wide bf16 vector (4225: 133 one-element chunks,
-  // 17 forward segments); a sliced input is not 16-byte aligned.
+  // H = 50 and 4225 are not multiples of the 8-wide bf16 vector (4225: 133 chunks of 32 single
+  // elements, the last one partly past the row); a sliced input is not 16-byte aligned.
   const GluCase c = make_case(1, true, std::nullopt);
   run_glu_case(c, {33, 100}, torch::kCUDA, torch::kBFloat16, torch::kFloat32, true, true);
   run_glu_case(c, {9, 8450}, torch::kCUDA, torch::kBFloat16, torch::kFloat32, true, true);

@@ -147,6 +147,9 @@ inline void check_same(const SplitQuantized& a, const SplitQuantized& b,
   CHECK(torch::equal(a.columnwise_data.narrow(0, 0, used_t).view(torch::kByte),
                      b.columnwise_data.narrow(0, 0, used_t).view(torch::kByte)));
   CHECK(torch::equal(a.scale_inv, b.scale_inv));
+  if (a.columnwise_scale_inv.defined()) {
+    CHECK(torch::equal(a.columnwise_scale_inv, b.columnwise_scale_inv));
+  }
   CHECK(torch::equal(a.amax, b.amax));
 }
 
