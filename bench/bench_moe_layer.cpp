@@ -20,7 +20,9 @@
 // warm-up, so the peak is the saved activations and the step's temporaries, weight gradients
 // before their accumulation among them). For the four layer steps (bf16, fused, fp8, fp8 fus) also
 // that peak per token of the step (KiB columns; JSON <layer measurement>_peak_bytes_per_token, in
-// bytes): the layer's peak activation memory per token in bf16 and in FP8 with delayed scaling.
+// bytes): the layer's peak activation memory per token in bf16 and in FP8 with delayed scaling;
+// then, measured only, the default layer's step under current scaling and under block scaling
+// (columns f8c and f8b; JSON layer_fp8_current_/layer_fp8_block_peak_bytes_per_token).
 // The captured replays are timed only: they allocate nothing (their memory is the graphs' pools).
 //
 //   bench_moe_layer [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
@@ -77,7 +79,7 @@ int main(int argc, char** argv) {
   for (const char* name :
        {"rtr", "prm", "map", "row", "unp", "cpy", "mlp", "lyr", "fus", "f8", "f8f"})
     std::cout << std::setw(8) << std::string(name) + " GiB";
-  for (const char* name : {"lyr", "fus", "f8", "f8f"})
+  for (const char* name : {"lyr", "fus", "f8", "f8f", "f8c", "f8b"})
     std::cout << std::setw(9) << std::string(name) + " KiB";
   std::cout << "\n";
   std::ofstream json(args.json_path);
@@ -146,8 +148,9 @@ int main(int argc, char** argv) {
     // The experts in FP8 (delayed scaling, its scales left at their initial values: the speed is
     // the same), with the permuted copy quantized, and with fc1's input quantize gathering the
     // tokens (no permuted copy).
-    const auto recipe = torchmoe::fp8::DelayedScaling().amax_history_len(kHistory);
-    auto fp8_step = [&](torchmoe::MoELayer& layer) {
+    const torchmoe::fp8::Recipe delayed =
+        torchmoe::fp8::DelayedScaling().amax_history_len(kHistory);
+    auto fp8_step = [&](torchmoe::MoELayer& layer, const torchmoe::fp8::Recipe& recipe) {
       const torchmoe::fp8::Autocast fp8(recipe);
       layer_step(layer);
     };
@@ -155,7 +158,8 @@ int main(int argc, char** argv) {
     // taken under the same clocks.
     const std::vector<std::function<void()>> steps = {
         [&] { moe->experts(rows, routed.m_splits, probs).backward(dy); }, [&] { layer_step(moe); },
-        [&] { layer_step(moe_fused); }, [&] { fp8_step(moe); }, [&] { fp8_step(moe_fused); }};
+        [&] { layer_step(moe_fused); }, [&] { fp8_step(moe, delayed); },
+        [&] { fp8_step(moe_fused, delayed); }};
     const std::vector<double> steps_ms = median_ms_each(steps, args.iters, args.warmup);
     const double mlp_ms = steps_ms[0], layer_ms = steps_ms[1], fused_ms = steps_ms[2],
                  fp8_ms = steps_ms[3], fp8_fused_ms = steps_ms[4];
@@ -163,10 +167,18 @@ int main(int argc, char** argv) {
     std::vector<double> gib = {router.gib,        permute.gib,   map_made.gib,
                                rows_permuted.gib, unpermute.gib, copy.gib};
     for (const std::function<void()>& step : steps) gib.push_back(torchmoe::bench::peak_gib(step));
-    // The four layer steps' peak per token, in bytes.
+    // The four layer steps' peak per token, in bytes, then the other recipes' (after a warm-up
+    // step each: their first step allocates what later steps reuse).
     std::vector<int64_t> bytes_per_token;
-    for (size_t g = gib.size() - 4; g < gib.size(); ++g) {
-      bytes_per_token.push_back(std::llround(gib[g] * (int64_t{1} << 30) / s.tokens));
+    auto per_token = [&](double step_gib) {
+      bytes_per_token.push_back(std::llround(step_gib * (int64_t{1} << 30) / s.tokens));
+    };
+    for (size_t g = gib.size() - 4; g < gib.size(); ++g) per_token(gib[g]);
+    for (const torchmoe::fp8::Recipe& other :
+         {torchmoe::fp8::Recipe(torchmoe::fp8::CurrentScaling()),
+          torchmoe::fp8::Recipe(torchmoe::fp8::BlockScaling())}) {
+      fp8_step(moe, other);
+      per_token(torchmoe::bench::peak_gib([&] { fp8_step(moe, other); }));
     }
     double mlp_graph_ms = 0.0, layer_graph_ms = 0.0;
     if (graphs) {
@@ -188,8 +200,8 @@ int main(int argc, char** argv) {
     torchmoe::bench::trace_if_asked(
         s.name + ".mlp", [&] { moe->experts(rows, routed.m_splits, probs).backward(dy); });
     torchmoe::bench::trace_if_asked(s.name + ".fused", [&] { layer_step(moe_fused); });
-    torchmoe::bench::trace_if_asked(s.name + ".fp8", [&] { fp8_step(moe); });
-    torchmoe::bench::trace_if_asked(s.name + ".fp8_fused", [&] { fp8_step(moe_fused); });
+    torchmoe::bench::trace_if_asked(s.name + ".fp8", [&] { fp8_step(moe, delayed); });
+    torchmoe::bench::trace_if_asked(s.name + ".fp8_fused", [&] { fp8_step(moe_fused, delayed); });
 
     const double copy_gbs = 2.0 * 2 * m * s.hidden / copy_ms * 1e-6;
     const double permute_gbs = row_bytes / permute_ms * 1e-6;
@@ -223,9 +235,11 @@ int main(int argc, char** argv) {
                                  "layer_fp8_fused"};
     for (size_t g = 0; g < gib.size(); ++g) json << ", \"" << names[g] << "_peak_gib\": " << gib[g];
     json << ", \"tokens\": " << s.tokens;
+    const char* const per_token_names[] = {
+        "layer",           "layer_fused",       "layer_fp8",
+        "layer_fp8_fused", "layer_fp8_current", "layer_fp8_block"};
     for (size_t l = 0; l < bytes_per_token.size(); ++l) {
-      json << ", \"" << names[gib.size() - 4 + l]
-           << "_peak_bytes_per_token\": " << bytes_per_token[l];
+      json << ", \"" << per_token_names[l] << "_peak_bytes_per_token\": " << bytes_per_token[l];
     }
     if (layer_graph_ms > 0) {
       json << ", \"mlp_graph_ms\": " << mlp_graph_ms << ", \"layer_graph_ms\": " << layer_graph_ms;

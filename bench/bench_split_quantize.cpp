@@ -23,8 +23,9 @@
 //
 // Then fc1's output gradient in an FP8 GroupedMLP with delayed scaling: the SwiGLU's input
 // gradient from dy [M, ffn] and the pre-activation [M, 2·ffn], cast to both e4m3 copies, as
-// glu_backward then split_quantize and as one glu_backward_split_quantize (under current scaling
-// the op is those two ops, ops/quantize.h); GB/s counts dy and the pre-activation read and the two
+// glu_backward then split_quantize and as glu_backward_split_quantize's fused launch at every size
+// (the op itself takes the two ops under current scaling and below 8 waves of tiles,
+// ops/quantize.h); GB/s counts dy and the pre-activation read and the two
 // FP8 copies written (10·M·ffn bytes), against a copy of [M, 2·ffn] in the same run.
 //
 // Every row also gives the peak memory of one run of each of its measurements (GiB columns, in the
@@ -284,8 +285,9 @@ int main(int argc, char** argv) {
                        g.splits, cast.options, cast.scale);
                  },
                  [&] {
-                   torchmoe::ops::glu_backward_split_quantize(dy, g.z, g.probs, glu, true, g.splits,
-                                                              cast.options, cast.scale);
+                   torchmoe::ops::detail::glu_backward_split_quantize(
+                       dy, g.z, g.probs, glu, true, g.splits, cast.options, cast.scale,
+                       torch::Tensor(), 0.0);
                  }},
                 args);
     const double elements = static_cast<double>(m) * static_cast<double>(f);

@@ -136,9 +136,9 @@ __device__ __forceinline__ int64_t chunk_start(int64_t c, int64_t row, int64_t c
   return ((c + row) % chunks) * kWarpSize * V;
 }
 
-// Calls fn(T{}) with the CUDA type of `type`.
+// Calls fn(T{}) with the CUDA type of `type` and returns what it returns.
 template <typename Fn>
-void dispatch_type(ScalarType type, Fn&& fn) {
+auto dispatch_type(ScalarType type, Fn&& fn) -> decltype(fn(float{})) {
   switch (type) {
     case ScalarType::kFloat32:
       return fn(float{});
@@ -147,6 +147,7 @@ void dispatch_type(ScalarType type, Fn&& fn) {
     case ScalarType::kBFloat16:
       return fn(__nv_bfloat16{});
   }
+  TORCH_INTERNAL_ASSERT(false, "dispatch_type: unknown ScalarType ", static_cast<int>(type));
 }
 
 __host__ __device__ inline bool aligned16(const void* p) {
@@ -203,6 +204,16 @@ inline int sm_count() {
   return sms;
 }
 
+// Blocks of `kernel` that run at once on the device (at least one per SM), given its registers
+// and shared memory.
+template <typename Kernel>
+int64_t wave_blocks(Kernel* kernel, int threads, size_t shared_bytes) {
+  int per_sm = 0;
+  TORCHMOE_CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared_bytes));
+  return static_cast<int64_t>(sm_count()) * std::max(per_sm, 1);
+}
+
 // Blocks for a grid-stride loop that needs `blocks_needed`: at most one wave of `kernel`, i.e. as
 // many blocks as fit on the SMs at once given its registers and shared memory. Each block of such
 // a loop gets the same share of the work, so a grid of 1.33 waves runs its last part on a third of
@@ -210,11 +221,8 @@ inline int sm_count() {
 // (40 registers, so 6 blocks of 256 fit, not 8), ncu: 67% of DRAM peak (docs/performance.md).
 template <typename Kernel>
 unsigned one_wave_grid(Kernel* kernel, int threads, size_t shared_bytes, int64_t blocks_needed) {
-  int per_sm = 0;
-  TORCHMOE_CUDA_CHECK(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared_bytes));
-  const int64_t wave = static_cast<int64_t>(sm_count()) * std::max(per_sm, 1);
-  return static_cast<unsigned>(std::clamp<int64_t>(blocks_needed, 1, wave));
+  return static_cast<unsigned>(
+      std::clamp<int64_t>(blocks_needed, 1, wave_blocks(kernel, threads, shared_bytes)));
 }
 
 }  // namespace torchmoe::kernels

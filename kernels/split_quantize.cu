@@ -271,47 +271,57 @@ __global__ void __launch_bounds__(kThreads, blocks_per_sm<T, S, kSource>())
   }
 }
 
+// The kernel a launch of `p` runs, and its dynamic shared memory (the stash, or the layout
+// alone), which the kernel is allowed: its static shared memory (about 21 KB) plus the layout may
+// pass the 48 KB default.
+struct SelectedKernel {
+  void (*kernel)(SplitQuantizeParams, float);
+  size_t shared;
+};
+
 template <typename T, __nv_fp8_interpretation_t F, QuantizeScaling S, Source kSource>
-void launch_source(const SplitQuantizeParams& p, cudaStream_t stream) {
-  auto* kernel = split_quantize_kernel<T, F, S, kSource>;
-  const size_t shared = has_stash<T, S, kSource>() ? stash_offset(p.num_groups) + kStashBytes
-                                                   : layout_bytes(p.num_groups);
-  // The kernel's static shared memory (about 21 KB) plus the layout may pass the 48 KB default.
-  TORCHMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(shared)));
-  const int64_t tiles_bound = split_quantize_tiles_bound(p.num_groups, p.rows, p.k);
-  // Tile indices are divided in 32 bits, and kCurrent counts in ints its tickets (one per unit and
-  // per block), its units and a split's announced tiles: 2^27 tiles (2·10^12 elements) leave room
-  // for all.
-  TORCH_INTERNAL_ASSERT(tiles_bound < (int64_t{1} << 27), "launch_split_quantize: too many tiles");
-  const unsigned grid = one_wave_grid(kernel, kThreads, shared, tiles_bound);
-  kernel<<<grid, kThreads, shared, stream>>>(p, fp8_max(p.format));
-  TORCHMOE_CUDA_CHECK(cudaGetLastError());
+SelectedKernel select_source(const SplitQuantizeParams& p) {
+  SelectedKernel selected{split_quantize_kernel<T, F, S, kSource>,
+                          has_stash<T, S, kSource>() ? stash_offset(p.num_groups) + kStashBytes
+                                                     : layout_bytes(p.num_groups)};
+  TORCHMOE_CUDA_CHECK(cudaFuncSetAttribute(selected.kernel,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(selected.shared)));
+  return selected;
 }
 
 template <typename T, __nv_fp8_interpretation_t F, QuantizeScaling S>
-void launch_scaling(const SplitQuantizeParams& p, cudaStream_t stream) {
-  if (p.glu.input == nullptr) return launch_source<T, F, S, Source::kTensor>(p, stream);
-  if (p.glu.grad_output == nullptr) return launch_source<T, F, S, Source::kGluForward>(p, stream);
+SelectedKernel select_scaling(const SplitQuantizeParams& p) {
+  if (p.glu.input == nullptr) return select_source<T, F, S, Source::kTensor>(p);
+  if (p.glu.grad_output == nullptr) return select_source<T, F, S, Source::kGluForward>(p);
   if constexpr (S == QuantizeScaling::kCurrent) {
     TORCH_INTERNAL_ASSERT(false, "launch_split_quantize: no GLU gradient source with kCurrent");
   } else {
-    return launch_source<T, F, S, Source::kGluBackward>(p, stream);
+    return select_source<T, F, S, Source::kGluBackward>(p);
   }
 }
 
 template <typename T, __nv_fp8_interpretation_t F>
-void launch_format(const SplitQuantizeParams& p, cudaStream_t stream) {
+SelectedKernel select_format(const SplitQuantizeParams& p) {
   switch (p.scaling) {
     case QuantizeScaling::kCurrent:
-      return launch_scaling<T, F, QuantizeScaling::kCurrent>(p, stream);
+      return select_scaling<T, F, QuantizeScaling::kCurrent>(p);
     case QuantizeScaling::kDelayed:
-      return launch_scaling<T, F, QuantizeScaling::kDelayed>(p, stream);
+      return select_scaling<T, F, QuantizeScaling::kDelayed>(p);
     case QuantizeScaling::kBlock1x128:
-      return launch_scaling<T, F, QuantizeScaling::kBlock1x128>(p, stream);
+      return select_scaling<T, F, QuantizeScaling::kBlock1x128>(p);
     case QuantizeScaling::kBlock128x128:
-      return launch_scaling<T, F, QuantizeScaling::kBlock128x128>(p, stream);
+      return select_scaling<T, F, QuantizeScaling::kBlock128x128>(p);
   }
+  TORCH_INTERNAL_ASSERT(false, "launch_split_quantize: unknown scaling");
+}
+
+SelectedKernel select_kernel(const SplitQuantizeParams& p) {
+  return dispatch_type(p.input_type, [&](auto tag) {
+    using T = decltype(tag);
+    return p.format == Fp8Format::kE4M3 ? select_format<T, __NV_E4M3>(p)
+                                        : select_format<T, __NV_E5M2>(p);
+  });
 }
 
 }  // namespace
@@ -359,14 +369,22 @@ void launch_split_quantize(const SplitQuantizeParams& p, cudaStream_t stream) {
         p.workspace, 0,
         (split_quantize::kCounters + static_cast<size_t>(p.num_groups)) * sizeof(int32_t), stream));
   }
-  dispatch_type(p.input_type, [&](auto tag) {
-    using T = decltype(tag);
-    if (p.format == Fp8Format::kE4M3) {
-      split_quantize::launch_format<T, __NV_E4M3>(p, stream);
-    } else {
-      split_quantize::launch_format<T, __NV_E5M2>(p, stream);
-    }
-  });
+  const split_quantize::SelectedKernel selected = split_quantize::select_kernel(p);
+  const int64_t tiles_bound = split_quantize_tiles_bound(p.num_groups, p.rows, p.k);
+  // Tile indices are divided in 32 bits, and kCurrent counts in ints its tickets (one per unit and
+  // per block), its units and a split's announced tiles: 2^27 tiles (2·10^12 elements) leave room
+  // for all.
+  TORCH_INTERNAL_ASSERT(tiles_bound < (int64_t{1} << 27), "launch_split_quantize: too many tiles");
+  const unsigned grid =
+      one_wave_grid(selected.kernel, split_quantize::kThreads, selected.shared, tiles_bound);
+  selected.kernel<<<grid, split_quantize::kThreads, selected.shared, stream>>>(p,
+                                                                               fp8_max(p.format));
+  TORCHMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+int64_t split_quantize_wave_blocks(const SplitQuantizeParams& p) {
+  const split_quantize::SelectedKernel selected = split_quantize::select_kernel(p);
+  return wave_blocks(selected.kernel, split_quantize::kThreads, selected.shared);
 }
 
 }  // namespace torchmoe::kernels

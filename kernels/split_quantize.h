@@ -183,6 +183,11 @@ inline int64_t split_quantize_workspace_ints(int groups, int64_t rows, int64_t k
 // first, and kCurrent its workspace (memsets). Graph-capturable: no host sync, no allocation.
 void launch_split_quantize(const SplitQuantizeParams& params, cudaStream_t stream);
 
+// The blocks of one wave of the launch `params` describes (its persistent grid at most): the SMs
+// times the blocks of the kernel it selects that fit on one. Reads input_type, format, scaling,
+// num_groups and which source it is (glu.input, glu.grad_output set or null), nothing else.
+int64_t split_quantize_wave_blocks(const SplitQuantizeParams& params);
+
 // TE's delayed-scaling update (recipe/delayed_scaling.cu), per split g, in place, one launch:
 // amax[g] (this step's amax; may alias history row 0) becomes the newest history entry; the
 // amax to scale by is the max over the history (kMax) or amax[g] (kMostRecent); the history

@@ -55,6 +55,30 @@ void check_options(const char* op, const SplitQuantizeOptions& o, int64_t groups
   }
 }
 
+// Below this many waves of 128×128 tiles, glu_backward_split_quantize runs its two ops instead of
+// the fused launch. A fused unit is a pair of a and b tiles, computed from three loads a piece,
+// and holds its block longer than either op's units do, so a launch of few waves leaves more of
+// its last one idle (H100, taking turns: moe-lm's 5.2 waves took 1.18x the two ops' time, qwen3's
+// 15.5 waves 0.97x; docs/experiments.md).
+constexpr double kGluGradientFusedMinWaves = 8.0;
+
+// Whether the tiles of the [rows, width] gradient fill min_waves waves of the fused GLU-gradient
+// launch (`glu`, with its input and output gradient set, selects the kernel).
+bool glu_gradient_fills_waves(at::ScalarType dtype, int64_t rows, int64_t width, size_t groups,
+                              const SplitQuantizeOptions& o, const kernels::GluParams& glu,
+                              double min_waves) {
+  if (min_waves <= 0.0) return true;
+  kernels::SplitQuantizeParams p;
+  p.input_type = kernel_type(dtype);
+  p.format = o.format;
+  p.scaling = o.scaling;
+  p.num_groups = static_cast<int>(groups);
+  p.glu = glu;
+  const int64_t tiles = kernels::block_count(rows) * kernels::block_count(width);
+  return static_cast<double>(tiles) >=
+         min_waves * static_cast<double>(kernels::split_quantize_wave_blocks(p));
+}
+
 void check_input_type(const char* op, at::ScalarType dtype, int64_t k) {
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op,
               ": input must be float32, float16 or bfloat16, got ", dtype);
@@ -258,6 +282,19 @@ GluGradsQuantized glu_backward_split_quantize(const at::Tensor& grad_output,
                                               const SplitSizes& m_splits,
                                               const SplitQuantizeOptions& o,
                                               const at::Tensor& scale, const at::Tensor& amax) {
+  return detail::glu_backward_split_quantize(grad_output, input, scales, glu, grad_scales, m_splits,
+                                             o, scale, amax, kGluGradientFusedMinWaves);
+}
+
+namespace detail {
+
+GluGradsQuantized glu_backward_split_quantize(const at::Tensor& grad_output,
+                                              const at::Tensor& input, const at::Tensor& scales,
+                                              const GluOptions& glu, bool grad_scales,
+                                              const SplitSizes& m_splits,
+                                              const SplitQuantizeOptions& o,
+                                              const at::Tensor& scale, const at::Tensor& amax,
+                                              double fused_min_waves) {
   const at::Tensor s = scales.defined() ? scales.contiguous() : scales;
   kernels::GluParams params = detail::glu_kernel_params(input, s, glu);
   check_split_inputs(kGluGradOp, input, m_splits, o, scale, amax, InputKind::kGluGradient);
@@ -273,10 +310,15 @@ GluGradsQuantized glu_backward_split_quantize(const at::Tensor& grad_output,
   TORCH_CHECK(grad_output.is_contiguous(), kGluGradOp, ": grad_output must be contiguous");
   check_cuda(kGluGradOp, input);
   const c10::cuda::CUDAGuard guard(input.device());
+  params.input = input.const_data_ptr();
+  params.grad_output = grad_output.const_data_ptr();
   // Current scaling needs the gradient's amax before its cast; interleaves finer than the kernel's
-  // 16-column pieces (glu_split_quantize): the GLU backward and the quantize as two launches.
+  // 16-column pieces (glu_split_quantize) and launches of few waves: the GLU backward and the
+  // quantize as two launches.
   if (o.scaling == QuantizeScaling::kCurrent ||
-      glu.interleave % kernels::kQuantizeFeatureMultiple != 0) {
+      glu.interleave % kernels::kQuantizeFeatureMultiple != 0 ||
+      !glu_gradient_fills_waves(input.scalar_type(), rows, 2 * hidden, m_splits.size(), o, params,
+                                fused_min_waves)) {
     GluGrads grads = glu_backward(grad_output, input, scales, glu, grad_scales);
     if (grad_scales) {
       // Rows past the splits get 0, as the fused launch of the other scalings leaves them (it
@@ -309,6 +351,8 @@ GluGradsQuantized glu_backward_split_quantize(const at::Tensor& grad_output,
   if (grad_scales) out.grad_scales = partial.sum(0).to(s.scalar_type()).reshape(s.sizes());
   return out;
 }
+
+}  // namespace detail
 
 SplitQuantized quantize_weights(const GroupedTensors& weights, const SplitQuantizeOptions& o,
                                 const at::Tensor& scale, const at::Tensor& amax) {

@@ -78,11 +78,26 @@ struct GluGradsQuantized {
 // as split_quantize's. Under current scaling it is the two ops (glu_backward writes the 16-bit
 // gradient, split_quantize casts it): the one launch has to compute and load each pair of tiles
 // twice, for its split's amax and for its cast, and took 1.2-1.7x as long on the H100
-// (docs/experiments.md).
+// (docs/experiments.md). So it is for a gradient of fewer than 8 waves of 128x128 tiles, where
+// the fused launch's heavier units left its last wave idle longer (ops/quantize.cpp).
 GluGradsQuantized glu_backward_split_quantize(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& scales,
     const GluOptions& glu, bool grad_scales, const SplitSizes& m_splits,
     const SplitQuantizeOptions& options, const at::Tensor& scale = {}, const at::Tensor& amax = {});
+
+namespace detail {
+
+// glu_backward_split_quantize with the fused launch from `fused_min_waves` waves of tiles (0:
+// wherever the kernel has a fused source), for tests of that launch at any size.
+GluGradsQuantized glu_backward_split_quantize(const at::Tensor& grad_output,
+                                              const at::Tensor& input, const at::Tensor& scales,
+                                              const GluOptions& glu, bool grad_scales,
+                                              const SplitSizes& m_splits,
+                                              const SplitQuantizeOptions& options,
+                                              const at::Tensor& scale, const at::Tensor& amax,
+                                              double fused_min_waves);
+
+}  // namespace detail
 
 // A layer's G weights [n, k] (n a multiple of 16), quantized in one launch as the [G·n, k] tensor
 // of G splits of n rows that stacking them would give, without stacking them: split g is read

@@ -134,6 +134,18 @@ void check_grad_scales(const torch::Tensor& actual, const torch::Tensor& dy, con
   CHECK(((a == rounded) | ((a - expected).abs() <= bound)).all().item<bool>());
 }
 
+// glu_backward_split_quantize's fused launch at any size (the op takes the two ops below 8 waves
+// of tiles, which these shapes are).
+torchmoe::ops::GluGradsQuantized fused_launch(const torch::Tensor& dy, const torch::Tensor& z,
+                                              const torch::Tensor& scales,
+                                              const torchmoe::ops::GluOptions& glu,
+                                              bool grad_scales, const torchmoe::SplitSizes& splits,
+                                              const SplitQuantizeOptions& o,
+                                              const torch::Tensor& scale) {
+  return torchmoe::ops::detail::glu_backward_split_quantize(dy, z, scales, glu, grad_scales, splits,
+                                                            o, scale, torch::Tensor(), 0.0);
+}
+
 // The fused activation gradient + cast (fc1's output gradient in an FP8 GroupedMLP's backward)
 // against the two ops it replaces: the FP8 copies, scales and amax bit for bit those of
 // glu_backward then split_quantize, and through the gradient glu_backward wrote, the reference
@@ -182,7 +194,7 @@ TEST_CASE("glu_backward_split_quantize equals glu_backward then split_quantize",
       device_splits ? torchmoe::SplitSizes(torch::tensor(sizes, torch::kInt).cuda())
                     : torchmoe::SplitSizes(sizes);
   const torchmoe::ops::GluGradsQuantized fused =
-      torchmoe::ops::glu_backward_split_quantize(dy, z, scales, glu, grad_scales, splits, o, scale);
+      fused_launch(dy, z, scales, glu, grad_scales, splits, o, scale);
   check_same(fused.grad_input, two_ops, sizes, rows, 2 * k);
   check_against_reference(fused.grad_input, reference(two.grad_input, sizes, o, scale), sizes, o,
                           rows, 2 * k);
@@ -195,26 +207,26 @@ TEST_CASE("glu_backward_split_quantize equals glu_backward then split_quantize",
     const torchmoe::SplitSizes short_splits =
         device_splits ? torchmoe::SplitSizes(torch::tensor(short_sizes, torch::kInt).cuda())
                       : torchmoe::SplitSizes(short_sizes);
-    const torch::Tensor part =
-        torchmoe::ops::glu_backward_split_quantize(dy, z, scales, glu, true, short_splits, o, scale)
-            .grad_scales.to(torch::kFloat);
+    const torch::Tensor part = fused_launch(dy, z, scales, glu, true, short_splits, o, scale)
+                                   .grad_scales.to(torch::kFloat);
     CHECK(torch::equal(part.narrow(0, 0, 695),
                        fused.grad_scales.to(torch::kFloat).narrow(0, 0, 695)));
     CHECK(torch::equal(part.narrow(0, 695, 9), torch::zeros({9}, part.options())));
     if (device_splits) {
       // Garbage device sizes clamp (a negative one to 0, the sum to the rows): every row visited.
       const torch::Tensor wild = torch::tensor({131, -5, 256, 17, 400}, torch::kInt).cuda();
-      const torch::Tensor all = torchmoe::ops::glu_backward_split_quantize(
-                                    dy, z, scales, glu, true, torchmoe::SplitSizes(wild), o, scale)
-                                    .grad_scales.to(torch::kFloat);
+      const torch::Tensor all =
+          fused_launch(dy, z, scales, glu, true, torchmoe::SplitSizes(wild), o, scale)
+              .grad_scales.to(torch::kFloat);
       CHECK(torch::equal(all, fused.grad_scales.to(torch::kFloat)));
     }
   }
 }
 
-// The fused launch over many waves of tiles (paired a and b tiles, one split holding most rows),
-// repeated: the same bytes as the two ops and the scale gradient summed from every tile column.
-// (Under current scaling the op is the two ops.)
+// The fused launch over several waves of tiles (paired a and b tiles, one split holding most
+// rows), repeated: the same bytes as the two ops and the scale gradient summed from every tile
+// column. (Under current scaling the op is the two ops.) Then the op itself at this size, below
+// 8 waves on an H100 or H200: the two ops' bytes and glu_backward's scale gradient.
 TEST_CASE("glu_backward_split_quantize: many waves of tiles", "[ops][quantize][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
   const QuantizeScaling scaling = GENERATE(QuantizeScaling::kDelayed, QuantizeScaling::kBlock1x128);
@@ -231,8 +243,13 @@ TEST_CASE("glu_backward_split_quantize: many waves of tiles", "[ops][quantize][c
       run(torchmoe::ops::glu_backward(dy, z, probs, glu, false).grad_input, sizes, o, scale);
   for (int repeat = 0; repeat < 3; ++repeat) {
     const torchmoe::ops::GluGradsQuantized fused =
-        torchmoe::ops::glu_backward_split_quantize(dy, z, probs, glu, true, sizes, o, scale);
+        fused_launch(dy, z, probs, glu, true, sizes, o, scale);
     check_same(fused.grad_input, expected, sizes, rows, 2 * k);
     check_grad_scales(fused.grad_scales, dy, z, probs, glu);
   }
+  const torchmoe::ops::GluGradsQuantized op =
+      torchmoe::ops::glu_backward_split_quantize(dy, z, probs, glu, true, sizes, o, scale);
+  check_same(op.grad_input, expected, sizes, rows, 2 * k);
+  CHECK(torch::equal(op.grad_scales,
+                     torchmoe::ops::glu_backward(dy, z, probs, glu, true).grad_scales));
 }
