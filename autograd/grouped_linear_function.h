@@ -92,17 +92,17 @@ struct Fp8Config {
   ops::SplitQuantized weights;
 };
 
-// An FP8 layer's output gradient handed over already quantized by the backward that produces it,
-// so that the 16-bit gradient is never written: in FP8 GroupedMLP fc2's backward differentiates
-// its input activation and quantizes the result for fc1 in one pass
-// (ops::glu_backward_split_quantize; under current scaling its two ops, which do write it); in an
-// FP8 MoE layer the unpermute's backward quantizes the layer's output gradient for fc2 straight
-// from the tokens' rows (ops::gather_split_quantize). The consumer's forward arms the link with how
-// its backward would quantize its output gradient; the producer's backward leaves the FP8 copies
-// here and hands autograd, as the consumer's output gradient, a zero of its shape that takes no
-// memory; the consumer's backward takes the copies instead of quantizing that. Unarmed (the
-// consumer has bias gradients, which are sums of the 16-bit gradient), the two exchange the 16-bit
-// gradient as any two functions do.
+// An FP8 layer's output gradient handed over already quantized by the backward that produces it, so
+// that the 16-bit gradient is never written: in FP8 GroupedMLP fc2's backward differentiates its
+// input activation and quantizes the result for fc1 in one pass (ops::glu_backward_split_quantize;
+// under current scaling and below 8 waves of tiles its two ops, which do write it); in an FP8 MoE
+// layer the unpermute's backward quantizes the layer's output gradient for fc2 straight from the
+// tokens' rows (ops::gather_split_quantize). The consumer's forward arms the link with how its
+// backward would quantize its output gradient; the producer's backward leaves the FP8 copies here
+// and hands autograd, as the consumer's output gradient, a zero of its shape that takes no memory;
+// the consumer's backward takes the copies instead of quantizing that. Unarmed (the consumer has
+// bias gradients, which are sums of the 16-bit gradient), the two exchange the 16-bit gradient as
+// any two functions do.
 struct Fp8GradLink {
   // Set by the consumer's forward.
   bool armed = false;

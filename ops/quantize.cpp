@@ -59,7 +59,7 @@ void check_options(const char* op, const SplitQuantizeOptions& o, int64_t groups
 // the fused launch. A fused unit is a pair of a and b tiles, computed from three loads a piece,
 // and holds its block longer than either op's units do, so a launch of few waves leaves more of
 // its last one idle (H100, taking turns: moe-lm's 5.2 waves took 1.18x the two ops' time, qwen3's
-// 15.5 waves 0.97x; docs/experiments.md).
+// 15.5 waves 0.96x; docs/experiments.md).
 constexpr double kGluGradientFusedMinWaves = 8.0;
 
 // Whether the tiles of the [rows, width] gradient fill min_waves waves of the fused GLU-gradient

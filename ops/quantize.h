@@ -68,11 +68,11 @@ struct GluGradsQuantized {
 };
 
 // glu_backward(grad_output, input, scales, glu, grad_scales) followed by split_quantize of its
-// grad_input, in one launch that never writes the 16-bit gradient (except under current scaling,
-// below): each tile computes its part of the gradient (rounded to the input's dtype as
-// glu_backward rounds it) and casts it, so the FP8 bytes, scales and amax are bit for bit those of
-// the two ops (fc1's FP8 output gradient in GroupedMLP's backward). grad_scales is glu_backward's
-// up to the order of its fp32 sum, and 0 for rows past the splits. input, scales: as
+// grad_input, in one launch that never writes the 16-bit gradient (except under current scaling
+// and for small gradients, below): each tile computes its part of the gradient (rounded to the
+// input's dtype as glu_backward rounds it) and casts it, so the FP8 bytes, scales and amax are bit
+// for bit those of the two ops (fc1's FP8 output gradient in GroupedMLP's backward). grad_scales is
+// glu_backward's up to the order of its fp32 sum, and 0 for rows past the splits. input, scales: as
 // glu_split_quantize's, with K a multiple of 8 (the quantized width 2K a multiple of 16);
 // grad_output: [M, K] contiguous, of the input's dtype and device; m_splits, options, scale, amax:
 // as split_quantize's. Under current scaling it is the two ops (glu_backward writes the 16-bit

@@ -100,7 +100,9 @@ TEST_CASE("GroupedMLP FP8 is close to the same module in bf16", "[modules][fp8][
 // output gradient (nor is that gradient). The same module run as its parts (fc1, the activation
 // written in bf16 by GluFunction, fc2) under the same recipe must give the same bits: output,
 // input and every weight gradient; the probs' gradient too, except that the fused backward sums
-// it in another order.
+// it in another order. (At this size the backward's cast is its two ops, below 8 waves of tiles:
+// the link carries their copies as it would the fused launch's, which test_split_quantize_sources
+// compares with the two ops bit for bit.)
 TEST_CASE("GroupedMLP FP8 with its activation fused into fc2's input cast equals its parts",
           "[modules][fp8][cuda]") {
   TORCHMOE_REQUIRE_CUDA();
