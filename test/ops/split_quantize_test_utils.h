@@ -7,7 +7,6 @@
 #include <torchmoe/ops/glu.h>
 #include <torchmoe/ops/quantize.h>
 
-#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstring>
@@ -98,6 +97,13 @@ inline std::pair<torch::Tensor, torch::Tensor> block_masks(const std::vector<int
   return {row_mask, col_mask};
 }
 
+// Σ_g m_g of the clamped splits: the rows the rowwise copy holds.
+inline int64_t used_rows(const std::vector<int64_t>& sizes, int64_t rows) {
+  int64_t total = 0;
+  for (const Split& s : clamp_splits(sizes, rows)) total += s.rows;
+  return total;
+}
+
 // Σ_g r16(m_g) of the clamped splits: the columnwise blocks' total width.
 inline int64_t padded_rows(const std::vector<int64_t>& sizes, int64_t rows) {
   int64_t total = 0;
@@ -109,8 +115,7 @@ inline int64_t padded_rows(const std::vector<int64_t>& sizes, int64_t rows) {
 inline void check_against_reference(const SplitQuantized& q, const Expected& e,
                                     const std::vector<int64_t>& sizes,
                                     const SplitQuantizeOptions& o, int64_t rows, int64_t k) {
-  int64_t used = 0;
-  for (const Split& s : clamp_splits(sizes, rows)) used += s.rows;
+  const int64_t used = used_rows(sizes, rows);
   const int64_t used_t = k * padded_rows(sizes, rows);
   if (o.rowwise) {
     check_fp8(q.data.narrow(0, 0, used), e.data.narrow(0, 0, used), e.scaled.narrow(0, 0, used),
@@ -138,9 +143,7 @@ inline void check_against_reference(const SplitQuantized& q, const Expected& e,
 // the columnwise one up to its used width; past them, unwritten), the scales and the amaxes.
 inline void check_same(const SplitQuantized& a, const SplitQuantized& b,
                        const std::vector<int64_t>& sizes, int64_t rows, int64_t k) {
-  int64_t used = 0;
-  for (int64_t s : sizes) used += s;
-  used = std::min(used, rows);
+  const int64_t used = used_rows(sizes, rows);
   CHECK(torch::equal(a.data.narrow(0, 0, used).view(torch::kByte),
                      b.data.narrow(0, 0, used).view(torch::kByte)));
   const int64_t used_t = k * padded_rows(sizes, rows);
