@@ -307,11 +307,11 @@ variable_list GroupedLinearFunction::apply(variable_list&& grad_outputs) {
       grad_gemm_input = ops::grouped_linear_dgrad_fp8(cfg.plan, fp8_grad_output, cfg.fp8->weights,
                                                       grad_output.scalar_type());
     } else {
+      const std::vector<uint32_t> versions = tensor_versions(weights);
       for (size_t i = 0; i < weights.size(); ++i) {
-        TORCH_CHECK(weights[i]._version() == cfg.weight_versions[i],
-                    "GroupedLinear backward: weight ", i,
+        TORCH_CHECK(versions[i] == cfg.weight_versions[i], "GroupedLinear backward: weight ", i,
                     " was modified in place after the forward (version ", cfg.weight_versions[i],
-                    ", now ", weights[i]._version(),
+                    ", now ", versions[i],
                     "); its gradient would be wrong. Run backward before changing the weights.");
       }
       const ops::RowScatter scatter =
@@ -397,6 +397,15 @@ void check_no_tangents(const at::Tensor& input, const at::Tensor& scales, at::Te
 
 }  // namespace
 
+std::vector<uint32_t> tensor_versions(at::TensorList tensors) {
+  std::vector<uint32_t> versions;
+  versions.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) {
+    versions.push_back(t.unsafeGetTensorImpl()->version_counter().current_version());
+  }
+  return versions;
+}
+
 at::Tensor grouped_linear(const at::Tensor& input, const std::optional<at::Tensor>& input_scales,
                           at::TensorList weights, at::TensorList biases,
                           const c10::intrusive_ptr<GroupedLinearConfig>& config,
@@ -443,9 +452,7 @@ at::Tensor grouped_linear(const at::Tensor& input, const std::optional<at::Tenso
     link.columnwise = needs.weights;
   }
   config->weights = std::move(w.tensors);
-  config->weight_versions.clear();
-  config->weight_versions.reserve(weights.size());
-  for (const at::Tensor& t : weights) config->weight_versions.push_back(t._version());
+  config->weight_versions = tensor_versions(weights);
 
   auto node = std::shared_ptr<GroupedLinearFunction>(new GroupedLinearFunction(),
                                                      torch::autograd::deleteNode);

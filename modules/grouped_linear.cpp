@@ -224,13 +224,9 @@ autograd::Fp8Config GroupedLinearCalls::fp8_config(const GroupedLinearImpl& laye
   config.is_first_microbatch = is_first_microbatch;
   config.weight_cache = layer.calls_state_->fp8_weight_cache;
   // The optimizer's copies stand in for delayed-scaling weights while they are current.
-  const std::vector<int64_t>& versions = config.weight_cache->versions;
-  bool current = planned.weight.scaling == ops::QuantizeScaling::kDelayed &&
-                 versions.size() == layer.weight_params_.size();
-  for (size_t i = 0; current && i < versions.size(); ++i) {
-    current = layer.weight_params_[i]._version() == versions[i];
-  }
-  config.optimizer_weights = current;
+  config.optimizer_weights =
+      planned.weight.scaling == ops::QuantizeScaling::kDelayed &&
+      autograd::tensor_versions(layer.weight_params_) == config.weight_cache->versions;
   return config;
 }
 
@@ -257,9 +253,8 @@ optim::Fp8WeightTarget GroupedLinearImpl::fp8_weight_target() const {
   target.written = [self] {
     TORCH_CHECK(self->calls_state_->fp8_weight_cache->optimizer_weights.data.defined(), kModule,
                 "::fp8_weight_target: written() before the copies were handed out (copies())");
-    std::vector<int64_t>& versions = self->calls_state_->fp8_weight_cache->versions;
-    versions.clear();
-    for (const torch::Tensor& w : self->weight_params_) versions.push_back(w._version());
+    self->calls_state_->fp8_weight_cache->versions =
+        autograd::tensor_versions(self->weight_params_);
   };
   return target;
 }
