@@ -62,6 +62,16 @@ void check_options(const char* op, const SplitQuantizeOptions& o, int64_t groups
 // 15.5 waves 0.96x; docs/experiments.md).
 constexpr double kGluGradientFusedMinWaves = 8.0;
 
+// The fields of a launch's params, besides its source, that choose its kernel and shared memory:
+// launch() sets them, and the size rule below asks the wave of the kernel they choose.
+void set_kernel_choice(kernels::SplitQuantizeParams& p, at::ScalarType dtype,
+                       const SplitQuantizeOptions& o, int groups) {
+  p.input_type = kernel_type(dtype);
+  p.format = o.format;
+  p.scaling = o.scaling;
+  p.num_groups = groups;
+}
+
 // Whether the tiles of the [rows, width] gradient fill min_waves waves of the fused GLU-gradient
 // launch (`glu`, with its input and output gradient set, selects the kernel).
 bool glu_gradient_fills_waves(at::ScalarType dtype, int64_t rows, int64_t width, size_t groups,
@@ -69,10 +79,7 @@ bool glu_gradient_fills_waves(at::ScalarType dtype, int64_t rows, int64_t width,
                               double min_waves) {
   if (min_waves <= 0.0) return true;
   kernels::SplitQuantizeParams p;
-  p.input_type = kernel_type(dtype);
-  p.format = o.format;
-  p.scaling = o.scaling;
-  p.num_groups = static_cast<int>(groups);
+  set_kernel_choice(p, dtype, o, static_cast<int>(groups));
   p.glu = glu;
   const int64_t tiles = kernels::block_count(rows) * kernels::block_count(width);
   return static_cast<double>(tiles) >=
@@ -192,12 +199,9 @@ SplitQuantized launch(const at::Tensor& like, int64_t rows, int64_t k, const Spl
   out.format = o.format;
   out.scaling = o.scaling;
 
-  p.input_type = kernel_type(like.scalar_type());
-  p.format = o.format;
-  p.scaling = o.scaling;
+  set_kernel_choice(p, like.scalar_type(), o, groups);
   p.power_of_2_scales = o.power_of_2_scales;
   p.epsilon = static_cast<float>(o.amax_epsilon);
-  p.num_groups = groups;
   p.rows = rows;
   p.k = k;
   p.m_splits = splits.const_data_ptr();
@@ -310,6 +314,8 @@ GluGradsQuantized glu_backward_split_quantize(const at::Tensor& grad_output,
   TORCH_CHECK(grad_output.is_contiguous(), kGluGradOp, ": grad_output must be contiguous");
   check_cuda(kGluGradOp, input);
   const c10::cuda::CUDAGuard guard(input.device());
+  // Set for the size rule, whose kernel choice reads which source pointers are set; the fused
+  // launch below points them at the aligned operands.
   params.input = input.const_data_ptr();
   params.grad_output = grad_output.const_data_ptr();
   // Current scaling needs the gradient's amax before its cast; interleaves finer than the kernel's
