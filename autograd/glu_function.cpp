@@ -1,11 +1,16 @@
 #include "torchmoe/autograd/glu_function.h"
 
 #include "torchmoe/autograd/once_differentiable.h"
+#include "torchmoe/autograd/saved_data.h"
 
 namespace torchmoe::autograd {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
+
+namespace {
+constexpr const char* kOptionsKey = "options";
+}  // namespace
 
 at::Tensor GluFunction::forward(AutogradContext* ctx, const at::Tensor& input,
                                 const std::optional<at::Tensor>& scales,
@@ -14,23 +19,14 @@ at::Tensor GluFunction::forward(AutogradContext* ctx, const at::Tensor& input,
   const at::Tensor s = scales.has_value() ? *scales : at::Tensor();
   at::Tensor output = ops::glu_forward(x, s, options);
   ctx->save_for_backward({x, s});
-  ctx->saved_data["activation"] = static_cast<int64_t>(options.activation);
-  ctx->saved_data["limit"] = options.limit;
-  ctx->saved_data["alpha"] = options.alpha;
-  ctx->saved_data["offset"] = options.offset;
-  ctx->saved_data["interleave"] = options.interleave;
+  save_value(ctx, kOptionsKey, options);
   return output;
 }
 
 variable_list GluFunction::backward(AutogradContext* ctx, variable_list grad_outputs) {
   const OnceDifferentiable once;
   const variable_list saved = ctx->get_saved_variables();
-  ops::GluOptions options;
-  options.activation = static_cast<GluActivation>(ctx->saved_data["activation"].toInt());
-  options.limit = ctx->saved_data["limit"].toDouble();
-  options.alpha = ctx->saved_data["alpha"].toDouble();
-  options.offset = ctx->saved_data["offset"].toDouble();
-  options.interleave = ctx->saved_data["interleave"].toInt();
+  const ops::GluOptions& options = saved_value<ops::GluOptions>(ctx, kOptionsKey);
   const at::Tensor& scales = saved[1];
   const bool scales_need_grad = scales.defined() && ctx->needs_input_grad(1);
   ops::GluGrads grads =

@@ -1,7 +1,7 @@
 #include "torchmoe/autograd/router_function.h"
 
 #include "torchmoe/autograd/once_differentiable.h"
-#include "torchmoe/autograd/saved_link.h"
+#include "torchmoe/autograd/saved_data.h"
 
 namespace torchmoe::autograd {
 
@@ -79,32 +79,14 @@ variable_list ForkFunction::backward(AutogradContext* ctx, variable_list grad_ou
 
 namespace {
 
+constexpr const char* kScoringKey = "scoring";
+
 void save_scoring(AutogradContext* ctx, const ops::RouterScoring& scoring) {
-  ctx->saved_data["topk"] = scoring.topk;
-  ctx->saved_data["sigmoid"] = scoring.sigmoid;
-  ctx->saved_data["normalize"] = scoring.normalize;
-  ctx->saved_data["num_groups"] = scoring.num_groups;
-  ctx->saved_data["topk_groups"] = scoring.topk_groups;
-  ctx->saved_data["scale"] = scoring.scale;
-  ctx->saved_data["aux"] = scoring.aux;
-  ctx->saved_data["aux_loss_scale"] = scoring.aux_loss_scale;
-  ctx->saved_data["z_loss"] = scoring.z_loss;
-  ctx->saved_data["z_loss_scale"] = scoring.z_loss_scale;
+  save_value(ctx, kScoringKey, scoring);
 }
 
-ops::RouterScoring scoring_of(AutogradContext* ctx) {
-  ops::RouterScoring scoring;
-  scoring.topk = ctx->saved_data["topk"].toInt();
-  scoring.sigmoid = ctx->saved_data["sigmoid"].toBool();
-  scoring.normalize = ctx->saved_data["normalize"].toBool();
-  scoring.num_groups = ctx->saved_data["num_groups"].toInt();
-  scoring.topk_groups = ctx->saved_data["topk_groups"].toInt();
-  scoring.scale = ctx->saved_data["scale"].toDouble();
-  scoring.aux = ctx->saved_data["aux"].toBool();
-  scoring.aux_loss_scale = ctx->saved_data["aux_loss_scale"].toDouble();
-  scoring.z_loss = ctx->saved_data["z_loss"].toBool();
-  scoring.z_loss_scale = ctx->saved_data["z_loss_scale"].toDouble();
-  return scoring;
+const ops::RouterScoring& scoring_of(AutogradContext* ctx) {
+  return saved_value<ops::RouterScoring>(ctx, kScoringKey);
 }
 
 }  // namespace

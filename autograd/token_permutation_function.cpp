@@ -3,7 +3,7 @@
 #include <string>
 
 #include "torchmoe/autograd/once_differentiable.h"
-#include "torchmoe/autograd/saved_link.h"
+#include "torchmoe/autograd/saved_data.h"
 #include "torchmoe/ops/token_permutation.h"
 
 namespace torchmoe::autograd {
