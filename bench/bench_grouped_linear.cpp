@@ -122,13 +122,15 @@ std::vector<double> host_us(const std::vector<std::function<torch::Tensor()>>& f
 // Host time per forward with device splits, by phase: the output's allocation, planning, the op
 // (checks, tensor maps, launch) on stacked weights and on G separately allocated ones, and the
 // GroupedLinear module (G separate weights, its default) without and with autograd, and with a
-// single grouped weight; and the GroupedMLP forward (fc1, the scaled SwiGLU, fc2) with autograd.
-// Then a training step's host time: the module's forward + backward, with G weights and with the
-// single grouped weight; setting the gradients to none first is inside the timed call.
+// single grouped weight; the GroupedMLP forward (fc1, the scaled SwiGLU, fc2) with autograd; and
+// the MoELayer forward on the shape's tokens (router, permutation, GroupedMLP, unpermute).
+// Then a training step's host time, in turns of its own: the module's forward + backward, with G
+// weights and with the single grouped weight; setting the gradients to none first is inside the
+// timed call.
 struct HostTimes {
   std::string shape;
   double alloc, plan, op_stacked, op_separate, module_no_grad, module, module_single, mlp;  // us
-  double step, step_single;                                                                 // us
+  double moe_layer, step, step_single;                                                      // us
 };
 
 HostTimes host_times(const torchmoe::bench::Shape& shape, const torch::Tensor& x,
@@ -147,6 +149,12 @@ HostTimes host_times(const torchmoe::bench::Shape& shape, const torch::Tensor& x
   torchmoe::GroupedMLPOptions mlp_options(shape.experts, k, shape.ffn);
   mlp_options.linear().bias(false).params_dtype(torch::kBFloat16).device(torch::kCUDA);
   torchmoe::GroupedMLP mlp(mlp_options);
+  torchmoe::MoELayerOptions layer_options(k, shape.ffn, shape.experts, shape.topk);
+  layer_options.params_dtype(torch::kBFloat16).device(torch::kCUDA);
+  layer_options.experts().linear().bias(false);
+  torchmoe::MoELayer moe_layer(layer_options);
+  const torch::Tensor tokens =
+      torch::randn({x.size(0) / shape.topk, k}, x.options()).requires_grad_(true);
   const torch::Tensor probs =
       torch::rand({x.size(0)}, x.options().dtype(torch::kFloat32)).requires_grad_(true);
   const torch::Tensor grad_output = torch::randn({x.size(0), n}, x.options());
@@ -173,10 +181,16 @@ HostTimes host_times(const torchmoe::bench::Shape& shape, const torch::Tensor& x
       [&] { return layer(input, splits); },
       [&] { return single(input, splits); },
       [&] { return mlp(input, splits, probs); },
+      [&] { return moe_layer(tokens).output; },
+  });
+  // The steps take turns apart: a backward of G weights evicts the host's caches, and in its turns
+  // every forward phase above read 2-7x its time (an allocation 2 -> 16 us on an H100 host).
+  const std::vector<double> steps = host_us({
       [&] { return step(layer); },
       [&] { return step(single); },
   });
-  return {shape.name, us[0], us[1], us[2], us[3], us[4], us[5], us[6], us[7], us[8], us[9]};
+  return {shape.name, us[0], us[1], us[2], us[3],    us[4],
+          us[5],      us[6], us[7], us[8], steps[0], steps[1]};
 }
 
 }  // namespace
@@ -309,15 +323,15 @@ int main(int argc, char** argv) {
             << std::setw(7) << "plan" << std::setw(11) << "op stacked" << std::setw(13)
             << "op separate" << std::setw(16) << "module no-grad" << std::setw(9) << "module"
             << std::setw(15) << "module single" << std::setw(11) << "GroupedMLP" << std::setw(10)
-            << "fwd+bwd" << std::setw(17) << "single fwd+bwd"
+            << "MoELayer" << std::setw(10) << "fwd+bwd" << std::setw(17) << "single fwd+bwd"
             << "\n";
   for (const HostTimes& t : host) {
     std::cout << std::left << std::setw(17) << t.shape << std::right << std::fixed
               << std::setprecision(1) << std::setw(7) << t.alloc << std::setw(7) << t.plan
               << std::setw(11) << t.op_stacked << std::setw(13) << t.op_separate << std::setw(16)
               << t.module_no_grad << std::setw(9) << t.module << std::setw(15) << t.module_single
-              << std::setw(11) << t.mlp << std::setw(10) << t.step << std::setw(17) << t.step_single
-              << "\n";
+              << std::setw(11) << t.mlp << std::setw(10) << t.moe_layer << std::setw(10) << t.step
+              << std::setw(17) << t.step_single << "\n";
   }
 
   std::ofstream json(args.json_path);
@@ -354,7 +368,8 @@ int main(int argc, char** argv) {
          << ", \"plan\": " << t.plan << ", \"op_stacked\": " << t.op_stacked
          << ", \"op_separate\": " << t.op_separate << ", \"module_no_grad\": " << t.module_no_grad
          << ", \"module\": " << t.module << ", \"module_single_weight\": " << t.module_single
-         << ", \"grouped_mlp\": " << t.mlp << ", \"module_fwd_bwd\": " << t.step
+         << ", \"grouped_mlp\": " << t.mlp << ", \"moe_layer\": " << t.moe_layer
+         << ", \"module_fwd_bwd\": " << t.step
          << ", \"module_single_weight_fwd_bwd\": " << t.step_single << "}"
          << (i + 1 < host.size() ? "," : "") << "\n";
   }

@@ -9,7 +9,8 @@
 // All four take turns (bench_common.h's median_ms_each). Also the peak memory of one run of each
 // of the four (bench_common.h's peak_gib: the caching allocator's peak above what was allocated
 // before it): full's in the GiB column and peak_step_gib, then plain's, router's and shared's
-// (JSON: plain_peak_gib, router_peak_gib, shared_gemms_peak_gib).
+// (JSON: plain_peak_gib, router_peak_gib, shared_gemms_peak_gib). An architecture and mode that
+// does not fit in the GPU's memory (deepseek-v3 on an 80 GB card) prints a skipped line instead.
 //
 //   bench_moe_arch [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
 //
@@ -79,6 +80,72 @@ const std::vector<Arch>& archs() {
   return kArchs;
 }
 
+// Milliseconds and peak GiB of plain, router, full and the shared expert's GEMMs, in that order.
+struct ArchTimes {
+  std::vector<double> ms, gib;
+};
+
+constexpr int64_t kTokens = 8192, kHistory = 16;
+
+ArchTimes time_arch(const Arch& a, bool fp8, const torchmoe::bench::Args& args) {
+  const auto bf16 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+  torchmoe::MoELayerOptions plain(a.hidden, a.ffn, a.experts, a.topk);
+  plain.params_dtype(torch::kBFloat16).device(torch::kCUDA);
+  plain.router().aux_loss_coeff(1e-2);
+  plain.experts().linear().single_grouped_weight(true).fp8_amax_history_len(kHistory);
+  torchmoe::MoELayerOptions routed = plain;
+  a.router(routed.router());
+  torchmoe::MoELayerOptions full = routed;
+  a.rest(full);
+  // The three layers share one set of experts (deepseek-v3's 256 take 22 GiB of bf16
+  // weights): each is built and given the first one's experts before the next is built.
+  torch::manual_seed(0);
+  std::vector<torchmoe::MoELayer> layers = {torchmoe::MoELayer(plain)};
+  for (const torchmoe::MoELayerOptions* o : {&routed, &full}) {
+    torchmoe::MoELayer layer(*o);
+    layer->experts = layer->replace_module("experts", layers[0]->experts);
+    layers.push_back(layer);
+  }
+  const torch::Tensor x = torch::randn({kTokens, a.hidden}, bf16).requires_grad_(true);
+  const torch::Tensor dout = torch::randn({kTokens, a.hidden}, bf16);
+  const torch::Tensor daux = torch::ones({}, bf16.dtype(torch::kFloat32));
+  const auto recipe = torchmoe::fp8::DelayedScaling().amax_history_len(kHistory);
+  auto step = [&](torchmoe::MoELayer& layer) {
+    const torchmoe::fp8::Autocast guard =
+        fp8 ? torchmoe::fp8::Autocast(recipe) : torchmoe::fp8::Autocast(false);
+    const torchmoe::MoEOutput out = layer(x);
+    torch::autograd::backward({out.output, out.aux_loss}, {dout, daux});
+  };
+  // The shared expert's GEMMs as dense bf16 products (the rate cuBLAS sustains on them).
+  const int64_t width = full.shared_expert() ? full.shared_expert()->ffn_hidden() : 0;
+  torch::Tensor w1, w2, h, g;
+  if (width > 0) {
+    w1 = torch::randn({2 * width, a.hidden}, bf16) * 0.01;
+    w2 = torch::randn({a.hidden, width}, bf16) * 0.01;
+    h = torch::randn({kTokens, 2 * width}, bf16);
+    g = torch::randn({kTokens, width}, bf16);
+  }
+  auto shared_gemms = [&] {
+    torch::mm(x.detach(), w1.t());  // fc1
+    torch::mm(g, w2.t());           // fc2
+    torch::mm(dout, w2);            // fc2 dgrad
+    torch::mm(dout.t(), g);         // fc2 wgrad
+    torch::mm(h, w1);               // fc1 dgrad
+    torch::mm(h.t(), x.detach());   // fc1 wgrad
+  };
+  std::vector<std::function<void()>> fns = {[&] { step(layers[0]); }, [&] { step(layers[1]); },
+                                            [&] { step(layers[2]); }};
+  if (width > 0) fns.push_back(shared_gemms);
+  std::vector<double> ms = torchmoe::bench::median_ms_each(fns, args.iters, args.warmup);
+  // Peak memory of one run of each (bench_common.h), in the order they were timed.
+  std::vector<double> gib;
+  for (const std::function<void()>& fn : fns) gib.push_back(torchmoe::bench::peak_gib(fn));
+  // The shared expert's column reads 0 where the architecture has none.
+  ms.resize(4, 0.0);
+  gib.resize(4, 0.0);
+  return {ms, gib};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -105,8 +172,6 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  const auto bf16 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
-  constexpr int64_t kTokens = 8192, kHistory = 16;
   std::cout << "device: " << at::cuda::getCurrentDeviceProperties()->name
             << ", 8192 tokens, fwd+bwd ms; peak GiB of a step: full (GiB), plain, router, shared\n"
             << std::left << std::setw(17) << "shape" << std::setw(6) << "mode" << std::right
@@ -122,67 +187,27 @@ int main(int argc, char** argv) {
   for (const Arch& a : archs()) {
     if (!names.empty() && std::find(names.begin(), names.end(), a.name) == names.end()) continue;
     for (const bool fp8 : {false, true}) {
-      torchmoe::MoELayerOptions plain(a.hidden, a.ffn, a.experts, a.topk);
-      plain.params_dtype(torch::kBFloat16).device(torch::kCUDA);
-      plain.router().aux_loss_coeff(1e-2);
-      plain.experts().linear().single_grouped_weight(true).fp8_amax_history_len(kHistory);
-      torchmoe::MoELayerOptions routed = plain;
-      a.router(routed.router());
-      torchmoe::MoELayerOptions full = routed;
-      a.rest(full);
-      // The three layers share one set of experts (deepseek-v3's 256 take 22 GiB of bf16
-      // weights): each is built and given the first one's experts before the next is built.
-      torch::manual_seed(0);
-      std::vector<torchmoe::MoELayer> layers = {torchmoe::MoELayer(plain)};
-      for (const torchmoe::MoELayerOptions* o : {&routed, &full}) {
-        torchmoe::MoELayer layer(*o);
-        layer->experts = layer->replace_module("experts", layers[0]->experts);
-        layers.push_back(layer);
+      const char* mode = fp8 ? "fp8" : "bf16";
+      ArchTimes t;
+      try {
+        t = time_arch(a, fp8, args);
+      } catch (const c10::OutOfMemoryError&) {
+        c10::cuda::CUDACachingAllocator::emptyCache();
+        std::cout << std::left << std::setw(17) << a.name << std::setw(6) << mode
+                  << " skipped: out of GPU memory\n";
+        continue;
       }
-      const torch::Tensor x = torch::randn({kTokens, a.hidden}, bf16).requires_grad_(true);
-      const torch::Tensor dout = torch::randn({kTokens, a.hidden}, bf16);
-      const torch::Tensor daux = torch::ones({}, bf16.dtype(torch::kFloat32));
-      const auto recipe = torchmoe::fp8::DelayedScaling().amax_history_len(kHistory);
-      auto step = [&](torchmoe::MoELayer& layer) {
-        const torchmoe::fp8::Autocast guard =
-            fp8 ? torchmoe::fp8::Autocast(recipe) : torchmoe::fp8::Autocast(false);
-        const torchmoe::MoEOutput out = layer(x);
-        torch::autograd::backward({out.output, out.aux_loss}, {dout, daux});
-      };
-      // The shared expert's GEMMs as dense bf16 products (the rate cuBLAS sustains on them).
-      const int64_t width = full.shared_expert() ? full.shared_expert()->ffn_hidden() : 0;
-      torch::Tensor w1, w2, h, g;
-      if (width > 0) {
-        w1 = torch::randn({2 * width, a.hidden}, bf16) * 0.01;
-        w2 = torch::randn({a.hidden, width}, bf16) * 0.01;
-        h = torch::randn({kTokens, 2 * width}, bf16);
-        g = torch::randn({kTokens, width}, bf16);
-      }
-      auto shared_gemms = [&] {
-        torch::mm(x.detach(), w1.t());  // fc1
-        torch::mm(g, w2.t());           // fc2
-        torch::mm(dout, w2);            // fc2 dgrad
-        torch::mm(dout.t(), g);         // fc2 wgrad
-        torch::mm(h, w1);               // fc1 dgrad
-        torch::mm(h.t(), x.detach());   // fc1 wgrad
-      };
-      std::vector<std::function<void()>> fns = {[&] { step(layers[0]); }, [&] { step(layers[1]); },
-                                                [&] { step(layers[2]); }};
-      if (width > 0) fns.push_back(shared_gemms);
-      const std::vector<double> ms = torchmoe::bench::median_ms_each(fns, args.iters, args.warmup);
-      const double shared_ms = width > 0 ? ms[3] : 0.0;
-      // Peak memory of one run of each (bench_common.h), in the order they were timed.
-      std::vector<double> gib;
-      for (const std::function<void()>& fn : fns) gib.push_back(torchmoe::bench::peak_gib(fn));
-      const double shared_gib = width > 0 ? gib[3] : 0.0;
+      const std::vector<double>& ms = t.ms;
+      const std::vector<double>& gib = t.gib;
+      const double shared_ms = ms[3], shared_gib = gib[3];
       const double router_ratio = ms[1] / ms[0];
       const double shared_ratio = ms[2] / (ms[1] + shared_ms);
-      std::cout << std::left << std::setw(17) << a.name << std::setw(6) << (fp8 ? "fp8" : "bf16")
-                << std::right << std::fixed << std::setprecision(3) << std::setw(9) << ms[0]
-                << std::setw(9) << ms[1] << std::setw(9) << ms[2] << std::setw(9) << shared_ms
-                << std::setw(10) << router_ratio << std::setw(14) << shared_ratio
-                << std::setprecision(2) << std::setw(9) << gib[2] << std::setw(9) << gib[0]
-                << std::setw(9) << gib[1] << std::setw(9) << shared_gib << "\n";
+      std::cout << std::left << std::setw(17) << a.name << std::setw(6) << mode << std::right
+                << std::fixed << std::setprecision(3) << std::setw(9) << ms[0] << std::setw(9)
+                << ms[1] << std::setw(9) << ms[2] << std::setw(9) << shared_ms << std::setw(10)
+                << router_ratio << std::setw(14) << shared_ratio << std::setprecision(2)
+                << std::setw(9) << gib[2] << std::setw(9) << gib[0] << std::setw(9) << gib[1]
+                << std::setw(9) << shared_gib << "\n";
       json << (first ? "" : ",\n") << std::setprecision(4) << "    {\"shape\": \"" << a.name
            << "\", \"fp8\": " << (fp8 ? "true" : "false") << ", \"plain_ms\": " << ms[0]
            << ", \"router_ms\": " << ms[1] << ", \"full_ms\": " << ms[2]
