@@ -10,7 +10,8 @@
 // of the four (bench_common.h's peak_gib: the caching allocator's peak above what was allocated
 // before it): full's in the GiB column and peak_step_gib, then plain's, router's and shared's
 // (JSON: plain_peak_gib, router_peak_gib, shared_gemms_peak_gib). An architecture and mode that
-// does not fit in the GPU's memory (deepseek-v3 on an 80 GB card) prints a skipped line instead.
+// does not fit in the GPU's memory (deepseek-v3 on an 80 GB card) prints a skipped line instead,
+// and its JSON entry says "skipped".
 //
 //   bench_moe_arch [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
 //
@@ -195,6 +196,10 @@ int main(int argc, char** argv) {
         c10::cuda::CUDACachingAllocator::emptyCache();
         std::cout << std::left << std::setw(17) << a.name << std::setw(6) << mode
                   << " skipped: out of GPU memory\n";
+        json << (first ? "" : ",\n") << "    {\"shape\": \"" << a.name
+             << "\", \"fp8\": " << (fp8 ? "true" : "false")
+             << ", \"skipped\": \"out of GPU memory\"}";
+        first = false;
         continue;
       }
       const std::vector<double>& ms = t.ms;
