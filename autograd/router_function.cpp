@@ -116,7 +116,7 @@ variable_list RouterTopKFunction::backward(AutogradContext* ctx, variable_list g
   const OnceDifferentiable once;
   const variable_list saved = ctx->get_saved_variables();
   auto contiguous = [](const at::Tensor& t) { return t.defined() ? t.contiguous() : t; };
-  const ops::RouterScoring scoring = scoring_of(ctx);
+  const ops::RouterScoring& scoring = scoring_of(ctx);
   const std::shared_ptr<RouterGradLink> link = saved_link<RouterGradLink>(ctx);
   ops::RouterTopKLinks links;
   if (link) {

@@ -183,8 +183,8 @@ HostTimes host_times(const torchmoe::bench::Shape& shape, const torch::Tensor& x
       [&] { return mlp(input, splits, probs); },
       [&] { return moe_layer(tokens).output; },
   });
-  // The steps take turns apart: a backward of G weights evicts the host's caches, and in its turns
-  // every forward phase above read 2-7x its time (an allocation 2 -> 16 us on an H100 host).
+  // The steps take turns apart: beside a backward of G weights every forward phase above read 2-7x
+  // its time (on an H100 host, the allocation 2.1 us alone and 5-21 us beside the steps).
   const std::vector<double> steps = host_us({
       [&] { return step(layer); },
       [&] { return step(single); },
