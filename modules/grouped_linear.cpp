@@ -13,6 +13,7 @@
 #include "torchmoe/fp8/autocast.h"
 #include "torchmoe/fp8/quantize_options.h"
 #include "torchmoe/modules/grouped_linear_calls.h"
+#include "torchmoe/optim/fp8_weight_offers.h"
 
 namespace torchmoe {
 namespace {
@@ -227,6 +228,9 @@ autograd::Fp8Config GroupedLinearCalls::fp8_config(const GroupedLinearImpl& laye
   config.optimizer_weights =
       planned.weight.scaling == ops::QuantizeScaling::kDelayed &&
       autograd::tensor_versions(layer.weight_params_) == config.weight_cache->versions;
+  if (planned.weight.scaling == ops::QuantizeScaling::kDelayed && !config.optimizer_weights) {
+    layer.offer_fp8_weights();
+  }
   return config;
 }
 
@@ -275,6 +279,23 @@ optim::Fp8WeightCopies GroupedLinearImpl::optimizer_fp8_weights() const {
   }
   const fp8::DelayedScalingTensors& state = fp8_state_->tensors(fp8::TensorRole::kWeight);
   return {q.data, q.columnwise_data, state.scale, q.scale_inv, state.amax_history.select(0, 0)};
+}
+
+void GroupedLinearImpl::offer_fp8_weights() const {
+  bool& offered = calls_state_->fp8_weights_offered;
+  // A layer fp8_weight_target() refuses is not offered: its forwards keep casting.
+  if (offered || !options.fp8_weights_from_optimizer() || !fp8_state_ ||
+      in_features_per_partition % 16 != 0 || out_features_per_partition % 16 != 0) {
+    return;
+  }
+  const std::weak_ptr<const torch::nn::Module> alive = weak_from_this();
+  if (alive.expired()) return;
+  offered = true;
+  // The offer holds the layer weakly: it ends with the layer.
+  optim::detail::offer_fp8_weights(this, alive, [alive] {
+    const auto layer = std::dynamic_pointer_cast<const GroupedLinearImpl>(alive.lock());
+    return layer ? layer->fp8_weight_target() : optim::Fp8WeightTarget();
+  });
 }
 
 void GroupedLinearImpl::backward_dw() {

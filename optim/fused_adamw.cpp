@@ -17,6 +17,7 @@
 
 #include "torchmoe/distributed/collectives.h"
 #include "torchmoe/ops/multi_tensor_adamw.h"
+#include "torchmoe/optim/fp8_weight_offers.h"
 
 namespace torchmoe::optim {
 namespace {
@@ -93,7 +94,8 @@ ops::AdamWFp8Copy fp8_copy(const Fp8WeightCopies& c, const torch::Tensor& param,
 
 FusedAdamW::FusedAdamW(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
                        FusedAdamWOptions defaults)
-    : Optimizer(param_groups, std::make_unique<FusedAdamWOptions>(defaults)) {
+    : Optimizer(param_groups, std::make_unique<FusedAdamWOptions>(defaults)),
+      fp8_holder_(detail::make_fp8_weight_holder()) {
   check_options(defaults);
   for (size_t i = 0; i < param_groups_.size(); ++i) check_options(options_of(param_groups_[i], i));
 }
@@ -135,6 +137,7 @@ void FusedAdamW::set_model_copy(const torch::Tensor& param, const torch::Tensor&
                 "copy");
   }
   model_copies_[param.unsafeGetTensorImpl()] = model;
+  fp8_offers_seen_ = 0;  // a layer's weights may be this optimizer's now
 }
 
 void FusedAdamW::set_fp8_weights(const Fp8WeightTarget& target,
@@ -162,11 +165,42 @@ void FusedAdamW::set_fp8_weights(const Fp8WeightTarget& target,
                 "weight parameter ", i, " or the master whose model copy it is (set_model_copy ",
                 "first), got a tensor that is neither");
   }
+  TORCH_CHECK(detail::hold_fp8_weights(fp8_holder_.get(), target.layer), kWhere,
+              ": another FusedAdamW writes the layer's FP8 weights");
   target.copies();  // allocated now, on the layer's device
   for (size_t i = 0; i < masters.size(); ++i) {
     fp8_masters_[masters[i].unsafeGetTensorImpl()] = {fp8_weights_.size(), i};
   }
   fp8_weights_.push_back({target, masters, std::vector<bool>(masters.size(), false)});
+}
+
+void FusedAdamW::take_fp8_weight_offers() {
+  const uint64_t version = detail::fp8_weight_offers_version();
+  if (version == fp8_offers_seen_) return;
+  fp8_offers_seen_ = version;
+  // Each weight's master here: the parameter itself, or the one whose model copy it is.
+  std::unordered_map<const void*, torch::Tensor> master_of;
+  for (const auto& group : param_groups_) {
+    for (const torch::Tensor& p : group.params()) master_of.emplace(p.unsafeGetTensorImpl(), p);
+  }
+  for (const auto& [param, model] : model_copies_) {
+    const auto master = master_of.find(param);
+    if (master != master_of.end()) master_of[model.unsafeGetTensorImpl()] = master->second;
+  }
+  for (const Fp8WeightTarget& target : detail::open_fp8_weight_offers()) {
+    // What set_fp8_weights would refuse is left to the layer's own casts.
+    std::vector<torch::Tensor> masters;
+    for (const torch::Tensor& w : target.weights) {
+      const auto master = master_of.find(w.unsafeGetTensorImpl());
+      if (master == master_of.end() ||
+          fp8_masters_.count(master->second.unsafeGetTensorImpl()) > 0 ||
+          master->second.scalar_type() != torch::kFloat32 || master->second.sizes() != w.sizes()) {
+        break;
+      }
+      masters.push_back(master->second);
+    }
+    if (masters.size() == target.weights.size()) set_fp8_weights(target, masters);
+  }
 }
 
 bool FusedAdamW::is_parameter(const torch::Tensor& t) const {
@@ -267,6 +301,7 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
     const at::AutoGradMode enable_grad(true);
     loss = closure();
   }
+  take_fp8_weight_offers();
   // The step is planned and checked whole before anything is written: a refused step leaves the
   // state (step counts, moments), the weights and their version counters as they were.
   struct Launch {

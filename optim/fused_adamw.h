@@ -10,6 +10,8 @@
 #include <torch/serialize/archive.h>
 #include <torch/types.h>
 
+#include <cstdint>
+#include <memory>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -56,10 +58,14 @@ class FusedAdamW : public torch::optim::Optimizer {
   /// with the weight scales of the layer's FP8 state) from `masters`' new values in the same pass
   /// as their update, and maxes their amax into the state's current history row, as the forward's
   /// cast would. Once every master has been stepped, the layer's forwards under DelayedScaling
-  /// read these copies (GroupedLinearImpl::fp8_weight_target says until when). target: the
-  /// layer's, e.g. `adamw.set_fp8_weights(layer->fp8_weight_target(), masters)`. masters: the
-  /// optimizer's parameters holding the layer's weights, in target.weights' order, each float32
-  /// and either the weight itself or the master whose model copy (set_model_copy) it is.
+  /// read these copies (GroupedLinearImpl::fp8_weight_target says until when). A layer built with
+  /// fp8_weights_from_optimizer (the default) offers its target at its first forward that casts
+  /// its weights, and step() takes the offers of layers whose weights are all this optimizer's;
+  /// this call gives a layer by hand. target: the layer's, e.g.
+  /// `adamw.set_fp8_weights(layer->fp8_weight_target(), masters)`. masters: the optimizer's
+  /// parameters holding the layer's weights, in target.weights' order, each float32 and either
+  /// the weight itself or the master whose model copy (set_model_copy) it is. One optimizer writes
+  /// a layer at a time: refused while another FusedAdamW does.
   void set_fp8_weights(const Fp8WeightTarget& target, const std::vector<torch::Tensor>& masters);
 
   /// The L2 norm of all parameters' gradients together, and the next step() multiplies every
@@ -96,6 +102,9 @@ class FusedAdamW : public torch::optim::Optimizer {
   };
   // The checks step() makes on `param` (which has a gradient) before it changes anything.
   void check_step(const torch::Tensor& param) const;
+  // Takes the offered FP8 weights of layers whose weights are all this optimizer's (its
+  // parameters, or model copies of them) and not yet another layer's (optim/fp8_weight_offers.h).
+  void take_fp8_weight_offers();
   // Whether `t` is one of the parameter groups' tensors.
   bool is_parameter(const torch::Tensor& t) const;
   // Whether `master` is `weight` or the master whose model copy it is.
@@ -106,6 +115,9 @@ class FusedAdamW : public torch::optim::Optimizer {
   // By the master's TensorImpl: its Fp8Weights and which of its masters it is.
   std::unordered_map<const void*, std::pair<size_t, size_t>> fp8_masters_;
   torch::Tensor grad_scale_;  // set by clip_grad_norm, used by the next step
+  // Whose holds on layers' FP8 weights this optimizer's are; released with the last copy of it.
+  std::shared_ptr<const void> fp8_holder_;
+  uint64_t fp8_offers_seen_ = 0;  // the offers' version last looked at
 };
 
 }  // namespace torchmoe::optim

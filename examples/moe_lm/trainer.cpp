@@ -103,16 +103,9 @@ Trainer::Trainer(MoETransformer& model, const Flags& f) : model_(model), flags_(
   for (const Slot& s : slots_) {
     if (!s.master.is_same(s.param)) optimizer_->set_model_copy(s.master, s.param);
   }
-  // --fp8 delayed (the experts keep delayed-scaling state): every step also writes the experts'
-  // FP8 weights, so that their forwards do not cast the weights (docs/fp8.md).
-  for (auto& [layer, names] : grouped) {
-    if (!layer->fp8_state()) continue;
-    std::vector<torch::Tensor> layer_masters;
-    for (const std::string& name : names) {
-      layer_masters.push_back(slots_.at(by_name.at(name)).master);
-    }
-    optimizer_->set_fp8_weights(layer->fp8_weight_target(), layer_masters);
-  }
+  // --fp8 delayed: the experts' forwards offer their weights, and from the step after the first
+  // forward every step also writes their FP8 copies, so that forwards do not cast the weights
+  // (GroupedLinearOptions::fp8_weights_from_optimizer, docs/fp8.md).
 }
 
 std::unique_ptr<torchmoe::optim::FusedAdamW> Trainer::make_optimizer(

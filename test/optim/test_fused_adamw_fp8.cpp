@@ -25,6 +25,7 @@
 #include "test_utils.h"
 #include "torchmoe/ops/multi_tensor_adamw.h"
 #include "torchmoe/ops/quantize.h"
+#include "torchmoe/optim/fp8_weight_offers.h"
 
 using namespace torchmoe::test;
 using Catch::Matchers::Contains;
@@ -85,7 +86,7 @@ void set_weight_scales(const GroupedLinear& layer, const std::vector<float>& sca
 
 // A bf16 layer with FP8 state and its fp32 masters (the weights' values).
 Setup make_layer(const torch::Device& device, bool single, int64_t in = kIn,
-                 int64_t groups = kGroups) {
+                 int64_t groups = kGroups, bool from_optimizer = true) {
   torch::manual_seed(3);
   Setup s;
   s.layer = GroupedLinear(GroupedLinearOptions(groups, in, kOut)
@@ -93,7 +94,8 @@ Setup make_layer(const torch::Device& device, bool single, int64_t in = kIn,
                               .device(device)
                               .bias(false)
                               .single_grouped_weight(single)
-                              .fp8_amax_history_len(kHistory));
+                              .fp8_amax_history_len(kHistory)
+                              .fp8_weights_from_optimizer(from_optimizer));
   for (const torch::Tensor& w : s.layer->weight_parameters()) {
     s.masters.push_back(w.detach().to(torch::kFloat32).requires_grad_(true));
   }
@@ -449,4 +451,88 @@ TEST_CASE("FP8 weights written for an fp32 layer's own weights go stale under an
   };
   CHECK(relative(y_moved) < 0.1);
   CHECK(relative(y_written) > 0.5);
+}
+
+TEST_CASE("FusedAdamW takes the FP8 weights a layer offers, one optimizer at a time",
+          "[optim][fp8]") {
+  // A GroupedLinear offers its weights at its first forward that casts them under DelayedScaling
+  // (CUDA only, below); here the offer is made as that forward makes it.
+  Setup s = make_layer(torch::kCPU, /*single=*/false);
+  const std::weak_ptr<const torch::nn::Module> alive = s.layer.ptr();
+  const auto offer = [&] {
+    torchmoe::optim::detail::offer_fp8_weights(s.layer.get(), alive, [alive] {
+      const auto layer = std::dynamic_pointer_cast<const torchmoe::GroupedLinearImpl>(alive.lock());
+      return layer->fp8_weight_target();
+    });
+  };
+  const std::vector<float> scales = weight_scales(kGroups);
+  const torch::Tensor amax_row =
+      s.layer->fp8_state()->tensors(fp8::TensorRole::kWeight).amax_history[0];
+  // A second optimizer of the same weights through other masters (twice the values), so that
+  // the copies say which optimizer wrote them.
+  Setup second{s.layer, {}};
+  for (const torch::Tensor& m : s.masters) {
+    second.masters.push_back((m.detach() * 2).requires_grad_(true));
+  }
+  FusedAdamW b(second.masters, FusedAdamWOptions(1e-2));
+  for (size_t i = 0; i < second.masters.size(); ++i) {
+    b.set_model_copy(second.masters[i], s.layer->weight_parameters()[i]);
+  }
+  {
+    FusedAdamW a(s.masters, FusedAdamWOptions(1e-2));
+    for (size_t i = 0; i < s.masters.size(); ++i) {
+      a.set_model_copy(s.masters[i], s.layer->weight_parameters()[i]);
+    }
+    set_grads(s.masters, 50);
+    a.step();  // nothing offered yet: no copies written, no amax recorded
+    CHECK(torch::equal(amax_row, torch::zeros_like(amax_row)));
+    offer();
+    set_grads(s.masters, 51);
+    a.step();  // takes the offer
+    CHECK(definition_mismatches(s, scales) == 0);
+    CHECK(amax_row.gt(0).all().item<bool>());
+    set_grads(second.masters, 52);
+    b.step();  // the layer is a's
+    CHECK(definition_mismatches(s, scales) == 0);
+    REQUIRE_THROWS_WITH(b.set_fp8_weights(s.layer->fp8_weight_target(), second.masters),
+                        Contains("FusedAdamW::set_fp8_weights: another FusedAdamW writes the "
+                                 "layer's FP8 weights"));
+  }
+  // With a gone, the offer stands again and b takes it.
+  set_grads(second.masters, 53);
+  b.step();
+  CHECK(definition_mismatches(second, scales) == 0);
+}
+
+TEST_CASE("A GroupedLinear's forward offers its FP8 weights to the FusedAdamW that steps them",
+          "[optim][fp8][cuda]") {
+  TORCHMOE_REQUIRE_CUDA();
+  const bool from_optimizer = GENERATE(true, false);
+  INFO("fp8_weights_from_optimizer=" << from_optimizer);
+  Setup t = make_layer(torch::kCUDA, /*single=*/true, kIn, kGroups, from_optimizer);
+  set_weight_scales(t.layer, std::vector<float>(kGroups, 64.0f));  // nothing saturates
+  // lr 0: the copies hold what a cast of the bf16 weights gives, so reading them is bit for bit
+  // the cast's output.
+  FusedAdamW adamw(t.masters, FusedAdamWOptions(0.0));
+  adamw.set_model_copy(t.masters[0], t.layer->weight_parameters()[0]);
+  const std::vector<int64_t> splits = {40, 0, 77};
+  const torch::Tensor x =
+      torch::randn({117, kIn}, torch::TensorOptions(torch::kBFloat16).device(torch::kCUDA));
+  const auto forward = [&] {
+    const torch::NoGradGuard no_grad;
+    const fp8::Autocast guard(fp8::DelayedScaling().amax_history_len(kHistory));
+    return t.layer->forward(x, splits);
+  };
+  const torch::Tensor y_cast = forward();  // casts the weights, and offers them
+  set_grads(t.masters, 60);
+  adamw.step();
+  // Doubled through a tensor that shares the weight's storage but not its version counter: only
+  // a forward that casts sees it.
+  t.layer->weight_parameters()[0].variable_data().mul_(2);
+  const torch::Tensor y = forward();
+  if (from_optimizer) {
+    CHECK(torch::equal(y, y_cast));
+  } else {
+    check_close(y, y_cast * 2, {0.1, 0.1}, "y of the doubled weights");
+  }
 }
