@@ -79,11 +79,12 @@ struct GroupedLinearOptions {
   /// DelayedScaling recipe's amax_history_len. Registered at construction, so that torch::load
   /// into a freshly built layer restores it. 0: no FP8 state and no extra buffers.
   TORCH_ARG(int64_t, fp8_amax_history_len) = 0;
-  /// Under DelayedScaling, a FusedAdamW that steps all of the layer's weights (as its parameters,
-  /// or as the model copies of its float32 masters) writes their FP8 copies with each update
-  /// (fp8_weight_target), and forwards read them instead of casting the weights: the layer offers
-  /// them at its first forward that casts them, the optimizer takes them at its next step. false:
-  /// forwards cast the weights unless a target is given to FusedAdamW::set_fp8_weights.
+  /// Under DelayedScaling, a FusedAdamW that steps all of the layer's weights (as its float32
+  /// parameters, or as the model copies of its float32 masters) writes their FP8 copies with each
+  /// update (fp8_weight_target, which says what it needs), and forwards read them instead of
+  /// casting the weights: the layer offers them at its first forward under DelayedScaling, the
+  /// optimizer takes them at its next step. false: forwards cast the weights unless a target is
+  /// given to FusedAdamW::set_fp8_weights.
   TORCH_ARG(bool, fp8_weights_from_optimizer) = true;
 };
 

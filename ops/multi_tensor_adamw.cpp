@@ -109,24 +109,9 @@ void check_fp8_copy(size_t i, const AdamWTensors& t, bool cuda) {
   check(c.scale_inv, "scale_inv", at::kFloat, {s.experts});
   check(c.amax, "amax", at::kFloat, {s.experts});
   if (!cuda) return;
-  // The kernel's vectors: 4 elements of each array per access, 16 rows of the columnwise copy.
-  const at::Tensor& model = t.models[i];
-  const std::pair<const char*, const void*> vectors[] = {
-      {"params", param.const_data_ptr()},
-      {"grads", t.grads[i].const_data_ptr()},
-      {"exp_avgs", t.exp_avgs[i].const_data_ptr()},
-      {"exp_avg_sqs", t.exp_avg_sqs[i].const_data_ptr()},
-      {"fp8_copies.columnwise", c.columnwise.const_data_ptr()}};
-  for (const auto& [name, pointer] : vectors) {
-    TORCH_CHECK(aligned(pointer, 16), kOp, ": ", name, "[", i, "] must start on a 16-byte ",
-                "boundary (params[", i, "] has an FP8 copy), got address ", pointer);
-  }
-  TORCH_CHECK(aligned(c.rowwise.const_data_ptr(), 4), kOp, ": fp8_copies[", i, "].rowwise must ",
-              "start on a 4-byte boundary, got address ", c.rowwise.const_data_ptr());
-  TORCH_CHECK(!model.defined() || aligned(model.const_data_ptr(), 4 * model.element_size()), kOp,
-              ": models[", i, "] must start on a ", 4 * model.element_size(), "-byte boundary ",
-              "(params[", i, "] has an FP8 copy), got address ",
-              model.defined() ? model.const_data_ptr() : nullptr);
+  const Fp8CopyMisalignment m = fp8_copy_misalignment(t, i);
+  TORCH_CHECK(m.name == nullptr, kOp, ": ", m.name, "[", i, "] must start on a ", m.bytes,
+              "-byte boundary (params[", i, "] has an FP8 copy), got address ", m.address);
 }
 
 // The FP8 copy from the updated parameter, as the kernel writes it: fp32 products with the
@@ -249,6 +234,24 @@ void cuda_step(const AdamWTensors& t, const AdamWHyperparameters& h, const at::T
 }
 
 }  // namespace
+
+Fp8CopyMisalignment fp8_copy_misalignment(const AdamWTensors& t, size_t i) {
+  const AdamWFp8Copy& c = t.fp8_copies[i];
+  const at::Tensor& model = t.models[i];
+  const Fp8CopyMisalignment vectors[] = {
+      {"params", 16, t.params[i].const_data_ptr()},
+      {"grads", 16, t.grads[i].const_data_ptr()},
+      {"exp_avgs", 16, t.exp_avgs[i].const_data_ptr()},
+      {"exp_avg_sqs", 16, t.exp_avg_sqs[i].const_data_ptr()},
+      {"fp8_copies.columnwise", 16, c.columnwise.const_data_ptr()},
+      {"fp8_copies.rowwise", 4, c.rowwise.const_data_ptr()},
+      {"models", model.defined() ? 4 * static_cast<size_t>(model.element_size()) : 1,
+       model.defined() ? model.const_data_ptr() : nullptr}};
+  for (const Fp8CopyMisalignment& v : vectors) {
+    if (!aligned(v.address, v.bytes)) return v;
+  }
+  return {};
+}
 
 void check_adamw_step(const AdamWTensors& t, const AdamWHyperparameters& h,
                       const at::Tensor& grad_scale) {

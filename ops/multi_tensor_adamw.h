@@ -41,6 +41,17 @@ struct AdamWTensors {
   std::vector<AdamWFp8Copy> fp8_copies;
 };
 
+// A tensor of entry i that the CUDA kernel cannot read with an FP8 copy (it reads 16-byte vectors
+// of the float32 arrays and of the columnwise copy, 4-byte words of the rowwise copy and 4
+// elements of the model at a time): its name, the boundary it must start on and its address; no
+// name when entry i has none (check_adamw_step refuses the step otherwise).
+struct Fp8CopyMisalignment {
+  const char* name = nullptr;
+  size_t bytes = 0;
+  const void* address = nullptr;
+};
+Fp8CopyMisalignment fp8_copy_misalignment(const AdamWTensors& tensors, size_t i);
+
 // One AdamW step (decoupled weight decay) on every tensor. grad_scale: undefined, or a 0-d float32
 // tensor on the tensors' device that every gradient is multiplied by as it is read (the clip
 // coefficient from grad_norm).

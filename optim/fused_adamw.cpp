@@ -136,6 +136,13 @@ void FusedAdamW::set_model_copy(const torch::Tensor& param, const torch::Tensor&
                 "::set_model_copy: model must not share memory with another parameter's model "
                 "copy");
   }
+  // A layer taken from an offer with this master goes back to casting its weights (its offer
+  // stands again); one given by hand keeps the master, and step() refuses it once it no longer
+  // writes the layer's weight.
+  const auto fp8_master = fp8_masters_.find(param.unsafeGetTensorImpl());
+  if (fp8_master != fp8_masters_.end() && fp8_weights_[fp8_master->second.first].offered) {
+    drop_fp8_weights(fp8_master->second.first);
+  }
   model_copies_[param.unsafeGetTensorImpl()] = model;
   fp8_offers_seen_ = 0;  // a layer's weights may be this optimizer's now
 }
@@ -146,6 +153,13 @@ void FusedAdamW::set_fp8_weights(const Fp8WeightTarget& target,
   TORCH_CHECK(target.layer != nullptr && target.copies && target.written, kWhere,
               ": target must be a layer's (e.g. GroupedLinearImpl::fp8_weight_target()), got one "
               "without its layer or calls");
+  // Taken from the layer's offer before: the hand's masters replace the offer's.
+  for (size_t l = 0; l < fp8_weights_.size(); ++l) {
+    if (fp8_weights_[l].target.layer == target.layer && fp8_weights_[l].offered) {
+      drop_fp8_weights(l);
+      break;
+    }
+  }
   for (const Fp8Weights& f : fp8_weights_) {
     TORCH_CHECK(f.target.layer != target.layer, kWhere, ": the layer already has its masters");
   }
@@ -165,19 +179,43 @@ void FusedAdamW::set_fp8_weights(const Fp8WeightTarget& target,
                 "weight parameter ", i, " or the master whose model copy it is (set_model_copy ",
                 "first), got a tensor that is neither");
   }
-  TORCH_CHECK(detail::hold_fp8_weights(fp8_holder_.get(), target.layer), kWhere,
-              ": another FusedAdamW writes the layer's FP8 weights");
   target.copies();  // allocated now, on the layer's device
+  TORCH_CHECK(detail::hold_fp8_weights(fp8_holder_.get(), target.layer, /*by_hand=*/true), kWhere,
+              ": another FusedAdamW was given the layer's FP8 weights by hand");
+  add_fp8_weights(target, masters, /*offered=*/false);
+}
+
+void FusedAdamW::add_fp8_weights(const Fp8WeightTarget& target,
+                                 const std::vector<torch::Tensor>& masters, bool offered) {
   for (size_t i = 0; i < masters.size(); ++i) {
     fp8_masters_[masters[i].unsafeGetTensorImpl()] = {fp8_weights_.size(), i};
   }
-  fp8_weights_.push_back({target, masters, std::vector<bool>(masters.size(), false)});
+  fp8_weights_.push_back({target, masters, std::vector<bool>(masters.size(), false), offered});
+}
+
+void FusedAdamW::drop_fp8_weights(size_t index) {
+  detail::release_fp8_weights(fp8_holder_.get(), fp8_weights_[index].target.layer);
+  fp8_weights_.erase(fp8_weights_.begin() + static_cast<std::ptrdiff_t>(index));
+  fp8_masters_.clear();
+  for (size_t l = 0; l < fp8_weights_.size(); ++l) {
+    for (size_t i = 0; i < fp8_weights_[l].masters.size(); ++i) {
+      fp8_masters_[fp8_weights_[l].masters[i].unsafeGetTensorImpl()] = {l, i};
+    }
+  }
 }
 
 void FusedAdamW::take_fp8_weight_offers() {
+  size_t params = 0;  // add_param_group may have added a layer's weights
+  for (const auto& group : param_groups_) params += group.params().size();
   const uint64_t version = detail::fp8_weight_offers_version();
-  if (version == fp8_offers_seen_) return;
-  fp8_offers_seen_ = version;
+  if (version == fp8_offers_seen_ && params == fp8_offers_params_) return;
+  // Layers taken from offers that another optimizer has since been given by hand.
+  for (size_t l = fp8_weights_.size(); l-- > 0;) {
+    if (fp8_weights_[l].offered &&
+        !detail::holds_fp8_weights(fp8_holder_.get(), fp8_weights_[l].target.layer)) {
+      drop_fp8_weights(l);
+    }
+  }
   // Each weight's master here: the parameter itself, or the one whose model copy it is.
   std::unordered_map<const void*, torch::Tensor> master_of;
   for (const auto& group : param_groups_) {
@@ -199,8 +237,21 @@ void FusedAdamW::take_fp8_weight_offers() {
       }
       masters.push_back(master->second);
     }
-    if (masters.size() == target.weights.size()) set_fp8_weights(target, masters);
+    // Not held: another optimizer may have taken it since the offers were listed.
+    if (masters.size() != target.weights.size() ||
+        !detail::hold_fp8_weights(fp8_holder_.get(), target.layer, /*by_hand=*/false)) {
+      continue;
+    }
+    try {
+      target.copies();  // allocated now, on the layer's device
+    } catch (...) {
+      detail::release_fp8_weights(fp8_holder_.get(), target.layer);
+      throw;
+    }
+    add_fp8_weights(target, masters, /*offered=*/true);
   }
+  fp8_offers_seen_ = version;
+  fp8_offers_params_ = params;
 }
 
 bool FusedAdamW::is_parameter(const torch::Tensor& t) const {
@@ -312,6 +363,7 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
   std::vector<torch::Tensor> stepped;  // parameters with a gradient, in step order
   std::unordered_map<void*, std::unique_ptr<torch::optim::OptimizerParamState>> fresh;
   std::unordered_set<const void*> planned;
+  std::unordered_set<const void*> without_copy;  // FP8 masters whose copy this step skips
   // The tensors the step writes, by storage: those sharing one are checked for overlaps.
   std::unordered_map<const void*, std::vector<torch::Tensor>> written;
   const auto check_disjoint = [&](const torch::Tensor& t) {
@@ -371,6 +423,14 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
         const Fp8Weights& f = fp8_weights_[fp8_master->second.first];
         t.fp8_copies.push_back(
             fp8_copy(f.target.copies(), p, fp8_master->second.second, f.masters.size()));
+        // A layer taken from an offer whose tensors the kernel cannot read with a copy (a
+        // master or gradient off a 16-byte boundary) is not refused: this step writes no copy
+        // for the master, and the layer's forwards cast its weights.
+        if (f.offered && p.is_cuda() &&
+            ops::fp8_copy_misalignment(t, t.params.size() - 1).name != nullptr) {
+          t.fp8_copies.back() = ops::AdamWFp8Copy();
+          without_copy.insert(key);
+        }
       }
       stepped.push_back(p);
     }
@@ -414,7 +474,7 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
     const auto model = model_copies_.find(p.unsafeGetTensorImpl());
     if (model != model_copies_.end()) torch::autograd::impl::bump_version(model->second);
     const auto master = fp8_masters_.find(p.unsafeGetTensorImpl());
-    if (master != fp8_masters_.end()) {
+    if (master != fp8_masters_.end() && without_copy.count(master->first) == 0) {
       fp8_weights_[master->second.first].written[master->second.second] = true;
     }
   }

@@ -65,7 +65,11 @@ class FusedAdamW : public torch::optim::Optimizer {
   /// `adamw.set_fp8_weights(layer->fp8_weight_target(), masters)`. masters: the optimizer's
   /// parameters holding the layer's weights, in target.weights' order, each float32 and either
   /// the weight itself or the master whose model copy (set_model_copy) it is. One optimizer writes
-  /// a layer at a time: refused while another FusedAdamW does.
+  /// a layer at a time: a layer given by hand is refused to any other FusedAdamW, and one taken
+  /// from its offer moves to the optimizer it is given to by hand. What an optimizer took from an
+  /// offer never makes step() throw: a master re-pointed by set_model_copy lets the layer go, and
+  /// a master or gradient the FP8 kernel cannot read (off a 16-byte boundary) leaves that step's
+  /// copies stale, so that the layer casts its weights.
   void set_fp8_weights(const Fp8WeightTarget& target, const std::vector<torch::Tensor>& masters);
 
   /// The L2 norm of all parameters' gradients together, and the next step() multiplies every
@@ -99,12 +103,17 @@ class FusedAdamW : public torch::optim::Optimizer {
     Fp8WeightTarget target;
     std::vector<torch::Tensor> masters;
     std::vector<bool> written;
+    bool offered = false;  // taken from the layer's offer, not given by hand
   };
   // The checks step() makes on `param` (which has a gradient) before it changes anything.
   void check_step(const torch::Tensor& param) const;
   // Takes the offered FP8 weights of layers whose weights are all this optimizer's (its
   // parameters, or model copies of them) and not yet another layer's (optim/fp8_weight_offers.h).
   void take_fp8_weight_offers();
+  void add_fp8_weights(const Fp8WeightTarget& target, const std::vector<torch::Tensor>& masters,
+                       bool offered);
+  // Stops writing layer `index`'s copies and lets the layer go.
+  void drop_fp8_weights(size_t index);
   // Whether `t` is one of the parameter groups' tensors.
   bool is_parameter(const torch::Tensor& t) const;
   // Whether `master` is `weight` or the master whose model copy it is.
@@ -118,6 +127,7 @@ class FusedAdamW : public torch::optim::Optimizer {
   // Whose holds on layers' FP8 weights this optimizer's are; released with the last copy of it.
   std::shared_ptr<const void> fp8_holder_;
   uint64_t fp8_offers_seen_ = 0;  // the offers' version last looked at
+  size_t fp8_offers_params_ = 0;  // and the number of parameters then
 };
 
 }  // namespace torchmoe::optim

@@ -455,8 +455,8 @@ TEST_CASE("FP8 weights written for an fp32 layer's own weights go stale under an
 
 TEST_CASE("FusedAdamW takes the FP8 weights a layer offers, one optimizer at a time",
           "[optim][fp8]") {
-  // A GroupedLinear offers its weights at its first forward that casts them under DelayedScaling
-  // (CUDA only, below); here the offer is made as that forward makes it.
+  // A GroupedLinear offers its weights at its first forward under DelayedScaling (CUDA only,
+  // below); here the offer is made as that forward makes it.
   Setup s = make_layer(torch::kCPU, /*single=*/false);
   const std::weak_ptr<const torch::nn::Module> alive = s.layer.ptr();
   const auto offer = [&] {
@@ -468,40 +468,56 @@ TEST_CASE("FusedAdamW takes the FP8 weights a layer offers, one optimizer at a t
   const std::vector<float> scales = weight_scales(kGroups);
   const torch::Tensor amax_row =
       s.layer->fp8_state()->tensors(fp8::TensorRole::kWeight).amax_history[0];
-  // A second optimizer of the same weights through other masters (twice the values), so that
-  // the copies say which optimizer wrote them.
-  Setup second{s.layer, {}};
-  for (const torch::Tensor& m : s.masters) {
-    second.masters.push_back((m.detach() * 2).requires_grad_(true));
-  }
-  FusedAdamW b(second.masters, FusedAdamWOptions(1e-2));
-  for (size_t i = 0; i < second.masters.size(); ++i) {
-    b.set_model_copy(second.masters[i], s.layer->weight_parameters()[i]);
-  }
-  {
-    FusedAdamW a(s.masters, FusedAdamWOptions(1e-2));
-    for (size_t i = 0; i < s.masters.size(); ++i) {
-      a.set_model_copy(s.masters[i], s.layer->weight_parameters()[i]);
+  // More optimizers of the same weights through other masters (k times the values), so that the
+  // copies say which optimizer wrote them.
+  const auto other_masters = [&](double k) {
+    Setup other{s.layer, {}};
+    for (const torch::Tensor& m : s.masters) {
+      other.masters.push_back((m.detach() * k).requires_grad_(true));
     }
-    set_grads(s.masters, 50);
-    a.step();  // nothing offered yet: no copies written, no amax recorded
-    CHECK(torch::equal(amax_row, torch::zeros_like(amax_row)));
-    offer();
-    set_grads(s.masters, 51);
-    a.step();  // takes the offer
-    CHECK(definition_mismatches(s, scales) == 0);
-    CHECK(amax_row.gt(0).all().item<bool>());
-    set_grads(second.masters, 52);
-    b.step();  // the layer is a's
-    CHECK(definition_mismatches(s, scales) == 0);
-    REQUIRE_THROWS_WITH(b.set_fp8_weights(s.layer->fp8_weight_target(), second.masters),
-                        Contains("FusedAdamW::set_fp8_weights: another FusedAdamW writes the "
-                                 "layer's FP8 weights"));
-  }
-  // With a gone, the offer stands again and b takes it.
-  set_grads(second.masters, 53);
-  b.step();
+    return other;
+  };
+  const auto optimizer_of = [&](const Setup& o) {
+    auto adamw = std::make_unique<FusedAdamW>(o.masters, FusedAdamWOptions(1e-2));
+    for (size_t i = 0; i < o.masters.size(); ++i) {
+      adamw->set_model_copy(o.masters[i], s.layer->weight_parameters()[i]);
+    }
+    return adamw;
+  };
+  const auto step = [&](FusedAdamW& adamw, const Setup& o, uint64_t seed) {
+    set_grads(o.masters, seed);
+    adamw.step();
+  };
+  Setup second = other_masters(2), third = other_masters(3), fourth = other_masters(4);
+  auto a = optimizer_of(s), b = optimizer_of(second), c = optimizer_of(third),
+       d = optimizer_of(fourth);
+  step(*a, s, 50);  // nothing offered yet: no copies written, no amax recorded
+  CHECK(torch::equal(amax_row, torch::zeros_like(amax_row)));
+  offer();
+  step(*a, s, 51);  // takes the offer
+  CHECK(definition_mismatches(s, scales) == 0);
+  CHECK(amax_row.gt(0).all().item<bool>());
+  step(*b, second, 52);  // the layer is a's
+  CHECK(definition_mismatches(s, scales) == 0);
+  // A master of a's re-pointed at another tensor: a lets the layer go (its step does not throw)
+  // and b takes it at its next step.
+  a->set_model_copy(s.masters[0], torch::zeros({kOut, kIn}, torch::kBFloat16));
+  REQUIRE_NOTHROW(step(*a, s, 53));
+  step(*b, second, 54);
   CHECK(definition_mismatches(second, scales) == 0);
+  // Given by hand, the layer moves from the optimizer that took it from the offer; that one lets
+  // it go at its next step, and no other can be given it by hand.
+  c->set_fp8_weights(s.layer->fp8_weight_target(), third.masters);
+  step(*c, third, 55);
+  step(*b, second, 56);
+  CHECK(definition_mismatches(third, scales) == 0);
+  REQUIRE_THROWS_WITH(d->set_fp8_weights(s.layer->fp8_weight_target(), fourth.masters),
+                      Contains("FusedAdamW::set_fp8_weights: another FusedAdamW was given the "
+                               "layer's FP8 weights by hand"));
+  // With c gone, the offer stands again: d takes it.
+  c.reset();
+  step(*d, fourth, 57);
+  CHECK(definition_mismatches(fourth, scales) == 0);
 }
 
 TEST_CASE("A GroupedLinear's forward offers its FP8 weights to the FusedAdamW that steps them",
@@ -535,4 +551,29 @@ TEST_CASE("A GroupedLinear's forward offers its FP8 weights to the FusedAdamW th
   } else {
     check_close(y, y_cast * 2, {0.1, 0.1}, "y of the doubled weights");
   }
+  if (!from_optimizer) return;
+  // A master 4 bytes past a 16-byte boundary: the FP8 kernel cannot write its copies, and the
+  // step neither throws nor makes stale copies current (the forward casts the doubled weights).
+  Setup u = make_layer(torch::kCUDA, /*single=*/true);
+  set_weight_scales(u.layer, std::vector<float>(kGroups, 64.0f));
+  const torch::Tensor weight = u.layer->weight_parameters()[0];
+  const torch::Tensor odd =
+      torch::empty({weight.numel() + 1}, weight.options().dtype(torch::kFloat32))
+          .narrow(0, 1, weight.numel())
+          .view(weight.sizes())
+          .detach()
+          .copy_(weight)
+          .requires_grad_(true);
+  FusedAdamW unaligned({odd}, FusedAdamWOptions(0.0));
+  unaligned.set_model_copy(odd, weight);
+  const auto forward_u = [&] {
+    const torch::NoGradGuard no_grad;
+    const fp8::Autocast guard(fp8::DelayedScaling().amax_history_len(kHistory));
+    return u.layer->forward(x, splits);
+  };
+  const torch::Tensor yu_cast = forward_u();
+  set_grads({odd}, 61);
+  REQUIRE_NOTHROW(unaligned.step());
+  weight.variable_data().mul_(2);
+  check_close(forward_u(), yu_cast * 2, {0.1, 0.1}, "y of a layer whose master is not aligned");
 }
