@@ -236,6 +236,7 @@ void cuda_step(const AdamWTensors& t, const AdamWHyperparameters& h, const at::T
 }  // namespace
 
 Fp8CopyMisalignment fp8_copy_misalignment(const AdamWTensors& t, size_t i) {
+  if (!has_fp8_copy(t, i)) return {};
   const AdamWFp8Copy& c = t.fp8_copies[i];
   const at::Tensor& model = t.models[i];
   const Fp8CopyMisalignment vectors[] = {

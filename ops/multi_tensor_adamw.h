@@ -44,7 +44,7 @@ struct AdamWTensors {
 // A tensor of entry i that the CUDA kernel cannot read with an FP8 copy (it reads 16-byte vectors
 // of the float32 arrays and of the columnwise copy, 4-byte words of the rowwise copy and 4
 // elements of the model at a time): its name, the boundary it must start on and its address; no
-// name when entry i has none (check_adamw_step refuses the step otherwise).
+// name when entry i has none or no copy (check_adamw_step refuses the step otherwise).
 struct Fp8CopyMisalignment {
   const char* name = nullptr;
   size_t bytes = 0;

@@ -75,7 +75,11 @@ bool hold_fp8_weights(const void* holder, const void* layer, bool by_hand) {
   Offers& o = offers();
   const std::lock_guard<std::mutex> lock(o.mutex);
   const auto [it, inserted] = o.holds.emplace(layer, Hold{holder, by_hand});
-  if (inserted || it->second.holder == holder) return true;
+  if (inserted) return true;
+  if (it->second.holder == holder) {
+    it->second.by_hand |= by_hand;
+    return true;
+  }
   if (it->second.by_hand || !by_hand) return false;
   it->second = {holder, by_hand};
   ++o.version;  // the previous holder lets the layer go at its next step

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -153,15 +154,12 @@ void FusedAdamW::set_fp8_weights(const Fp8WeightTarget& target,
   TORCH_CHECK(target.layer != nullptr && target.copies && target.written, kWhere,
               ": target must be a layer's (e.g. GroupedLinearImpl::fp8_weight_target()), got one "
               "without its layer or calls");
-  // Taken from the layer's offer before: the hand's masters replace the offer's.
+  // Taken from the layer's offer before: the hand's masters replace the offer's once they pass.
+  std::optional<size_t> offered;
   for (size_t l = 0; l < fp8_weights_.size(); ++l) {
-    if (fp8_weights_[l].target.layer == target.layer && fp8_weights_[l].offered) {
-      drop_fp8_weights(l);
-      break;
-    }
-  }
-  for (const Fp8Weights& f : fp8_weights_) {
-    TORCH_CHECK(f.target.layer != target.layer, kWhere, ": the layer already has its masters");
+    if (fp8_weights_[l].target.layer != target.layer) continue;
+    TORCH_CHECK(fp8_weights_[l].offered, kWhere, ": the layer already has its masters");
+    offered = l;
   }
   const std::vector<torch::Tensor>& weights = target.weights;
   TORCH_CHECK(masters.size() == weights.size(), kWhere, ": needs one master per weight parameter ",
@@ -170,8 +168,9 @@ void FusedAdamW::set_fp8_weights(const Fp8WeightTarget& target,
     const torch::Tensor& m = masters[i];
     TORCH_CHECK(is_parameter(m), kWhere, ": masters[", i,
                 "] is not one of the optimizer's parameters");
-    TORCH_CHECK(fp8_masters_.count(m.unsafeGetTensorImpl()) == 0, kWhere, ": masters[", i,
-                "] already writes another layer's FP8 weights");
+    const auto writes = fp8_masters_.find(m.unsafeGetTensorImpl());
+    TORCH_CHECK(writes == fp8_masters_.end() || writes->second.first == offered, kWhere,
+                ": masters[", i, "] already writes another layer's FP8 weights");
     TORCH_CHECK(m.scalar_type() == torch::kFloat32 && m.sizes() == weights[i].sizes(), kWhere,
                 ": masters[", i, "] must be float32 of shape ", weights[i].sizes(), ", got ",
                 m.scalar_type(), " ", m.sizes());
@@ -180,6 +179,10 @@ void FusedAdamW::set_fp8_weights(const Fp8WeightTarget& target,
                 "first), got a tensor that is neither");
   }
   target.copies();  // allocated now, on the layer's device
+  if (offered) {
+    // Kept held through the swap: no other optimizer can take the layer in between.
+    drop_fp8_weights(*offered, /*release=*/false);
+  }
   TORCH_CHECK(detail::hold_fp8_weights(fp8_holder_.get(), target.layer, /*by_hand=*/true), kWhere,
               ": another FusedAdamW was given the layer's FP8 weights by hand");
   add_fp8_weights(target, masters, /*offered=*/false);
@@ -193,8 +196,8 @@ void FusedAdamW::add_fp8_weights(const Fp8WeightTarget& target,
   fp8_weights_.push_back({target, masters, std::vector<bool>(masters.size(), false), offered});
 }
 
-void FusedAdamW::drop_fp8_weights(size_t index) {
-  detail::release_fp8_weights(fp8_holder_.get(), fp8_weights_[index].target.layer);
+void FusedAdamW::drop_fp8_weights(size_t index, bool release) {
+  if (release) detail::release_fp8_weights(fp8_holder_.get(), fp8_weights_[index].target.layer);
   fp8_weights_.erase(fp8_weights_.begin() + static_cast<std::ptrdiff_t>(index));
   fp8_masters_.clear();
   for (size_t l = 0; l < fp8_weights_.size(); ++l) {

@@ -69,7 +69,9 @@ class FusedAdamW : public torch::optim::Optimizer {
   /// from its offer moves to the optimizer it is given to by hand. What an optimizer took from an
   /// offer never makes step() throw: a master re-pointed by set_model_copy lets the layer go, and
   /// a master or gradient the FP8 kernel cannot read (off a 16-byte boundary) leaves that step's
-  /// copies stale, so that the layer casts its weights.
+  /// copies stale, so that the layer casts its weights. A layer moves between optimizers at their
+  /// steps: steps of two optimizers that share a layer's weights are not to run concurrently with
+  /// each other's set_fp8_weights (like an optimizer's own calls, which are not thread-safe).
   void set_fp8_weights(const Fp8WeightTarget& target, const std::vector<torch::Tensor>& masters);
 
   /// The L2 norm of all parameters' gradients together, and the next step() multiplies every
@@ -112,8 +114,8 @@ class FusedAdamW : public torch::optim::Optimizer {
   void take_fp8_weight_offers();
   void add_fp8_weights(const Fp8WeightTarget& target, const std::vector<torch::Tensor>& masters,
                        bool offered);
-  // Stops writing layer `index`'s copies and lets the layer go.
-  void drop_fp8_weights(size_t index);
+  // Stops writing layer `index`'s copies and, with `release`, lets the layer go.
+  void drop_fp8_weights(size_t index, bool release = true);
   // Whether `t` is one of the parameter groups' tensors.
   bool is_parameter(const torch::Tensor& t) const;
   // Whether `master` is `weight` or the master whose model copy it is.

@@ -505,6 +505,11 @@ TEST_CASE("FusedAdamW takes the FP8 weights a layer offers, one optimizer at a t
   REQUIRE_NOTHROW(step(*a, s, 53));
   step(*b, second, 54);
   CHECK(definition_mismatches(second, scales) == 0);
+  // A refused call by hand changes nothing: b still writes the layer it took from the offer.
+  REQUIRE_THROWS_WITH(b->set_fp8_weights(s.layer->fp8_weight_target(), {second.masters[0]}),
+                      Contains("needs one master per weight parameter of the layer (3), got 1"));
+  step(*b, second, 59);
+  CHECK(definition_mismatches(second, scales) == 0);
   // Given by hand, the layer moves from the optimizer that took it from the offer; that one lets
   // it go at its next step, and no other can be given it by hand.
   c->set_fp8_weights(s.layer->fp8_weight_target(), third.masters);
@@ -514,9 +519,11 @@ TEST_CASE("FusedAdamW takes the FP8 weights a layer offers, one optimizer at a t
   REQUIRE_THROWS_WITH(d->set_fp8_weights(s.layer->fp8_weight_target(), fourth.masters),
                       Contains("FusedAdamW::set_fp8_weights: another FusedAdamW was given the "
                                "layer's FP8 weights by hand"));
-  // With c gone, the offer stands again: d takes it.
-  c.reset();
+  // With c gone, the offer stands again: d, which has looked at the offers before, takes it.
   step(*d, fourth, 57);
+  CHECK(definition_mismatches(third, scales) == 0);
+  c.reset();
+  step(*d, fourth, 58);
   CHECK(definition_mismatches(fourth, scales) == 0);
 }
 
@@ -574,6 +581,10 @@ TEST_CASE("A GroupedLinear's forward offers its FP8 weights to the FusedAdamW th
   const torch::Tensor yu_cast = forward_u();
   set_grads({odd}, 61);
   REQUIRE_NOTHROW(unaligned.step());
+  for (const torchmoe::optim::Fp8WeightTarget& open :
+       torchmoe::optim::detail::open_fp8_weight_offers()) {
+    CHECK(open.layer != u.layer.get());  // taken, so the skipped copy was this optimizer's
+  }
   weight.variable_data().mul_(2);
   check_close(forward_u(), yu_cast * 2, {0.1, 0.1}, "y of a layer whose master is not aligned");
 }
