@@ -1,10 +1,11 @@
 #pragma once
 // Layers offering their FP8 weights to whichever FusedAdamW steps them (GroupedLinearOptions::
-// fp8_weights_from_optimizer): a layer whose forward casts its weights under DelayedScaling
-// offers its Fp8WeightTarget here once, and a FusedAdamW that holds all of the layer's weights
-// takes it at its next step, as set_fp8_weights would. One optimizer writes a layer at a time:
-// the one that holds it, until that optimizer is destroyed or releases it, or another is given
-// the layer by hand (set_fp8_weights) while it holds it from an offer. Internal, not installed.
+// fp8_weights_from_optimizer): a layer whose forward under DelayedScaling finds no current
+// optimizer-written copies offers its Fp8WeightTarget here once, and a FusedAdamW that holds all of
+// the layer's weights takes it at its next step, as set_fp8_weights would. One optimizer writes a
+// layer at a time: the one that holds it, until that optimizer is destroyed or releases it, or
+// another is given the layer by hand (set_fp8_weights) while it holds it from an offer. Internal,
+// not installed.
 
 #include <cstdint>
 #include <functional>

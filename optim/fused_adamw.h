@@ -59,8 +59,8 @@ class FusedAdamW : public torch::optim::Optimizer {
   /// as their update, and maxes their amax into the state's current history row, as the forward's
   /// cast would. Once every master has been stepped, the layer's forwards under DelayedScaling
   /// read these copies (GroupedLinearImpl::fp8_weight_target says until when). A layer built with
-  /// fp8_weights_from_optimizer (the default) offers its target at its first forward that casts
-  /// its weights, and step() takes the offers of layers whose weights are all this optimizer's;
+  /// fp8_weights_from_optimizer (the default) offers its target at its first forward under
+  /// DelayedScaling, and step() takes the offers of layers whose weights are all this optimizer's;
   /// this call gives a layer by hand. target: the layer's, e.g.
   /// `adamw.set_fp8_weights(layer->fp8_weight_target(), masters)`. masters: the optimizer's
   /// parameters holding the layer's weights, in target.weights' order, each float32 and either
