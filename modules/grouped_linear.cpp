@@ -236,20 +236,31 @@ autograd::Fp8Config GroupedLinearCalls::fp8_config(const GroupedLinearImpl& laye
 
 }  // namespace detail
 
+std::string GroupedLinearImpl::fp8_weight_target_refusal() const {
+  if (!fp8_state_) {
+    return c10::str("the copies are scaled with the layer's delayed-scaling state, so the layer ",
+                    "must be built with fp8_amax_history_len > 0, got ",
+                    options.fp8_amax_history_len());
+  }
+  if (in_features_per_partition % 16 != 0 || out_features_per_partition % 16 != 0) {
+    return c10::str("the layer's in and out features must be multiples of 16 (FP8 GEMM operands), ",
+                    "got ", in_features_per_partition, " and ", out_features_per_partition);
+  }
+  if (weak_from_this().expired()) {
+    return "the layer must be held by a GroupedLinear (a shared pointer), which the target keeps "
+           "alive";
+  }
+  return {};
+}
+
 optim::Fp8WeightTarget GroupedLinearImpl::fp8_weight_target() const {
-  constexpr const char* kWhere = "GroupedLinear::fp8_weight_target";
-  TORCH_CHECK(fp8_state_, kWhere, ": the copies are scaled with the layer's delayed-scaling ",
-              "state, so the layer must be built with fp8_amax_history_len > 0, got ",
-              options.fp8_amax_history_len());
-  TORCH_CHECK(in_features_per_partition % 16 == 0 && out_features_per_partition % 16 == 0, kWhere,
-              ": the layer's in and out features must be multiples of 16 (FP8 GEMM operands), got ",
-              in_features_per_partition, " and ", out_features_per_partition);
+  const std::string refusal = fp8_weight_target_refusal();
+  TORCH_CHECK(refusal.empty(), kModule, "::fp8_weight_target: ", refusal);
   // The target writes the layer's copies and state (shared with its calls), not its options or
   // parameters: a const layer hands it out too.
   const std::shared_ptr<GroupedLinearImpl> self = std::const_pointer_cast<GroupedLinearImpl>(
       std::dynamic_pointer_cast<const GroupedLinearImpl>(weak_from_this().lock()));
-  TORCH_CHECK(self, kWhere, ": the layer must be held by a GroupedLinear (a shared pointer), ",
-              "which the target keeps alive");
+  TORCH_INTERNAL_ASSERT(self);
   optim::Fp8WeightTarget target;
   target.layer = this;
   target.weights = weight_params_;
@@ -283,14 +294,12 @@ optim::Fp8WeightCopies GroupedLinearImpl::optimizer_fp8_weights() const {
 
 void GroupedLinearImpl::offer_fp8_weights() const {
   bool& offered = calls_state_->fp8_weights_offered;
-  // A layer fp8_weight_target() refuses is not offered: its forwards keep casting.
-  if (offered || !options.fp8_weights_from_optimizer() || !fp8_state_ ||
-      in_features_per_partition % 16 != 0 || out_features_per_partition % 16 != 0) {
-    return;
-  }
-  const std::weak_ptr<const torch::nn::Module> alive = weak_from_this();
-  if (alive.expired()) return;
+  if (offered || !options.fp8_weights_from_optimizer()) return;
+  // A layer fp8_weight_target() refuses is not offered (what it checks does not change while the
+  // layer lives): its forwards keep casting.
   offered = true;
+  if (!fp8_weight_target_refusal().empty()) return;
+  const std::weak_ptr<const torch::nn::Module> alive = weak_from_this();
   // The offer holds the layer weakly: it ends with the layer.
   optim::detail::offer_fp8_weights(this, alive, [alive] {
     const auto layer = std::dynamic_pointer_cast<const GroupedLinearImpl>(alive.lock());

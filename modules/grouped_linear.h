@@ -203,6 +203,8 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
   void drop_fp8_weight_copies();
   // The copies an optimizer writes (fp8_weight_target), allocated on the first call.
   optim::Fp8WeightCopies optimizer_fp8_weights() const;
+  // Why fp8_weight_target() refuses this layer; empty when it does not.
+  std::string fp8_weight_target_refusal() const;
   // fp8_weights_from_optimizer: offers fp8_weight_target() to the optimizers, once.
   void offer_fp8_weights() const;
   std::vector<torch::Tensor> weight_params_;  // as registered: G tensors, or one grouped tensor

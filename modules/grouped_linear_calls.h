@@ -26,7 +26,8 @@ struct GroupedLinearState {
       std::make_shared<autograd::Fp8WeightCache>();
   // Its calls' autograd edges to the weights and biases, kept across calls.
   autograd::GroupedLinearEdges edges;
-  // Whether the layer has offered its FP8 weights to the optimizers (fp8_weights_from_optimizer).
+  // Whether the layer has offered its FP8 weights to the optimizers, or found it cannot
+  // (fp8_weights_from_optimizer).
   bool fp8_weights_offered = false;
 };
 

@@ -168,12 +168,8 @@ void FusedAdamW::set_fp8_weights(const Fp8WeightTarget& target,
     const torch::Tensor& m = masters[i];
     TORCH_CHECK(is_parameter(m), kWhere, ": masters[", i,
                 "] is not one of the optimizer's parameters");
-    const auto writes = fp8_masters_.find(m.unsafeGetTensorImpl());
-    TORCH_CHECK(writes == fp8_masters_.end() || writes->second.first == offered, kWhere,
-                ": masters[", i, "] already writes another layer's FP8 weights");
-    TORCH_CHECK(m.scalar_type() == torch::kFloat32 && m.sizes() == weights[i].sizes(), kWhere,
-                ": masters[", i, "] must be float32 of shape ", weights[i].sizes(), ", got ",
-                m.scalar_type(), " ", m.sizes());
+    const std::string refusal = fp8_master_refusal(m, weights[i], offered);
+    TORCH_CHECK(refusal.empty(), kWhere, ": masters[", i, "] ", refusal);
     TORCH_CHECK(writes_weight(m, weights[i]), kWhere, ": masters[", i, "] must be the layer's ",
                 "weight parameter ", i, " or the master whose model copy it is (set_model_copy ",
                 "first), got a tensor that is neither");
@@ -234,8 +230,7 @@ void FusedAdamW::take_fp8_weight_offers() {
     for (const torch::Tensor& w : target.weights) {
       const auto master = master_of.find(w.unsafeGetTensorImpl());
       if (master == master_of.end() ||
-          fp8_masters_.count(master->second.unsafeGetTensorImpl()) > 0 ||
-          master->second.scalar_type() != torch::kFloat32 || master->second.sizes() != w.sizes()) {
+          !fp8_master_refusal(master->second, w, std::nullopt).empty()) {
         break;
       }
       masters.push_back(master->second);
@@ -255,6 +250,19 @@ void FusedAdamW::take_fp8_weight_offers() {
   }
   fp8_offers_seen_ = version;
   fp8_offers_params_ = params;
+}
+
+std::string FusedAdamW::fp8_master_refusal(const torch::Tensor& master, const torch::Tensor& weight,
+                                           std::optional<size_t> layer) const {
+  const auto writes = fp8_masters_.find(master.unsafeGetTensorImpl());
+  if (writes != fp8_masters_.end() && writes->second.first != layer) {
+    return "already writes another layer's FP8 weights";
+  }
+  if (master.scalar_type() != torch::kFloat32 || master.sizes() != weight.sizes()) {
+    return c10::str("must be float32 of shape ", weight.sizes(), ", got ", master.scalar_type(),
+                    " ", master.sizes());
+  }
+  return {};
 }
 
 bool FusedAdamW::is_parameter(const torch::Tensor& t) const {

@@ -12,6 +12,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -116,6 +118,10 @@ class FusedAdamW : public torch::optim::Optimizer {
                        bool offered);
   // Stops writing layer `index`'s copies and, with `release`, lets the layer go.
   void drop_fp8_weights(size_t index, bool release = true);
+  // Why `master`, one of this optimizer's float32 parameters, cannot write `weight`'s FP8 copy
+  // for layer entry `layer` (none: a layer not yet here); empty when it can.
+  std::string fp8_master_refusal(const torch::Tensor& master, const torch::Tensor& weight,
+                                 std::optional<size_t> layer) const;
   // Whether `t` is one of the parameter groups' tensors.
   bool is_parameter(const torch::Tensor& t) const;
   // Whether `master` is `weight` or the master whose model copy it is.
