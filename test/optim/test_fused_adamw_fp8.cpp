@@ -568,8 +568,7 @@ TEST_CASE("A GroupedLinear's forward offers its FP8 weights to the FusedAdamW th
       torch::empty({weight.numel() + 1}, weight.options().dtype(torch::kFloat32))
           .narrow(0, 1, weight.numel())
           .view(weight.sizes())
-          .detach()
-          .copy_(weight)
+          .copy_(weight.detach())
           .requires_grad_(true);
   FusedAdamW unaligned({odd}, FusedAdamWOptions(0.0));
   unaligned.set_model_copy(odd, weight);
