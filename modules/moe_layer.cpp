@@ -149,9 +149,9 @@ MoEOutput MoELayerImpl::forward(const torch::Tensor& x, std::optional<bool> is_f
   TORCH_CHECK(x.defined() && x.dim() >= 1 && x.size(-1) == options.hidden(), kModule,
               ": x must be [..., hidden=", options.hidden(), "], got ",
               x.defined() ? x.sizes() : torch::IntArrayRef{});
-  // The experts' dtype from their first parameter: expert_weights() would make a view per expert
-  // (128 of them on qwen3: tens of microseconds of host time per call).
-  const torch::ScalarType dtype = experts->fc1->parameters(/*recurse=*/false).front().scalar_type();
+  // The experts' dtype from their first weight parameter: expert_weights() would make a view per
+  // expert and parameters() a vector of them (128 on qwen3), host time per call.
+  const torch::ScalarType dtype = experts->fc1->weight_parameters().front().scalar_type();
   TORCH_CHECK(x.scalar_type() == dtype, kModule, ": x must have the experts' dtype ", dtype,
               ", got ", x.scalar_type());
   // Before the router runs: the experts' own refusal would name GroupedMLP.
