@@ -3,11 +3,11 @@
 // kernel and, when the process loaded cuBLASLt >= 13.8, the cuBLASLt grouped matmul, both with
 // device splits; per-group cuBLASLt with host splits), next to at::_grouped_mm and a
 // dense at::mm of the same FLOPs, measured in the same process. Also the host time of one forward
-// with device splits, by layer (plan, op, module with and without autograd), and of a training
-// step's forward + backward. Prints tables, writes JSON. Each GEMM row also gives the peak memory
-// of one call of each of its five (GiB columns, in the TFLOP/s columns' order; JSON
-// <column>_peak_gib): the caching allocator's peak above what was allocated before it
-// (bench_common.h's peak_gib).
+// with device splits, by layer (plan, op, module with and without autograd; the MoELayer by part,
+// with its ATen calls counted), and of a training step's forward + backward. Prints tables, writes
+// JSON. Each GEMM row also gives the peak memory of one call of each of its five (GiB columns, in
+// the TFLOP/s columns' order; JSON <column>_peak_gib): the caching allocator's peak above what was
+// allocated before it (bench_common.h's peak_gib).
 //
 //   bench_grouped_linear [--json PATH] [--iters N] [--warmup N] [--shapes a,b,...]
 //
@@ -18,6 +18,8 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/Sleep.h>
+#include <ATen/record_function.h>
+#include <torchmoe/autograd/token_permutation_function.h>
 #include <torchmoe/ops/grouped_gemm.h>
 #include <torchmoe/torchmoe.h>
 
@@ -119,18 +121,48 @@ std::vector<double> host_us(const std::vector<std::function<torch::Tensor()>>& f
   return medians;
 }
 
+// The ATen calls one `fn()` makes on this thread: at top level (each a trip through the
+// dispatcher and, with autograd, its VariableType kernel) and with the calls they make nested.
+struct AtenCalls {
+  int64_t top = 0, all = 0;
+};
+
+AtenCalls count_aten_calls(const std::function<torch::Tensor()>& fn) {
+  // RecordFunction's callbacks are plain function pointers: the counts live in thread_locals.
+  static thread_local int depth = 0;
+  static thread_local AtenCalls calls;
+  calls = {};
+  const at::CallbackHandle handle = at::addThreadLocalCallback(
+      at::RecordFunctionCallback(
+          [](const at::RecordFunction&) -> std::unique_ptr<at::ObserverContext> {
+            ++calls.all;
+            if (depth++ == 0) ++calls.top;
+            return nullptr;
+          },
+          [](const at::RecordFunction&, at::ObserverContext*) { --depth; })
+          .scopes({at::RecordScope::FUNCTION}));
+  fn();
+  at::removeCallback(handle);
+  return calls;
+}
+
 // Host time per forward with device splits, by phase: the output's allocation, planning, the op
 // (checks, tensor maps, launch) on stacked weights and on G separately allocated ones, and the
 // GroupedLinear module (G separate weights, its default) without and with autograd, and with a
 // single grouped weight; the GroupedMLP forward (fc1, the scaled SwiGLU, fc2) with autograd; and
-// the MoELayer forward on the shape's tokens (router, permutation, GroupedMLP, unpermute).
+// the MoELayer forward on the shape's tokens (router, permutation, GroupedMLP, unpermute) and
+// its parts called alone: the router, the routing map (autograd::route_tokens) and the experts on
+// the routed tokens (GroupedMLP::forward_combined, the layer's bf16 path), with the forward's
+// ATen calls counted.
 // Then a training step's host time, in turns of its own: the module's forward + backward, with G
 // weights and with the single grouped weight; setting the gradients to none first is inside the
 // timed call.
 struct HostTimes {
   std::string shape;
   double alloc, plan, op_stacked, op_separate, module_no_grad, module, module_single, mlp;  // us
-  double moe_layer, step, step_single;                                                      // us
+  double moe_layer, moe_router, moe_routing, moe_experts;                                   // us
+  AtenCalls moe_calls;
+  double step, step_single;  // us
 };
 
 HostTimes host_times(const torchmoe::bench::Shape& shape, const torch::Tensor& x,
@@ -157,6 +189,9 @@ HostTimes host_times(const torchmoe::bench::Shape& shape, const torch::Tensor& x
       torch::randn({x.size(0) / shape.topk, k}, x.options()).requires_grad_(true);
   const torch::Tensor probs =
       torch::rand({x.size(0)}, x.options().dtype(torch::kFloat32)).requires_grad_(true);
+  const torchmoe::RouterOutput routing = moe_layer->router(tokens);
+  const torchmoe::PermutedTokens routed = torchmoe::autograd::route_tokens(
+      tokens, routing.indices, shape.experts, routing.probs, ops::IndexTrust::kDropless);
   const torch::Tensor grad_output = torch::randn({x.size(0), n}, x.options());
   const auto step = [&](torchmoe::GroupedLinear& module) {
     input.mutable_grad() = torch::Tensor();
@@ -182,15 +217,23 @@ HostTimes host_times(const torchmoe::bench::Shape& shape, const torch::Tensor& x
       [&] { return single(input, splits); },
       [&] { return mlp(input, splits, probs); },
       [&] { return moe_layer(tokens).output; },
+      [&] { return moe_layer->router(tokens).probs; },
+      [&] {
+        return torchmoe::autograd::route_tokens(tokens, routing.indices, shape.experts,
+                                                routing.probs, ops::IndexTrust::kDropless)
+            .probs;
+      },
+      [&] { return moe_layer->experts->forward_combined(tokens, routed); },
   });
+  const AtenCalls moe_calls = count_aten_calls([&] { return moe_layer(tokens).output; });
   // The steps take turns apart: beside a backward of G weights every forward phase above read 2-7x
   // its time (on an H100 host, the allocation 2.1 us alone and 5-21 us beside the steps).
   const std::vector<double> steps = host_us({
       [&] { return step(layer); },
       [&] { return step(single); },
   });
-  return {shape.name, us[0], us[1], us[2], us[3],    us[4],
-          us[5],      us[6], us[7], us[8], steps[0], steps[1]};
+  return {shape.name, us[0], us[1], us[2],  us[3],  us[4],     us[5],    us[6],
+          us[7],      us[8], us[9], us[10], us[11], moe_calls, steps[0], steps[1]};
 }
 
 }  // namespace
@@ -333,6 +376,19 @@ int main(int argc, char** argv) {
               << std::setw(11) << t.mlp << std::setw(10) << t.moe_layer << std::setw(10) << t.step
               << std::setw(17) << t.step_single << "\n";
   }
+  std::cout << "\nMoELayer forward by part (us, in the same turns; rest = the layer less its parts "
+               "called alone; ATen calls of one forward, at top level / with nested):\n"
+            << std::left << std::setw(17) << "shape" << std::right << std::setw(10) << "MoELayer"
+            << std::setw(8) << "router" << std::setw(9) << "routing" << std::setw(9) << "experts"
+            << std::setw(7) << "rest" << std::setw(12) << "ATen calls"
+            << "\n";
+  for (const HostTimes& t : host) {
+    std::cout << std::left << std::setw(17) << t.shape << std::right << std::fixed
+              << std::setprecision(1) << std::setw(10) << t.moe_layer << std::setw(8)
+              << t.moe_router << std::setw(9) << t.moe_routing << std::setw(9) << t.moe_experts
+              << std::setw(7) << t.moe_layer - t.moe_router - t.moe_routing - t.moe_experts
+              << std::setw(7) << t.moe_calls.top << " / " << t.moe_calls.all << "\n";
+  }
 
   std::ofstream json(args.json_path);
   json << "{\n  \"device\": \"" << at::cuda::getCurrentDeviceProperties()->name
@@ -369,6 +425,11 @@ int main(int argc, char** argv) {
          << ", \"op_separate\": " << t.op_separate << ", \"module_no_grad\": " << t.module_no_grad
          << ", \"module\": " << t.module << ", \"module_single_weight\": " << t.module_single
          << ", \"grouped_mlp\": " << t.mlp << ", \"moe_layer\": " << t.moe_layer
+         << ", \"moe_layer_router\": " << t.moe_router
+         << ", \"moe_layer_routing\": " << t.moe_routing
+         << ", \"moe_layer_experts\": " << t.moe_experts
+         << ", \"moe_layer_aten_calls\": " << t.moe_calls.top
+         << ", \"moe_layer_aten_calls_nested\": " << t.moe_calls.all
          << ", \"module_fwd_bwd\": " << t.step
          << ", \"module_single_weight_fwd_bwd\": " << t.step_single << "}"
          << (i + 1 < host.size() ? "," : "") << "\n";
