@@ -32,6 +32,9 @@ using Json = nlohmann::json;
 // The reference implementation's limit: a header is a few MB at most, and parsing a huge JSON
 // document is a way to exhaust memory.
 constexpr uint64_t kMaxHeaderSize = 100'000'000;
+// Arrays and objects nest at most this deep in a header (the format needs 3; serde_json, which
+// the reference reader uses, stops at 128): error messages print values recursively.
+constexpr int kMaxHeaderDepth = 128;
 constexpr char kMetadataKey[] = "__metadata__";
 
 struct DtypeName {
@@ -115,10 +118,11 @@ class FileDescriptor {
   int fd_;
 };
 
-// A SAX pass over a header that the DOM parser has read: that parser keeps the last of duplicate
-// keys silently (the format forbids them: two readers could see different tensors), and its
-// callback variant is quadratic in an object's keys. Collects the top-level keys in order, which
-// breaks the ties of empty tensors at one offset.
+// A SAX pass over a header before the DOM parser reads it: that parser keeps the last of
+// duplicate keys silently (the format forbids them: two readers could see different tensors), its
+// callback variant is quadratic in an object's keys, and a value nested without limit would
+// overflow the stack where it is printed. Collects the top-level keys in order, which breaks the
+// ties of empty tensors at one offset.
 class KeyScanner {
  public:
   explicit KeyScanner(const std::string& path) : path_(path) {}
@@ -131,7 +135,7 @@ class KeyScanner {
   bool string(std::string&) { return true; }
   bool binary(Json::binary_t&) { return true; }
   bool start_object(std::size_t) {
-    ++depth_;
+    check_depth(++depth_);
     objects_.emplace_back();
     return true;
   }
@@ -147,7 +151,7 @@ class KeyScanner {
     return true;
   }
   bool start_array(std::size_t) {
-    ++depth_;
+    check_depth(++depth_);
     return true;
   }
   bool end_array() {
@@ -159,6 +163,11 @@ class KeyScanner {
   std::vector<std::string> take_top_level_keys() { return std::move(top_level_keys_); }
 
  private:
+  void check_depth(int depth) const {
+    TORCH_CHECK(depth <= kMaxHeaderDepth, prefix(path_), "the header nests arrays and objects ",
+                "deeper than ", kMaxHeaderDepth, " levels");
+  }
+
   const std::string& path_;
   int depth_ = 0;
   std::vector<std::set<std::string>> objects_;  // the keys of each open object
@@ -171,15 +180,25 @@ struct Header {
 };
 
 Header parse_header(const std::string& path, const char* begin, const char* end) {
+  // The JSON parser takes a NUL byte for the end of its input and skips a byte-order mark: what
+  // follows either would be ignored, where the reference reader refuses the file.
+  TORCH_CHECK(begin != end && *begin == '{', prefix(path),
+              "the header must be a JSON object starting at its first byte, got ",
+              begin == end
+                  ? std::string("an empty header")
+                  : c10::str("byte ", static_cast<int>(static_cast<unsigned char>(*begin))));
+  const void* nul = std::memchr(begin, 0, static_cast<size_t>(end - begin));
+  TORCH_CHECK(nul == nullptr, prefix(path), "the header holds a NUL byte at offset ",
+              nul ? static_cast<const char*>(nul) - begin : 0, " of ", end - begin,
+              ": a header is JSON text, padded with spaces");
+  KeyScanner scanner(path);
   Header header;
+  if (Json::sax_parse(begin, end, &scanner)) header.keys = scanner.take_top_level_keys();
   try {
     header.json = Json::parse(begin, end);
   } catch (const Json::exception& e) {
     TORCH_CHECK(false, prefix(path), "the header is not valid JSON: ", e.what());
   }
-  KeyScanner scanner(path);
-  Json::sax_parse(begin, end, &scanner);
-  header.keys = scanner.take_top_level_keys();
   return header;
 }
 
@@ -189,7 +208,10 @@ std::map<std::string, std::string> parse_metadata(const std::string& path, const
   std::map<std::string, std::string> metadata;
   for (const auto& item : value.items()) {
     TORCH_CHECK(item.value().is_string(), prefix(path), "'", kMetadataKey, "' entry '", item.key(),
-                "' must be a string, got ", item.value().type_name(), " ", excerpt(item.value()));
+                "' must be a string, got ",
+                item.value().is_null()
+                    ? std::string("null")
+                    : c10::str(item.value().type_name(), " ", excerpt(item.value())));
     metadata.emplace(item.key(), item.value().get<std::string>());
   }
   return metadata;
@@ -238,16 +260,19 @@ detail::SafetensorsEntry parse_entry(const std::string& path, const std::string&
               "] past the end of the data (", data_size,
               " bytes): the file is truncated or the offsets are wrong");
 
-  // A zero dimension makes the tensor empty whatever the others are, even ones whose product
-  // would overflow.
+  // The tensor's strides are products of its nonzero dimensions, which must fit in int64 even
+  // where a zero dimension leaves it empty (at::empty computes them).
   const bool empty = std::find(entry.shape.begin(), entry.shape.end(), 0) != entry.shape.end();
-  uint64_t needed = empty ? 0 : c10::elementSize(entry.dtype);
+  uint64_t extent = c10::elementSize(entry.dtype);
   bool overflow = false;
   for (int64_t dim : entry.shape) {
-    overflow |= __builtin_mul_overflow(needed, static_cast<uint64_t>(dim), &needed);
+    overflow |=
+        __builtin_mul_overflow(extent, static_cast<uint64_t>(std::max<int64_t>(dim, 1)), &extent);
   }
-  TORCH_CHECK(!overflow, where, "has shape ", shape_string(entry.shape), " of ", dtype_text,
-              ", whose size in bytes overflows 64 bits");
+  TORCH_CHECK(!overflow && extent <= uint64_t{std::numeric_limits<int64_t>::max()}, where,
+              "has shape ", shape_string(entry.shape), " of ", dtype_text,
+              ", whose size in bytes or strides overflow int64");
+  const uint64_t needed = empty ? 0 : extent;
   TORCH_CHECK(entry.end - entry.begin == needed, where, "has data_offsets [", entry.begin, ", ",
               entry.end, "] but shape ", shape_string(entry.shape), " of ", dtype_text, " needs ",
               needed, " bytes");

@@ -37,7 +37,8 @@ struct SafetensorsEntry {
 class SafetensorsFile {
  public:
   /// Opens and checks `path`; throws c10::Error naming the file (and the tensor, where there is
-  /// one) when it is not a valid safetensors file.
+  /// one) when it is not a valid safetensors file. As the format's reference reader, it takes a
+  /// header that starts with '{', holds no NUL byte or duplicate key and nests at most 128 deep.
   explicit SafetensorsFile(const std::string& path);
 
   const std::string& path() const { return path_; }

@@ -96,6 +96,34 @@ TEST_CASE("SafetensorsFile rejects headers that are not the format's JSON", "[ch
                         Contains("'" + path + "'") &&
                             Contains("'__metadata__' entry 'step' must be a string, got number 1"));
   }
+  SECTION("null metadata") {
+    write_raw(path, R"({"__metadata__":{"format":null},)" + w + "}", data);
+    REQUIRE_THROWS_WITH(SafetensorsFile(path),
+                        Contains("'__metadata__' entry 'format' must be a string, got null") &&
+                            !Contains("null null"));
+  }
+  SECTION("values nested past the limit, which printing them would overflow the stack") {
+    // 100,000 levels: about 65,000 overflowed an 8 MiB stack where a message printed them.
+    const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+    write_raw(path, R"({"__metadata__":)" + deep + "," + w + "}", data);
+    REQUIRE_THROWS_WITH(SafetensorsFile(path),
+                        Contains("'" + path + "'") &&
+                            Contains("the header nests arrays and objects deeper than 128 levels"));
+  }
+  SECTION("a NUL byte, which would end the header early") {
+    // The second tensor after the NUL would be ignored.
+    write_raw(path, "{" + w + std::string(1, '\0') + "," + w + "}", data);
+    REQUIRE_THROWS_WITH(SafetensorsFile(path), Contains("the header holds a NUL byte at offset " +
+                                                        std::to_string(w.size() + 1) + " of "));
+  }
+  SECTION("a header that does not start with its object") {
+    write_raw(path, "\xEF\xBB\xBF{" + w + "}", data);  // a byte-order mark
+    REQUIRE_THROWS_WITH(SafetensorsFile(path),
+                        Contains("the header must be a JSON object starting at its first byte, "
+                                 "got byte 239"));
+    write_raw(path, "", "");
+    REQUIRE_THROWS_WITH(SafetensorsFile(path), Contains("got an empty header"));
+  }
   SECTION("metadata that is not an object") {
     write_raw(path, R"({"__metadata__":"pt",)" + w + "}", data);
     REQUIRE_THROWS_WITH(SafetensorsFile(path),
@@ -147,7 +175,14 @@ TEST_CASE("SafetensorsFile rejects bad dtypes and shapes, naming the tensor", "[
     file_with(R"({"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[1,1]})", 1);
     REQUIRE_THROWS_WITH(SafetensorsFile(path),
                         Contains("tensor 'layer.w' has shape [4294967296, 4294967296] of F32, "
-                                 "whose size in bytes overflows 64 bits"));
+                                 "whose size in bytes or strides overflow int64"));
+  }
+  SECTION("an empty shape whose strides overflow") {
+    // Zero bytes, but at::empty would compute strides of 2^64.
+    file_with(R"({"dtype":"U8","shape":[0,4294967296,4294967296],"data_offsets":[1,1]})", 1);
+    REQUIRE_THROWS_WITH(SafetensorsFile(path),
+                        Contains("tensor 'layer.w' has shape [0, 4294967296, 4294967296] of U8, "
+                                 "whose size in bytes or strides overflow int64"));
   }
   SECTION("BOOL bytes other than 0 and 1, found when the tensor is read") {
     write_raw(path, R"({"flags":{"dtype":"BOOL","shape":[3],"data_offsets":[0,3]}})",
