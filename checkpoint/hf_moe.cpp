@@ -1,10 +1,12 @@
 #include "torchmoe/checkpoint/hf_moe.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/safe_numerics.h>
 #include <torch/nn/module.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <limits>
 #include <optional>
 #include <set>
 #include <string>
@@ -19,6 +21,9 @@ using nlohmann::json;
 
 constexpr const char* kOptionsOp = "hf_moe_layer_options";
 constexpr const char* kLoadOp = "load_hf_moe";
+// As deep as a config's arrays and objects may nest (serde_json's and the safetensors header's
+// limit; configs need 3).
+constexpr int kMaxConfigDepth = 128;
 
 struct ArchName {
   HfMoeArch arch;
@@ -79,9 +84,18 @@ const json& key(const json& config, const char* name) {
 
 int64_t int_key(const json& config, const char* name) {
   const json& v = key(config, name);
-  TORCH_CHECK(v.is_number_integer(), kOptionsOp, ": '", name, "' must be an integer, got ",
-              v.dump());
+  TORCH_CHECK(
+      v.is_number_integer() && (!v.is_number_unsigned() ||
+                                v.get<uint64_t>() <= uint64_t{std::numeric_limits<int64_t>::max()}),
+      kOptionsOp, ": '", name, "' must be an integer that fits int64, got ", v.dump());
   return v.get<int64_t>();
+}
+
+// A size key that may be 0 (none), not negative.
+int64_t count_key(const json& config, const char* name) {
+  const int64_t value = int_key(config, name);
+  TORCH_CHECK(value >= 0, kOptionsOp, ": '", name, "' must be >= 0, got ", value);
+  return value;
 }
 
 double number_or(const json& config, const char* name, double fallback) {
@@ -164,6 +178,10 @@ class Loader {
     TORCH_CHECK(t.defined() && at::isFloatingType(t.scalar_type()), kLoadOp, ": '", full,
                 "' must have a floating dtype, got ",
                 t.defined() ? c10::toString(t.scalar_type()) : "an undefined tensor");
+    // Checked here, before anything is copied: a load writes all of the layer or none of it.
+    TORCH_CHECK(t.layout() == at::kStrided && !t.is_meta(), kLoadOp, ": '", full,
+                "' must be a strided tensor with data, got layout ", t.layout(), " on ",
+                t.device());
     TORCH_CHECK(t.sizes() == shape, kLoadOp, ": '", full, "' must have shape ", shape, ", got ",
                 t.sizes());
     unused_.erase(full);
@@ -205,7 +223,9 @@ void load_shared(Loader& loader, const std::string& module, GroupedMLP& mlp) {
   const at::Tensor gate = loader.take(module + ".gate_proj.weight", {ffn, hidden});
   const at::Tensor up = loader.take(module + ".up_proj.weight", {ffn, hidden});
   const at::Tensor down = loader.take(module + ".down_proj.weight", {hidden, ffn});
-  loader.copy(mlp->fc1->expert_weights()[0], at::cat({gate, up}, 0));
+  const at::Tensor fc1 = mlp->fc1->expert_weights()[0];
+  // In the parameter's dtype: at::cat refuses to promote between some (FP8 and float).
+  loader.copy(fc1, at::cat({gate.to(fc1.scalar_type()), up.to(fc1.scalar_type())}, 0));
   loader.copy(mlp->fc2->expert_weights()[0], down);
 }
 
@@ -229,10 +249,19 @@ const char* hf_model_type(HfMoeArch arch) {
 }
 
 MoELayerOptions hf_moe_layer_options(const std::string& config_json) {
+  // The parser takes a NUL byte for the end of its input: what follows would be ignored.
+  const size_t nul = config_json.find('\0');
+  TORCH_CHECK(nul == std::string::npos, kOptionsOp, ": the config holds a NUL byte at offset ", nul,
+              " of ", config_json.size());
   json config;
   try {
-    config = json::parse(config_json);
-  } catch (const json::parse_error& e) {
+    // Values nested without limit would overflow the stack where they are copied or printed.
+    config = json::parse(config_json, [](int depth, json::parse_event_t, json&) {
+      TORCH_CHECK(depth <= kMaxConfigDepth, kOptionsOp, ": the config nests arrays and objects ",
+                  "deeper than ", kMaxConfigDepth, " levels");
+      return true;
+    });
+  } catch (const json::exception& e) {  // a syntax error, or a number out of range
     TORCH_CHECK(false, kOptionsOp, ": the config is not JSON: ", e.what());
   }
   TORCH_CHECK(config.is_object(), kOptionsOp, ": the config must be a JSON object");
@@ -266,7 +295,15 @@ MoELayerOptions hf_moe_layer_options(const std::string& config_json) {
       rules.normalize_topk = bool_or(config, "norm_topk_prob", true);
       rules.num_groups = first_int_key(config, {"n_group"});
       rules.topk_groups = first_int_key(config, {"topk_group"});
-      rules.routed_scaling_factor = number_or(config, "routed_scaling_factor", 1.0);
+      // transformers' DeepseekV3Config default; DeepSeek's own configs also name the routing,
+      // which must be the one the block computes.
+      rules.routed_scaling_factor = number_or(config, "routed_scaling_factor", 2.5);
+      for (const auto& [name, value] :
+           {std::pair{"scoring_func", "sigmoid"}, std::pair{"topk_method", "noaux_tc"}}) {
+        TORCH_CHECK_NOT_IMPLEMENTED(!config.contains(name) || config.at(name) == value, kOptionsOp,
+                                    ": '", name, "' must be \"", value,
+                                    "\" (DeepSeek-V3's routing), got ", config.at(name).dump());
+      }
       break;
     case HfMoeArch::kGptOss:
       rules.swiglu_limit = number_or(config, "swiglu_limit", 7.0);
@@ -277,9 +314,12 @@ MoELayerOptions hf_moe_layer_options(const std::string& config_json) {
       break;
   }
   if (arch == HfMoeArch::kQwen2Moe) {
-    rules.shared_ffn_hidden = int_key(config, "shared_expert_intermediate_size");
+    rules.shared_ffn_hidden = count_key(config, "shared_expert_intermediate_size");
   } else if (arch == HfMoeArch::kDeepseekV3) {
-    rules.shared_ffn_hidden = ffn * first_int_key(config, {"n_shared_experts"});
+    const int64_t shared = count_key(config, "n_shared_experts");
+    TORCH_CHECK(ffn >= 0 && !c10::mul_overflows(ffn, shared, &rules.shared_ffn_hidden), kOptionsOp,
+                ": the shared experts' width moe_intermediate_size (", ffn,
+                ") x n_shared_experts (", shared, ") must fit int64");
   } else if (arch == HfMoeArch::kLlama4) {
     rules.shared_ffn_hidden = ffn;
   }
@@ -345,6 +385,18 @@ void load_hf_moe(MoELayer& layer, HfMoeArch arch, const TensorMap& tensors,
   const int64_t all = layer->options.num_experts(), hidden = layer->options.hidden();
   const int64_t ffn = layer->experts->options.ffn_hidden();
   const auto [first, count] = local_experts(layer);
+  // Parameters the block has no tensors for would keep their random initialization. (An expert
+  // bias may stay: it starts at zero and only steers the choice, as in aux-loss-free balancing.)
+  const auto extra = [&](bool has, const char* part, const char* option) {
+    TORCH_CHECK(!has, kLoadOp, ": the layer has ", part, ", which the ", hf_model_type(arch),
+                " block does not: build it without ", option);
+  };
+  extra(layer->router->bias.defined() && !l.router_bias, "a router bias", "router().bias(true)");
+  extra(!layer->experts->fc1->expert_biases().empty() && !l.expert_biases, "expert biases",
+        "experts().linear().bias(true)");
+  extra(layer->shared_expert && !l.shared, "a shared expert", "shared_expert()");
+  extra(layer->shared_expert_gate.defined() && !l.shared_gate, "a gate on its shared expert",
+        "shared_expert().gate(true)");
   Loader loader(tensors, prefix, arch);
   const std::string router = l.router;
   loader.copy(layer->router->weight, loader.take(router + ".weight", {all, hidden}));
@@ -396,7 +448,8 @@ void load_hf_moe(MoELayer& layer, HfMoeArch arch, const TensorMap& tensors,
       }
       const at::Tensor g = loader.take(gate, {ffn, hidden});
       const at::Tensor u = loader.take(up, {ffn, hidden});
-      loader.copy(fc1[e - first], at::cat({g, u}, 0));
+      const at::ScalarType dtype = fc1[e - first].scalar_type();  // as in load_shared
+      loader.copy(fc1[e - first], at::cat({g.to(dtype), u.to(dtype)}, 0));
       loader.copy(fc2[e - first], loader.take(down, {hidden, ffn}));
     }
   }

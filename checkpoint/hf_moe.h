@@ -89,17 +89,20 @@ using TensorMap = std::unordered_map<std::string, at::Tensor>;
 /// Copies the block's tensors `prefix` + name from `tensors` into `layer`, built for `arch` (e.g.
 /// with hf_moe_layer_options): the experts in either layout; with expert parallelism this rank's
 /// global experts. Each tensor is converted to its parameter's dtype and device. All or nothing:
-/// every tensor is found and checked (floating dtype, shape) before anything is copied; a missing
-/// tensor, a wrong shape or dtype, and a name under `prefix` that the block does not have are
-/// errors naming the tensor.
+/// every tensor is found and checked (floating, strided, shape) before anything is copied; a
+/// missing tensor, a wrong shape or dtype, and a name under `prefix` that the block does not have
+/// are errors naming the tensor. So is a layer with parameters the block has no tensors for (a
+/// router bias, expert biases, a shared expert or its gate), which would keep their random
+/// initialization; an expert bias, zero at first, may stay.
 void load_hf_moe(MoELayer& layer, HfMoeArch arch, const TensorMap& tensors,
                  const std::string& prefix = "");
 
-/// The layer's tensors under the block's names (`prefix` + name), in `layout` (new tensors on the
-/// parameters' device, in their dtype): what load_hf_moe reads back. With `gradients`, the
-/// parameters' gradients in the same places (zeros where a parameter has none yet), so that they
-/// compare with a reference's. With expert parallelism, the rank's experts only: their tensors
-/// hold its E/ep experts.
+/// The layer's tensors under the block's names (`prefix` + name), in `layout` (on the parameters'
+/// device, in their dtype; detached, and sharing memory with the parameters or gradients where
+/// the layout is theirs, as a state_dict does: clone one to change it): what load_hf_moe reads
+/// back. With `gradients`, the parameters' gradients in the same places (zeros where a parameter
+/// has none yet), so that they compare with a reference's. With expert parallelism, the rank's
+/// experts only: their tensors hold its E/ep experts.
 std::vector<std::pair<std::string, at::Tensor>> hf_moe_tensors(const MoELayer& layer,
                                                                HfMoeArch arch,
                                                                HfWeightLayout layout,

@@ -206,6 +206,14 @@ TEST_CASE("load_hf_moe names the tensor it refuses", "[checkpoint][hf][errors]")
   TensorMap prefixed;
   for (const auto& [n, t] : block.params) prefixed["mlp." + n] = t;
   CHECK_NOTHROW(torchmoe::checkpoint::load_hf_moe(layer, block.arch, prefixed, "mlp."));
+  // Tensors of different dtypes that load_hf_moe concatenates ([gate; up]): at::cat alone
+  // refuses FP8 beside float64.
+  TensorMap mixed = prefixed;
+  at::Tensor& gate = mixed["mlp.shared_expert.gate_proj.weight"];
+  gate = gate.to(torch::kFloat8_e4m3fn);
+  CHECK_NOTHROW(torchmoe::checkpoint::load_hf_moe(layer, block.arch, mixed, "mlp."));
+  CHECK(torch::equal(layer->shared_expert->fc1->expert_weights()[0].narrow(0, 0, gate.size(0)),
+                     gate.to(layer->shared_expert->fc1->expert_weights()[0].scalar_type())));
   layer->router->weight.detach().copy_(before);
 
   TensorMap missing = prefixed;
@@ -219,6 +227,9 @@ TEST_CASE("load_hf_moe names the tensor it refuses", "[checkpoint][hf][errors]")
   TensorMap dtype = prefixed;
   dtype["mlp.gate.weight"] = torch::zeros({8, 64}, torch::kInt32);
   refused(dtype, "'mlp.gate.weight' must have a floating dtype, got Int");
+  TensorMap sparse = prefixed;  // refused before the router's weight, taken first, is written
+  sparse["mlp.experts.down_proj"] = torch::zeros({8, 64, 32}, torch::kFloat64).to_sparse();
+  refused(sparse, "'mlp.experts.down_proj' must be a strided tensor with data, got layout Sparse");
   TensorMap unknown = prefixed;
   unknown["mlp.experts.gate_up_proj_bias"] = torch::zeros({8, 64});
   refused(unknown,
@@ -231,6 +242,12 @@ TEST_CASE("load_hf_moe names the tensor it refuses", "[checkpoint][hf][errors]")
   CHECK_THROWS_WITH(torchmoe::checkpoint::load_hf_moe(without, block.arch, prefixed, "mlp."),
                     Contains("the qwen2_moe block has a shared expert; build the layer with "
                              "shared_expert()"));
+  // The other way: Qwen3-MoE's block has no shared expert to load into this layer's.
+  CHECK_THROWS_WITH(
+      torchmoe::checkpoint::load_hf_moe(layer, torchmoe::checkpoint::HfMoeArch::kQwen3Moe, prefixed,
+                                        "mlp."),
+      Contains("load_hf_moe: the layer has a shared expert, which the qwen3_moe block does not: "
+               "build it without shared_expert()"));
 }
 
 TEST_CASE("hf_moe_layer_options reads each block's config and refuses bad ones",
@@ -253,5 +270,44 @@ TEST_CASE("hf_moe_layer_options reads each block's config and refuses bad ones",
   CHECK_THROWS_WITH(hf_moe_layer_options(R"({"model_type": "mixtral"})"),
                     Contains("hf_moe_layer_options: the config has no 'hidden_size'"));
   CHECK_THROWS_WITH(hf_moe_layer_options(R"({"model_type": "mixtral", "hidden_size": "64"})"),
-                    Contains("'hidden_size' must be an integer, got \"64\""));
+                    Contains("'hidden_size' must be an integer that fits int64, got \"64\""));
+  const std::string mixtral_head = R"({"model_type": "mixtral", "hidden_size": )";
+  CHECK_THROWS_WITH(hf_moe_layer_options(mixtral_head + "18446744073709551615}"),
+                    Contains("'hidden_size' must be an integer that fits int64, got "
+                             "18446744073709551615"));
+  // A number JSON allows but a double cannot hold.
+  CHECK_THROWS_WITH(hf_moe_layer_options(mixtral_head + "1e400}"),
+                    Contains("hf_moe_layer_options: the config is not JSON") && Contains("1e400"));
+  // ~65,000 levels overflowed the stack where a message printed the value.
+  CHECK_THROWS_WITH(hf_moe_layer_options(mixtral_head + std::string(100000, '[') +
+                                         std::string(100000, ']') + "}"),
+                    Contains("the config nests arrays and objects deeper than 128 levels"));
+  // What follows a NUL byte would be ignored.
+  CHECK_THROWS_WITH(
+      hf_moe_layer_options(R"({"model_type": "mixtral"})" + std::string(1, '\0') + "{"),
+      Contains("the config holds a NUL byte at offset 25 of 27"));
+  const std::string sizes =
+      R"("hidden_size": 64, "moe_intermediate_size": 32, "num_experts_per_tok": 2, )";
+  CHECK_THROWS_WITH(hf_moe_layer_options(R"({"model_type": "qwen2_moe", "num_experts": 8, )" +
+                                         sizes + R"("shared_expert_intermediate_size": -5})"),
+                    Contains("'shared_expert_intermediate_size' must be >= 0, got -5"));
+  const std::string deepseek_head =
+      R"({"model_type": "deepseek_v3", "n_routed_experts": 8, "n_group": 1, "topk_group": 1, )" +
+      sizes + R"("n_shared_experts": 1)";
+  // transformers' default scale, and the routing DeepSeek's own configs name.
+  CHECK(hf_moe_layer_options(deepseek_head + "}").router().routed_scaling_factor() == 2.5);
+  CHECK(hf_moe_layer_options(deepseek_head + R"(, "scoring_func": "sigmoid"})")
+            .router()
+            .score_function() == torchmoe::RouterScore::kSigmoid);
+  CHECK_THROWS_WITH(hf_moe_layer_options(deepseek_head + R"(, "scoring_func": "softmax"})"),
+                    Contains("'scoring_func' must be \"sigmoid\" (DeepSeek-V3's routing), got "
+                             "\"softmax\""));
+  CHECK_THROWS_WITH(hf_moe_layer_options(deepseek_head + R"(, "topk_method": "greedy"})"),
+                    Contains("'topk_method' must be \"noaux_tc\""));
+  CHECK_THROWS_WITH(
+      hf_moe_layer_options(R"({"model_type": "deepseek_v3", "n_routed_experts": 8, "n_group": 1, )"
+                           R"("topk_group": 1, )" +
+                           sizes + R"("n_shared_experts": 576460752303423489})"),
+      Contains(
+          "moe_intermediate_size (32) x n_shared_experts (576460752303423489) must fit int64"));
 }
