@@ -170,8 +170,10 @@ at::Tensor unpermute_tokens(const at::Tensor& permuted, const at::Tensor& row_ma
               row_map.defined() ? row_map.scalar_type() : at::ScalarType::Undefined);
   TORCH_CHECK(row_map.device() == permuted.device(), kOp, ": row_map must be on ",
               permuted.device(), " like permuted, got ", row_map.device());
-  ops::check_row_map(kOp, row_map, permuted.size(0));
-  return UnpermuteFunction::apply(permuted, row_map, std::nullopt, probs);
+  // Contiguous, as every other entry point takes its maps: the row kernels read them so.
+  const at::Tensor map = row_map.contiguous();
+  ops::check_row_map(kOp, map, permuted.size(0));
+  return UnpermuteFunction::apply(permuted, map, std::nullopt, probs);
 }
 
 at::Tensor unpermute_tokens(const at::Tensor& permuted, const PermutedTokens& routed,

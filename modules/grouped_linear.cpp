@@ -483,6 +483,12 @@ void GroupedLinearImpl::load_state_dict(
       TORCH_CHECK(sources[g].sizes() == targets[g].sizes(), kModule, "::load_state_dict: ", name,
                   " of expert ", g, " must have shape ", targets[g].sizes(), ", got ",
                   sources[g].sizes());
+      // Checked here, before anything is copied: a tensor copy_ refuses would stop a load halfway.
+      TORCH_CHECK(torch::isFloatingType(sources[g].scalar_type()) &&
+                      sources[g].layout() == torch::kStrided && !sources[g].is_meta(),
+                  kModule, "::load_state_dict: ", name, " of expert ", g,
+                  " must be a floating strided tensor with data, got ", sources[g].scalar_type(),
+                  " ", sources[g].layout(), " on ", sources[g].device());
     }
   };
   check_all(weight_targets, weights, "weight");
@@ -503,6 +509,11 @@ void GroupedLinearImpl::load(torch::serialize::InputArchive& archive) {
   for (const std::string name : {"weight", "bias"}) {
     try_read(name);
     for (int64_t g = 0; g < options.num_gemms(); ++g) try_read(name + std::to_string(g));
+    // One past the layer's experts: an archive of more experts would load truncated.
+    torch::Tensor extra;
+    TORCH_CHECK(!archive.try_read(name + std::to_string(options.num_gemms()), extra), kModule,
+                "::load: the archive has '", name, options.num_gemms(),
+                "', so more experts than the layer's num_gemms (", options.num_gemms(), ")");
   }
   // The FP8 state's archive is read first, so that one load_state_dict checks everything before
   // it copies anything.

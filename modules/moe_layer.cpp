@@ -346,7 +346,25 @@ void MoELayerImpl::check_no_queued_wgrad(const char* where) const {
 }
 
 void MoELayerImpl::load(torch::serialize::InputArchive& archive) {
-  detail::load_all_or_nothing(*this, [&] { torch::nn::Module::load(archive); });
+  detail::load_all_or_nothing(*this, [&] {
+    // Module::load would take the gate in any shape and dtype (set_ on the parameter): it is read
+    // apart, checked, and copied in after the children load.
+    torch::Tensor gate;
+    if (shared_expert_gate.defined()) {
+      archive.read("shared_expert_gate", gate);
+      TORCH_CHECK(
+          gate.sizes() == shared_expert_gate.sizes() && torch::isFloatingType(gate.scalar_type()),
+          kModule, "::load: 'shared_expert_gate' must be a floating tensor of shape ",
+          shared_expert_gate.sizes(), ", got ", gate.scalar_type(), " ", gate.sizes());
+    }
+    for (const auto& child : named_children()) {
+      torch::serialize::InputArchive child_archive;
+      archive.read(child.key(), child_archive);
+      child.value()->load(child_archive);
+    }
+    const torch::NoGradGuard no_grad;
+    if (gate.defined()) shared_expert_gate.copy_(gate);
+  });
 }
 
 // The experts' checks before the router moves (Module::to moves the children in order).

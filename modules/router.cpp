@@ -40,6 +40,7 @@ int64_t expert_capacity(int64_t tokens, const TopKRouterOptions& options) {
               "finite and positive, got ", factor);
   TORCH_CHECK(tokens >= 0 && options.num_experts() > 0, "expert_capacity: tokens must be >= 0 ",
               "and num_experts positive, got ", tokens, " and ", options.num_experts());
+  TORCH_CHECK(options.topk() >= 1, "expert_capacity: topk must be >= 1, got ", options.topk());
   const double capacity =
       std::ceil(static_cast<double>(tokens) * static_cast<double>(options.topk()) /
                 static_cast<double>(options.num_experts()) * factor);
@@ -271,6 +272,10 @@ void TopKRouterImpl::load(torch::serialize::InputArchive& archive) {
       archive.read(item.key(), saved, is_buffer);
       TORCH_CHECK(saved.sizes() == item.value().sizes(), kModule, "::load: '", item.key(),
                   "' must have shape ", item.value().sizes(), ", got ", saved.sizes());
+      // An integer or complex tensor would be converted without a word (complex losing its
+      // imaginary part).
+      TORCH_CHECK(torch::isFloatingType(saved.scalar_type()), kModule, "::load: '", item.key(),
+                  "' must have a floating dtype, got ", saved.scalar_type());
       reads.emplace_back(item.value(), saved);
     }
   };

@@ -39,9 +39,9 @@ int64_t check_inputs(const at::Tensor& input, const at::Tensor& scales, const Gl
               ": input must have at least 1 dimension [..., 2H]");
   TORCH_CHECK(at::isFloatingType(input.scalar_type()), kOp,
               ": input must have a floating dtype, got ", input.scalar_type());
-  TORCH_CHECK(input.size(-1) % 2 == 0, kOp,
-              ": input's last dimension must be even (2H: act half and gate half), got ",
-              input.size(-1));
+  TORCH_CHECK(input.size(-1) % 2 == 0 && input.size(-1) > 0, kOp,
+              ": input's last dimension must be even and positive (2H: act half and gate half), ",
+              "got ", input.size(-1));
   TORCH_CHECK(input.is_contiguous(), kOp, ": input must be contiguous");
   const int64_t hidden = input.size(-1) / 2;
   check_glu_options(kOp, o, hidden);

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <limits>
 #include <utility>
 
 namespace torchmoe {
@@ -33,9 +34,10 @@ SplitSizes::SplitSizes(std::vector<int64_t> host, const at::Tensor& device) : Sp
 }
 
 SplitSizes SplitSizes::uniform(int64_t groups, int64_t rows, const at::Device& device) {
-  TORCH_CHECK(groups >= 0 && rows >= 0,
-              "SplitSizes::uniform: groups and rows must be non-negative, got ", groups, " and ",
-              rows);
+  // The bound keeps a vector of `groups` sizes allocatable (a GEMM takes fewer groups still).
+  TORCH_CHECK(groups >= 0 && groups <= std::numeric_limits<int32_t>::max() && rows >= 0,
+              "SplitSizes::uniform: groups must be in [0, 2^31) and rows non-negative, got ",
+              groups, " and ", rows);
   std::vector<int64_t> host(groups, rows);
   if (!device.is_cuda()) return SplitSizes(std::move(host));
   return SplitSizes(std::move(host),

@@ -196,6 +196,9 @@ TEST_CASE("SwiGLU family rejects bad input", "[modules][glu][errors]") {
   SECTION("odd last dimension") {
     REQUIRE_THROWS_WITH(torchmoe::functional::swiglu(torch::randn({4, 7})),
                         Contains("input's last dimension must be even") && Contains("got 7"));
+    // H = 0: no halves to split (the reference's reshape divided by it).
+    REQUIRE_THROWS_WITH(torchmoe::functional::swiglu(torch::randn({4, 0})),
+                        Contains("must be even and positive") && Contains("got 0"));
   }
   SECTION("scales of the wrong shape") {
     REQUIRE_THROWS_WITH(torchmoe::functional::scaled_swiglu(x, torch::rand({4})),

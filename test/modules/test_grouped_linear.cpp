@@ -359,6 +359,23 @@ TEST_CASE("GroupedLinear load_state_dict rejects incomplete or foreign state",
   REQUIRE_THROWS_WITH(with_fp8->load_state_dict(state),
                       Contains("'fp8_state.input_amax_history' must have shape [4, 2]"));
   CHECK(torch::equal(with_fp8->expert_weights()[0], fp8_weight0));
+  // Integers would be converted without a word; a meta tensor would fail after weight0 is copied.
+  state.erase("fp8_state.input_amax_history");
+  state["weight1"] = torch::zeros({3, 4}, torch::kLong);
+  REQUIRE_THROWS_WITH(m->load_state_dict(state),
+                      Contains("weight of expert 1 must be a floating strided tensor with data, "
+                               "got Long"));
+  state["weight0"] = torch::ones({3, 4});
+  state["weight1"] = torch::zeros({3, 4}, torch::kMeta);
+  REQUIRE_THROWS_WITH(m->load_state_dict(state), Contains("on meta"));
+  CHECK(torch::equal(m->expert_weights()[0], weight0));
+  // An archive of more experts than the layer's: it would load its first two, truncated.
+  GroupedLinear three(GroupedLinearOptions(3, 4, 3));
+  std::stringstream archive;
+  torch::save(three, archive);
+  REQUIRE_THROWS_WITH(torch::load(m, archive),
+                      Contains("GroupedLinear::load: the archive has 'weight2', so more experts "
+                               "than the layer's num_gemms (2)"));
 }
 
 TEST_CASE("GroupedLinear tensor-parallel metadata", "[modules][grouped_linear]") {

@@ -422,6 +422,37 @@ TEST_CASE("MoELayer and GroupedMLP move and copy and load whole or not at all",
   torch::load(target->router, doubles_checkpoint);
   CHECK(target->router->weight.scalar_type() == torch::kFloat32);
   CHECK(torch::allclose(target->router->weight, doubles->weight.to(torch::kFloat32)));
+  // A complex weight would lose its imaginary part.
+  TopKRouter complex(TopKRouterOptions(8, 4, 2));
+  complex->weight.set_data(torch::zeros({4, 8}, torch::kComplexFloat));
+  std::stringstream complex_checkpoint;
+  torch::save(complex, complex_checkpoint);
+  REQUIRE_THROWS_WITH(torch::load(target->router, complex_checkpoint),
+                      Contains("TopKRouter::load: 'weight' must have a floating dtype, got "
+                               "ComplexFloat"));
+  // The shared expert's gate, a parameter of the layer itself, is checked as the children's are
+  // (Module::load would take any shape or dtype, reinterpreting the bytes).
+  MoELayerOptions gated_options(8, 16, 4, 2);
+  gated_options.shared_expert(torchmoe::SharedExpertOptions(16).gate(true));
+  MoELayer gated(gated_options), wrong_gate(gated_options);
+  wrong_gate->shared_expert_gate.set_data(torch::ones({2, 8}));
+  std::stringstream gate_checkpoint;
+  torch::save(wrong_gate, gate_checkpoint);
+  const torch::Tensor gate_before = gated->shared_expert_gate.detach().clone();
+  REQUIRE_THROWS_WITH(torch::load(gated, gate_checkpoint),
+                      Contains("MoELayer::load: 'shared_expert_gate' must be a floating tensor of "
+                               "shape [1, 8], got Float [2, 8]"));
+  CHECK(torch::equal(gated->shared_expert_gate, gate_before));
+  // float64 is converted into the layer's float32 (Module::load reinterpreted its bytes).
+  MoELayer source(gated_options);
+  source->shared_expert_gate.set_data(torch::full({1, 8}, 0.5, torch::kFloat64));
+  std::stringstream good_checkpoint;
+  torch::save(source, good_checkpoint);
+  torch::load(gated, good_checkpoint);
+  CHECK(gated->shared_expert_gate.scalar_type() == torch::kFloat32);
+  CHECK(torch::equal(gated->shared_expert_gate, torch::full({1, 8}, 0.5)));
+  CHECK(torch::equal(gated->shared_expert->fc1->expert_weights()[0],
+                     source->shared_expert->fc1->expert_weights()[0]));
 
   // The printout reads the submodules as built; a null group in the options prints, not crashes.
   target->options.expert_parallel(

@@ -179,6 +179,9 @@ TEST_CASE("TopKRouter errors", "[modules][router]") {
   capped->options.capacity_factor(std::numeric_limits<double>::quiet_NaN());
   CHECK_THROWS_WITH(capped(torch::randn({2, 4})),
                     Contains("expert_capacity: capacity_factor must be finite and positive"));
+  // A capacity of k·T/E·factor with k < 1 would be negative.
+  CHECK_THROWS_WITH(torchmoe::expert_capacity(4, TopKRouterOptions(6, 4, -3).capacity_factor(1.0)),
+                    Contains("expert_capacity: topk must be >= 1, got -3"));
   TopKRouter router(4, 3, 1);
   CHECK_THROWS_WITH(router(torch::randn({2, 5})),
                     Contains("x must be [..., hidden=4], got [2, 5]"));

@@ -443,7 +443,11 @@ TEST_CASE("split_quantize: sizes whose sum wraps around, oversized inputs and GL
       torchmoe::ops::update_delayed_scaling(torch::zeros({4, 2}), v, v, v, big_margin),
       Contains("margin must be finite and leave fp8_max * 2^-margin a normal float, got 200"));
   CHECK_THROWS_WITH(torchmoe::SplitSizes::uniform(-1, 4, torch::kCPU),
-                    Contains("SplitSizes::uniform: groups and rows must be non-negative, got -1"));
+                    Contains("SplitSizes::uniform: groups must be in [0, 2^31) and rows "
+                             "non-negative, got -1"));
+  // 2^62 sizes would not fit in memory (std::length_error before).
+  CHECK_THROWS_WITH(torchmoe::SplitSizes::uniform(int64_t{1} << 62, 0, torch::kCPU),
+                    Contains("got 4611686018427387904 and 0"));
 }
 
 TEST_CASE("split_quantize: device sizes beside host ones: the columnwise buffer holds their bound",

@@ -210,6 +210,11 @@ TEST_CASE("permutation errors", "[ops][permutation]") {
   CHECK_THROWS_WITH(F::permute_tokens(x, indices, 4, torch::ones({4, 2}, torch::kLong)),
                     Contains("probs must have a floating dtype, got Long"));
   const auto routed = F::permute_tokens(x, indices, 4);
+  // A strided row map is read as the other entry points read theirs, not refused.
+  const torch::Tensor strided_map = routed.row_map.t().contiguous().t();
+  REQUIRE_FALSE(strided_map.is_contiguous());
+  CHECK(torch::equal(F::unpermute_tokens(routed.tokens, strided_map),
+                     F::unpermute_tokens(routed.tokens, routed.row_map)));
   CHECK_THROWS_WITH(F::unpermute_tokens(routed.tokens, routed.row_map.to(torch::kInt)),
                     Contains("row_map must be a 2-D int64 tensor"));
   CHECK_THROWS_WITH(F::unpermute_tokens(routed.tokens, routed.row_map, torch::rand({4})),
