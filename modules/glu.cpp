@@ -42,26 +42,37 @@ ops::GluOptions glu_options(const ClampedSwiGLUOptions& o) {
   return g;
 }
 
+namespace {
+
+// Checked before the autograd Function, which cannot take an undefined input.
+torch::Tensor apply_glu(const char* op, const torch::Tensor& input,
+                        const std::optional<torch::Tensor>& scales, const ops::GluOptions& o) {
+  TORCH_CHECK(input.defined(), op, ": input must be a defined tensor [..., 2H]");
+  return autograd::GluFunction::apply(input, scales, o);
+}
+
+}  // namespace
+
 namespace functional {
 
 torch::Tensor swiglu(const torch::Tensor& input, const SwiGLUOptions& options) {
-  return autograd::GluFunction::apply(input, std::nullopt, glu_options(options));
+  return apply_glu("swiglu", input, std::nullopt, glu_options(options));
 }
 
 torch::Tensor clamped_swiglu(const torch::Tensor& input, const ClampedSwiGLUOptions& options) {
-  return autograd::GluFunction::apply(input, std::nullopt, glu_options(options));
+  return apply_glu("clamped_swiglu", input, std::nullopt, glu_options(options));
 }
 
 torch::Tensor scaled_swiglu(const torch::Tensor& input, const torch::Tensor& scales,
                             const SwiGLUOptions& options) {
   TORCH_CHECK(scales.defined(), "scaled_swiglu: scales must be a defined tensor");
-  return autograd::GluFunction::apply(input, scales, glu_options(options));
+  return apply_glu("scaled_swiglu", input, scales, glu_options(options));
 }
 
 torch::Tensor scaled_clamped_swiglu(const torch::Tensor& input, const torch::Tensor& scales,
                                     const ClampedSwiGLUOptions& options) {
   TORCH_CHECK(scales.defined(), "scaled_clamped_swiglu: scales must be a defined tensor");
-  return autograd::GluFunction::apply(input, scales, glu_options(options));
+  return apply_glu("scaled_clamped_swiglu", input, scales, glu_options(options));
 }
 
 }  // namespace functional

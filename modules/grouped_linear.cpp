@@ -46,8 +46,9 @@ void GroupedLinearImpl::reset() {
   TORCH_CHECK(o.fp8_amax_history_len() >= 0, kModule,
               ": fp8_amax_history_len must be >= 0 (0: no FP8 state), got ",
               o.fp8_amax_history_len());
-  TORCH_CHECK(at::isFloatingType(o.params_dtype()), kModule,
-              ": params_dtype must be a floating dtype, got ", o.params_dtype());
+  // FP8 weights are copies the layer makes (fp8::Autocast), not parameters it initializes.
+  TORCH_CHECK(at::isFloatingType(o.params_dtype()) && !at::isFloat8Type(o.params_dtype()), kModule,
+              ": params_dtype must be a floating dtype other than FP8, got ", o.params_dtype());
   // As in TransformerEngine: a bias would need a reduction across tensor-parallel ranks.
   TORCH_CHECK(!o.bias() || o.tp_size() == 1, kModule,
               ": bias is not supported with tensor parallelism (tp_size=", o.tp_size(), ")");

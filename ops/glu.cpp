@@ -36,7 +36,8 @@ GluBackend select_glu_backend(const at::Tensor& input) {
 // Validates input/scales/options and returns H.
 int64_t check_inputs(const at::Tensor& input, const at::Tensor& scales, const GluOptions& o) {
   TORCH_CHECK(input.defined() && input.dim() >= 1, kOp,
-              ": input must have at least 1 dimension [..., 2H]");
+              ": input must be a tensor of at least 1 dimension [..., 2H], got ",
+              input.defined() ? c10::str(input.dim(), " dimensions") : "an undefined tensor");
   TORCH_CHECK(at::isFloatingType(input.scalar_type()), kOp,
               ": input must have a floating dtype, got ", input.scalar_type());
   TORCH_CHECK(input.size(-1) % 2 == 0 && input.size(-1) > 0, kOp,

@@ -12,6 +12,8 @@ SplitSizes::SplitSizes(const at::Tensor& sizes) {
   TORCH_CHECK(sizes.dim() == 1, "m_splits must be a 1-D tensor, got ", sizes.dim(), "-D");
   TORCH_CHECK(at::isIntegralType(sizes.scalar_type(), /*includeBool=*/false),
               "m_splits must have an integer dtype, got ", sizes.scalar_type());
+  TORCH_CHECK(sizes.is_cpu() || sizes.is_cuda(),
+              "m_splits must be on the CPU or a CUDA device, got ", sizes.device());
   if (sizes.is_cuda()) {
     // The kernels read int32 or int64.
     const bool native = sizes.scalar_type() == at::kInt || sizes.scalar_type() == at::kLong;

@@ -137,6 +137,10 @@ void FusedAdamW::set_model_copy(const torch::Tensor& param, const torch::Tensor&
                 "::set_model_copy: model must not share memory with another parameter's model "
                 "copy");
   }
+  TORCH_CHECK(at::has_internal_overlap(model) != at::MemOverlap::Yes, kName,
+              "::set_model_copy: model must not overlap itself (e.g. an expanded tensor), got "
+              "strides ",
+              model.strides());
   // A layer taken from an offer with this master goes back to casting its weights (its offer
   // stands again); one given by hand keeps the master, and step() refuses it once it no longer
   // writes the layer's weight.
@@ -282,6 +286,10 @@ bool FusedAdamW::writes_weight(const torch::Tensor& master, const torch::Tensor&
 void FusedAdamW::check_step(const torch::Tensor& param) const {
   check_dense(param.grad(), "");
   check_not_inference(param, "::step", "a parameter");
+  // Elements written through more than one index would take several updates, racing on CUDA.
+  TORCH_CHECK(at::has_internal_overlap(param) != at::MemOverlap::Yes, kName,
+              "::step: a parameter must not overlap itself (e.g. an expanded tensor), got sizes ",
+              param.sizes(), " and strides ", param.strides());
   const auto found = fp8_masters_.find(param.unsafeGetTensorImpl());
   if (found == fp8_masters_.end()) return;
   const auto [layer_index, i] = found->second;
@@ -517,7 +525,13 @@ void FusedAdamW::load(torch::serialize::InputArchive& archive) {
     groups.emplace_back(param_groups_[i].params(), param_groups_[i].options().clone());
   }
   FusedAdamW staged(groups, static_cast<const FusedAdamWOptions&>(defaults()));
-  torch::optim::serialize<torch::optim::AdamWParamState, FusedAdamWOptions>(archive, staged);
+  try {
+    torch::optim::serialize<torch::optim::AdamWParamState, FusedAdamWOptions>(archive, staged);
+  } catch (const c10::Error&) {
+    throw;
+  } catch (const std::exception& e) {  // the reader's own errors, e.g. a missing entry
+    TORCH_CHECK(false, kName, "::load: the archive is not an AdamW optimizer's state: ", e.what());
+  }
   for (size_t i = 0; i < staged.param_groups_.size(); ++i) {
     check_options(options_of(staged.param_groups_[i], i));
     const std::vector<torch::Tensor>& params = staged.param_groups_[i].params();

@@ -196,6 +196,8 @@ TEST_CASE("SwiGLU family rejects bad input", "[modules][glu][errors]") {
   SECTION("odd last dimension") {
     REQUIRE_THROWS_WITH(torchmoe::functional::swiglu(torch::randn({4, 7})),
                         Contains("input's last dimension must be even") && Contains("got 7"));
+    REQUIRE_THROWS_WITH(torchmoe::functional::swiglu(torch::Tensor()),
+                        Contains("swiglu: input must be a defined tensor [..., 2H]"));
     // H = 0: no halves to split (the reference's reshape divided by it).
     REQUIRE_THROWS_WITH(torchmoe::functional::swiglu(torch::randn({4, 0})),
                         Contains("must be even and positive") && Contains("got 0"));

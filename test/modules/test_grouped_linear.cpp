@@ -157,6 +157,11 @@ TEST_CASE("GroupedLinear rejects bad input with clear errors",
     REQUIRE_THROWS_WITH(m(x, torch::tensor({3.0, 3.0, 4.0})),
                         Contains("m_splits must have an integer dtype, got Float"));
   }
+  SECTION("split tensor without data") {
+    REQUIRE_THROWS_WITH(
+        m(x, torch::empty({3}, torch::TensorOptions(torch::kLong).device(torch::kMeta))),
+        Contains("m_splits must be on the CPU or a CUDA device, got meta"));
+  }
   SECTION("split tensor of the wrong rank") {
     REQUIRE_THROWS_WITH(m(x, torch::ones({3, 1}, torch::kLong)),
                         Contains("m_splits must be a 1-D tensor, got 2-D"));
@@ -229,7 +234,10 @@ TEST_CASE("GroupedLinear rejects bad options", "[modules][grouped_linear][errors
   REQUIRE_THROWS_WITH(GroupedLinear(GroupedLinearOptions(2, 8, 0)),
                       Contains("out_features must be positive, got 0"));
   REQUIRE_THROWS_WITH(GroupedLinear(GroupedLinearOptions(2, 8, 4).params_dtype(torch::kInt32)),
-                      Contains("params_dtype must be a floating dtype, got Int"));
+                      Contains("params_dtype must be a floating dtype other than FP8, got Int"));
+  REQUIRE_THROWS_WITH(
+      GroupedLinear(GroupedLinearOptions(2, 8, 4).params_dtype(torch::kFloat8_e4m3fn)),
+      Contains("params_dtype must be a floating dtype other than FP8, got Float8_e4m3fn"));
   REQUIRE_THROWS_WITH(
       GroupedLinear(
           GroupedLinearOptions(2, 9, 4).bias(false).tp_size(2).parallel_mode(ParallelMode::kRow)),

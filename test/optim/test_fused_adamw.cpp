@@ -278,6 +278,29 @@ TEST_CASE("FusedAdamW refuses options, tensors and clips it would misread", "[op
                                "optimizer's options"));
   REQUIRE_THROWS_WITH(FusedAdamW(params, FusedAdamWOptions(INFINITY)),
                       Contains("lr must be finite and >= 0, got inf"));
+  {
+    // An expanded parameter: its one element would take four updates. Refused before any
+    // parameter or step count changes.
+    const torch::Tensor one = torch::zeros({1}).expand({4}).requires_grad_(true);
+    const torch::Tensor plain = torch::zeros({4}, torch::requires_grad());
+    FusedAdamW expanded({plain, one}, FusedAdamWOptions(1e-2));
+    plain.mutable_grad() = torch::ones({4});
+    one.mutable_grad() = torch::ones({4});
+    REQUIRE_THROWS_WITH(expanded.step(), Contains("FusedAdamW::step: a parameter must not overlap "
+                                                  "itself (e.g. an expanded tensor)"));
+    CHECK(torch::equal(plain, torch::zeros({4})));
+    FusedAdamW master({plain}, FusedAdamWOptions(1e-2));
+    REQUIRE_THROWS_WITH(master.set_model_copy(plain, torch::zeros({1}).expand({4})),
+                        Contains("set_model_copy: model must not overlap itself"));
+    // An archive without an optimizer's entries (the reader threw its own exception type).
+    torch::serialize::OutputArchive empty;
+    std::stringstream bytes;
+    empty.save_to(bytes);
+    torch::serialize::InputArchive read;
+    read.load_from(bytes);
+    REQUIRE_THROWS_WITH(master.load(read), Contains("FusedAdamW::load: the archive is not an "
+                                                    "AdamW optimizer's state"));
+  }
   REQUIRE_THROWS_WITH(FusedAdamW(params, FusedAdamWOptions(1e-2).weight_decay(INFINITY)),
                       Contains("weight_decay must be finite and >= 0, got inf"));
 
