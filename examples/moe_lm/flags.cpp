@@ -9,6 +9,7 @@
 #include <cmath>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <sstream>
 #include <stdexcept>
 #include <type_traits>
@@ -45,6 +46,10 @@ T parse_number(const std::string& text, T min) {
         fmt::format("value needs {}, got '{}'", kInteger ? "an integer" : "a number", text));
   }
   if (v < min) throw std::invalid_argument(fmt::format("value must be >= {}, got {}", min, text));
+  // Reals reach the model as float32: a larger one would fail far from its flag, or diverge.
+  if (!kInteger && std::abs(static_cast<double>(v)) > std::numeric_limits<float>::max()) {
+    throw std::invalid_argument(fmt::format("value must fit a float32, got {}", text));
+  }
   return v;
 }
 
@@ -136,7 +141,10 @@ std::vector<Flag> flag_table(Flags& f) {
        "train the experts' GEMMs in FP8 with TransformerEngine's recipe delayed (amax history "
        "1024), current or block scaling (CUDA; docs/fp8.md); the rest of the model stays in "
        "--dtype",
-       text(f.fp8)},
+       [&f](const std::string& v) {
+         if (v.empty()) throw std::invalid_argument("value must be delayed, current or block");
+         f.fp8 = v;
+       }},
       {"--ep", "N",
        "expert parallelism over the N processes torchrun launches (WORLD_SIZE = N): each holds "
        "--experts / N experts of every MoE layer and trains on --batch / N sequences of every "
@@ -221,6 +229,13 @@ std::optional<Flags> parse_flags(int argc, char** argv) {
   if (f.save_every && f.save.empty()) throw std::invalid_argument("--save-every needs --save PATH");
   if (f.cuda_graph && f.device == "cpu")
     throw std::invalid_argument("--cuda-graph needs --device cuda (or auto with a GPU)");
+  if (f.min_lr_ratio > 1)
+    throw std::invalid_argument(
+        fmt::format("--min-lr-ratio must be at most 1 (the final rate is at most --lr), got {}",
+                    f.min_lr_ratio));
+  if (f.stop_at > f.steps)
+    throw std::invalid_argument(fmt::format(
+        "--stop-at ({}) must be at most --steps ({}), the schedule's end", f.stop_at, f.steps));
   if (!f.fp8.empty() && f.fp8 != "delayed" && f.fp8 != "current" && f.fp8 != "block")
     throw std::invalid_argument("--fp8 must be delayed, current or block, got '" + f.fp8 + "'");
   if (!f.fp8.empty() && f.device == "cpu")

@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <set>
+#include <stdexcept>
 #include <utility>
 
 #include "checkpoint.h"
@@ -123,6 +125,12 @@ double train(MoETransformer& model, Trainer& trainer, const Corpus& corpus, cons
     const torch::Tensor sums = rank_sum(torch::stack({r.loss_sum, r.aux_sum}), model);
     s.loss = sums[0].item<double>() / static_cast<double>(f.accum * f.ranks());
     s.aux = sums[1].item<double>() / static_cast<double>(f.accum);
+    if (!std::isfinite(s.loss) || !std::isfinite(s.aux)) {
+      throw std::runtime_error(
+          fmt::format("step {}: the loss is {} and the router's {}: training diverged (lower --lr, "
+                      "--weight-decay or the loss coefficients)",
+                      step + 1, s.loss, s.aux));
+    }
     s.load = load_range(r.loads);
     trace.after(step);
     const bool last = step + 1 == context.end_step;

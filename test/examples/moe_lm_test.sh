@@ -109,6 +109,13 @@ llama4, got 'switch'" --moe-block switch
 expect_error 2 "--cuda-graph needs --device cuda" --cuda-graph --device cpu
 expect_error 2 "--fp8 must be delayed, current or block, got 'e5m2'" --fp8 e5m2
 expect_error 2 "--fp8 needs --device cuda" --fp8 delayed --device cpu
+expect_error 2 "--fp8: value must be delayed, current or block" --fp8 ""
+expect_error 2 "--lr: value must fit a float32, got 1e308" --lr 1e308
+expect_error 2 "--min-lr-ratio must be at most 1 (the final rate is at most --lr), got 2" \
+  --min-lr-ratio 2
+expect_error 2 "--stop-at (9) must be at most --steps (5), the schedule's end" --steps 5 --stop-at 9
+# A diverged run stops with an error rather than training on NaN and exiting 0.
+expect_error 1 "training diverged" "${tiny[@]}" --steps 3 --weight-decay 1e30
 if ! nvidia-smi -L >/dev/null 2>&1; then  # --device auto finds no GPU
   expect_error 1 "--fp8 needs CUDA (FP8 GEMMs are CUDA only), but no CUDA device is available" \
     "${tiny[@]}" --device auto --fp8 delayed
