@@ -83,7 +83,29 @@ BlockShape BlockScaling::block(TensorRole role) const {
 }
 
 void validate(const Recipe& recipe) {
-  if (const auto* block = std::get_if<BlockScaling>(&recipe)) block->validate();
+  // Values cast from integers: the quantize options would read any unknown one as a known one.
+  const Format format = recipe_format(recipe);
+  TORCH_CHECK(format == Format::kE4M3 || format == Format::kHybrid, recipe_name(recipe),
+              ": format must be Format::kE4M3 or Format::kHybrid, got the value ",
+              static_cast<int>(format));
+  if (const auto* delayed = std::get_if<DelayedScaling>(&recipe)) {
+    const AmaxComputeAlgo algo = delayed->amax_compute_algo();
+    TORCH_CHECK(algo == AmaxComputeAlgo::kMax || algo == AmaxComputeAlgo::kMostRecent,
+                "DelayedScaling: amax_compute_algo must be kMax or kMostRecent, got the value ",
+                static_cast<int>(algo));
+  }
+  if (const auto* block = std::get_if<BlockScaling>(&recipe)) {
+    for (const TensorRole role :
+         {TensorRole::kInput, TensorRole::kWeight, TensorRole::kGradOutput}) {
+      const BlockShape shape = block->block(role);
+      TORCH_CHECK(shape == BlockShape::k1x128 || shape == BlockShape::k128x128,
+                  "BlockScaling: the ", role_name(role),
+                  " block must be k1x128 or k128x128, got "
+                  "the value ",
+                  static_cast<int>(shape));
+    }
+    block->validate();
+  }
 }
 
 Format recipe_format(const Recipe& recipe) {

@@ -139,6 +139,16 @@ TEST_CASE("FP8 recipes reject bad values with clear errors", "[fp8][recipe][erro
   // Only the order of the setters' calls differs: the check is on the finished recipe.
   CHECK_NOTHROW(
       BlockScaling().input_block(BlockShape::k128x128).weight_block(BlockShape::k1x128).validate());
+  // Enum values cast from integers, which the quantize options would read as known ones.
+  CHECK_THROWS_WITH(validate(DelayedScaling().format(static_cast<Format>(7))),
+                    Contains("DelayedScaling: format must be Format::kE4M3 or Format::kHybrid, "
+                             "got the value 7"));
+  CHECK_THROWS_WITH(
+      gemm_options(DelayedScaling().amax_compute_algo(static_cast<torchmoe::AmaxComputeAlgo>(5))),
+      Contains("amax_compute_algo must be kMax or kMostRecent, got the value 5"));
+  CHECK_THROWS_WITH(validate(BlockScaling().grad_block(static_cast<BlockShape>(9))),
+                    Contains("BlockScaling: the grad_output block must be k1x128 or k128x128, got "
+                             "the value 9"));
 }
 
 TEST_CASE("FP8 formats per tensor role", "[fp8][recipe]") {
