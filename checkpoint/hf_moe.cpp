@@ -216,6 +216,12 @@ std::string expert_name(int64_t e, const char* proj) {
   return "experts." + std::to_string(e) + "." + proj + ".weight";
 }
 
+// fc1's weight [gate; up] in `fc1`'s dtype (at::cat refuses to promote between some, as FP8 and
+// float).
+at::Tensor concat_gate_up(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& fc1) {
+  return at::cat({gate.to(fc1.scalar_type()), up.to(fc1.scalar_type())}, 0);
+}
+
 // A dense SwiGLU MLP's tensors, {module}.{gate,up,down}_proj.weight, into a GroupedMLP of one
 // expert (fc1 = [gate; up]).
 void load_shared(Loader& loader, const std::string& module, GroupedMLP& mlp) {
@@ -224,8 +230,7 @@ void load_shared(Loader& loader, const std::string& module, GroupedMLP& mlp) {
   const at::Tensor up = loader.take(module + ".up_proj.weight", {ffn, hidden});
   const at::Tensor down = loader.take(module + ".down_proj.weight", {hidden, ffn});
   const at::Tensor fc1 = mlp->fc1->expert_weights()[0];
-  // In the parameter's dtype: at::cat refuses to promote between some (FP8 and float).
-  loader.copy(fc1, at::cat({gate.to(fc1.scalar_type()), up.to(fc1.scalar_type())}, 0));
+  loader.copy(fc1, concat_gate_up(gate, up, fc1));
   loader.copy(mlp->fc2->expert_weights()[0], down);
 }
 
@@ -448,8 +453,7 @@ void load_hf_moe(MoELayer& layer, HfMoeArch arch, const TensorMap& tensors,
       }
       const at::Tensor g = loader.take(gate, {ffn, hidden});
       const at::Tensor u = loader.take(up, {ffn, hidden});
-      const at::ScalarType dtype = fc1[e - first].scalar_type();  // as in load_shared
-      loader.copy(fc1[e - first], at::cat({g.to(dtype), u.to(dtype)}, 0));
+      loader.copy(fc1[e - first], concat_gate_up(g, u, fc1[e - first]));
       loader.copy(fc2[e - first], loader.take(down, {hidden, ffn}));
     }
   }

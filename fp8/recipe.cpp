@@ -100,9 +100,7 @@ void validate(const Recipe& recipe) {
       const BlockShape shape = block->block(role);
       TORCH_CHECK(shape == BlockShape::k1x128 || shape == BlockShape::k128x128,
                   "BlockScaling: the ", role_name(role),
-                  " block must be k1x128 or k128x128, got "
-                  "the value ",
-                  static_cast<int>(shape));
+                  " block must be k1x128 or k128x128, got the value ", static_cast<int>(shape));
     }
     block->validate();
   }

@@ -24,6 +24,13 @@ void print_clamped(std::ostream& stream, const char* name, const ClampedSwiGLUOp
   stream << ")";
 }
 
+// Checked before the autograd Function, which cannot take an undefined input.
+torch::Tensor apply_glu(const char* op, const torch::Tensor& input,
+                        const std::optional<torch::Tensor>& scales, const ops::GluOptions& o) {
+  TORCH_CHECK(input.defined(), op, ": input must be a defined tensor [..., 2H]");
+  return autograd::GluFunction::apply(input, scales, o);
+}
+
 }  // namespace
 
 ops::GluOptions glu_options(const SwiGLUOptions& o) {
@@ -41,17 +48,6 @@ ops::GluOptions glu_options(const ClampedSwiGLUOptions& o) {
   g.interleave = interleave_of(o.glu_interleave_size());
   return g;
 }
-
-namespace {
-
-// Checked before the autograd Function, which cannot take an undefined input.
-torch::Tensor apply_glu(const char* op, const torch::Tensor& input,
-                        const std::optional<torch::Tensor>& scales, const ops::GluOptions& o) {
-  TORCH_CHECK(input.defined(), op, ": input must be a defined tensor [..., 2H]");
-  return autograd::GluFunction::apply(input, scales, o);
-}
-
-}  // namespace
 
 namespace functional {
 

@@ -349,6 +349,10 @@ void MoELayerImpl::load(torch::serialize::InputArchive& archive) {
   detail::load_all_or_nothing(*this, [&] {
     // Module::load would take the gate in any shape and dtype (set_ on the parameter): it is read
     // apart, checked, and copied in after the children load.
+    // The gate is the layer's one tensor of its own: any other would need reading here too.
+    TORCH_INTERNAL_ASSERT(named_parameters(/*recurse=*/false).size() ==
+                              (shared_expert_gate.defined() ? 1 : 0) &&
+                          named_buffers(/*recurse=*/false).is_empty());
     torch::Tensor gate;
     if (shared_expert_gate.defined()) {
       archive.read("shared_expert_gate", gate);

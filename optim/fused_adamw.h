@@ -118,8 +118,8 @@ class FusedAdamW : public torch::optim::Optimizer {
                        bool offered);
   // Stops writing layer `index`'s copies and, with `release`, lets the layer go.
   void drop_fp8_weights(size_t index, bool release = true);
-  // Why `master`, one of this optimizer's float32 parameters, cannot write `weight`'s FP8 copy
-  // for layer entry `layer` (none: a layer not yet here); empty when it can.
+  // Why `master`, one of this optimizer's parameters, cannot write `weight`'s FP8 copy for layer
+  // entry `layer` (none: a layer not yet here); empty when it can.
   std::string fp8_master_refusal(const torch::Tensor& master, const torch::Tensor& weight,
                                  std::optional<size_t> layer) const;
   // Whether `t` is one of the parameter groups' tensors.
