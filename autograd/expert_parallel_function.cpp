@@ -69,7 +69,7 @@ PermutedTokens permute_to_capacity(const at::Tensor& tokens, const at::Tensor& i
               indices.sizes(), ", got ", probs.sizes());
   ops::CapacityMap map = ops::make_capacity_map(indices, num_experts, capacity);
   PermutedTokens out;
-  out.tokens = PermuteFunction::apply(tokens, map.row_map, map.sorted_slots, std::nullopt);
+  out.tokens = PermuteFunction::apply(tokens, map.row_map, map.sorted_slots);
   const at::Tensor padding = map.sorted_slots < 0;
   out.probs =
       probs.reshape(-1).index_select(0, map.sorted_slots.clamp_min(0)).masked_fill(padding, 0);

@@ -101,15 +101,17 @@ variable_list RouterTopKFunction::forward(AutogradContext* ctx, const at::Tensor
   // The counts only for the aux loss's gradient (an output saved: no copy).
   ctx->save_for_backward(
       {logits, out.indices, out.probs, scoring.aux_loss_scale > 0 ? out.counts : at::Tensor()});
-  ctx->mark_non_differentiable({out.indices, out.counts});
+  // Without the aux loss its output is a constant 0, as a zero tensor would be.
+  if (scoring.aux_loss_scale > 0) {
+    ctx->mark_non_differentiable({out.indices, out.counts});
+  } else {
+    ctx->mark_non_differentiable({out.indices, out.counts, out.aux_loss});
+  }
   // Unused outputs (no aux or z loss) get no gradient rather than a tensor of zeros.
   ctx->set_materialize_grads(false);
-  // An output cannot be undefined: no aux or z loss is an empty tensor, like no aux sums.
-  const auto or_empty = [&](const at::Tensor& t) {
-    return t.defined() ? t : at::empty({0}, logits.options());
-  };
-  return {out.indices,         out.probs, out.aux_sums, out.lse, out.counts, or_empty(out.aux_loss),
-          or_empty(out.z_loss)};
+  // An output cannot be undefined: no z loss is an empty tensor, like no aux sums.
+  const at::Tensor z_loss = out.z_loss.defined() ? out.z_loss : at::empty({0}, logits.options());
+  return {out.indices, out.probs, out.aux_sums, out.lse, out.counts, out.aux_loss, z_loss};
 }
 
 variable_list RouterTopKFunction::backward(AutogradContext* ctx, variable_list grad_outputs) {

@@ -22,12 +22,12 @@ namespace torchmoe::autograd {
 // - the logits' gradient split into bf16 halves by RouterTopKFunction's launch, for
 //   RouterLogitsFunction (no split launch), used only when the gradient it receives is the one
 //   the split was made from;
-// - the routing probabilities' gradient in the permuted rows' order, from the PermuteFunction
+// - the routing probabilities' gradient in the permuted rows' order, from the RowProbsFunction
 //   that put them in that order (route_tokens) to RouterTopKFunction, which reads it through the
 //   row map (no launch for the permutation's backward).
 // A link serves one forward (MoELayer makes one per call); its backward parts are taken and
 // cleared as they are used. The probabilities' part is the one a shared link would mix up:
-// route_tokens checks that its probs come from the top-k holding the link, and PermuteFunction
+// route_tokens checks that its probs come from the top-k holding the link, and RowProbsFunction
 // refuses to hand over rows while another permutation's wait in it.
 struct RouterGradLink {
   // Set by the caller: the fork's second output goes to one Function whose backward returns a
@@ -44,8 +44,8 @@ struct RouterGradLink {
   // returned and that tensor's split.
   at::Tensor split_of;
   ops::RouterGradXProduct split;
-  // Set by the PermuteFunction given this link, taken by RouterTopKFunction's backward: the
-  // gradient of the rows' probabilities [N, 1] and the permutation's row map [T·k, 1]. The
+  // Set by the RowProbsFunction given this link, taken by RouterTopKFunction's backward: the
+  // gradient of the rows' probabilities [N] and the permutation's row map [T, k]. The
   // permutation then returns no gradient for probs itself, so probs must go from the top-k to that
   // permutation unchanged (no capacity mask between them); other uses of probs add theirs as usual.
   at::Tensor probs_grad_rows;
@@ -65,7 +65,7 @@ class RouterLogitsFunction : public torch::autograd::Function<RouterLogitsFuncti
 
 // Scoring and top-k (ops::router_topk): logits [T, E] and an optional expert_bias [E] (no
 // gradient) -> {indices, probs, aux_sums, lse, counts, aux_loss, z_loss}; differentiable in logits
-// through probs, aux_sums, lse, aux_loss (aux_loss_scale > 0, else an empty [0] output) and z_loss
+// through probs, aux_sums, lse, aux_loss (aux_loss_scale > 0, else a constant 0) and z_loss
 // (with z_loss, else an empty [0] output; 0 when z_loss_scale is 0). With a link,
 // the backward also takes probs' gradient from the link's permutation and splits the logits'
 // gradient for RouterLogitsFunction (RouterGradLink).

@@ -12,12 +12,8 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 at::Tensor PermuteFunction::forward(AutogradContext* ctx, const at::Tensor& tokens,
-                                    const at::Tensor& row_map, const at::Tensor& sorted_slots,
-                                    const std::optional<at::Tensor>& permuted,
-                                    const std::shared_ptr<RouterGradLink>& probs_link) {
+                                    const at::Tensor& row_map, const at::Tensor& sorted_slots) {
   ctx->save_for_backward({row_map});
-  save_link(ctx, probs_link);
-  if (permuted.has_value()) return *permuted;
   return ops::permute_rows(tokens.contiguous(), row_map, sorted_slots, at::Tensor());
 }
 
@@ -25,18 +21,41 @@ variable_list PermuteFunction::backward(AutogradContext* ctx, variable_list grad
   const OnceDifferentiable once;
   const at::Tensor row_map = ctx->get_saved_variables()[0];
   at::Tensor grad_tokens;
+  if (ctx->needs_input_grad(0)) {
+    grad_tokens = ops::unpermute_rows(grad_outputs[0].contiguous(), row_map, at::Tensor());
+  }
+  return once_differentiable("PermuteFunction", once, {grad_tokens, at::Tensor(), at::Tensor()});
+}
+
+at::Tensor RowProbsFunction::forward(AutogradContext* ctx, const at::Tensor& probs,
+                                     const ops::RoutingMap& map,
+                                     const std::shared_ptr<RouterGradLink>& probs_link) {
+  ctx->save_for_backward({map.row_map});
+  save_link(ctx, probs_link);
+  if (map.row_probs.defined()) return map.row_probs;
+  // Each slot as a one-element token row (k = 1) through the row kernels: one launch.
+  return ops::permute_rows(probs.contiguous().view({-1, 1}), map.row_map.view({-1, 1}),
+                           map.sorted_slots, at::Tensor())
+      .view(-1);
+}
+
+variable_list RowProbsFunction::backward(AutogradContext* ctx, variable_list grad_outputs) {
+  const OnceDifferentiable once;
+  const at::Tensor row_map = ctx->get_saved_variables()[0];  // [T, k]
+  at::Tensor grad_probs;
   const std::shared_ptr<RouterGradLink> link = saved_link<RouterGradLink>(ctx);
   if (link && ctx->needs_input_grad(0) && grad_outputs[0].defined()) {
     // The router's backward reads these through the map: no gradient of its own here.
-    TORCH_CHECK(!link->probs_grad_rows.defined(), "PermuteFunction: the RouterGradLink still ",
+    TORCH_CHECK(!link->probs_grad_rows.defined(), "RowProbsFunction: the RouterGradLink still ",
                 "holds another permutation's gradient; a link serves one forward");
     link->probs_grad_rows = grad_outputs[0];
     link->probs_row_map = row_map;
   } else if (ctx->needs_input_grad(0)) {
-    grad_tokens = ops::unpermute_rows(grad_outputs[0].contiguous(), row_map, at::Tensor());
+    grad_probs = ops::unpermute_rows(grad_outputs[0].contiguous().view({-1, 1}),
+                                     row_map.contiguous().view({-1, 1}), at::Tensor())
+                     .view(row_map.sizes());
   }
-  return once_differentiable("PermuteFunction", once,
-                             {grad_tokens, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()});
+  return once_differentiable("RowProbsFunction", once, {grad_probs, at::Tensor(), at::Tensor()});
 }
 
 at::Tensor UnpermuteFunction::forward(AutogradContext* ctx, const at::Tensor& permuted,
@@ -96,7 +115,7 @@ PermutedTokens permute_tokens(const at::Tensor& tokens, const at::Tensor& indice
                               int64_t num_experts, const std::optional<at::Tensor>& probs,
                               ops::IndexTrust trust) {
   PermutedTokens out = route_tokens(tokens, indices, num_experts, probs, trust);
-  out.tokens = PermuteFunction::apply(tokens, out.row_map, out.sorted_slots, std::nullopt);
+  out.tokens = PermuteFunction::apply(tokens, out.row_map, out.sorted_slots);
   return out;
 }
 
@@ -144,12 +163,7 @@ PermutedTokens route_tokens(const at::Tensor& tokens, const at::Tensor& indices,
     // index_select.
     out.probs = probs->is_cuda() && probs->scalar_type() == at::kDouble
                     ? probs->reshape(-1).index_select(0, map.sorted_slots)
-                    : PermuteFunction::apply(
-                          probs->reshape({-1, 1}), map.row_map.view({-1, 1}), map.sorted_slots,
-                          fp32_probs ? std::optional<at::Tensor>(map.row_probs.view({-1, 1}))
-                                     : std::nullopt,
-                          probs_link)
-                          .view(-1);
+                    : RowProbsFunction::apply(*probs, map, probs_link);
   }
   out.row_map = std::move(map.row_map);
   out.sorted_slots = std::move(map.sorted_slots);

@@ -1,6 +1,7 @@
 #pragma once
-// Autograd for token permutation: PermuteFunction (token order -> expert-grouped rows) and
-// UnpermuteFunction (back, optionally weighted by the routing probabilities), plus the entry
+// Autograd for token permutation: PermuteFunction (token order -> expert-grouped rows),
+// RowProbsFunction (the routing probabilities in the rows' order) and UnpermuteFunction (back,
+// optionally weighted by the routing probabilities), plus the entry
 // points the modules call: permute_tokens() builds the routing map and applies PermuteFunction;
 // unpermute_tokens() applies UnpermuteFunction to a checked or a trusted map.
 
@@ -21,15 +22,25 @@ namespace torchmoe::autograd {
 class PermuteFunction : public torch::autograd::Function<PermuteFunction> {
  public:
   // tokens [T, H], row_map [T, k] and its inverse sorted_slots [N] -> [N, H]. Gradient: the sum
-  // over each token's rows. permuted: none, or those rows already made (the routing map's
-  // pass writes the probabilities'), which forward then returns instead of permuting.
-  // probs_link: `tokens` are a router's probabilities [T·k, 1] straight from its
-  // RouterTopKFunction given the same link, whose backward reads their rows' gradient through the
-  // map; this backward then only hands it over (RouterGradLink).
+  // over each token's rows.
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& tokens,
-                            const at::Tensor& row_map, const at::Tensor& sorted_slots,
-                            const std::optional<at::Tensor>& permuted,
-                            const std::shared_ptr<RouterGradLink>& probs_link = nullptr);
+                            const at::Tensor& row_map, const at::Tensor& sorted_slots);
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs);
+};
+
+class RowProbsFunction : public torch::autograd::Function<RowProbsFunction> {
+ public:
+  // A router's probabilities [T, k] -> each permuted row's [N], in map's row order: map.row_probs
+  // when the map's pass wrote them (float32), else gathered here. The map is not a Function input,
+  // so its rows come back without the view autograd makes of a returned input, and probs needs no
+  // reshape to [T·k, 1] rows (each a view and a node: host time per forward). Gradient: each
+  // slot's row's. probs_link: probs come straight from the RouterTopKFunction given the same link,
+  // whose backward reads the rows' gradient through the map; this backward then only hands it
+  // over (RouterGradLink).
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& probs,
+                            const ops::RoutingMap& map,
+                            const std::shared_ptr<RouterGradLink>& probs_link);
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs);
 };
@@ -63,7 +74,7 @@ PermutedTokens permute_tokens(const at::Tensor& tokens, const at::Tensor& indice
 // sizes, with `tokens` left undefined, for experts that read the tokens through the map
 // (GroupedMLP::forward_routed). probs_link: probs are the top-k's of a router given the same
 // link, unchanged since; the rows' probabilities' gradient then goes to it through the link
-// (PermuteFunction).
+// (RowProbsFunction).
 PermutedTokens route_tokens(const at::Tensor& tokens, const at::Tensor& indices,
                             int64_t num_experts, const std::optional<at::Tensor>& probs,
                             ops::IndexTrust trust = ops::IndexTrust::kChecked,

@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "torchmoe/kernels/cuda_check.h"
+#include "torchmoe/kernels/occupancy.h"
 #include "torchmoe/kernels/types.h"
 
 namespace torchmoe::kernels {
@@ -196,22 +197,11 @@ void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t s
   TORCHMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...));
 }
 
-// Multiprocessors of the current device.
-inline int sm_count() {
-  int device = 0, sms = 0;
-  TORCHMOE_CUDA_CHECK(cudaGetDevice(&device));
-  TORCHMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return sms;
-}
-
 // Blocks of `kernel` that run at once on the device (at least one per SM), given its registers
-// and shared memory.
+// and shared memory (asked once per kernel and device: occupancy.h).
 template <typename Kernel>
 int64_t wave_blocks(Kernel* kernel, int threads, size_t shared_bytes) {
-  int per_sm = 0;
-  TORCHMOE_CUDA_CHECK(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared_bytes));
-  return static_cast<int64_t>(sm_count()) * std::max(per_sm, 1);
+  return resident_blocks(reinterpret_cast<const void*>(kernel), threads, shared_bytes);
 }
 
 // Blocks for a grid-stride loop that needs `blocks_needed`: at most one wave of `kernel`, i.e. as

@@ -191,15 +191,8 @@ template <GemmKind kKind, typename TA, typename TB, typename OutT,
           Accumulation kAcc = Accumulation::kWhole>
 auto* configured_kernel() {
   auto* kernel = grouped_gemm_sm90_kernel<kKind, TA, TB, OutT, kAcc>;
-  static std::once_flag configured[kMaxDevices];
-  int device = 0;
-  TORCHMOE_CUDA_CHECK(cudaGetDevice(&device));
-  TORCH_CHECK(device < kMaxDevices, "sm90 grouped GEMM: device index ", device, " out of range");
-  std::call_once(configured[device], [&] {
-    TORCHMOE_CUDA_CHECK(cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-        static_cast<int>(Smem<kKind, kAcc == Accumulation::kBlockScaled>::kBytes)));
-  });
+  allow_dynamic_shared(reinterpret_cast<const void*>(kernel),
+                       Smem<kKind, kAcc == Accumulation::kBlockScaled>::kBytes);
   return kernel;
 }
 
@@ -254,6 +247,12 @@ void launch(const Sm90GemmParams& p, cudaStream_t stream) {
     }
   }
   zero_tile_counter<kKind>(p.tile_counter, stream);
+  if (scatter) {  // the epilogue adds the rows into zeros
+    const int64_t cols = kKind == GemmKind::kFprop ? p.n : p.k;
+    TORCHMOE_CUDA_CHECK(cudaMemsetAsync(
+        p.output, 0, static_cast<size_t>(p.scatter_target_rows * cols) * element_size(p.input_type),
+        stream));
+  }
   kernel<<<sm_count(), kThreads, Smem<kKind>::kBytes, stream>>>(args);
   TORCHMOE_CUDA_CHECK(cudaGetLastError());
 }

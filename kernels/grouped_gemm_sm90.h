@@ -67,7 +67,7 @@ struct Sm90GemmParams {
   void* output = nullptr;             // y / dx [rows, ·]   (kFprop, kDgrad)
   // Scattered rows (kFprop, kDgrad): device, `rows` integers (unchecked; ops checks the map's
   // shape). Row i of the product is added to row scatter_rows[i] of `output`, which then has
-  // scatter_target_rows rows and which the caller fills first, instead of being stored at row i;
+  // scatter_target_rows rows and which the launch zeroes first, instead of being stored at row i;
   // entries -1 or outside the output are not added. Null: row i is stored at row i.
   const void* scatter_rows = nullptr;
   bool scatter_rows_int32 = false;  // else int64

@@ -241,8 +241,11 @@ __global__ void __launch_bounds__(kMaxThreads, min_blocks(kPerLane, 4, 2))
     }
   }
   if (p.aux_loss) {
+    // A zero scale gives 0 (NaN sums would make the product NaN).
     const double loss = block_sum_in_order(loss_part, warp_parts);
-    if (threadIdx.x == 0) *p.aux_loss = static_cast<float>(loss * p.aux_loss_scale);
+    if (threadIdx.x == 0) {
+      *p.aux_loss = p.aux_loss_scale > 0 ? static_cast<float>(loss * p.aux_loss_scale) : 0.0f;
+    }
   }
   if (p.z_loss) {
     // A zero scale gives 0 without the sum (an infinite logsumexp would make it NaN).
@@ -286,6 +289,9 @@ void launch_router_forward(const RouterParams& params, cudaStream_t stream) {
                         "launch_router_forward: num_groups ", params.num_groups,
                         " and topk_groups ", params.topk_groups, " for ", params.experts,
                         " experts");
+  // A memset rather than the caller's fill: an ATen zeros costs the host a tensor and a kernel.
+  TORCHMOE_CUDA_CHECK(cudaMemsetAsync(
+      params.scratch, 0, router_forward_scratch_words(params) * sizeof(int64_t), stream));
   const bool aux = params.aux_sums != nullptr;
   dispatch_per_lane(params.experts, [&](auto per_lane) {
     // At most a block per Σ lse² word at the scratch's end (router_forward_scratch_words).

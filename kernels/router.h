@@ -16,8 +16,8 @@
 //   aux[t, e]      = s[t, e], or for sigmoid s[t, e] / (Σ_e s[t, e] + 1e-20)
 //   aux_sums[e]    = Σ_t aux[t, e]                 (optional: the load-balancing loss's input)
 //   counts[e]      = number of tokens choosing e                                     (int64)
-//   aux_loss       = aux_loss_scale · Σ_e aux_sums[e] · counts[e]   (optional, with aux_sums: the
-//                    load-balancing loss when the counts are this launch's own)
+//   aux_loss       = aux_loss_scale · Σ_e aux_sums[e] · counts[e]   (optional: the load-balancing
+//                    loss when the counts are this launch's own; 0 without aux_sums)
 //   z_loss         = z_loss_scale · Σ_t lse[t]²                      (optional: the router z-loss
 //                    when the tokens are the batch's; 0 when z_loss_scale is 0)
 //
@@ -68,12 +68,12 @@ struct RouterParams {
   int64_t* indices = nullptr;  // [T, k]
   float* probs = nullptr;      // [T, k]
   float* aux_sums = nullptr;   // [E] or null; T < 2^31 (the fixed-point sums' range)
-  int64_t* scratch = nullptr;  // router_forward_scratch_words(params), zeroed by the caller: the
+  int64_t* scratch = nullptr;  // router_forward_scratch_words(params), zeroed by the launch: the
                                // counts' and sums' replicas, a NaN flag, the finished blocks,
                                // each block's Σ lse²
   float* lse = nullptr;        // [T]
   int64_t* counts = nullptr;   // [E]
-  float* aux_loss = nullptr;   // [] or null (needs aux_sums)
+  float* aux_loss = nullptr;   // [] or null (0 without aux_sums)
   double aux_loss_scale = 0.0;
   float* z_loss = nullptr;  // [] or null
   double z_loss_scale = 0.0;

@@ -284,9 +284,7 @@ SelectedKernel select_source(const SplitQuantizeParams& p) {
   SelectedKernel selected{split_quantize_kernel<T, F, S, kSource>,
                           has_stash<T, S, kSource>() ? stash_offset(p.num_groups) + kStashBytes
                                                      : layout_bytes(p.num_groups)};
-  TORCHMOE_CUDA_CHECK(cudaFuncSetAttribute(selected.kernel,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(selected.shared)));
+  allow_dynamic_shared(reinterpret_cast<const void*>(selected.kernel), selected.shared);
   return selected;
 }
 

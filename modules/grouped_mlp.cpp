@@ -124,10 +124,9 @@ torch::Tensor GroupedMLPCalls::forward_routed(
     return run_layers(mlp, x, &gather, plans, routed.probs, is_first_microbatch,
                       std::move(output_grad_link));
   }
-  const torch::Tensor rows =
-      routed.tokens.defined()
-          ? routed.tokens.contiguous()
-          : autograd::PermuteFunction::apply(x, routed.row_map, routed.sorted_slots, std::nullopt);
+  const torch::Tensor rows = routed.tokens.defined() ? routed.tokens.contiguous()
+                                                     : autograd::PermuteFunction::apply(
+                                                           x, routed.row_map, routed.sorted_slots);
   return run_layers(mlp, rows, nullptr, plans, routed.probs, is_first_microbatch,
                     std::move(output_grad_link));
 }
@@ -147,7 +146,7 @@ torch::Tensor GroupedMLPImpl::forward_combined(const torch::Tensor& tokens,
                        !(fc2->options.bias() && options.scale_bias());
   if (!combine) {
     const torch::Tensor rows =
-        autograd::PermuteFunction::apply(x, routed.row_map, routed.sorted_slots, std::nullopt);
+        autograd::PermuteFunction::apply(x, routed.row_map, routed.sorted_slots);
     return autograd::unpermute_tokens(
         detail::GroupedMLPCalls::run_layers(*this, rows, nullptr, plans, routed.probs,
                                             is_first_microbatch),

@@ -235,7 +235,7 @@ RouterOutput TopKRouterCalls::forward(TopKRouterImpl& router, const torch::Tenso
     const torch::Tensor weighted = torch::dot(scored[2], out.tokens_per_expert.to(compute));
     out.aux_loss = weighted * (o.aux_loss_coeff() * experts / topk) / group_tokens.square();
   } else {
-    out.aux_loss = torch::zeros({}, scalar);
+    out.aux_loss = scored[5];  // the top-k's 0 without the loss
   }
   if (z_in_kernel) {
     out.z_loss = scored[6];

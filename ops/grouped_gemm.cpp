@@ -78,12 +78,16 @@ void check_scatter(const char* op, const RowScatter& scatter, const GemmPlan& pl
 }
 
 // The buffer forward or dgrad writes: the sm90 kernel adds scattered rows into zeros of the
-// output's shape; the other backends write [rows, cols] first (zeros past the last group, which
-// they leave unwritten, when the rows are added up after: summed_rows).
+// output's shape, which its launch writes (a memset: no fill kernel queued here) when there are
+// rows to launch for; the other backends write [rows, cols] first (zeros past the last group,
+// which they leave unwritten, when the rows are added up after: summed_rows).
 at::Tensor new_output(const GemmPlan& plan, const RowScatter& scatter, GemmBackend backend,
                       int64_t cols, const at::TensorOptions& options) {
   if (!scatter.defined()) return at::empty({plan.rows, cols}, options);
-  if (backend == GemmBackend::kSm90) return at::zeros({scatter.target_rows, cols}, options);
+  if (backend == GemmBackend::kSm90) {
+    return plan.rows > 0 ? at::empty({scatter.target_rows, cols}, options)
+                         : at::zeros({scatter.target_rows, cols}, options);
+  }
   return at::zeros({plan.rows, cols}, options);
 }
 

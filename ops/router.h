@@ -94,8 +94,8 @@ struct RouterScoring {
   // probs multiplied by this after any normalisation (DeepSeek-V3's routed_scaling_factor).
   double scale = 1.0;
   bool aux = false;  // also return the aux loss's input: the scores summed over tokens
-  // With aux and > 0: also return aux_loss = aux_loss_scale · Σ_e aux_sums[e] · counts[e], the
-  // load-balancing loss when this call's counts are the batch's (no process group).
+  // aux_loss = aux_loss_scale · Σ_e aux_sums[e] · counts[e] (> 0 needs aux): the load-balancing
+  // loss when this call's counts are the batch's (no process group); 0 when the scale is 0.
   double aux_loss_scale = 0.0;
   // Also return z_loss = z_loss_scale · Σ_t lse[t]² (0 when the scale is 0): the router z-loss
   // when this call's tokens are the batch's (no process group).
@@ -110,7 +110,7 @@ struct RouterTopK {
                         // their row sum (T < 2^31); [0] when not asked for
   at::Tensor lse;       // [T] logsumexp of each row of logits
   at::Tensor counts;    // [E] int64 tokens choosing each expert
-  at::Tensor aux_loss;  // [] in the logits' dtype with aux_loss_scale > 0, else undefined
+  at::Tensor aux_loss;  // [] in the logits' dtype (0 when aux_loss_scale is 0)
   at::Tensor z_loss;    // [] in the logits' dtype with z_loss, else undefined
 };
 

@@ -123,7 +123,7 @@ RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts, Inde
       probs.defined() ? probs.scalar_type() : at::ScalarType::Undefined, " on ",
       probs.defined() ? probs.device() : indices.device());
   // Values only: row_probs is data (route_tokens gives it autograd history through
-  // PermuteFunction).
+  // RowProbsFunction).
   const at::Tensor flat_probs =
       probs.defined() ? probs.detach().contiguous().view(-1) : at::Tensor();
   const at::TensorOptions long_options = indices.options().dtype(at::kLong);
@@ -151,10 +151,11 @@ RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts, Inde
     map.sorted_slots = at::empty({slots}, long_options);
     map.row_tokens = at::empty({slots}, long_options);
     if (probs.defined()) map.row_probs = at::empty({slots}, flat_probs.options());
-    const at::Tensor counts = at::empty({num_experts + 2}, long_options);
+    // The counts and, past them, the kernel's workspace: one allocation (each costs host time).
     const size_t workspace_bytes = kernels::routing_map_workspace_bytes(slots, num_experts);
-    const at::Tensor workspace =
-        at::empty({static_cast<int64_t>(workspace_bytes)}, indices.options().dtype(at::kByte));
+    const int64_t workspace_words =
+        static_cast<int64_t>((workspace_bytes + sizeof(int64_t) - 1) / sizeof(int64_t));
+    const at::Tensor counts = at::empty({num_experts + 2 + workspace_words}, long_options);
     kernels::RoutingMapParams p;
     p.tokens = tokens;
     p.topk = topk;
@@ -169,7 +170,7 @@ RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts, Inde
       p.row_probs = map.row_probs.data_ptr<float>();
     }
     p.counts = counts.data_ptr<int64_t>();
-    p.workspace = workspace.data_ptr();
+    p.workspace = counts.data_ptr<int64_t>() + num_experts + 2;
     p.workspace_bytes = workspace_bytes;
     kernels::launch_routing_map(p, at::cuda::getCurrentCUDAStream().stream());
     map.m_splits = counts.narrow(0, 0, num_experts);
@@ -178,7 +179,7 @@ RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts, Inde
       map.num_rows = slots;
       return map;
     }
-    host_counts = counts.to(at::kCPU);  // the one device-to-host copy
+    host_counts = counts.narrow(0, 0, num_experts + 2).to(at::kCPU);  // the one device-to-host copy
   } else {
     TORCH_CHECK_NOT_IMPLEMENTED(false, kOp, ": no backend for indices on ", indices.device());
   }

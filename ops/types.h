@@ -50,8 +50,8 @@ class SplitSizes {
 /// Tokens grouped by expert, as functional::permute_tokens returns them.
 struct PermutedTokens {
   at::Tensor tokens;  // [N, H]: expert e's rows contiguous, experts in order
-  // [N]: each row's routing probability (when probs were given). For float32 probabilities a view
-  // of what the routing map wrote, returned by PermuteFunction: not to be changed in place.
+  // [N]: each row's routing probability (when probs were given). For float32 probabilities what
+  // the routing map wrote, returned by RowProbsFunction: not to be changed in place.
   at::Tensor probs;
   // [T, k] int64: the permuted row of each (token, choice) slot, -1 where dropped.
   at::Tensor row_map;

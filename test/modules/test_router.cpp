@@ -97,6 +97,23 @@ TEST_CASE("TopKRouter aux loss and z-loss follow their formulas", "[modules][rou
   CHECK(out.z_loss.item<double>() == Approx(0.001 * z / tokens).epsilon(1e-12));
 }
 
+// The default aux_loss_coeff 0: a zero that takes no gradient (on CUDA the top-k kernel writes it),
+// which a training loop may still add to its loss.
+TEST_CASE("TopKRouter without an aux loss returns a zero without gradient", "[modules][router]") {
+  const bool cuda = GENERATE(false, true);
+  TORCHMOE_RETURN_IF_NO_GPU_FOR(cuda);
+  const torch::Device device = cuda ? torch::kCUDA : torch::kCPU;
+  TopKRouter router(TopKRouterOptions(8, 6, 2).device(device));
+  const torch::Tensor x = torch::randn({13, 8}, torch::TensorOptions(device)).requires_grad_(true);
+  const auto out = router(x);
+  CHECK(out.aux_loss.dim() == 0);
+  CHECK(out.aux_loss.item<double>() == 0.0);
+  CHECK_FALSE(out.aux_loss.requires_grad());
+  (out.probs.sum() + out.aux_loss).backward();
+  CHECK(x.grad().defined());
+  CHECK(router->weight.grad().defined());
+}
+
 TEST_CASE("TopKRouter finite-difference gradients (float64)", "[modules][router]") {
   const auto score = GENERATE(RouterScore::kSoftmax, RouterScore::kSigmoid);
   TopKRouter router = make_router(

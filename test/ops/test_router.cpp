@@ -122,6 +122,30 @@ TEST_CASE("router top-k: the CUDA kernel matches the ATen path", "[ops][router][
   CHECK_FALSE(passed_over.isnan().any().item<bool>());
 }
 
+// Without the aux loss (aux_loss_scale 0) its output is a zero written by the op: the kernel's
+// last block writes it (no fill left to the caller) and a NaN among the sums does not reach it.
+// Axes: the ATen path (CPU) and the kernel; aux sums asked for or not; a NaN row or none.
+TEST_CASE("router top-k: without the aux loss its output is 0", "[ops][router]") {
+  const bool cuda = GENERATE(false, true);
+  const bool aux = GENERATE(false, true);
+  const bool nan_row = GENERATE(false, true);
+  TORCHMOE_RETURN_IF_NO_GPU_FOR(cuda);
+  INFO("cuda=" << cuda << " aux=" << aux << " nan_row=" << nan_row);
+  torch::manual_seed(5);
+  torch::Tensor logits = torch::randn({70, 16});
+  if (nan_row) logits[3].fill_(NAN);
+  torchmoe::ops::RouterScoring scoring;
+  scoring.topk = 2;
+  scoring.aux = aux;
+  const auto out =
+      torchmoe::ops::router_topk(cuda ? logits.cuda() : logits, torch::Tensor(), scoring);
+  REQUIRE(out.aux_loss.defined());
+  CHECK(out.aux_loss.dim() == 0);
+  CHECK(out.aux_loss.scalar_type() == torch::kFloat32);
+  CHECK(out.aux_loss.item<double>() == 0.0);
+  if (aux && nan_row) CHECK(out.aux_sums.isnan().any().item<bool>());
+}
+
 // The aux sums' fixed point (kernels/router.h) against float64: each term is exact to 2^-33, so
 // the sums are within one fp32 rounding plus T·2^-33 whatever the order of the blocks, and equal
 // bit for bit from run to run. Axes: more tokens than one wave of warps (each warp takes several),
