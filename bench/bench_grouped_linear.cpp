@@ -4,7 +4,8 @@
 // device splits; per-group cuBLASLt with host splits), next to at::_grouped_mm and a
 // dense at::mm of the same FLOPs, measured in the same process. Also the host time of one forward
 // with device splits, by layer (plan, op, module with and without autograd; the MoELayer by part,
-// with its ATen calls counted), and of a training step's forward + backward. Prints tables, writes
+// with its ATen calls counted and timed), of a training step's forward + backward, and the host's
+// prices of a launch, an allocation, a fill and a view. Prints tables, writes
 // JSON. Each GEMM row also gives the peak memory of one call of each of its five (GiB columns, in
 // the TFLOP/s columns' order; JSON <column>_peak_gib): the caching allocator's peak above what was
 // allocated before it (bench_common.h's peak_gib).
@@ -35,6 +36,7 @@
 #include <functional>
 #include <iomanip>
 #include <iostream>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -93,10 +95,11 @@ ops::GemmPlan plan_for(const torch::Tensor& x, int64_t n, int64_t k,
 // call by call, so that they share the host's conditions (one function timed alone measured 2x
 // apart in runs minutes apart), and each result is released after the clock stops: in training a
 // forward's output lives on into backward.
+// ~2 ms at the H100's clock: outlasts any call, a backward of 128 weights included.
+constexpr int64_t kSpinCycles = 4000000;
+
 std::vector<double> host_us(const std::vector<std::function<torch::Tensor()>>& fns) {
   constexpr int kCalls = 200;
-  // ~2 ms at the H100's clock: outlasts any call, a backward of 128 weights included.
-  constexpr int64_t kSpinCycles = 4000000;
   for (int i = 0; i < 10; ++i) {
     for (const auto& fn : fns) fn();
   }
@@ -122,28 +125,92 @@ std::vector<double> host_us(const std::vector<std::function<torch::Tensor()>>& f
 }
 
 // The ATen calls one `fn()` makes on this thread: at top level (each a trip through the
-// dispatcher and, with autograd, its VariableType kernel) and with the calls they make nested.
+// dispatcher and, with autograd, its VariableType kernel) and with the calls they make nested; and
+// the top-level calls' host time by name, summed per call (each call made as in host_us), with the
+// time left outside them (torchmoe's own launches, the autograd Functions).
 struct AtenCalls {
   int64_t top = 0, all = 0;
+  std::vector<std::pair<std::string, double>> top_us;  // by name, largest first
+  double outside_us = 0;
 };
 
-AtenCalls count_aten_calls(const std::function<torch::Tensor()>& fn) {
-  // RecordFunction's callbacks are plain function pointers: the counts live in thread_locals.
+AtenCalls aten_calls(const std::function<torch::Tensor()>& fn) {
+  constexpr int kCalls = 50;
+  // RecordFunction's callbacks are plain function pointers: the tallies live in thread_locals.
+  using Clock = std::chrono::steady_clock;
   static thread_local int depth = 0;
+  static thread_local Clock::time_point top_start;
   static thread_local AtenCalls calls;
+  static thread_local std::map<std::string, double> by_name;
   calls = {};
+  by_name.clear();
+  fn();  // warm: first calls build caches
   const at::CallbackHandle handle = at::addThreadLocalCallback(
       at::RecordFunctionCallback(
           [](const at::RecordFunction&) -> std::unique_ptr<at::ObserverContext> {
             ++calls.all;
-            if (depth++ == 0) ++calls.top;
+            if (depth++ == 0) {
+              ++calls.top;
+              top_start = Clock::now();
+            }
             return nullptr;
           },
-          [](const at::RecordFunction&, at::ObserverContext*) { --depth; })
+          [](const at::RecordFunction& record, at::ObserverContext*) {
+            if (--depth == 0) {
+              by_name[record.name()] +=
+                  std::chrono::duration<double, std::micro>(Clock::now() - top_start).count();
+            }
+          })
           .scopes({at::RecordScope::FUNCTION}));
-  fn();
+  double total_us = 0;
+  for (int i = 0; i < kCalls; ++i) {
+    torch::cuda::synchronize();
+    at::cuda::sleep(kSpinCycles);
+    const auto start = Clock::now();
+    fn();
+    total_us += std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+  }
   at::removeCallback(handle);
-  return calls;
+  torch::cuda::synchronize();
+  AtenCalls out;
+  out.top = calls.top / kCalls;
+  out.all = calls.all / kCalls;
+  double inside_us = 0;
+  for (const auto& [name, us] : by_name) {
+    out.top_us.emplace_back(name, us / kCalls);
+    inside_us += us;
+  }
+  std::sort(out.top_us.begin(), out.top_us.end(),
+            [](const auto& a, const auto& b) { return a.second > b.second; });
+  out.outside_us = (total_us - inside_us) / kCalls;
+  return out;
+}
+
+// What the host pays for the pieces a layer's forward is made of, each timed as in host_us: a
+// kernel launch (ATen's spin kernel, one cycle), an allocation, a zero fill (allocation and fill
+// kernel), a view.
+std::vector<std::pair<std::string, double>> host_prices() {
+  const auto options = torch::TensorOptions(torch::kBFloat16).device(torch::kCUDA);
+  const torch::Tensor t = torch::empty({64, 1024}, options);
+  const std::vector<std::pair<std::string, std::function<torch::Tensor()>>> prices = {
+      {"launch",
+       [] {
+         at::cuda::sleep(1);
+         return torch::Tensor();
+       }},
+      {"at::empty",
+       [&] {
+         return at::empty({64, 1024}, options);
+       }},
+      {"at::zeros", [&] { return at::zeros({1}, options); }},
+      {"view", [&] { return t.view({-1}); }},
+  };
+  std::vector<std::function<torch::Tensor()>> fns;
+  for (const auto& price : prices) fns.push_back(price.second);
+  const std::vector<double> us = host_us(fns);
+  std::vector<std::pair<std::string, double>> out;
+  for (size_t i = 0; i < prices.size(); ++i) out.emplace_back(prices[i].first, us[i]);
+  return out;
 }
 
 // Host time per forward with device splits, by phase: the output's allocation, planning, the op
@@ -225,7 +292,7 @@ HostTimes host_times(const torchmoe::bench::Shape& shape, const torch::Tensor& x
       },
       [&] { return moe_layer->experts->forward_combined(tokens, routed); },
   });
-  const AtenCalls moe_calls = count_aten_calls([&] { return moe_layer(tokens).output; });
+  const AtenCalls moe_calls = aten_calls([&] { return moe_layer(tokens).output; });
   // The steps take turns apart: beside a backward of G weights every forward phase above read 2-7x
   // its time (on an H100 host, the allocation 2.1 us alone and 5-21 us beside the steps).
   const std::vector<double> steps = host_us({
@@ -389,6 +456,22 @@ int main(int argc, char** argv) {
               << std::setw(7) << t.moe_layer - t.moe_router - t.moe_routing - t.moe_experts
               << std::setw(7) << t.moe_calls.top << " / " << t.moe_calls.all << "\n";
   }
+  std::cout
+      << "\nMoELayer forward's top-level ATen calls by host time (us per forward, summed over "
+         "each name's calls; outside = torchmoe's launches and autograd Functions):\n";
+  for (const HostTimes& t : host) {
+    std::cout << std::left << std::setw(17) << t.shape << std::right << "outside "
+              << t.moe_calls.outside_us;
+    for (size_t i = 0; i < std::min<size_t>(6, t.moe_calls.top_us.size()); ++i) {
+      std::cout << ", " << t.moe_calls.top_us[i].first << " " << t.moe_calls.top_us[i].second;
+    }
+    std::cout << "\n";
+  }
+  const std::vector<std::pair<std::string, double>> prices =
+      host.empty() ? std::vector<std::pair<std::string, double>>{} : host_prices();
+  std::cout << "\nhost prices (us, as the forwards above):";
+  for (const auto& [name, us] : prices) std::cout << " " << name << " " << us;
+  std::cout << "\n";
 
   std::ofstream json(args.json_path);
   json << "{\n  \"device\": \"" << at::cuda::getCurrentDeviceProperties()->name
@@ -430,11 +513,22 @@ int main(int argc, char** argv) {
          << ", \"moe_layer_experts\": " << t.moe_experts
          << ", \"moe_layer_aten_calls\": " << t.moe_calls.top
          << ", \"moe_layer_aten_calls_nested\": " << t.moe_calls.all
+         << ", \"moe_layer_outside_aten\": " << t.moe_calls.outside_us
+         << ", \"moe_layer_aten_us\": {";
+    for (size_t c = 0; c < t.moe_calls.top_us.size(); ++c) {
+      json << (c ? ", " : "") << "\"" << t.moe_calls.top_us[c].first
+           << "\": " << t.moe_calls.top_us[c].second;
+    }
+    json << "}"
          << ", \"module_fwd_bwd\": " << t.step
          << ", \"module_single_weight_fwd_bwd\": " << t.step_single << "}"
          << (i + 1 < host.size() ? "," : "") << "\n";
   }
-  json << "  ]\n}\n";
+  json << "  ],\n  \"host_prices_us\": {";
+  for (size_t i = 0; i < prices.size(); ++i) {
+    json << (i ? ", " : "") << "\"" << prices[i].first << "\": " << prices[i].second;
+  }
+  json << "}\n}\n";
   std::cout << "wrote " << args.json_path << "\n";
   return 0;
 }
