@@ -183,8 +183,6 @@ MapBox weight_box(GemmKind kind, MapType type) {
   return operand_box(type, kind == GemmKind::kFprop ? kBlockN : 64);
 }
 
-constexpr int kMaxDevices = 64;
-
 // The kernel's dynamic shared memory is above the default limit: the opt-in is per kernel and
 // per device.
 template <GemmKind kKind, typename TA, typename TB, typename OutT,
@@ -365,6 +363,8 @@ void launch_fp8(const Sm90Fp8GemmParams& f, cudaStream_t stream) {
       args);
   TORCHMOE_CUDA_CHECK(cudaGetLastError());
 }
+
+constexpr int kMaxDevices = 64;
 
 }  // namespace
 

@@ -163,7 +163,7 @@ at::Tensor router_logits(const at::Tensor& x, const at::Tensor& weight, const at
                   ? c10::str(bias.scalar_type(), " ", bias.sizes(), " on ", bias.device())
                   : std::string());
   at::Tensor logits;
-  if (tensor_core_path(x, weight) && x.size(0) > 0 && x.size(1) > 0) {
+  if (tensor_core_path(x, weight) && x.numel() > 0 && weight.numel() > 0) {
     logits = fp32_product(kernels::GemmKind::kFprop, x, weight);
   } else {
     const at::ScalarType compute = logits_type(x, weight);
@@ -233,7 +233,7 @@ RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at
     }
     if (need_grad_weight) {
       // Rows [0, E) are hiᵀ·x, rows [E, 2E) loᵀ·x: their fp32 sum, rounded once.
-      const at::Tensor halves = tokens > 0 && x.size(1) > 0
+      const at::Tensor halves = x.numel() > 0 && experts > 0
                                     ? fp32_product(kernels::GemmKind::kWgrad, x, product.lhs)
                                     : at::mm(product.lhs.t(), x, at::kFloat);
       TORCH_INTERNAL_ASSERT(halves.is_contiguous(), kOp, ": the halves' product is not row-major");
