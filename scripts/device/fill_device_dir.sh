@@ -6,11 +6,13 @@
 # scripts/test.sh (which installs the packages and makes build/test/hf_reference).
 set -euo pipefail
 d=.device
-need() { [ -e "$1" ] || { echo "fill_device_dir: $1 is missing (run scripts/test.sh first)" >&2; exit 1; }; }
-for path in /usr/include/catch2 /usr/lib/cmake/Catch2 /usr/lib/libCatch2WithMain.a /usr/include/fmt \
-  /usr/lib/x86_64-linux-gnu/cmake/fmt /usr/include/gloo/rendezvous/store.h /usr/include/nlohmann \
-  /usr/share/cmake/nlohmann_json build/test/hf_reference; do
-  need "$path"
+for path in /usr/include/catch2 /usr/lib/cmake/Catch2 /usr/lib/libCatch2WithMain.a \
+  /usr/include/fmt /usr/lib/x86_64-linux-gnu/cmake/fmt /usr/include/gloo/rendezvous/store.h \
+  /usr/include/nlohmann /usr/share/cmake/nlohmann_json build/test/hf_reference; do
+  if [ ! -e "$path" ]; then
+    echo "fill_device_dir: $path is missing (run scripts/test.sh first)" >&2
+    exit 1
+  fi
 done
 rm -rf "$d/catch2" "$d/fmt" "$d/gloo" "$d/nlohmann" "$d/hf_reference"
 mkdir -p "$d/catch2/include" "$d/catch2/lib/cmake" "$d/fmt/include" \
