@@ -18,6 +18,7 @@
 
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/EmptyTensor.h>
 #include <ATen/cuda/Sleep.h>
 #include <ATen/record_function.h>
 #include <torchmoe/autograd/token_permutation_function.h>
@@ -201,6 +202,12 @@ std::vector<std::pair<std::string, double>> host_prices() {
       {"at::empty",
        [&] {
          return at::empty({64, 1024}, options);
+       }},
+      // The CUDA allocation behind at::empty without the dispatcher: what an op would save by
+      // calling it directly.
+      {"at::detail::empty_cuda",
+       [&] {
+         return at::detail::empty_cuda({64, 1024}, at::kBFloat16, options.device(), std::nullopt);
        }},
       {"at::zeros", [&] { return at::zeros({1}, options); }},
       {"view", [&] { return t.view({-1}); }},
