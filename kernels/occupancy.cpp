@@ -24,12 +24,9 @@ std::mutex& cache_mutex() {
   return mutex;
 }
 
-}  // namespace
-
-int sm_count() {
-  const int device = current_device();
+// The caller holds cache_mutex().
+int sm_count_locked(int device) {
   static std::map<int, int> counts;
-  const std::lock_guard<std::mutex> lock(cache_mutex());
   auto it = counts.find(device);
   if (it == counts.end()) {
     int sms = 0;
@@ -39,9 +36,16 @@ int sm_count() {
   return it->second;
 }
 
+}  // namespace
+
+int sm_count() {
+  const int device = current_device();
+  const std::lock_guard<std::mutex> lock(cache_mutex());
+  return sm_count_locked(device);
+}
+
 int64_t resident_blocks(const void* kernel, int threads, size_t shared_bytes) {
   const int device = current_device();
-  const int sms = sm_count();
   static std::map<std::tuple<const void*, int, size_t, int>, int64_t> blocks;
   const std::lock_guard<std::mutex> lock(cache_mutex());
   const auto key = std::make_tuple(kernel, threads, shared_bytes, device);
@@ -50,7 +54,8 @@ int64_t resident_blocks(const void* kernel, int threads, size_t shared_bytes) {
     int per_sm = 0;
     TORCHMOE_CUDA_CHECK(
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared_bytes));
-    it = blocks.emplace(key, static_cast<int64_t>(sms) * std::max(per_sm, 1)).first;
+    it = blocks.emplace(key, static_cast<int64_t>(sm_count_locked(device)) * std::max(per_sm, 1))
+             .first;
   }
   return it->second;
 }

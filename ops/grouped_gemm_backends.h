@@ -101,6 +101,9 @@ struct CublasLtLaunch {
   at::Tensor workspace;
 };
 CublasLtLaunch cublaslt_launch(const at::Tensor& like, size_t nonempty);
+// Runs params' groups, one cuBLASLt matmul each (plans cached), on the current stream of like's
+// device and side streams for the non-empty ones.
+kernels::GroupedGemmResult run_cublaslt(const at::Tensor& like, kernels::GroupedGemmParams params);
 
 void cublaslt_forward(const GemmPlan& plan, const at::Tensor& input, const CheckedGroups& weights,
                       const CheckedGroups& biases, at::Tensor& output);

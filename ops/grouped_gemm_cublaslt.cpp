@@ -30,8 +30,9 @@ size_t cublaslt_stream_count() {
   return count;
 }
 
-// Runs the groups on the current stream of the operands' device.
-kernels::GroupedGemmResult run(const at::Tensor& like, kernels::GroupedGemmParams params) {
+}  // namespace
+
+kernels::GroupedGemmResult run_cublaslt(const at::Tensor& like, kernels::GroupedGemmParams params) {
   const c10::cuda::CUDAGuard guard(like.device());
   params.allow_tf32 = at::globalContext().allowTF32CuBLAS();
   size_t nonempty = 0;
@@ -39,6 +40,8 @@ kernels::GroupedGemmResult run(const at::Tensor& like, kernels::GroupedGemmParam
   const CublasLtLaunch launch = cublaslt_launch(like, nonempty);
   return kernels::run_grouped_gemm_cublaslt(params, launch.env);
 }
+
+namespace {
 
 const void* rows_at(const at::Tensor& t, int64_t row) {
   return static_cast<const char*>(t.const_data_ptr()) + row * t.size(1) * t.element_size();
@@ -93,7 +96,7 @@ void cublaslt_forward(const GemmPlan& plan, const at::Tensor& input, const Check
     group.bias = biases.empty() ? nullptr : biases.data(g);
     params.groups.push_back(group);
   });
-  run(input, std::move(params));
+  run_cublaslt(input, std::move(params));
 }
 
 void cublaslt_dgrad(const GemmPlan& plan, const at::Tensor& grad_output,
@@ -107,7 +110,7 @@ void cublaslt_dgrad(const GemmPlan& plan, const at::Tensor& grad_output,
     group.output = mutable_rows_at(grad_input, first);
     params.groups.push_back(group);
   });
-  run(grad_output, std::move(params));
+  run_cublaslt(grad_output, std::move(params));
 }
 
 void cublaslt_wgrad(const GemmPlan& plan, const at::Tensor& input, const at::Tensor& grad_output,
@@ -124,7 +127,7 @@ void cublaslt_wgrad(const GemmPlan& plan, const at::Tensor& input, const at::Ten
     group.bias_grad = bias_grads.empty() ? nullptr : bias_grads.mutable_data(g);
     params.groups.push_back(group);
   });
-  const kernels::GroupedGemmResult result = run(input, std::move(params));
+  const kernels::GroupedGemmResult result = run_cublaslt(input, std::move(params));
   if (!bias_grads.empty() && !result.bias_grad_computed) {
     host_bias_grad(plan.m_splits.host(), grad_output, bias_grads);
   }

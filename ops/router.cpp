@@ -5,6 +5,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "torchmoe/kernels/grouped_gemm_cublaslt.h"
@@ -33,7 +34,6 @@ bool tensor_core_path(const at::Tensor& x, const at::Tensor& weight) {
 // at every call (19 us of host time per router forward on an H100 host). kFprop: input [rows, k]
 // · other [n, k]ᵀ -> [rows, n]; kWgrad: other [rows, n]ᵀ · input [rows, k] -> [n, k].
 at::Tensor fp32_product(kernels::GemmKind kind, const at::Tensor& input, const at::Tensor& other) {
-  const c10::cuda::CUDAGuard guard(input.device());
   const at::Tensor a = input.contiguous(), b = other.contiguous();
   const int64_t rows = a.size(0), k = a.size(1);
   const int64_t n = kind == kernels::GemmKind::kFprop ? b.size(0) : b.size(1);
@@ -56,8 +56,7 @@ at::Tensor fp32_product(kernels::GemmKind kind, const at::Tensor& input, const a
   }
   group.output = out.data_ptr();
   params.groups.push_back(group);
-  const detail::CublasLtLaunch launch = detail::cublaslt_launch(a, 1);
-  kernels::run_grouped_gemm_cublaslt(params, launch.env);
+  detail::run_cublaslt(a, std::move(params));
   return out;
 }
 
