@@ -22,6 +22,8 @@ namespace torchmoe::kernels {
 constexpr int kWarpSize = 32;
 // CUDA's limit on gridDim.y: kernels with a block row per group take the groups past it in turn.
 constexpr int kMaxGridY = 65535;
+// CUDA's limit on gridDim.x: kernels with a block per few work items loop over those past it.
+constexpr int64_t kMaxGridX = 2147483647;
 
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }

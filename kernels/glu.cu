@@ -2,17 +2,19 @@
 //
 // A warp's lanes stride over a row in vectors of V elements: 16-byte loads and stores when H, G
 // and the pointers allow, else V = 1. In the backward one warp walks whole rows (grid-stride over
-// rows) so that the scale gradient, a sum over the row, is a shuffle reduction in the same pass:
-// no second kernel and no block barrier. (A block per row with a block reduction was measured at
-// 73-81% of copy bandwidth in backward on the H100; see docs/experiments.md.) The forward has no
-// row sum, so its work item is one chunk (32·V elements of a row), consecutive warps on
-// consecutive chunks: two loads per lane, the math, a store. Measured on the H100, taking turns
-// (% of copy on the five benchmark shapes): one chunk 92-98; two, three or four chunks per item,
-// all loaded before the math (more bytes in flight per warp, fewer warps resident), 74-80, 59-63
-// and 31-37; segments of two chunks per warp 78-93. In another run against the segments of up to
-// eight chunks it replaced: 86-92 vs 79-93 (moe-lm 86 vs 79, the others level). Grids are one wave
-// (one_wave_grid): every warp gets the same share of items.
+// rows, a one-wave grid: one_wave_grid) so that the scale gradient, a sum over the row, is a
+// shuffle reduction in the same pass: no second kernel and no block barrier. (A block per row with
+// a block reduction was measured at 73-81% of copy bandwidth in backward on the H100; see
+// docs/experiments.md.) The forward has no row sum, so its work item is one chunk (32·V elements
+// of a row), a grid of one block per eight chunks, one per warp: two loads per lane, the math, a
+// store. Measured on the H100 with a standalone copy of the kernel, taking turns (% of a copy of
+// the same bytes on the five benchmark shapes): the full grid 101.8-103.1; the kernel it replaced,
+// a one-wave grid looping over the chunks, 90.1-99.1 (bench_glu in the same lease: 89-94% of its
+// copy); that loop with the next chunk loaded before the math and store 93.4-98.1; two chunks per
+// warp loaded before the math 90.0-98.5. Earlier, on the one-wave grid: two, three or four chunks
+// per item 74-80, 59-63 and 31-37; segments of two to eight chunks per warp 78-93.
 
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <type_traits>
@@ -35,10 +37,11 @@ __global__ void glu_forward_kernel(const T* __restrict__ input, const S* __restr
   const int64_t gate_offset = interleave ? interleave : hidden;
   const int64_t chunks = chunk_count<V>(hidden);
   const int lane = threadIdx.x % kWarp;
+  // One pass for grids of every item's block; a loop only past kMaxGridX blocks.
   for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
        item < rows * chunks; item += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
     const int64_t row = item / chunks;
-    const int64_t j = chunk_start<V>(item - row * chunks, row, chunks) + lane * V;
+    const int64_t j = (item - row * chunks) * kWarp * V + lane * V;
     if (j >= hidden) continue;
     const T* in = input + row * 2 * hidden + a_index(j, interleave);
     const Vec<T, V> a = load<T, V>(in), b = load<T, V>(in + gate_offset);
@@ -143,8 +146,8 @@ void launch_glu_forward(const GluParams& params, cudaStream_t stream) {
              constexpr int kVec = decltype(vec)::value;
              auto* kernel = glu_forward_kernel<T, S, decltype(kind)::value, kVec>;
              const int64_t items = params.rows * chunk_count<kVec>(params.hidden);
-             const unsigned grid =
-                 one_wave_grid(kernel, kThreads, 0, (items + kWarpsPerBlock - 1) / kWarpsPerBlock);
+             const auto grid = static_cast<unsigned>(
+                 std::min((items + kWarpsPerBlock - 1) / kWarpsPerBlock, kMaxGridX));
              kernel<<<grid, kThreads, 0, stream>>>(static_cast<const T*>(params.input),
                                                    static_cast<const S*>(params.scales),
                                                    static_cast<T*>(params.output), params.rows,
