@@ -10,6 +10,7 @@
 #include <variant>
 
 #include "torchmoe/autograd/once_differentiable.h"
+#include "torchmoe/ops/empty.h"
 #include "torchmoe/ops/grouped_gemm_fp8.h"
 #include "torchmoe/ops/token_permutation.h"
 
@@ -38,7 +39,7 @@ at::Tensor new_group_buffer(at::IntArrayRef shape, size_t groups,
                             const at::TensorOptions& options) {
   std::vector<int64_t> sizes{static_cast<int64_t>(groups)};
   sizes.insert(sizes.end(), shape.begin(), shape.end());
-  return at::empty(sizes, options);
+  return ops::new_empty(sizes, options);
 }
 
 // The gradients autograd receives for parameters in the given layout.

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "torchmoe/kernels/glu.h"
+#include "torchmoe/ops/empty.h"
 #include "torchmoe/ops/kernel_types.h"
 
 namespace torchmoe::ops {
@@ -169,7 +170,7 @@ at::Tensor glu_forward(const at::Tensor& input, const at::Tensor& scales, const 
     case GluBackend::kCuda: {
       const c10::cuda::CUDAGuard guard(input.device());
       const at::Tensor scales_c = scales.defined() ? scales.contiguous() : scales;
-      at::Tensor output = at::empty(output_shape(input, hidden), input.options());
+      at::Tensor output = new_empty(output_shape(input, hidden), input.options());
       kernels::GluParams p = kernel_params(input, scales_c, o, hidden);
       p.output = output.data_ptr();
       kernels::launch_glu_forward(p, at::cuda::getCurrentCUDAStream().stream());

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <string>
 
+#include "torchmoe/ops/empty.h"
 #include "torchmoe/ops/grouped_gemm_backends.h"
 
 namespace torchmoe::ops {
@@ -83,9 +84,9 @@ void check_scatter(const char* op, const RowScatter& scatter, const GemmPlan& pl
 // which they leave unwritten, when the rows are added up after: summed_rows).
 at::Tensor new_output(const GemmPlan& plan, const RowScatter& scatter, GemmBackend backend,
                       int64_t cols, const at::TensorOptions& options) {
-  if (!scatter.defined()) return at::empty({plan.rows, cols}, options);
+  if (!scatter.defined()) return new_empty({plan.rows, cols}, options);
   if (backend == GemmBackend::kSm90) {
-    return plan.rows > 0 ? at::empty({scatter.target_rows, cols}, options)
+    return plan.rows > 0 ? new_empty({scatter.target_rows, cols}, options)
                          : at::zeros({scatter.target_rows, cols}, options);
   }
   return at::zeros({plan.rows, cols}, options);

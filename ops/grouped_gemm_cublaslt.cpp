@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "torchmoe/kernels/grouped_gemm_cublaslt.h"
+#include "torchmoe/ops/empty.h"
 #include "torchmoe/ops/grouped_gemm_backends.h"
 #include "torchmoe/ops/kernel_types.h"
 
@@ -78,7 +79,7 @@ CublasLtLaunch cublaslt_launch(const at::Tensor& like, size_t nonempty) {
   const size_t per_stream =
       at::cuda::getCurrentDeviceProperties()->major >= 9 ? (32u << 20) : (4u << 20);
   launch.workspace =
-      at::empty({static_cast<int64_t>(per_stream * num_streams)}, like.options().dtype(at::kByte));
+      new_empty({static_cast<int64_t>(per_stream * num_streams)}, like.options().dtype(at::kByte));
   env.workspace = launch.workspace.data_ptr();
   env.workspace_bytes = per_stream * num_streams;
   return launch;

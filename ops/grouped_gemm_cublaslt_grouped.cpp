@@ -10,6 +10,7 @@
 #include <string>
 
 #include "torchmoe/kernels/grouped_gemm_cublaslt_grouped.h"
+#include "torchmoe/ops/empty.h"
 #include "torchmoe/ops/grouped_gemm_backends.h"
 #include "torchmoe/ops/kernel_types.h"
 #include "torchmoe/ops/types.h"
@@ -39,7 +40,7 @@ template <typename Params>
 Launch environment(const at::Tensor& like, const Params& p) {
   Launch launch;
   launch.arrays =
-      at::empty({static_cast<int64_t>(kernels::cublaslt_grouped_array_bytes(p.num_groups))},
+      new_empty({static_cast<int64_t>(kernels::cublaslt_grouped_array_bytes(p.num_groups))},
                 like.options().dtype(at::kByte));
   kernels::CublasLtGroupedEnv& env = launch.env;
   env.handle = at::cuda::getCurrentCUDABlasLtHandle();
@@ -48,7 +49,7 @@ Launch environment(const at::Tensor& like, const Params& p) {
   env.workspace = at::cuda::getCUDABlasLtWorkspace();
   env.workspace_bytes = at::cuda::getCUDABlasLtWorkspaceSize();
   if (p.kind == kernels::GemmKind::kFprop && !p.bias.empty()) {
-    launch.product = at::empty({p.rows, p.n}, like.options().dtype(at::kFloat));
+    launch.product = new_empty({p.rows, p.n}, like.options().dtype(at::kFloat));
     env.fprop_product = launch.product.mutable_data_ptr<float>();
   }
   return launch;

@@ -15,6 +15,7 @@
 #include "torchmoe/kernels/grouped_gemm_cublaslt_grouped.h"
 #include "torchmoe/kernels/grouped_gemm_sm90.h"
 #include "torchmoe/kernels/split_quantize.h"
+#include "torchmoe/ops/empty.h"
 #include "torchmoe/ops/grouped_gemm_backends.h"
 #include "torchmoe/ops/kernel_types.h"
 
@@ -275,7 +276,7 @@ at::Tensor per_group_rows_product(const SplitQuantized& a, const SplitQuantized&
                                   bool split_accumulator, const detail::CheckedGroups& biases) {
   const std::vector<int64_t> weight_sizes(sizes.size(), weights_rowwise ? width : reduction);
   const OutputRows layout = output_rows(a, sizes);
-  at::Tensor output = at::empty({layout.total, width}, a.data.options().dtype(output_dtype));
+  at::Tensor output = new_empty({layout.total, width}, a.data.options().dtype(output_dtype));
   const OperandGroups ag = operand_groups(a, true, sizes, reduction);
   const OperandGroups bg =
       operand_groups(weights, weights_rowwise, weight_sizes, weights_rowwise ? reduction : width);
@@ -359,7 +360,7 @@ at::Tensor grouped_linear_forward_fp8(const GemmPlan& plan, const SplitQuantized
   const c10::cuda::CUDAGuard guard(plan.device);
   switch (plan.backend) {
     case GemmBackend::kSm90: {
-      at::Tensor output = at::empty({plan.rows, n}, input.data.options().dtype(output_dtype));
+      at::Tensor output = new_empty({plan.rows, n}, input.data.options().dtype(output_dtype));
       if (plan.rows == 0) return output;
       auto p = sm90_fp8_params(kernels::GemmKind::kFprop, plan, input, true, weights, true,
                                output_dtype);
@@ -370,7 +371,7 @@ at::Tensor grouped_linear_forward_fp8(const GemmPlan& plan, const SplitQuantized
       return output;
     }
     case GemmBackend::kCublasLtGrouped: {
-      at::Tensor output = at::empty({plan.rows, n}, input.data.options().dtype(output_dtype));
+      at::Tensor output = new_empty({plan.rows, n}, input.data.options().dtype(output_dtype));
       auto p = device_fp8_params<kernels::CublasLtGroupedFp8Params>(
           kernels::GemmKind::kFprop, plan, input, true, weights, true, output_dtype);
       p.output = output.data_ptr();
@@ -404,7 +405,7 @@ at::Tensor grouped_linear_dgrad_fp8(const GemmPlan& plan, const SplitQuantized& 
     return per_group_rows_product(grad_output, weights, false, plan.m_splits.host(), k, n,
                                   output_dtype, split, {});
   }
-  at::Tensor grad_input = at::empty({plan.rows, k}, grad_output.data.options().dtype(output_dtype));
+  at::Tensor grad_input = new_empty({plan.rows, k}, grad_output.data.options().dtype(output_dtype));
   if (plan.rows == 0) return grad_input;
   if (plan.dgrad_backend == GemmBackend::kSm90) {
     // dgrad is the fprop product over the weights' columnwise copy, [G, k, n]: k output

@@ -15,6 +15,7 @@
 
 #include "torchmoe/kernels/grouped_column_sum.h"
 #include "torchmoe/kernels/grouped_gemm_sm90.h"
+#include "torchmoe/ops/empty.h"
 #include "torchmoe/ops/grouped_gemm_backends.h"
 #include "torchmoe/ops/kernel_types.h"
 
@@ -130,7 +131,7 @@ void launch(const at::Tensor& like, kernels::Sm90GemmParams params) {
   // captured graph's pool) like every other buffer of the call.
   at::Tensor counter;
   if (params.kind == kernels::GemmKind::kWgrad) {
-    counter = at::empty({1}, like.options().dtype(at::kInt));
+    counter = new_empty({1}, like.options().dtype(at::kInt));
     params.tile_counter = counter.mutable_data_ptr<int>();
   }
   kernels::launch_grouped_gemm_sm90(params, at::cuda::getCurrentCUDAStream().stream());
@@ -223,7 +224,7 @@ void sm90_fp8(const at::Tensor& like, kernels::Sm90Fp8GemmParams p) {
   if (p.kind == kernels::GemmKind::kWgrad) {
     const int64_t map_bytes = p.num_groups * static_cast<int64_t>(kernels::kSm90Fp8MapBytes);
     workspace =
-        at::empty({map_bytes + static_cast<int64_t>(sizeof(int))}, like.options().dtype(at::kByte));
+        new_empty({map_bytes + static_cast<int64_t>(sizeof(int))}, like.options().dtype(at::kByte));
     p.group_maps = workspace.data_ptr();
     p.tile_counter = reinterpret_cast<int*>(workspace.data_ptr<uint8_t>() + map_bytes);
   }

@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "torchmoe/kernels/multi_tensor_adamw.h"
+#include "torchmoe/ops/empty.h"
 #include "torchmoe/ops/kernel_types.h"
 
 namespace torchmoe::ops {
@@ -349,7 +350,7 @@ GradNorm grad_norm(at::TensorList grads, double max_norm) {
         chunks += (g.numel() + kernels::kAdamWChunk - 1) / kernels::kAdamWChunk;
       }
       const at::Tensor partials =
-          at::empty({std::max<int64_t>(chunks, 1)}, first.options().dtype(at::kFloat));
+          new_empty({std::max<int64_t>(chunks, 1)}, first.options().dtype(at::kFloat));
       int64_t first_chunk = 0;
       for_each_batch(
           grads.size(),
@@ -364,7 +365,7 @@ GradNorm grad_norm(at::TensorList grads, double max_norm) {
                                            stream);
             first_chunk += batch.chunk_prefix[batch.num_tensors];
           });
-      const at::Tensor result = at::empty({2}, first.options().dtype(at::kFloat));
+      const at::Tensor result = new_empty({2}, first.options().dtype(at::kFloat));
       kernels::launch_finish_norm(partials.const_data_ptr<float>(), first_chunk, max_norm,
                                   result.mutable_data_ptr<float>(),
                                   result.mutable_data_ptr<float>() + 1, stream);

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "torchmoe/kernels/split_quantize.h"
+#include "torchmoe/ops/empty.h"
 #include "torchmoe/ops/grouped_gemm_backends.h"
 #include "torchmoe/ops/kernel_types.h"
 
@@ -171,7 +172,7 @@ SplitQuantized launch(const at::Tensor& like, int64_t rows, int64_t k, const Spl
     // kBlock1x128: three rows of slack past the end, which a GEMM of the last split rounded up to
     // a multiple of 4 rows reads (ops/grouped_gemm_fp8.cpp says why).
     const int64_t slack = o.scaling == QuantizeScaling::kBlock1x128 ? 3 : 0;
-    out.data = at::empty({rows + slack, k}, fp8).narrow(0, 0, rows);
+    out.data = new_empty({rows + slack, k}, fp8).narrow(0, 0, rows);
   }
   if (o.columnwise) {
     // The kernel reads the device sizes where there are some: the buffer holds their bound, as
@@ -180,10 +181,10 @@ SplitQuantized launch(const at::Tensor& like, int64_t rows, int64_t k, const Spl
     const int64_t width = columnwise_rows(m_splits, rows);
     const int64_t allocated =
         m_splits.has_device() ? kernels::columnwise_elements(rows, 1, groups) : width;
-    out.columnwise_data = at::empty({k * allocated}, fp8).narrow(0, 0, k * width);
+    out.columnwise_data = new_empty({k * allocated}, fp8).narrow(0, 0, k * width);
   }
   if (!block) {
-    out.scale_inv = at::empty({groups}, f32);
+    out.scale_inv = new_empty({groups}, f32);
   } else {
     // Zeroed: the layouts' padding entries are never written, and zeros there keep the buffers
     // deterministic (they are 1/128 of the data or less).
@@ -195,7 +196,7 @@ SplitQuantized launch(const at::Tensor& like, int64_t rows, int64_t k, const Spl
           at::zeros({kernels::columnwise_block_scales(o.scaling, rows, k, groups)}, f32);
     }
   }
-  out.amax = amax.defined() ? amax : at::empty({groups}, f32);
+  out.amax = amax.defined() ? amax : new_empty({groups}, f32);
   out.format = o.format;
   out.scaling = o.scaling;
 
@@ -216,7 +217,7 @@ SplitQuantized launch(const at::Tensor& like, int64_t rows, int64_t k, const Spl
   p.accumulate_amax = amax.defined();
   at::Tensor workspace;
   if (o.scaling == QuantizeScaling::kCurrent) {
-    workspace = at::empty({kernels::split_quantize_workspace_ints(groups, rows, k)},
+    workspace = new_empty({kernels::split_quantize_workspace_ints(groups, rows, k)},
                           like.options().dtype(at::kInt));
     p.workspace = workspace.data_ptr<int32_t>();
   }

@@ -10,6 +10,7 @@
 
 #include "torchmoe/kernels/grouped_gemm_cublaslt.h"
 #include "torchmoe/kernels/router.h"
+#include "torchmoe/ops/empty.h"
 #include "torchmoe/ops/grouped_gemm_backends.h"
 #include "torchmoe/ops/kernel_types.h"
 
@@ -39,7 +40,7 @@ at::Tensor fp32_product(kernels::GemmKind kind, const at::Tensor& input, const a
   const int64_t n = kind == kernels::GemmKind::kFprop ? b.size(0) : b.size(1);
   const auto shape = kind == kernels::GemmKind::kFprop ? std::vector<int64_t>{rows, n}
                                                        : std::vector<int64_t>{n, k};
-  at::Tensor out = at::empty(shape, a.options().dtype(at::kFloat));
+  at::Tensor out = new_empty(shape, a.options().dtype(at::kFloat));
   kernels::GroupedGemmParams params;
   params.kind = kind;
   params.n = n;
@@ -218,8 +219,8 @@ RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at
     } else {
       const at::Tensor g = grad_logits.to(at::kFloat).contiguous();
       const at::Tensor w = need_grad_x ? weight.contiguous() : at::Tensor();
-      product.lhs = at::empty({tokens, 2 * experts}, x.options());
-      if (need_grad_x) product.rhs = at::empty({2 * experts, x.size(1)}, x.options());
+      product.lhs = new_empty({tokens, 2 * experts}, x.options());
+      if (need_grad_x) product.rhs = new_empty({2 * experts, x.size(1)}, x.options());
       kernels::RouterGradSplitParams p;
       p.grad = g.const_data_ptr<float>();
       p.hilo = product.lhs.data_ptr();
@@ -309,28 +310,28 @@ RouterTopK router_topk(const at::Tensor& logits, const at::Tensor& expert_bias,
   if (select_topk_backend(logits, scoring) == TopKBackend::kCuda) {
     const c10::cuda::CUDAGuard guard(logits.device());
     const at::TensorOptions options = logits.options();
-    out.indices = at::empty({tokens, scoring.topk}, options.dtype(at::kLong));
-    out.probs = at::empty({tokens, scoring.topk}, options);
-    out.aux_sums = at::empty({scoring.aux ? experts : 0}, options);
-    out.lse = at::empty({tokens}, options);
-    out.counts = at::empty({experts}, options.dtype(at::kLong));
+    out.indices = new_empty({tokens, scoring.topk}, options.dtype(at::kLong));
+    out.probs = new_empty({tokens, scoring.topk}, options);
+    out.aux_sums = new_empty({scoring.aux ? experts : 0}, options);
+    out.lse = new_empty({tokens}, options);
+    out.counts = new_empty({experts}, options.dtype(at::kLong));
     kernels::RouterParams p = kernel_params(logits, scoring);
     p.expert_bias = expert_bias.defined() ? expert_bias.const_data_ptr<float>() : nullptr;
     p.indices = out.indices.data_ptr<int64_t>();
     p.probs = out.probs.data_ptr<float>();
     if (scoring.aux) p.aux_sums = out.aux_sums.data_ptr<float>();
     const at::Tensor scratch =
-        at::empty({kernels::router_forward_scratch_words(p)}, options.dtype(at::kLong));
+        new_empty({kernels::router_forward_scratch_words(p)}, options.dtype(at::kLong));
     p.scratch = scratch.data_ptr<int64_t>();
     p.lse = out.lse.data_ptr<float>();
     if (scoring.z_loss) {
-      out.z_loss = at::empty({}, options);
+      out.z_loss = new_empty({}, options);
       p.z_loss = out.z_loss.data_ptr<float>();
       p.z_loss_scale = scoring.z_loss_scale;
     }
     p.counts = out.counts.data_ptr<int64_t>();
     // Written also without the loss (its 0): no fill for the caller to make.
-    out.aux_loss = at::empty({}, options);
+    out.aux_loss = new_empty({}, options);
     p.aux_loss = out.aux_loss.data_ptr<float>();
     p.aux_loss_scale = scoring.aux_loss_scale;
     kernels::launch_router_forward(p, at::cuda::getCurrentCUDAStream().stream());
@@ -343,7 +344,7 @@ RouterTopK router_topk(const at::Tensor& logits, const at::Tensor& expert_bias,
   out.probs = scores.gather(1, out.indices);
   if (scoring.normalize) out.probs = out.probs / (out.probs.sum(1, true) + kernels::kRouterNormEps);
   if (scoring.scale != 1.0) out.probs = out.probs * scoring.scale;
-  out.aux_sums = !scoring.aux ? at::empty({0}, logits.options())
+  out.aux_sums = !scoring.aux ? new_empty({0}, logits.options())
                  : scoring.sigmoid
                      ? (scores / (scores.sum(1, true) + kernels::kRouterNormEps)).sum(0)
                      : scores.sum(0);
@@ -445,8 +446,8 @@ RouterTopKGrads router_topk_backward(const at::Tensor& logits, const at::Tensor&
     }
     if (split_weight.defined()) {
       const int64_t hidden = split_weight.size(1);
-      grads.split.lhs = at::empty({tokens, 2 * experts}, split_weight.options());
-      grads.split.rhs = at::empty({2 * experts, hidden}, split_weight.options());
+      grads.split.lhs = new_empty({tokens, 2 * experts}, split_weight.options());
+      grads.split.rhs = new_empty({2 * experts, hidden}, split_weight.options());
       grads.split.out_dtype = at::kBFloat16;
       p.grad_hilo = grads.split.lhs.data_ptr();
       p.split_weight = split_weight.const_data_ptr();

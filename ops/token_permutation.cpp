@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "torchmoe/kernels/token_permutation.h"
+#include "torchmoe/ops/empty.h"
 #include "torchmoe/ops/kernel_types.h"
 
 namespace torchmoe::ops {
@@ -147,15 +148,15 @@ RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts, Inde
                                 num_experts);
     const at::Tensor idx = indices.contiguous();
     const int64_t slots = tokens * topk;
-    map.row_map = at::empty({slots}, long_options);
-    map.sorted_slots = at::empty({slots}, long_options);
-    map.row_tokens = at::empty({slots}, long_options);
-    if (probs.defined()) map.row_probs = at::empty({slots}, flat_probs.options());
+    map.row_map = new_empty({slots}, long_options);
+    map.sorted_slots = new_empty({slots}, long_options);
+    map.row_tokens = new_empty({slots}, long_options);
+    if (probs.defined()) map.row_probs = new_empty({slots}, flat_probs.options());
     // The counts and, past them, the kernel's workspace: one allocation (each costs host time).
     const size_t workspace_bytes = kernels::routing_map_workspace_bytes(slots, num_experts);
     const int64_t workspace_words =
         static_cast<int64_t>((workspace_bytes + sizeof(int64_t) - 1) / sizeof(int64_t));
-    const at::Tensor counts = at::empty({num_experts + 2 + workspace_words}, long_options);
+    const at::Tensor counts = new_empty({num_experts + 2 + workspace_words}, long_options);
     kernels::RoutingMapParams p;
     p.tokens = tokens;
     p.topk = topk;
@@ -230,7 +231,7 @@ at::Tensor permute_rows(const at::Tensor& tokens, const at::Tensor& row_map,
     }
     case PermuteBackend::kCuda: {
       const c10::cuda::CUDAGuard guard(tokens.device());
-      at::Tensor output = at::empty({rows, tokens.size(1)}, tokens.options());
+      at::Tensor output = new_empty({rows, tokens.size(1)}, tokens.options());
       kernels::PermuteParams p =
           kernel_params(tokens.size(0), topk, rows, tokens.size(1), tokens, probs);
       p.row_map = row_map.const_data_ptr<int64_t>();
@@ -301,7 +302,7 @@ at::Tensor unpermute_rows(const at::Tensor& permuted, const at::Tensor& row_map,
     }
     case PermuteBackend::kCuda: {
       const c10::cuda::CUDAGuard guard(permuted.device());
-      at::Tensor output = at::empty({tokens, hidden}, permuted.options());  // every row written
+      at::Tensor output = new_empty({tokens, hidden}, permuted.options());  // every row written
       kernels::PermuteParams p =
           kernel_params(tokens, row_map.size(1), permuted.size(0), hidden, permuted, probs);
       p.row_map = row_map.const_data_ptr<int64_t>();
