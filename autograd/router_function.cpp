@@ -2,6 +2,7 @@
 
 #include "torchmoe/autograd/once_differentiable.h"
 #include "torchmoe/autograd/saved_data.h"
+#include "torchmoe/ops/empty.h"
 
 namespace torchmoe::autograd {
 
@@ -110,7 +111,8 @@ variable_list RouterTopKFunction::forward(AutogradContext* ctx, const at::Tensor
   // Unused outputs (no aux or z loss) get no gradient rather than a tensor of zeros.
   ctx->set_materialize_grads(false);
   // An output cannot be undefined: no z loss is an empty tensor, like no aux sums.
-  const at::Tensor z_loss = out.z_loss.defined() ? out.z_loss : at::empty({0}, logits.options());
+  const at::Tensor z_loss =
+      out.z_loss.defined() ? out.z_loss : ops::new_empty({0}, logits.options());
   return {out.indices, out.probs, out.aux_sums, out.lse, out.counts, out.aux_loss, z_loss};
 }
 

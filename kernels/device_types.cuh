@@ -128,7 +128,8 @@ __device__ __forceinline__ T warp_inclusive_scan(T v) {
 // A warp covers a row in chunks of 32·V elements; chunk c of row `row` starts at the returned
 // element. Each row starts at a different chunk: with every warp at the same in-row offset, rows
 // of a power-of-two (or otherwise unlucky) byte stride put all warps on the same DRAM partitions
-// (measured on the H100: GLU forward at 40-46% of copy bandwidth, permute at 15-20%).
+// (measured on the H100 with a warp per row: GLU forward at 40-46% of copy bandwidth, permute at
+// 15-20%).
 template <int V>
 __host__ __device__ __forceinline__ int64_t chunk_count(int64_t row_length) {
   return (row_length + kWarpSize * V - 1) / (kWarpSize * V);
@@ -210,7 +211,7 @@ int64_t wave_blocks(Kernel* kernel, int threads, size_t shared_bytes) {
 // many blocks as fit on the SMs at once given its registers and shared memory. Each block of such
 // a loop gets the same share of the work, so a grid of 1.33 waves runs its last part on a third of
 // the SMs: counting 2048 threads per SM whatever the registers did that to ScaledSwiGLU's forward
-// (40 registers, so 6 blocks of 256 fit, not 8), ncu: 67% of DRAM peak (docs/performance.md).
+// when it looped (40 registers, so 6 blocks of 256 fit, not 8), ncu: 67% of DRAM peak.
 template <typename Kernel>
 unsigned one_wave_grid(Kernel* kernel, int threads, size_t shared_bytes, int64_t blocks_needed) {
   return static_cast<unsigned>(

@@ -137,7 +137,7 @@ void dispatch(const GluParams& params, std::initializer_list<const void*> pointe
 }  // namespace
 
 void launch_glu_forward(const GluParams& params, cudaStream_t stream) {
-  if (params.rows == 0) return;
+  if (params.rows == 0 || params.hidden == 0) return;  // a grid of no blocks is not a launch
   const ActParams act{params.limit, params.alpha, params.offset};
   dispatch(params, {params.input, params.output},
            [&](auto data_tag, auto scale_tag, auto kind, auto vec) {

@@ -213,8 +213,8 @@ GluGrads glu_backward(const at::Tensor& grad_output, const at::Tensor& input,
       const c10::cuda::CUDAGuard guard(input.device());
       const at::Tensor scales_c = scales.defined() ? scales.contiguous() : scales;
       GluGrads grads;
-      grads.grad_input = at::empty_like(input);
-      if (grad_scales) grads.grad_scales = at::empty_like(scales_c);
+      grads.grad_input = new_empty(input.sizes(), input.options());
+      if (grad_scales) grads.grad_scales = new_empty(scales_c.sizes(), scales_c.options());
       kernels::GluParams p = kernel_params(input, scales_c, o, hidden);
       p.grad_output = grad_output.const_data_ptr();
       p.grad_input = grads.grad_input.data_ptr();

@@ -237,7 +237,7 @@ RouterLogitsGrads router_logits_backward(const at::Tensor& grad_logits, const at
                                     ? fp32_product(kernels::GemmKind::kWgrad, x, product.lhs)
                                     : at::mm(product.lhs.t(), x, at::kFloat);
       TORCH_INTERNAL_ASSERT(halves.is_contiguous(), kOp, ": the halves' product is not row-major");
-      grads.grad_weight = at::empty_like(weight, at::MemoryFormat::Contiguous);
+      grads.grad_weight = new_empty(weight.sizes(), weight.options());
       kernels::RouterHalvesSumParams p;
       p.halves = halves.const_data_ptr<float>();
       p.out = grads.grad_weight.data_ptr();
@@ -438,7 +438,7 @@ RouterTopKGrads router_topk_backward(const at::Tensor& logits, const at::Tensor&
   RouterTopKGrads grads;
   if (select_topk_backend(logits, scoring) == TopKBackend::kCuda) {
     const c10::cuda::CUDAGuard guard(logits.device());
-    at::Tensor grad_logits = at::empty_like(logits);
+    at::Tensor grad_logits = new_empty(logits.sizes(), logits.options());
     kernels::RouterParams p = kernel_params(logits, scoring);
     if (rows.defined()) {
       p.grad_probs_rows = rows.const_data_ptr<float>();

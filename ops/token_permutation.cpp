@@ -355,7 +355,7 @@ UnpermuteGrads unpermute_rows_backward(const at::Tensor& grad_out, const at::Ten
     }
     case PermuteBackend::kCuda: {
       const c10::cuda::CUDAGuard guard(permuted.device());
-      grads.grad_permuted = at::empty_like(permuted);
+      grads.grad_permuted = new_empty(permuted.sizes(), permuted.options());
       // Zeros: dropped slots have no row, and nothing is written when H == 0.
       grads.grad_probs = at::zeros_like(probs);
       kernels::PermuteParams p =
