@@ -100,6 +100,12 @@ inline Setup setup(int argc, char** argv, const std::string& program, Args defau
     std::cerr << program << ": no CUDA device; nothing to measure\n";
     s.exit_code = 1;
   }
+  // The allocator's settings change what host times and peak memory mean: named when set.
+  for (const char* name : {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_NO_CUDA_MEMORY_CACHING"}) {
+    if (const char* value = std::getenv(name)) {
+      std::cout << program << ": " << name << "=" << value << "\n";
+    }
+  }
   return s;
 }
 
