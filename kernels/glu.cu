@@ -14,7 +14,6 @@
 // warp loaded before the math 90.0-98.5. Earlier, on the one-wave grid: two, three or four chunks
 // per item 74-80, 59-63 and 31-37; segments of two to eight chunks per warp 78-93.
 
-#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <type_traits>
@@ -146,12 +145,10 @@ void launch_glu_forward(const GluParams& params, cudaStream_t stream) {
              constexpr int kVec = decltype(vec)::value;
              auto* kernel = glu_forward_kernel<T, S, decltype(kind)::value, kVec>;
              const int64_t items = params.rows * chunk_count<kVec>(params.hidden);
-             const auto grid = static_cast<unsigned>(
-                 std::min((items + kWarpsPerBlock - 1) / kWarpsPerBlock, kMaxGridX));
-             kernel<<<grid, kThreads, 0, stream>>>(static_cast<const T*>(params.input),
-                                                   static_cast<const S*>(params.scales),
-                                                   static_cast<T*>(params.output), params.rows,
-                                                   params.hidden, params.interleave, act);
+             kernel<<<full_grid(items, kWarpsPerBlock), kThreads, 0, stream>>>(
+                 static_cast<const T*>(params.input), static_cast<const S*>(params.scales),
+                 static_cast<T*>(params.output), params.rows, params.hidden, params.interleave,
+                 act);
            });
 }
 

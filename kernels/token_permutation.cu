@@ -10,7 +10,8 @@
 // striding over the hidden dimension in 16-byte vectors when H and the pointers allow, else one
 // element at a time. Each output element is written by one warp, so nothing needs atomics, and a
 // warp per row keeps the probability gradient's dot product a shuffle reduction. Rows start at
-// different chunks (chunk_start; docs/experiments.md has the measurements without it).
+// different chunks (chunk_start; docs/experiments.md has the measurements without it), except in
+// permute, whose full grid spreads them (permute_kernel).
 
 #include <cmath>
 #include <initializer_list>
@@ -229,10 +230,13 @@ __device__ __forceinline__ void store_streaming(T* p, const Vec<T, V>& x) {
 // any store, so that each lane has that many loads in flight) and written to each permuted row its
 // slots name. (A warp per permuted row read each token row k times, and the written rows pushed
 // the sources out of L2: qwen3-30b-a3b's gather read 174 MB from DRAM for a 34 MB source.) A
-// token's items are consecutive, so its row is read once from DRAM either way; items smaller than
-// a token's row balance the one-wave grid: with a warp per token, 8192 tokens were 2.6 per warp,
-// the time of 3. Then the rows no slot names (padding: sorted_slots -1) get zeros, a warp checking
-// 32 rows at a time.
+// token's items are consecutive, so its row is read once from DRAM either way. The grid has a
+// block per eight items (full_grid), and consecutive warps take consecutive chunks of a row, so
+// the stores spread over the row without chunk_start. Measured on the H100 with a standalone copy,
+// taking turns (% of copy, five benchmark shapes): 89-95 against 85-88 for the one-wave loop with
+// rotated chunks it replaced, 88-93 for the full grid with them (bench_moe_layer, taking turns
+// with the loop: 90-94 against 84-90). Then the rows no slot names (padding: sorted_slots -1) get
+// zeros, a warp checking 32 rows at a time.
 constexpr int kPermuteBatch = 2;
 
 template <typename T, typename S, int V>
@@ -255,7 +259,7 @@ __global__ void permute_kernel(const T* __restrict__ input, const int64_t* __res
     int64_t c[kPermuteBatch];
 #pragma unroll
     for (int b = 0; b < kPermuteBatch; ++b) {
-      c[b] = chunk0 + b < chunks ? chunk_start<V>(chunk0 + b, t, chunks) + lane * V : hidden;
+      c[b] = chunk0 + b < chunks ? (chunk0 + b) * kWarpSize * V + lane * V : hidden;
       if (c[b] < hidden) x[b] = load<T, V>(src + c[b]);
     }
     for (int64_t j = 0; j < topk; ++j) {
@@ -496,7 +500,8 @@ void launch_permute(const PermuteParams& params, cudaStream_t stream) {
                  params.tokens *
                  ((chunk_count<decltype(vec)::value>(params.hidden) + kPermuteBatch - 1) /
                   kPermuteBatch);
-             launch_dependent(kernel, row_grid(kernel, std::max(items, params.rows / kWarpSize)),
+             launch_dependent(kernel,
+                              full_grid(std::max(items, params.rows / kWarpSize), kWarpsPerBlock),
                               kThreads, 0, stream, static_cast<const T*>(params.input),
                               params.row_map, params.sorted_slots,
                               static_cast<const S*>(params.probs), static_cast<T*>(params.output),
