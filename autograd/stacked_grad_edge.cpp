@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "torchmoe/ops/empty.h"
+
 namespace torchmoe::autograd {
 namespace {
 
@@ -39,12 +41,9 @@ class StackedGradFanOut final : public torch::autograd::Node {
     const c10::IntArrayRef sizes = stacked.sizes().slice(1), strides = stacked.strides().slice(1);
     variable_list slices(num_outputs());
     for (size_t g = 0; g < slices.size(); ++g) {
-      slices[g] = at::detail::make_tensor<c10::TensorImpl>(c10::TensorImpl::VIEW,
-                                                           c10::Storage(stacked.storage()),
-                                                           stacked.key_set(), stacked.dtype());
-      c10::TensorImpl* impl = slices[g].unsafeGetTensorImpl();
-      impl->set_sizes_and_strides(
-          sizes, strides, stacked.storage_offset() + static_cast<int64_t>(g) * stacked.stride(0));
+      slices[g] = ops::alias_storage(
+          stacked, stacked.scalar_type(), sizes, strides,
+          stacked.storage_offset() + static_cast<int64_t>(g) * stacked.stride(0));
     }
     return slices;
   }

@@ -2,8 +2,14 @@
 // The ops' uninitialised tensors: outputs, gradients and workspaces their kernels write.
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
 #include <c10/core/TensorOptions.h>
 #include <c10/util/ArrayRef.h>
+
+#include <cstdint>
+#include <initializer_list>
+#include <vector>
 
 namespace torchmoe::ops {
 
@@ -13,5 +19,30 @@ namespace torchmoe::ops {
 // kernel's NaN fill under deterministic algorithms, which nothing here needs: the ops write what
 // they return. Host tensors (pinned or not) take at::empty.
 at::Tensor new_empty(at::IntArrayRef sizes, const at::TensorOptions& options);
+
+// One tensor of new_empty_packed: its sizes and dtype.
+struct EmptySpec {
+  at::IntArrayRef sizes;
+  at::ScalarType dtype;
+};
+
+// The piece of one allocation that new_empty_packed gives each tensor starts on a multiple of this
+// many bytes (cudaMalloc's alignment: vector loads and TMA need 16).
+constexpr int64_t kPackedAlignment = 256;
+
+// Small tensors that live and die together (an op's outputs and scratch) as contiguous tensors
+// over one new_empty allocation, in the order of `specs`, each on its own kPackedAlignment-aligned
+// piece: one caching-allocator call instead of one per tensor. Each is a tensor of its own (its
+// own version counter, no view tracking), made without the dispatcher (alias_storage). The memory
+// is freed when the last of them is, so large tensors or ones that outlive the others take
+// new_empty.
+std::vector<at::Tensor> new_empty_packed(std::initializer_list<EmptySpec> specs, at::Device device);
+
+// A tensor of `dtype`, `sizes` and `strides` over `base`'s storage from element `offset` (in
+// dtype's elements), with base's dispatch keys: a plain alias made without the dispatcher or its
+// view tracking (LibTorch's select and as_strided cost microseconds of host time each). The caller
+// keeps it inside the storage and owns what aliasing means for writes.
+at::Tensor alias_storage(const at::Tensor& base, at::ScalarType dtype, at::IntArrayRef sizes,
+                         at::IntArrayRef strides, int64_t offset);
 
 }  // namespace torchmoe::ops

@@ -309,29 +309,38 @@ RouterTopK router_topk(const at::Tensor& logits, const at::Tensor& expert_bias,
   RouterTopK out;
   if (select_topk_backend(logits, scoring) == TopKBackend::kCuda) {
     const c10::cuda::CUDAGuard guard(logits.device());
-    const at::TensorOptions options = logits.options();
-    out.indices = new_empty({tokens, scoring.topk}, options.dtype(at::kLong));
-    out.probs = new_empty({tokens, scoring.topk}, options);
-    out.aux_sums = new_empty({scoring.aux ? experts : 0}, options);
-    out.lse = new_empty({tokens}, options);
-    out.counts = new_empty({experts}, options.dtype(at::kLong));
     kernels::RouterParams p = kernel_params(logits, scoring);
+    // Eight small tensors of one call: one allocation (new_empty_packed). The z-loss's is made
+    // either way and returned only when asked for.
+    std::vector<at::Tensor> t =
+        new_empty_packed({{{tokens, scoring.topk}, at::kLong},
+                          {{tokens, scoring.topk}, at::kFloat},
+                          {{scoring.aux ? experts : 0}, at::kFloat},
+                          {{tokens}, at::kFloat},
+                          {{experts}, at::kLong},
+                          {{}, at::kFloat},
+                          {{}, at::kFloat},
+                          {{kernels::router_forward_scratch_words(p)}, at::kLong}},
+                         logits.device());
+    out.indices = std::move(t[0]);
+    out.probs = std::move(t[1]);
+    out.aux_sums = std::move(t[2]);
+    out.lse = std::move(t[3]);
+    out.counts = std::move(t[4]);
+    out.aux_loss = std::move(t[5]);
     p.expert_bias = expert_bias.defined() ? expert_bias.const_data_ptr<float>() : nullptr;
     p.indices = out.indices.data_ptr<int64_t>();
     p.probs = out.probs.data_ptr<float>();
     if (scoring.aux) p.aux_sums = out.aux_sums.data_ptr<float>();
-    const at::Tensor scratch =
-        new_empty({kernels::router_forward_scratch_words(p)}, options.dtype(at::kLong));
-    p.scratch = scratch.data_ptr<int64_t>();
+    p.scratch = t[7].data_ptr<int64_t>();
     p.lse = out.lse.data_ptr<float>();
     if (scoring.z_loss) {
-      out.z_loss = new_empty({}, options);
+      out.z_loss = std::move(t[6]);
       p.z_loss = out.z_loss.data_ptr<float>();
       p.z_loss_scale = scoring.z_loss_scale;
     }
     p.counts = out.counts.data_ptr<int64_t>();
     // Written also without the loss (its 0): no fill for the caller to make.
-    out.aux_loss = new_empty({}, options);
     p.aux_loss = out.aux_loss.data_ptr<float>();
     p.aux_loss_scale = scoring.aux_loss_scale;
     kernels::launch_router_forward(p, at::cuda::getCurrentCUDAStream().stream());

@@ -5,6 +5,8 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <limits>
+#include <utility>
+#include <vector>
 
 #include "torchmoe/kernels/token_permutation.h"
 #include "torchmoe/ops/empty.h"
@@ -123,10 +125,6 @@ RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts, Inde
       indices.device(), ", got ", probs.defined() ? probs.sizes() : at::IntArrayRef{}, " ",
       probs.defined() ? probs.scalar_type() : at::ScalarType::Undefined, " on ",
       probs.defined() ? probs.device() : indices.device());
-  // Values only: row_probs is data (route_tokens gives it autograd history through
-  // RowProbsFunction).
-  const at::Tensor flat_probs =
-      probs.defined() ? probs.detach().contiguous().view(-1) : at::Tensor();
   const at::TensorOptions long_options = indices.options().dtype(at::kLong);
   RoutingMap map;
   at::Tensor host_counts;  // [E + 2] on the host: per expert, dropped, out of range
@@ -148,15 +146,22 @@ RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts, Inde
                                 num_experts);
     const at::Tensor idx = indices.contiguous();
     const int64_t slots = tokens * topk;
-    map.row_map = new_empty({slots}, long_options);
-    map.sorted_slots = new_empty({slots}, long_options);
-    map.row_tokens = new_empty({slots}, long_options);
-    if (probs.defined()) map.row_probs = new_empty({slots}, flat_probs.options());
-    // The counts and, past them, the kernel's workspace: one allocation (each costs host time).
     const size_t workspace_bytes = kernels::routing_map_workspace_bytes(slots, num_experts);
-    const int64_t workspace_words =
-        static_cast<int64_t>((workspace_bytes + sizeof(int64_t) - 1) / sizeof(int64_t));
-    const at::Tensor counts = new_empty({num_experts + 2 + workspace_words}, long_options);
+    // The map, the counts (per expert, dropped, out of range) and the kernel's workspace: one
+    // allocation (new_empty_packed).
+    std::vector<at::Tensor> t =
+        new_empty_packed({{{tokens, topk}, at::kLong},
+                          {{slots}, at::kLong},
+                          {{slots}, at::kLong},
+                          {{probs.defined() ? slots : 0}, at::kFloat},
+                          {{num_experts + 2}, at::kLong},
+                          {{static_cast<int64_t>(workspace_bytes)}, at::kByte}},
+                         indices.device());
+    map.row_map = std::move(t[0]);
+    map.sorted_slots = std::move(t[1]);
+    map.row_tokens = std::move(t[2]);
+    if (probs.defined()) map.row_probs = std::move(t[3]);
+    const at::Tensor& counts = t[4];
     kernels::RoutingMapParams p;
     p.tokens = tokens;
     p.topk = topk;
@@ -166,21 +171,25 @@ RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts, Inde
     p.row_map = map.row_map.data_ptr<int64_t>();
     p.sorted_slots = map.sorted_slots.data_ptr<int64_t>();
     p.row_tokens = map.row_tokens.data_ptr<int64_t>();
+    // Values only: row_probs is data (route_tokens gives it autograd history through
+    // RowProbsFunction).
+    const at::Tensor probs_values =
+        !probs.defined() || probs.is_contiguous() ? probs : probs.detach().contiguous();
     if (probs.defined()) {
-      p.probs = flat_probs.const_data_ptr<float>();
+      p.probs = probs_values.const_data_ptr<float>();
       p.row_probs = map.row_probs.data_ptr<float>();
     }
     p.counts = counts.data_ptr<int64_t>();
-    p.workspace = counts.data_ptr<int64_t>() + num_experts + 2;
+    p.workspace = t[5].data_ptr();
     p.workspace_bytes = workspace_bytes;
     kernels::launch_routing_map(p, at::cuda::getCurrentCUDAStream().stream());
-    map.m_splits = counts.narrow(0, 0, num_experts);
+    // The experts' counts, an alias rather than a narrow (no dispatcher).
+    map.m_splits = alias_storage(counts, at::kLong, {num_experts}, {1}, counts.storage_offset());
     if (trust == IndexTrust::kDropless) {
-      map.row_map = map.row_map.view({tokens, topk});
       map.num_rows = slots;
       return map;
     }
-    host_counts = counts.narrow(0, 0, num_experts + 2).to(at::kCPU);  // the one device-to-host copy
+    host_counts = counts.to(at::kCPU);  // the one device-to-host copy
   } else {
     TORCH_CHECK_NOT_IMPLEMENTED(false, kOp, ": no backend for indices on ", indices.device());
   }
@@ -193,12 +202,15 @@ RoutingMap make_routing_map(const at::Tensor& indices, int64_t num_experts, Inde
     map.m_splits = host_counts.narrow(0, 0, num_experts).clone();
     const at::Tensor kept = map.sorted_slots.narrow(0, 0, map.num_rows);
     map.row_map.index_copy_(0, kept, at::arange(map.num_rows, long_options));
+    map.row_map = map.row_map.view({tokens, topk});
   }
-  map.row_map = map.row_map.view({tokens, topk});
   map.sorted_slots = map.sorted_slots.narrow(0, 0, map.num_rows);
   if (indices.is_cpu()) {
     map.row_tokens = tokens_of_rows(map.sorted_slots, topk);
-    if (probs.defined()) map.row_probs = flat_probs.index_select(0, map.sorted_slots);
+    if (probs.defined()) {
+      // Values only, as on CUDA.
+      map.row_probs = probs.detach().reshape({-1}).index_select(0, map.sorted_slots);
+    }
   } else {
     map.row_tokens = map.row_tokens.narrow(0, 0, map.num_rows);
     if (probs.defined()) map.row_probs = map.row_probs.narrow(0, 0, map.num_rows);

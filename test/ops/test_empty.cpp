@@ -1,9 +1,13 @@
 // ops::new_empty (ops/empty.h) against at::empty: the same sizes, strides, dtype, device and
 // autograd state, on the CPU and on CUDA (where it skips the dispatcher), empty sizes included;
 // under InferenceMode both give inference tensors; options it would ignore are refused.
+// ops::new_empty_packed: tensors like at::empty's on disjoint aligned pieces of one allocation,
+// each with its own version counter; ops::alias_storage: the asked sizes, strides and offset.
 
 #include <torchmoe/ops/empty.h>
 
+#include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "test_utils.h"
@@ -41,7 +45,87 @@ void check_device(const torch::Device& device) {
   REQUIRE(at::equal(t, like * 2));
 }
 
+void check_packed(const torch::Device& device) {
+  using torchmoe::ops::EmptySpec;
+  for (const bool inference : {false, true}) {
+    CAPTURE(inference);
+    std::optional<c10::InferenceMode> mode;
+    if (inference) mode.emplace();
+    // Edge shapes: a scalar, empty tensors between non-empty ones, a piece that is not a multiple
+    // of the alignment, 1-byte and 8-byte elements next to each other.
+    const std::vector<at::Tensor> t = torchmoe::ops::new_empty_packed({{{7, 3}, at::kLong},
+                                                                       {{}, at::kFloat},
+                                                                       {{0}, at::kFloat},
+                                                                       {{5}, at::kByte},
+                                                                       {{2, 0, 4}, at::kBFloat16},
+                                                                       {{100}, at::kFloat8_e4m3fn},
+                                                                       {{33}, at::kDouble}},
+                                                                      device);
+    const std::vector<std::vector<int64_t>> shapes = {{7, 3}, {}, {0}, {5}, {2, 0, 4}, {100}, {33}};
+    const std::vector<at::ScalarType> dtypes = {at::kLong,  at::kFloat,    at::kFloat,
+                                                at::kByte,  at::kBFloat16, at::kFloat8_e4m3fn,
+                                                at::kDouble};
+    REQUIRE(t.size() == shapes.size());
+    const auto base = reinterpret_cast<uintptr_t>(t[0].data_ptr());
+    for (size_t i = 0; i < t.size(); ++i) {
+      CAPTURE(i);
+      const auto options = at::TensorOptions(dtypes[i]).device(device);
+      require_like_at_empty(t[i], at::empty(shapes[i], options));
+      REQUIRE(t[i].storage().is_alias_of(t[0].storage()));
+      if (t[i].numel() > 0) {
+        REQUIRE((reinterpret_cast<uintptr_t>(t[i].data_ptr()) - base) %
+                    torchmoe::ops::kPackedAlignment ==
+                0);
+        if (device.is_cuda()) {
+          REQUIRE(reinterpret_cast<uintptr_t>(t[i].data_ptr()) % torchmoe::ops::kPackedAlignment ==
+                  0);
+        }
+      }
+    }
+    // Disjoint pieces: each keeps the value written into it after all the others are written.
+    const std::vector<size_t> filled = {0, 1, 3, 6};
+    for (const size_t i : filled) t[i].fill_(static_cast<double>(i + 1));
+    for (const size_t i : filled) {
+      CAPTURE(i);
+      REQUIRE(at::equal(t[i], at::full_like(t[i], static_cast<double>(i + 1))));
+    }
+    if (!inference) {  // a version counter each: an in-place write bumps only its tensor's
+      const int64_t before = t[1]._version();
+      t[0].add_(1);
+      REQUIRE(t[1]._version() == before);
+    }
+  }
+  // The last tensor alone keeps the allocation.
+  at::Tensor last =
+      torchmoe::ops::new_empty_packed({{{4}, at::kFloat}, {{6}, at::kLong}}, device)[1];
+  last.fill_(3);
+  REQUIRE(at::equal(last, at::full({6}, 3, at::TensorOptions(at::kLong).device(device))));
+}
+
+void check_alias(const torch::Device& device) {
+  const at::Tensor base = at::arange(24, at::TensorOptions(at::kFloat).device(device));
+  // A column-major [2, 3] window from element 5: elements 5 to 10.
+  const at::Tensor alias = torchmoe::ops::alias_storage(base, at::kFloat, {2, 3}, {1, 2}, 5);
+  REQUIRE(alias.sizes() == at::IntArrayRef({2, 3}));
+  REQUIRE(alias.strides() == at::IntArrayRef({1, 2}));
+  REQUIRE(alias.storage_offset() == 5);
+  REQUIRE(alias.key_set() == base.key_set());
+  REQUIRE(at::equal(alias, base.as_strided({2, 3}, {1, 2}, 5)));
+  alias.zero_();  // writes land in base
+  REQUIRE(base.narrow(0, 5, 6).abs().sum().item<float>() == 0);
+  REQUIRE(base.sum().item<float>() == 276 - (5 + 6 + 7 + 8 + 9 + 10));
+}
+
 }  // namespace
+
+TEST_CASE("new_empty_packed: tensors as at::empty's on disjoint aligned pieces, CPU and CUDA",
+          "[ops][empty]") {
+  check_packed(torch::kCPU);
+  check_alias(torch::kCPU);
+  TORCHMOE_RETURN_IF_NO_GPU_FOR(true);
+  check_packed(torch::kCUDA);
+  check_alias(torch::kCUDA);
+}
 
 TEST_CASE("new_empty allocates as at::empty does on the CPU", "[ops][empty]") {
   check_device(torch::kCPU);
