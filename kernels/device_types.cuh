@@ -25,12 +25,12 @@ constexpr int kMaxGridY = 65535;
 // CUDA's limit on gridDim.x: kernels with a block per few work items loop over those past it.
 constexpr int64_t kMaxGridX = 2147483647;
 
-// A grid of one block per `items_per_block` work items over all of them, capped at kMaxGridX (the
-// kernel's grid-stride loop takes the rest). For kernels whose items are independent and short:
-// every block starts at once instead of a one-wave grid's warps looping.
+// A grid of one block per `items_per_block` work items over all of them, at least one block and at
+// most kMaxGridX (the kernel's grid-stride loop takes the rest). For kernels whose items are
+// independent and short: every block starts at once instead of a one-wave grid's warps looping.
 inline unsigned full_grid(int64_t items, int64_t items_per_block) {
   return static_cast<unsigned>(
-      std::min((items + items_per_block - 1) / items_per_block, kMaxGridX));
+      std::clamp<int64_t>((items + items_per_block - 1) / items_per_block, 1, kMaxGridX));
 }
 
 __device__ __forceinline__ float to_float(float v) { return v; }

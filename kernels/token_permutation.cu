@@ -481,32 +481,33 @@ void launch_routing_map(const RoutingMapParams& params, cudaStream_t stream) {
 }
 
 void launch_permute(const PermuteParams& params, cudaStream_t stream) {
-  dispatch(params, params.rows, {params.input, params.output},
-           [&](auto data_tag, auto prob_tag, auto vec) {
-             using T = decltype(data_tag);
-             using S = decltype(prob_tag);
-             if (params.hidden == 1) {
-               auto* kernel = permute_scalar_kernel<T, S>;
-               kernel<<<thread_grid(kernel, std::max(params.tokens, params.rows)), kThreads, 0,
-                        stream>>>(static_cast<const T*>(params.input), params.row_map,
-                                  params.sorted_slots, static_cast<const S*>(params.probs),
-                                  static_cast<T*>(params.output), params.tokens, params.rows,
-                                  params.topk);
-               return;
-             }
-             // May start while the routing map's scatter finishes (wait_for_prior_grid).
-             auto* kernel = permute_kernel<T, S, decltype(vec)::value>;
-             const int64_t items =
-                 params.tokens *
-                 ((chunk_count<decltype(vec)::value>(params.hidden) + kPermuteBatch - 1) /
-                  kPermuteBatch);
-             launch_dependent(kernel,
-                              full_grid(std::max(items, params.rows / kWarpSize), kWarpsPerBlock),
-                              kThreads, 0, stream, static_cast<const T*>(params.input),
-                              params.row_map, params.sorted_slots,
-                              static_cast<const S*>(params.probs), static_cast<T*>(params.output),
-                              params.tokens, params.rows, params.topk, params.hidden);
-           });
+  dispatch(
+      params, params.rows, {params.input, params.output},
+      [&](auto data_tag, auto prob_tag, auto vec) {
+        using T = decltype(data_tag);
+        using S = decltype(prob_tag);
+        if (params.hidden == 1) {
+          auto* kernel = permute_scalar_kernel<T, S>;
+          kernel<<<thread_grid(kernel, std::max(params.tokens, params.rows)), kThreads, 0,
+                   stream>>>(static_cast<const T*>(params.input), params.row_map,
+                             params.sorted_slots, static_cast<const S*>(params.probs),
+                             static_cast<T*>(params.output), params.tokens, params.rows,
+                             params.topk);
+          return;
+        }
+        // May start while the routing map's scatter finishes (wait_for_prior_grid).
+        auto* kernel = permute_kernel<T, S, decltype(vec)::value>;
+        const int64_t items =
+            params.tokens *
+            ((chunk_count<decltype(vec)::value>(params.hidden) + kPermuteBatch - 1) /
+             kPermuteBatch);
+        launch_dependent(
+            kernel,
+            full_grid(std::max(items, (params.rows + kWarpSize - 1) / kWarpSize), kWarpsPerBlock),
+            kThreads, 0, stream, static_cast<const T*>(params.input), params.row_map,
+            params.sorted_slots, static_cast<const S*>(params.probs),
+            static_cast<T*>(params.output), params.tokens, params.rows, params.topk, params.hidden);
+      });
 }
 
 void launch_unpermute(const PermuteParams& params, cudaStream_t stream) {

@@ -26,15 +26,16 @@ std::vector<at::Tensor> new_empty_packed(std::initializer_list<EmptySpec> specs,
   offsets.reserve(specs.size());
   int64_t bytes = 0;
   for (const EmptySpec& spec : specs) {
-    int64_t numel = 1;
+    int64_t piece = static_cast<int64_t>(c10::elementSize(spec.dtype));
+    bool overflow = false;
     for (const int64_t size : spec.sizes) {
       TORCH_INTERNAL_ASSERT(size >= 0, "new_empty_packed: negative size in ", spec.sizes);
-      TORCH_INTERNAL_ASSERT(!c10::mul_overflows(numel, size, &numel),
-                            "new_empty_packed: sizes overflow: ", spec.sizes);
+      overflow |= c10::mul_overflows(piece, size, &piece);
     }
     offsets.push_back(bytes);
-    const int64_t piece = numel * static_cast<int64_t>(c10::elementSize(spec.dtype));
-    bytes += (piece + kPackedAlignment - 1) / kPackedAlignment * kPackedAlignment;
+    const int64_t padded = (piece + kPackedAlignment - 1) / kPackedAlignment * kPackedAlignment;
+    overflow |= padded < piece || c10::add_overflows(bytes, padded, &bytes);
+    TORCH_INTERNAL_ASSERT(!overflow, "new_empty_packed: the pieces' bytes overflow int64");
   }
   const at::Tensor base = new_empty({bytes}, at::TensorOptions(at::kByte).device(device));
   std::vector<at::Tensor> tensors;
@@ -50,8 +51,25 @@ std::vector<at::Tensor> new_empty_packed(std::initializer_list<EmptySpec> specs,
 
 at::Tensor alias_storage(const at::Tensor& base, at::ScalarType dtype, at::IntArrayRef sizes,
                          at::IntArrayRef strides, int64_t offset) {
-  at::Tensor alias = at::detail::make_tensor<c10::TensorImpl>(
-      c10::Storage(base.storage()), base.key_set(), c10::scalarTypeToTypeMeta(dtype));
+  TORCH_INTERNAL_ASSERT(sizes.size() == strides.size(), "alias_storage: sizes ", sizes,
+                        " and strides ", strides, " differ in length");
+  // Inside the storage: the last element's end at most its bytes (none to check when empty).
+  int64_t last = offset;
+  bool empty = false;
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    empty |= sizes[d] == 0;
+    last += (sizes[d] - 1) * strides[d];
+  }
+  const auto item = static_cast<int64_t>(c10::elementSize(dtype));
+  TORCH_INTERNAL_ASSERT(
+      offset >= 0 && (empty || (last + 1) * item <= static_cast<int64_t>(base.storage().nbytes())),
+      "alias_storage: sizes ", sizes, ", strides ", strides, " and offset ", offset,
+      " reach past the storage's ", base.storage().nbytes(), " bytes");
+  // The VIEW constructor keeps base's dispatch keys as they are (the other one recomputes them
+  // from the current InferenceMode), and gives the alias a version counter of its own.
+  at::Tensor alias =
+      at::detail::make_tensor<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(base.storage()),
+                                               base.key_set(), c10::scalarTypeToTypeMeta(dtype));
   alias.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, offset);
   return alias;
 }

@@ -39,9 +39,10 @@ constexpr int64_t kPackedAlignment = 256;
 std::vector<at::Tensor> new_empty_packed(std::initializer_list<EmptySpec> specs, at::Device device);
 
 // A tensor of `dtype`, `sizes` and `strides` over `base`'s storage from element `offset` (in
-// dtype's elements), with base's dispatch keys: a plain alias made without the dispatcher or its
-// view tracking (LibTorch's select and as_strided cost microseconds of host time each). The caller
-// keeps it inside the storage and owns what aliasing means for writes.
+// dtype's elements), with base's dispatch keys and a version counter of its own: a plain alias
+// made without the dispatcher or its view tracking (LibTorch's select and as_strided cost
+// microseconds of host time each). It must lie inside the storage (an internal assert); the caller
+// owns what aliasing means for writes.
 at::Tensor alias_storage(const at::Tensor& base, at::ScalarType dtype, at::IntArrayRef sizes,
                          at::IntArrayRef strides, int64_t offset);
 

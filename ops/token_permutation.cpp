@@ -231,6 +231,8 @@ at::Tensor permute_rows(const at::Tensor& tokens, const at::Tensor& row_map,
   const int64_t rows = sorted_slots.size(0);
   switch (select_backend(kOp, tokens)) {
     case PermuteBackend::kReference: {
+      // No tokens: every row is padding (there is no slot 0 to read).
+      if (tokens.size(0) == 0) return at::zeros({rows, tokens.size(1)}, tokens.options());
       // Rows whose slot is -1 (padding) read slot 0 and are multiplied by 0.
       const at::Tensor has_slot = (sorted_slots >= 0).unsqueeze(1);
       const at::Tensor slots = sorted_slots.clamp_min(0);

@@ -1,8 +1,9 @@
 // ops::new_empty (ops/empty.h) against at::empty: the same sizes, strides, dtype, device and
 // autograd state, on the CPU and on CUDA (where it skips the dispatcher), empty sizes included;
 // under InferenceMode both give inference tensors; options it would ignore are refused.
-// ops::new_empty_packed: tensors like at::empty's on disjoint aligned pieces of one allocation,
-// each with its own version counter; ops::alias_storage: the asked sizes, strides and offset.
+// ops::new_empty_packed: tensors like at::empty's on ordered, disjoint, aligned pieces inside one
+// allocation, each with its own version counter; ops::alias_storage: the asked sizes, strides and
+// offset, base's keys under InferenceMode, and its refusal of a window past the storage.
 
 #include <torchmoe/ops/empty.h>
 
@@ -66,28 +67,34 @@ void check_packed(const torch::Device& device) {
                                                 at::kByte,  at::kBFloat16, at::kFloat8_e4m3fn,
                                                 at::kDouble};
     REQUIRE(t.size() == shapes.size());
-    const auto base = reinterpret_cast<uintptr_t>(t[0].data_ptr());
+    // Where a tensor starts in memory (data_ptr() is null for an empty one).
+    const auto address = [](const at::Tensor& x) {
+      return reinterpret_cast<uintptr_t>(x.storage().data()) +
+             static_cast<uintptr_t>(x.storage_offset() * x.itemsize());
+    };
+    const uintptr_t base = address(t[0]);
+    uintptr_t end = base;  // where the pieces so far end
     for (size_t i = 0; i < t.size(); ++i) {
       CAPTURE(i);
       const auto options = at::TensorOptions(dtypes[i]).device(device);
       require_like_at_empty(t[i], at::empty(shapes[i], options));
       REQUIRE(t[i].storage().is_alias_of(t[0].storage()));
-      if (t[i].numel() > 0) {
-        REQUIRE((reinterpret_cast<uintptr_t>(t[i].data_ptr()) - base) %
-                    torchmoe::ops::kPackedAlignment ==
-                0);
-        if (device.is_cuda()) {
-          REQUIRE(reinterpret_cast<uintptr_t>(t[i].data_ptr()) % torchmoe::ops::kPackedAlignment ==
-                  0);
-        }
-      }
+      // In order, after the piece before, aligned, and inside the allocation.
+      const uintptr_t start = address(t[i]);
+      REQUIRE(start >= end);
+      REQUIRE((start - base) % torchmoe::ops::kPackedAlignment == 0);
+      if (device.is_cuda()) REQUIRE(start % torchmoe::ops::kPackedAlignment == 0);
+      end = start + t[i].nbytes();
+      REQUIRE((t[i].storage_offset() + t[i].numel()) * t[i].itemsize() <= t[i].storage().nbytes());
     }
     // Disjoint pieces: each keeps the value written into it after all the others are written.
-    const std::vector<size_t> filled = {0, 1, 3, 6};
+    const std::vector<size_t> filled = {0, 1, 3, 5, 6};
     for (const size_t i : filled) t[i].fill_(static_cast<double>(i + 1));
     for (const size_t i : filled) {
       CAPTURE(i);
-      REQUIRE(at::equal(t[i], at::full_like(t[i], static_cast<double>(i + 1))));
+      REQUIRE(
+          at::equal(t[i].to(at::kFloat), at::full(shapes[i], static_cast<double>(i + 1),
+                                                  at::TensorOptions(at::kFloat).device(device))));
     }
     if (!inference) {  // a version counter each: an in-place write bumps only its tensor's
       const int64_t before = t[1]._version();
@@ -95,11 +102,6 @@ void check_packed(const torch::Device& device) {
       REQUIRE(t[1]._version() == before);
     }
   }
-  // The last tensor alone keeps the allocation.
-  at::Tensor last =
-      torchmoe::ops::new_empty_packed({{{4}, at::kFloat}, {{6}, at::kLong}}, device)[1];
-  last.fill_(3);
-  REQUIRE(at::equal(last, at::full({6}, 3, at::TensorOptions(at::kLong).device(device))));
 }
 
 void check_alias(const torch::Device& device) {
@@ -111,9 +113,27 @@ void check_alias(const torch::Device& device) {
   REQUIRE(alias.storage_offset() == 5);
   REQUIRE(alias.key_set() == base.key_set());
   REQUIRE(at::equal(alias, base.as_strided({2, 3}, {1, 2}, 5)));
-  alias.zero_();  // writes land in base
+  const int64_t base_version = base._version();
+  alias.zero_();  // writes land in base; the version bumped is the alias's own
+  REQUIRE(base._version() == base_version);
   REQUIRE(base.narrow(0, 5, 6).abs().sum().item<float>() == 0);
   REQUIRE(base.sum().item<float>() == 276 - (5 + 6 + 7 + 8 + 9 + 10));
+  {
+    // Made under InferenceMode from a normal tensor (a backward run inside one), the alias keeps
+    // base's keys: not an inference tensor that a later in-place update would refuse.
+    c10::InferenceMode inference;
+    const at::Tensor inside = torchmoe::ops::alias_storage(base, at::kFloat, {4}, {1}, 0);
+    REQUIRE(inside.key_set() == base.key_set());
+    REQUIRE_FALSE(inside.is_inference());
+  }
+  // Past the storage's end: the last element, the offset, an empty tensor's offset is not read.
+  CHECK_THROWS_WITH(torchmoe::ops::alias_storage(base, at::kFloat, {2, 10}, {10, 1}, 5),
+                    Catch::Matchers::Contains("reach past the storage's 96 bytes"));
+  CHECK_THROWS_WITH(torchmoe::ops::alias_storage(base, at::kDouble, {13}, {1}, 0),
+                    Catch::Matchers::Contains("reach past the storage's 96 bytes"));
+  CHECK_THROWS_WITH(torchmoe::ops::alias_storage(base, at::kFloat, {2}, {1}, -1),
+                    Catch::Matchers::Contains("reach past the storage"));
+  CHECK(torchmoe::ops::alias_storage(base, at::kFloat, {0, 3}, {3, 1}, 24).numel() == 0);
 }
 
 }  // namespace

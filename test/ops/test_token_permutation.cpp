@@ -371,6 +371,26 @@ TEST_CASE("permute_rows on CUDA zeroes padding rows and matches the CPU",
   }
 }
 
+// Edge shape: no tokens and fewer padding rows than a warp checks at once (the grid is then sized
+// by the rows alone), on the CPU and CUDA.
+TEST_CASE("permute_rows with no tokens zeroes its padding rows", "[ops][permutation]") {
+  for (const bool cuda : {false, true}) {
+    TORCHMOE_RETURN_IF_NO_GPU_FOR(cuda);
+    const auto device = cuda ? torch::kCUDA : torch::kCPU;
+    const torch::Tensor x =
+        torch::empty({0, 264}, torch::TensorOptions(torch::kBFloat16).device(device));
+    const torch::Tensor row_map =
+        torch::empty({0, 2}, torch::TensorOptions(torch::kLong).device(device));
+    const torch::Tensor sorted_slots = torch::full({5}, -1, row_map.options());
+    // Garbage in the caching allocator's next block, so that an unwritten output shows.
+    torch::full({5, 264}, 7, x.options());
+    const torch::Tensor out =
+        torchmoe::ops::permute_rows(x, row_map, sorted_slots, torch::Tensor());
+    CHECK(out.sizes() == torch::IntArrayRef({5, 264}));
+    CHECK(out.abs().sum().item<float>() == 0.0f);
+  }
+}
+
 TEST_CASE(
     "the dropless routing map keeps the split sizes on the device and matches the checked one",
     "[ops][permutation][cuda]") {
