@@ -367,6 +367,19 @@ void launch_split_quantize(const SplitQuantizeParams& p, cudaStream_t stream) {
         p.workspace, 0,
         (split_quantize::kCounters + static_cast<size_t>(p.num_groups)) * sizeof(int32_t), stream));
   }
+  if (is_block_scaling(p.scaling)) {
+    // The layouts' padding entries are never written: zeros keep the buffers deterministic.
+    const auto zero = [&](float* scales, int64_t count) {
+      if (scales != nullptr && count > 0) {
+        TORCHMOE_CUDA_CHECK(
+            cudaMemsetAsync(scales, 0, static_cast<size_t>(count) * sizeof(float), stream));
+      }
+    };
+    if (p.rowwise) zero(p.scale_inv, rowwise_block_scales(p.scaling, p.rows, p.k, p.num_groups));
+    if (p.columnwise) {
+      zero(p.columnwise_scale_inv, columnwise_block_scales(p.scaling, p.rows, p.k, p.num_groups));
+    }
+  }
   const split_quantize::SelectedKernel selected = split_quantize::select_kernel(p);
   const int64_t tiles_bound = split_quantize_tiles_bound(p.num_groups, p.rows, p.k);
   // Tile indices are divided in 32 bits, and kCurrent counts in ints its tickets (one per unit and

@@ -180,7 +180,8 @@ inline int64_t split_quantize_workspace_ints(int groups, int64_t rows, int64_t k
 
 // One kernel launch for every scaling (kCurrent: each split's amax is reduced, then the split is
 // cast, in the same launch). Every scaling that writes amax without accumulate_amax zeroes it
-// first, and kCurrent its workspace (memsets). Graph-capturable: no host sync, no allocation.
+// first, kCurrent its workspace, and the block scalings their scale buffers (memsets).
+// Graph-capturable: no host sync, no allocation.
 void launch_split_quantize(const SplitQuantizeParams& params, cudaStream_t stream);
 
 // The blocks of one wave of the launch `params` describes (its persistent grid at most): the SMs

@@ -164,15 +164,17 @@ SplitQuantized launch(const at::Tensor& like, int64_t rows, int64_t k, const Spl
   const at::Tensor splits = detail::device_splits(m_splits, like);
   const int groups = static_cast<int>(splits.numel());
   const at::TensorOptions fp8 = like.options().dtype(fp8_dtype(o.format));
-  const at::TensorOptions f32 = like.options().dtype(at::kFloat);
   const bool block = kernels::is_block_scaling(o.scaling);
 
   SplitQuantized out;
+  // The copies: their own allocations, trimmed by a dispatcher-free alias rather than a narrow
+  // (the rowwise copy's slack stays in its storage, where the FP8 GEMMs check for it).
   if (o.rowwise) {
     // kBlock1x128: three rows of slack past the end, which a GEMM of the last split rounded up to
     // a multiple of 4 rows reads (ops/grouped_gemm_fp8.cpp says why).
     const int64_t slack = o.scaling == QuantizeScaling::kBlock1x128 ? 3 : 0;
-    out.data = new_empty({rows + slack, k}, fp8).narrow(0, 0, rows);
+    out.data =
+        alias_storage(new_empty({rows + slack, k}, fp8), fp8_dtype(o.format), {rows, k}, {k, 1}, 0);
   }
   if (o.columnwise) {
     // The kernel reads the device sizes where there are some: the buffer holds their bound, as
@@ -181,22 +183,28 @@ SplitQuantized launch(const at::Tensor& like, int64_t rows, int64_t k, const Spl
     const int64_t width = columnwise_rows(m_splits, rows);
     const int64_t allocated =
         m_splits.has_device() ? kernels::columnwise_elements(rows, 1, groups) : width;
-    out.columnwise_data = new_empty({k * allocated}, fp8).narrow(0, 0, k * width);
+    out.columnwise_data =
+        alias_storage(new_empty({k * allocated}, fp8), fp8_dtype(o.format), {k * width}, {1}, 0);
   }
-  if (!block) {
-    out.scale_inv = new_empty({groups}, f32);
-  } else {
-    // Zeroed: the layouts' padding entries are never written, and zeros there keep the buffers
-    // deterministic (they are 1/128 of the data or less).
-    if (o.rowwise) {
-      out.scale_inv = at::zeros({kernels::rowwise_block_scales(o.scaling, rows, k, groups)}, f32);
-    }
-    if (o.columnwise) {
-      out.columnwise_scale_inv =
-          at::zeros({kernels::columnwise_block_scales(o.scaling, rows, k, groups)}, f32);
-    }
-  }
-  out.amax = amax.defined() ? amax : new_empty({groups}, f32);
+  // The scales, the amax and current scaling's workspace (small, and living with the copies): one
+  // allocation (new_empty_packed). The launch zeroes the block scales (their layouts' padding
+  // entries are never written; zeros there keep the buffers deterministic).
+  const bool own_amax = !amax.defined();
+  const bool current = o.scaling == QuantizeScaling::kCurrent;
+  const int64_t row_scales = !block      ? groups
+                             : o.rowwise ? kernels::rowwise_block_scales(o.scaling, rows, k, groups)
+                                         : 0;
+  const int64_t column_scales =
+      block && o.columnwise ? kernels::columnwise_block_scales(o.scaling, rows, k, groups) : 0;
+  std::vector<at::Tensor> small = new_empty_packed(
+      {{{row_scales}, at::kFloat},
+       {{column_scales}, at::kFloat},
+       {{own_amax ? groups : 0}, at::kFloat},
+       {{current ? kernels::split_quantize_workspace_ints(groups, rows, k) : 0}, at::kInt}},
+      like.device());
+  if (!block || o.rowwise) out.scale_inv = std::move(small[0]);
+  if (block && o.columnwise) out.columnwise_scale_inv = std::move(small[1]);
+  out.amax = own_amax ? std::move(small[2]) : amax;
   out.format = o.format;
   out.scaling = o.scaling;
 
@@ -215,12 +223,7 @@ SplitQuantized launch(const at::Tensor& like, int64_t rows, int64_t k, const Spl
   p.scale = scale.defined() ? scale.const_data_ptr<float>() : nullptr;
   p.amax = out.amax.data_ptr<float>();
   p.accumulate_amax = amax.defined();
-  at::Tensor workspace;
-  if (o.scaling == QuantizeScaling::kCurrent) {
-    workspace = new_empty({kernels::split_quantize_workspace_ints(groups, rows, k)},
-                          like.options().dtype(at::kInt));
-    p.workspace = workspace.data_ptr<int32_t>();
-  }
+  if (current) p.workspace = small[3].data_ptr<int32_t>();
   kernels::launch_split_quantize(p, at::cuda::getCurrentCUDAStream().stream());
   return out;
 }
