@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -78,13 +79,23 @@ struct ProductBackends {
   GemmBackend fprop, dgrad, wgrad;
 };
 
-GemmBackend auto_backend(kernels::GemmKind kind, const at::Tensor& input, const GemmShape& shape,
-                         int64_t rows) {
-  if (input.scalar_type() == at::kFloat) return GemmBackend::kCublasLt;
-  for (GemmBackend candidate : kAutoOrder16[static_cast<int>(kind)]) {
-    if (refusal(candidate, input, shape, rows) == nullptr) return candidate;
+// kAuto's backends: per product the first candidate that takes the call. A refusal depends on
+// the call, not the product, so each candidate is asked once (sm90's asks the CUDA runtime).
+ProductBackends auto_backends(const at::Tensor& input, const GemmShape& shape, int64_t rows) {
+  if (input.scalar_type() == at::kFloat) {
+    return {GemmBackend::kCublasLt, GemmBackend::kCublasLt, GemmBackend::kCublasLt};
   }
-  TORCH_INTERNAL_ASSERT(false, "kAuto: per-group cuBLASLt refused a call");
+  std::optional<bool> takes[static_cast<int>(GemmBackend::kReference) + 1];
+  auto first = [&](kernels::GemmKind kind) {
+    for (GemmBackend candidate : kAutoOrder16[static_cast<int>(kind)]) {
+      std::optional<bool>& t = takes[static_cast<int>(candidate)];
+      if (!t) t = refusal(candidate, input, shape, rows) == nullptr;
+      if (*t) return candidate;
+    }
+    TORCH_INTERNAL_ASSERT(false, "kAuto: per-group cuBLASLt refused a call");
+  };
+  return {first(kernels::GemmKind::kFprop), first(kernels::GemmKind::kDgrad),
+          first(kernels::GemmKind::kWgrad)};
 }
 
 // kAuto's FP8 threshold: experts of at least this many weight elements run per group when host
@@ -224,9 +235,7 @@ ProductBackends select_backends(const char* op, const at::Tensor& input, const G
                                 shape.groups, " groups)");
     return {choice, choice, choice};
   }
-  return {auto_backend(kernels::GemmKind::kFprop, input, shape, rows),
-          auto_backend(kernels::GemmKind::kDgrad, input, shape, rows),
-          auto_backend(kernels::GemmKind::kWgrad, input, shape, rows)};
+  return auto_backends(input, shape, rows);
 }
 
 }  // namespace

@@ -26,35 +26,64 @@ bool aligned16(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
 }
 
-// The groups' data pointers as bytes: what identifies a per-group table of them.
-std::string pointer_bytes(const CheckedGroups& groups) {
-  std::string bytes(groups.size() * sizeof(void*), '\0');
-  for (size_t g = 0; g < groups.size(); ++g) {
-    const void* p = groups.data(g);
-    std::memcpy(bytes.data() + g * sizeof(void*), &p, sizeof(void*));
+// What a small device table (a pointer array, or the weights' tensor maps) is made from: its
+// kind, the device, and the groups' data pointers; maps also depend on the GEMM kind, dtype and
+// shape (tag, dtype, n, k).
+struct TableKey {
+  int tag = 0;  // 0: a pointer array; 1 + GemmKind: that kind's weight maps
+  int device = 0;
+  int dtype = 0;
+  int64_t n = 0, k = 0;
+  std::vector<const void*> pointers;
+
+  bool operator==(const TableKey& o) const {
+    return tag == o.tag && device == o.device && dtype == o.dtype && n == o.n && k == o.k &&
+           pointers == o.pointers;
   }
-  return bytes;
+};
+
+struct TableKeyHash {
+  size_t operator()(const TableKey& key) const {
+    // A rotate and xor per pointer (a short dependency chain: 128 pointers cost ~0.1 us), then one
+    // multiply to spread the bits; equal keys are compared whole.
+    uint64_t h = static_cast<uint64_t>(key.tag) << 56 ^ static_cast<uint64_t>(key.device) << 48 ^
+                 static_cast<uint64_t>(key.dtype) << 40 ^ static_cast<uint64_t>(key.n) << 20 ^
+                 static_cast<uint64_t>(key.k);
+    for (const void* p : key.pointers) {
+      h = (h << 7 | h >> 57) ^ static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p));
+    }
+    return static_cast<size_t>(h * 0x9E3779B97F4A7C15ull);
+  }
+};
+
+TableKey pointer_key(int tag, const CheckedGroups& groups) {
+  // Separate tensors: a stacked tensor's groups are always equally spaced.
+  TORCH_INTERNAL_ASSERT(groups.pointers.size() == groups.size());
+  TableKey key;
+  key.tag = tag;
+  key.device = groups.tensors[0].device().index();
+  key.pointers = groups.pointers;
+  return key;
 }
 
-// Small device tables (tensor maps, pointer arrays), kept per device for the life of the process
-// and keyed by what determines their content: the same weights or gradient buffers give the same
-// table on every call, so make_bytes() runs and the upload happens once, and a CUDA graph may keep
-// the pointer it captured.
+// Small device tables, kept per device for the life of the process and keyed by what determines
+// their content: the same weights or gradient buffers give the same table on every call, so
+// make_bytes() runs and the upload happens once, and a CUDA graph may keep the pointer it captured.
 template <typename MakeBytes>
-const void* device_table(const std::string& key, const at::Device& device, MakeBytes&& make_bytes) {
+const void* device_table(TableKey&& key, MakeBytes&& make_bytes) {
   static std::mutex mutex;
-  static std::unordered_map<std::string, at::Tensor> tables;
-  const std::string device_key = std::to_string(device.index()) + ":" + key;
+  static std::unordered_map<TableKey, at::Tensor, TableKeyHash> tables;
   const std::lock_guard<std::mutex> lock(mutex);
-  auto it = tables.find(device_key);
+  auto it = tables.find(key);
   if (it == tables.end()) {
     TORCH_CHECK(at::cuda::currentStreamCaptureStatus() == at::cuda::CaptureStatus::None,
                 "torchmoe grouped GEMM: new weight or gradient tensors were seen during CUDA graph "
                 "capture; run the step once before capturing (their address table is built then)");
-    const std::string bytes = make_bytes();
+    const std::vector<uint8_t> bytes = make_bytes();
     at::Tensor host = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
     std::memcpy(host.data_ptr(), bytes.data(), bytes.size());
-    it = tables.emplace(device_key, host.to(device)).first;
+    const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(key.device));
+    it = tables.emplace(std::move(key), host.to(device)).first;
     if (tables.size() == 4096) {
       TORCH_WARN(
           "torchmoe grouped GEMM: 4096 address tables cached; are weight or gradient "
@@ -76,10 +105,11 @@ at::Tensor aligned_operand(const at::Tensor& t) {
 // a cached device table of pointers.
 kernels::GroupAddress group_address(const CheckedGroups& groups) {
   if (groups.empty() || !groups.spaced.empty()) return groups.spaced;
-  const std::string bytes = pointer_bytes(groups);
   kernels::GroupAddress address;
-  address.table = static_cast<const void* const*>(
-      device_table("pointers " + bytes, groups.tensors[0].device(), [&] { return bytes; }));
+  address.table = static_cast<const void* const*>(device_table(pointer_key(0, groups), [&] {
+    const auto* first = reinterpret_cast<const uint8_t*>(groups.pointers.data());
+    return std::vector<uint8_t>(first, first + groups.pointers.size() * sizeof(void*));
+  }));
   return address;
 }
 
@@ -96,16 +126,12 @@ void set_weights(kernels::Sm90GemmParams& p, const CheckedGroups& weights) {
     p.weight = weights.spaced;
     return;
   }
-  const std::string key = "weight maps " + std::to_string(static_cast<int>(p.kind)) + " " +
-                          std::to_string(static_cast<int>(p.input_type)) + " " +
-                          std::to_string(p.n) + " " + std::to_string(p.k) + " " +
-                          pointer_bytes(weights);
-  p.weight_maps = device_table(key, weights.tensors[0].device(), [&] {
-    std::vector<const void*> pointers;
-    for (size_t g = 0; g < weights.size(); ++g) pointers.push_back(weights.data(g));
-    const std::vector<uint8_t> maps =
-        kernels::encode_weight_maps(p.kind, p.input_type, p.n, p.k, pointers);
-    return std::string(maps.begin(), maps.end());
+  TableKey key = pointer_key(1 + static_cast<int>(p.kind), weights);
+  key.dtype = static_cast<int>(p.input_type);
+  key.n = p.n;
+  key.k = p.k;
+  p.weight_maps = device_table(std::move(key), [&] {
+    return kernels::encode_weight_maps(p.kind, p.input_type, p.n, p.k, weights.pointers);
   });
 }
 

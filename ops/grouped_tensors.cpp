@@ -68,7 +68,7 @@ const void* CheckedGroups::data(size_t g) const {
   if (tensors.is_stacked()) {
     return static_cast<const char*>(tensors.stacked_tensor().const_data_ptr()) + g * group_bytes;
   }
-  return tensors.separate()[g].const_data_ptr();
+  return pointers[g];
 }
 
 void* CheckedGroups::mutable_data(size_t g) const { return const_cast<void*>(data(g)); }
@@ -123,9 +123,11 @@ CheckedGroups check_groups(const char* op, const char* what, const GroupedTensor
   const at::TensorList list = tensors.separate();
   intptr_t base = 0, step = 0;
   bool spaced = true;
+  checked.pointers.resize(list.size());
   for (size_t g = 0; g < list.size(); ++g) {
     check_group_tensor(op, what, g, list[g], like, shape, dtype, dtype_rule);
-    const auto address = reinterpret_cast<intptr_t>(list[g].const_data_ptr());
+    checked.pointers[g] = list[g].const_data_ptr();
+    const auto address = reinterpret_cast<intptr_t>(checked.pointers[g]);
     checked.aligned &= address % 16 == 0;
     if (g == 0) {
       base = address;

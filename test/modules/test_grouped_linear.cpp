@@ -300,6 +300,32 @@ TEST_CASE("GroupedLinear parameters, init and printing", "[modules][grouped_line
           "torchmoe::GroupedLinear(num_gemms=6, in_features=768, out_features=3072, "
           "bias=false)");
   }
+  SECTION("discrete weights: parameters of their own over one allocation, 16-byte spaced") {
+    // 3 x 5 weights: 15 elements, 60 bytes in float32 and 30 in bf16, so each slot is rounded up.
+    const auto dtype = GENERATE(torch::kFloat32, torch::kBFloat16);
+    GroupedLinear m(GroupedLinearOptions(3, 5, 3).bias(false).params_dtype(dtype));
+    const std::vector<torch::Tensor> w = m->expert_weights();
+    const auto address = [](const torch::Tensor& t) {
+      return reinterpret_cast<uintptr_t>(t.const_data_ptr());
+    };
+    for (int g = 0; g < 3; ++g) {
+      CHECK(address(w[g]) ==
+            address(w[0]) + static_cast<uintptr_t>(g) * 64 / (dtype == torch::kBFloat16 ? 2 : 1));
+      CHECK(address(w[g]) % 16 == 0);
+      CHECK((w[g].is_leaf() && w[g].requires_grad() && w[g].is_contiguous()));
+      CHECK(w[g].sizes() == torch::IntArrayRef({3, 5}));
+    }
+    const int64_t version0 = w[0]._version(), version1 = w[1]._version();
+    const torch::Tensor before = w[0].clone();
+    {
+      torch::NoGradGuard no_grad;
+      w[1].fill_(3);
+    }
+    CHECK(w[1]._version() == version1 + 1);
+    CHECK(w[0]._version() == version0);
+    CHECK(w[0].equal(before));
+    CHECK(w[2].ne(3).any().item<bool>());
+  }
   SECTION("clone is independent") {
     GroupedLinear m(GroupedLinearOptions(2, 4, 3));
     auto copy = std::dynamic_pointer_cast<torchmoe::GroupedLinearImpl>(m->clone());
