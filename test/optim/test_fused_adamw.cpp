@@ -345,6 +345,20 @@ TEST_CASE("FusedAdamW refuses options, tensors and clips it would misread", "[op
   FusedAdamW disjoint(halves, FusedAdamWOptions(1e-2));
   disjoint.step();
   CHECK_FALSE(torch::equal(flat, flat_before));
+  // Dense tensors are compared by address range, others pair by pair: a strided view over a dense
+  // parameter's memory, and dense ones listed out of address order.
+  const torch::Tensor wide = torch::randn({12}, f32);
+  const std::vector<torch::Tensor> mixed = {wide.narrow(0, 8, 4), wide.narrow(0, 0, 4),
+                                            wide.narrow(0, 3, 4).unfold(0, 1, 2).squeeze(1)};
+  for (const torch::Tensor& v : mixed) v.mutable_grad() = torch::ones_like(v);
+  FusedAdamW strided(mixed, FusedAdamWOptions(1e-2));
+  REQUIRE_THROWS_WITH(strided.step(),
+                      Contains("FusedAdamW::step: two parameters or model copies share memory"));
+  const std::vector<torch::Tensor> unordered = {wide.narrow(0, 8, 4), wide.narrow(0, 0, 4),
+                                                wide.narrow(0, 4, 4)};
+  for (const torch::Tensor& v : unordered) v.mutable_grad() = torch::ones({4}, f32);
+  FusedAdamW side_by_side(unordered, FusedAdamWOptions(1e-2));
+  side_by_side.step();
 
   // The op's errors say which parameter of which group they are about.
   std::vector<torch::Tensor> more = make_params(f32, 15);
