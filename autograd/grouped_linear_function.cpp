@@ -402,7 +402,7 @@ std::vector<uint32_t> tensor_versions(at::TensorList tensors) {
   std::vector<uint32_t> versions;
   versions.reserve(tensors.size());
   for (const at::Tensor& t : tensors) {
-    versions.push_back(tensor_version(t));
+    versions.push_back(t.unsafeGetTensorImpl()->version_counter().current_version());
   }
   return versions;
 }
@@ -453,7 +453,7 @@ at::Tensor grouped_linear(const at::Tensor& input, const std::optional<at::Tenso
     link.columnwise = needs.weights;
   }
   config->weights = std::move(w.tensors);
-  config->weight_versions = std::move(w.versions);
+  config->weight_versions = tensor_versions(weights);
 
   auto node = std::shared_ptr<GroupedLinearFunction>(new GroupedLinearFunction(),
                                                      torch::autograd::deleteNode);

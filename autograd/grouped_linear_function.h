@@ -171,7 +171,8 @@ struct GroupedLinearEdges {
   StackedGradEdge weights, biases;
 };
 
-// Each tensor's tensor_version (stacked_grad_edge.h).
+// Each tensor's version counter, as Tensor::_version reads it but without the call through the
+// autograd hooks (with 128 experts those calls were 8% of a forward's host time on a CPU).
 std::vector<uint32_t> tensor_versions(at::TensorList tensors);
 
 // The layer's output: input [rows, in] (contiguous), or [rows, 2·in] with config.input_activation,

@@ -98,7 +98,6 @@ StackedGradEdge::Resolved StackedGradEdge::resolve(at::TensorList tensors, bool 
   if (stacked) {
     r.requires_grad = tensors[0].requires_grad();
     if (r.requires_grad) r.edge = torch::autograd::impl::gradient_edge(tensors[0]);
-    r.versions.push_back(tensor_version(tensors[0]));
     r.tensors = std::make_shared<const std::vector<at::Tensor>>(tensors.vec());
     return r;
   }
@@ -111,14 +110,10 @@ StackedGradEdge::Resolved StackedGradEdge::resolve(at::TensorList tensors, bool 
                 (tensors[0].sizes() == sizes_ &&
                  node_->input_metadata(0).stream() == current_stream(tensors[0].device())));
   bool leaves = true;
-  r.versions.resize(groups);
   for (size_t g = 0; g < groups; ++g) {
     const at::Tensor& t = tensors[g];
     // No edge for a list with an undefined tensor: the op refuses it, naming it.
-    if (!t.defined()) {
-      return Resolved{{}, false, std::make_shared<const std::vector<at::Tensor>>(), {}};
-    }
-    r.versions[g] = tensor_version(t);
+    if (!t.defined()) return Resolved{{}, false, std::make_shared<const std::vector<at::Tensor>>()};
     const GradState state = grad_state(t);
     r.requires_grad |= state.requires_grad;
     leaves &= state.leaf;

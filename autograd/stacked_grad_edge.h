@@ -2,22 +2,14 @@
 // One autograd edge for the gradients of G tensors of one shape, computed stacked.
 
 #include <ATen/core/Tensor.h>
-#include <c10/core/TensorImpl.h>
 #include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/function.h>
 
-#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <vector>
 
 namespace torchmoe::autograd {
-
-// A tensor's version counter, as Tensor::_version reads it but without the call through the
-// autograd hooks (with 128 experts those calls were 8% of a forward's host time on a CPU).
-inline uint32_t tensor_version(const at::Tensor& t) {
-  return t.unsafeGetTensorImpl()->version_counter().current_version();
-}
 
 // The autograd edge of a parameter list's gradients (a layer's G weights, or its G biases),
 // which backward computes stacked, [G, ...]: one [G, ...] parameter's own edge, or for G separate
@@ -34,9 +26,6 @@ class StackedGradEdge {
     // The tensors, shared with the layer while they are the ones it keeps (backward's dgrad reads
     // the weights without each call copying G tensor handles).
     std::shared_ptr<const std::vector<at::Tensor>> tensors;
-    // Each tensor's version counter as resolved (read in the same pass over the tensors), which
-    // backward compares with theirs then to refuse weights changed in place in between.
-    std::vector<uint32_t> versions;
   };
   // `tensors` is one [G, ...] tensor when `stacked`, else G tensors of one shape.
   Resolved resolve(at::TensorList tensors, bool stacked);

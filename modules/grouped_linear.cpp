@@ -20,6 +20,28 @@
 namespace torchmoe {
 namespace {
 
+// The discrete weights' layout: G tensors of their own (each its own version counter and autograd
+// state) over one allocation, each slot rounded up to 16 bytes. Equally spaced, so a call reads
+// one storage for all of them and the sm90 kernel addresses them with one tensor map instead of a
+// table looked up by their G addresses (with 128 experts, 1-2 us of a GPU host's time per call).
+// Rounded slots are zeros in between, so a saved storage holds no uninitialized bytes.
+std::vector<torch::Tensor> packed_weights(int64_t groups, int64_t out, int64_t in,
+                                          const torch::TensorOptions& options) {
+  const at::ScalarType dtype = c10::typeMetaToScalarType(options.dtype());
+  const int64_t per_16_bytes = std::max<int64_t>(1, 16 / c10::elementSize(dtype));
+  const int64_t slot = (out * in + per_16_bytes - 1) / per_16_bytes * per_16_bytes;
+  const torch::Tensor buffer = slot == out * in ? torch::empty({groups * slot}, options)
+                                                : torch::zeros({groups * slot}, options);
+  std::vector<torch::Tensor> weights;
+  for (int64_t g = 0; g < groups; ++g) {
+    weights.push_back(ops::alias_storage(buffer, dtype, {out, in}, {in, 1}, g * slot));
+  }
+  return weights;
+}
+
+}  // namespace
+namespace {
+
 constexpr const char* kModule = "GroupedLinear";
 constexpr const char* kFp8State = "fp8_state";
 
@@ -75,17 +97,9 @@ void GroupedLinearImpl::reset() {
     weight_params_.push_back(
         register_parameter("weight", torch::empty({groups, out, in}, tensor_options)));
   } else {
-    // G parameters of their own over one allocation, each on a 16-byte boundary: equally spaced,
-    // so a call reads one storage for all of them and the sm90 kernel addresses them with one
-    // tensor map instead of a table looked up by their G addresses (with 128 experts, ~1-2 us of
-    // a GPU host's time per call). Each keeps its own version counter and autograd state.
-    const int64_t per_16_bytes = std::max<int64_t>(1, 16 / c10::elementSize(o.params_dtype()));
-    const int64_t slot = (out * in + per_16_bytes - 1) / per_16_bytes * per_16_bytes;
-    const torch::Tensor buffer = torch::empty({groups * slot}, tensor_options);
+    const std::vector<torch::Tensor> weights = packed_weights(groups, out, in, tensor_options);
     for (int64_t g = 0; g < groups; ++g) {
-      weight_params_.push_back(register_parameter(
-          "weight" + std::to_string(g),
-          ops::alias_storage(buffer, o.params_dtype(), {out, in}, {in, 1}, g * slot)));
+      weight_params_.push_back(register_parameter("weight" + std::to_string(g), weights[g]));
     }
   }
   if (o.bias() && o.single_grouped_bias()) {
@@ -371,6 +385,7 @@ void GroupedLinearImpl::check_no_queued_wgrad(const char* where) const {
 
 void GroupedLinearImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
   check_no_queued_wgrad("GroupedLinear::to");
+  pack_weights(device, dtype, non_blocking);
   torch::nn::Module::to(device, dtype, non_blocking);
   move_main_grads(device);
   drop_fp8_weight_copies();
@@ -378,6 +393,7 @@ void GroupedLinearImpl::to(torch::Device device, torch::Dtype dtype, bool non_bl
 
 void GroupedLinearImpl::to(torch::Device device, bool non_blocking) {
   check_no_queued_wgrad("GroupedLinear::to");
+  pack_weights(device, weight_params_.front().scalar_type(), non_blocking);
   torch::nn::Module::to(device, non_blocking);
   move_main_grads(device);
   drop_fp8_weight_copies();
@@ -395,9 +411,32 @@ std::shared_ptr<torch::nn::Module> GroupedLinearImpl::clone(
   check_no_queued_wgrad("GroupedLinear::clone");
   auto copy = std::dynamic_pointer_cast<GroupedLinearImpl>(Cloneable::clone(device));
   TORCH_INTERNAL_ASSERT(copy, kModule, "::clone: Cloneable made another type");
-  // The copy's reset() made its main grads on options.device().
-  copy->move_main_grads(copy->weight_params_.front().device());
+  // The copy's reset() made its main grads on options.device(), and Cloneable gave each of its
+  // weights a storage of its own.
+  const torch::Tensor& weight = copy->weight_params_.front();
+  copy->move_main_grads(weight.device());
+  copy->pack_weights(weight.device(), weight.scalar_type(), /*non_blocking=*/false);
   return copy;
+}
+
+// LibTorch's to() and clone() give each parameter a storage of its own: the discrete weights are
+// moved into packed_weights' layout on `device` in `dtype` first (to() then finds them there).
+// set_data keeps each parameter's identity, autograd state and version counter.
+void GroupedLinearImpl::pack_weights(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  const torch::Tensor& first = weight_params_.front();
+  const bool packed =
+      first.device() == device && first.scalar_type() == dtype &&
+      std::all_of(weight_params_.begin(), weight_params_.end(),
+                  [&](const torch::Tensor& w) { return w.storage().is_alias_of(first.storage()); });
+  if (options.single_grouped_weight() || packed) return;
+  const torch::NoGradGuard no_grad;
+  const std::vector<torch::Tensor> weights =
+      packed_weights(static_cast<int64_t>(weight_params_.size()), first.size(0), first.size(1),
+                     first.options().device(device).dtype(dtype));
+  for (size_t g = 0; g < weights.size(); ++g) {
+    weights[g].copy_(weight_params_[g], non_blocking);
+    weight_params_[g].set_data(weights[g]);
+  }
 }
 
 // The copies stay where they were: the optimizer's (the parameters' new storage keeps their

@@ -200,6 +200,7 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
   // Checks an input of `width` features against the parameters; returns it as [rows, width].
   torch::Tensor input_rows(const torch::Tensor& input, int64_t width) const;
   void move_main_grads(torch::Device device);
+  void pack_weights(torch::Device device, torch::Dtype dtype, bool non_blocking);
   void drop_fp8_weight_copies();
   // The copies an optimizer writes (fp8_weight_target), allocated on the first call.
   optim::Fp8WeightCopies optimizer_fp8_weights() const;

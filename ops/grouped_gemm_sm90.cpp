@@ -57,18 +57,22 @@ struct TableKeyHash {
 };
 
 TableKey pointer_key(int tag, const CheckedGroups& groups) {
-  // Separate tensors: a stacked tensor's groups are always equally spaced.
-  TORCH_INTERNAL_ASSERT(groups.pointers.size() == groups.size());
   TableKey key;
   key.tag = tag;
   key.device = groups.tensors[0].device().index();
   key.pointers = groups.pointers;
+  // A stacked tensor is not spaced only when its groups hold no bytes; its pointers are not kept.
+  if (key.pointers.size() != groups.size()) {
+    key.pointers.resize(groups.size());
+    for (size_t g = 0; g < groups.size(); ++g) key.pointers[g] = groups.data(g);
+  }
   return key;
 }
 
 // Small device tables, kept per device for the life of the process and keyed by what determines
 // their content: the same weights or gradient buffers give the same table on every call, so
 // make_bytes() runs and the upload happens once, and a CUDA graph may keep the pointer it captured.
+// make_bytes() runs before the key is moved into the table, so it may read the key.
 template <typename MakeBytes>
 const void* device_table(TableKey&& key, MakeBytes&& make_bytes) {
   static std::mutex mutex;
@@ -106,9 +110,10 @@ at::Tensor aligned_operand(const at::Tensor& t) {
 kernels::GroupAddress group_address(const CheckedGroups& groups) {
   if (groups.empty() || !groups.spaced.empty()) return groups.spaced;
   kernels::GroupAddress address;
-  address.table = static_cast<const void* const*>(device_table(pointer_key(0, groups), [&] {
-    const auto* first = reinterpret_cast<const uint8_t*>(groups.pointers.data());
-    return std::vector<uint8_t>(first, first + groups.pointers.size() * sizeof(void*));
+  TableKey key = pointer_key(0, groups);
+  address.table = static_cast<const void* const*>(device_table(std::move(key), [&] {
+    const auto* first = reinterpret_cast<const uint8_t*>(key.pointers.data());
+    return std::vector<uint8_t>(first, first + key.pointers.size() * sizeof(void*));
   }));
   return address;
 }
@@ -131,7 +136,7 @@ void set_weights(kernels::Sm90GemmParams& p, const CheckedGroups& weights) {
   key.n = p.n;
   key.k = p.k;
   p.weight_maps = device_table(std::move(key), [&] {
-    return kernels::encode_weight_maps(p.kind, p.input_type, p.n, p.k, weights.pointers);
+    return kernels::encode_weight_maps(p.kind, p.input_type, p.n, p.k, key.pointers);
   });
 }
 

@@ -301,20 +301,24 @@ TEST_CASE("GroupedLinear parameters, init and printing", "[modules][grouped_line
           "bias=false)");
   }
   SECTION("discrete weights: parameters of their own over one allocation, 16-byte spaced") {
-    // 3 x 5 weights: 15 elements, 60 bytes in float32 and 30 in bf16, so each slot is rounded up.
+    // 3 x 5 weights: 15 elements, 60 bytes in float32 and 30 in bf16, so each slot is rounded up
+    // (64 and 32 bytes; float64's 120 to 128).
     const auto dtype = GENERATE(torch::kFloat32, torch::kBFloat16);
     GroupedLinear m(GroupedLinearOptions(3, 5, 3).bias(false).params_dtype(dtype));
     const std::vector<torch::Tensor> w = m->expert_weights();
-    const auto address = [](const torch::Tensor& t) {
-      return reinterpret_cast<uintptr_t>(t.const_data_ptr());
+    const auto check_packed = [](const std::vector<torch::Tensor>& ws, uintptr_t slot_bytes) {
+      const auto address = [](const torch::Tensor& t) {
+        return reinterpret_cast<uintptr_t>(t.const_data_ptr());
+      };
+      for (size_t g = 0; g < ws.size(); ++g) {
+        CHECK(address(ws[g]) == address(ws[0]) + g * slot_bytes);
+        CHECK(address(ws[g]) % 16 == 0);
+        CHECK(ws[g].storage().is_alias_of(ws[0].storage()));
+        CHECK((ws[g].is_leaf() && ws[g].requires_grad() && ws[g].is_contiguous()));
+        CHECK(ws[g].sizes() == torch::IntArrayRef({3, 5}));
+      }
     };
-    for (int g = 0; g < 3; ++g) {
-      CHECK(address(w[g]) ==
-            address(w[0]) + static_cast<uintptr_t>(g) * 64 / (dtype == torch::kBFloat16 ? 2 : 1));
-      CHECK(address(w[g]) % 16 == 0);
-      CHECK((w[g].is_leaf() && w[g].requires_grad() && w[g].is_contiguous()));
-      CHECK(w[g].sizes() == torch::IntArrayRef({3, 5}));
-    }
+    check_packed(w, dtype == torch::kBFloat16 ? 32 : 64);
     const int64_t version0 = w[0]._version(), version1 = w[1]._version();
     const torch::Tensor before = w[0].clone();
     {
@@ -325,6 +329,19 @@ TEST_CASE("GroupedLinear parameters, init and printing", "[modules][grouped_line
     CHECK(w[0]._version() == version0);
     CHECK(w[0].equal(before));
     CHECK(w[2].ne(3).any().item<bool>());
+    // to() and clone() keep the layout (LibTorch's own give each weight a storage of its own),
+    // the values and the parameters themselves.
+    const std::vector<torch::Tensor> values = {w[0].clone(), w[1].clone(), w[2].clone()};
+    auto copy = std::dynamic_pointer_cast<torchmoe::GroupedLinearImpl>(m->clone());
+    REQUIRE(copy);
+    check_packed(copy->expert_weights(), dtype == torch::kBFloat16 ? 32 : 64);
+    m->to(torch::kFloat64);
+    check_packed(m->expert_weights(), 128);
+    for (int g = 0; g < 3; ++g) {
+      CHECK(m->expert_weights()[g].is_same(w[g]));
+      CHECK(m->expert_weights()[g].equal(values[g].to(torch::kFloat64)));
+      CHECK(copy->expert_weights()[g].equal(values[g]));
+    }
   }
   SECTION("clone is independent") {
     GroupedLinear m(GroupedLinearOptions(2, 4, 3));
