@@ -39,9 +39,6 @@ std::vector<torch::Tensor> packed_weights(int64_t groups, int64_t out, int64_t i
   return weights;
 }
 
-}  // namespace
-namespace {
-
 constexpr const char* kModule = "GroupedLinear";
 constexpr const char* kFp8State = "fp8_state";
 
@@ -423,12 +420,13 @@ std::shared_ptr<torch::nn::Module> GroupedLinearImpl::clone(
 // moved into packed_weights' layout on `device` in `dtype` first (to() then finds them there).
 // set_data keeps each parameter's identity, autograd state and version counter.
 void GroupedLinearImpl::pack_weights(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  if (options.single_grouped_weight()) return;
   const torch::Tensor& first = weight_params_.front();
   const bool packed =
       first.device() == device && first.scalar_type() == dtype &&
       std::all_of(weight_params_.begin(), weight_params_.end(),
                   [&](const torch::Tensor& w) { return w.storage().is_alias_of(first.storage()); });
-  if (options.single_grouped_weight() || packed) return;
+  if (packed) return;
   const torch::NoGradGuard no_grad;
   const std::vector<torch::Tensor> weights =
       packed_weights(static_cast<int64_t>(weight_params_.size()), first.size(0), first.size(1),
